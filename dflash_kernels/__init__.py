@@ -1,0 +1,26 @@
+"""dflash_kernels: the ops of DFlash / DDTree speculative decoding.
+
+Every op has a pure-torch reference in :mod:`dflash_kernels.reference` (the
+spec in code) and a fast path (Triton kernels, C++ for the tree build) chosen
+by :mod:`dflash_kernels._dispatch`. This package knows nothing about models.
+
+Public ops (each family's module defines ``__all__``):
+
+* gather + concat of captured layers: :mod:`.gather`
+* final RMSNorm + lm_head at selected positions, fused with argmax / top-K /
+  sampling / cross-entropy: :mod:`.lm_head`
+* DDTree: tree build and walk (C++), ancestor bitmask, tree attention,
+  KV compaction: :mod:`.tree`, :mod:`.tree_attention`, :mod:`.kv_compaction`
+"""
+
+import torch  # noqa: F401  (loads libtorch before the C++ extension)
+
+from . import reference
+from ._dispatch import available_backends, force_backend, get_backend
+from .gather import *  # noqa: F401,F403
+from .lm_head import *  # noqa: F401,F403
+from .tree import *  # noqa: F401,F403
+from .tree_attention import *  # noqa: F401,F403
+from .kv_compaction import *  # noqa: F401,F403
+
+__version__ = "0.1.0"

@@ -1,0 +1,102 @@
+"""Chooses the implementation of every op: ``triton`` or ``reference``.
+
+* ``triton``: the Triton kernels, compiled for a CUDA GPU, or run by Triton's
+  CPU interpreter when ``TRITON_INTERPRET=1`` was set before Triton was
+  imported (that is how the test suite runs them on CPU tensors).
+* ``reference``: the pure-torch ops of :mod:`dflash_kernels.reference`.
+
+The default is ``triton`` when the tensors live on a CUDA device and Triton
+imports, or when the interpreter is on; otherwise ``reference``. Force a path
+with ``DFLASH_BACKEND=triton|reference`` in the environment, or in code with
+``force_backend("reference")`` (a context manager that also works as a plain
+call; ``force_backend(None)`` restores the default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+BACKENDS = ("triton", "reference")
+
+_forced: Optional[str] = None
+
+
+def _check_name(name: Optional[str]) -> Optional[str]:
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown dflash_kernels backend {name!r}; allowed: {', '.join(BACKENDS)} or None")
+    return name
+
+
+def triton_interpreting() -> bool:
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_triton_ok: Optional[bool] = None
+
+
+def triton_importable() -> bool:
+    """True when ``import triton`` works (cached)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _triton_ok = True
+        except Exception:  # pragma: no cover - depends on the install
+            _triton_ok = False
+    return _triton_ok
+
+
+def available_backends(device: Optional[torch.device] = None) -> list:
+    """Backends that can run on ``device`` (default: CUDA if present, else CPU)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = []
+    if triton_importable() and (device.type == "cuda" or triton_interpreting()):
+        out.append("triton")
+    out.append("reference")
+    return out
+
+
+@contextlib.contextmanager
+def _restore(previous: Optional[str]) -> Iterator[None]:
+    global _forced
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def force_backend(name: Optional[str]):
+    """Force every op onto ``name`` ('triton', 'reference') or back to the default (None).
+
+    Usable as ``force_backend('reference')`` (stays until changed) or as
+    ``with force_backend('reference'): ...`` (restored on exit).
+    """
+    global _forced
+    previous = _forced
+    _forced = _check_name(name)
+    return _restore(previous)
+
+
+def get_backend(device: torch.device) -> str:
+    """The backend an op on tensors of ``device`` runs on now."""
+    name = _forced or _check_name(os.environ.get("DFLASH_BACKEND") or None)
+    if name == "triton":
+        if not triton_importable():
+            raise RuntimeError("backend 'triton' was forced but triton does not import")
+        if device.type != "cuda" and not triton_interpreting():
+            raise RuntimeError(
+                f"backend 'triton' was forced for tensors on {device}, but Triton needs a CUDA device or "
+                "TRITON_INTERPRET=1 set before triton is imported"
+            )
+        return "triton"
+    if name == "reference":
+        return "reference"
+    return "triton" if "triton" in available_backends(device) else "reference"

@@ -1,0 +1,3 @@
+"""Placeholder: filled by the kernels work."""
+
+__all__ = []

@@ -1,0 +1,11 @@
+"""Pure-torch references of every dflash_kernels op: the spec in code.
+
+The fast paths are tested against these; they are also the fallback when no
+Triton backend is usable. One module per op family; all names re-exported.
+"""
+
+from .gather import *  # noqa: F401,F403
+from .lm_head import *  # noqa: F401,F403
+from .tree import *  # noqa: F401,F403
+from .tree_attention import *  # noqa: F401,F403
+from .kv_compaction import *  # noqa: F401,F403
