@@ -1,3 +1,150 @@
-"""Placeholder: filled by the kernels work."""
+"""Pure-Python reference of the DDTree host ops and of the ancestor bitmask.
 
-__all__ = []
+These are the spec in code (SPEC section 5): the C++ tree build / walk and the
+Triton ancestor-bits kernel are tested for exact equality against them.
+
+Tree layout used everywhere: node 0 is the root (the last committed token);
+nodes 1..N are the drafted tokens, numbered in the order the best-first search
+pops them, so ``parents[i] < i`` for every ``i >= 1`` and ``parents[0] == -1``.
+``token_ids[i - 1]`` and ``depths[i - 1]`` belong to node ``i``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import List, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["build_tree", "walk_tree", "ancestor_bits"]
+
+
+def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best-first draft tree under a node budget.
+
+    Args:
+        top_logprobs: ``[D, K]`` float, row ``d`` = log-probs of the top-K tokens
+            at depth ``d + 1``, sorted best first.
+        top_ids: ``[D, K]`` integer token ids matching ``top_logprobs``.
+        budget: the most nodes to add (the root not counted), ``>= 0``.
+
+    Returns:
+        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)`` on the
+        CPU, with ``N <= budget``.
+
+    A max-priority queue holds candidates keyed by the sum of log-probs along
+    their path (in float64): ``score = score(parent) + top_logprobs[depth-1, rank]``.
+    It starts with (depth 1, rank 0, parent 0). Each pop appends the candidate
+    as the next node and pushes, in this order, (a) its next sibling (same
+    parent and depth, ``rank + 1``) if ``rank + 1 < K`` and (b) its first child
+    (``depth + 1``, rank 0, parent = the new node) if ``depth < D``. Equal
+    scores pop in insertion order.
+    """
+    if top_logprobs.dim() != 2 or top_ids.shape != top_logprobs.shape:
+        raise ValueError(
+            f"build_tree: top_logprobs must be [D, K] and top_ids the same shape, got "
+            f"{tuple(top_logprobs.shape)} and {tuple(top_ids.shape)}"
+        )
+    if budget < 0:
+        raise ValueError(f"build_tree: budget must be >= 0, got {budget}")
+    logprobs: List[List[float]] = top_logprobs.detach().to("cpu", torch.float64).tolist()
+    ids: List[List[int]] = top_ids.detach().to("cpu", torch.int64).tolist()
+    if any(x != x for row in logprobs for x in row):
+        raise ValueError("build_tree: top_logprobs contains NaN")
+    max_depth, k = top_logprobs.shape
+
+    token_ids: List[int] = []
+    depths: List[int] = []
+    parents: List[int] = [-1]
+    # Entries: (-score, counter, depth, rank, parent, parent_score); heapq pops
+    # the smallest tuple, i.e. the highest score, then the lowest counter.
+    queue: list = []
+    counter = 0
+    if budget > 0 and max_depth > 0 and k > 0:
+        heapq.heappush(queue, (-(0.0 + logprobs[0][0]), counter, 1, 0, 0, 0.0))
+        counter += 1
+    while queue and len(token_ids) < budget:
+        neg_score, _, depth, rank, parent, parent_score = heapq.heappop(queue)
+        score = -neg_score
+        token_ids.append(ids[depth - 1][rank])
+        depths.append(depth)
+        parents.append(parent)
+        node = len(token_ids)
+        if rank + 1 < k:
+            sibling_score = parent_score + logprobs[depth - 1][rank + 1]
+            heapq.heappush(queue, (-sibling_score, counter, depth, rank + 1, parent, parent_score))
+            counter += 1
+        if depth < max_depth:
+            child_score = score + logprobs[depth][0]
+            heapq.heappush(queue, (-child_score, counter, depth + 1, 0, node, score))
+            counter += 1
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
+
+
+def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """Follow the target's choices down the verified tree.
+
+    Args:
+        parents: ``[N+1]`` parent index per node (``parents[0] == -1``).
+        token_ids: ``[N]`` token of nodes 1..N.
+        target_choice: ``[N+1]`` the target's next token after each node.
+
+    Returns:
+        ``(accepted [A] int64 node indices, root first, root-to-leaf order,
+        bonus token)``. From the root: while ``target_choice[cur]`` is the token
+        of a child of ``cur``, move to that child (the lowest-numbered if two
+        share it); ``bonus = target_choice[last accepted]``.
+    """
+    par = parents.detach().cpu().tolist()
+    tok = token_ids.detach().cpu().tolist()
+    choice = target_choice.detach().cpu().tolist()
+    if len(par) < 1 or par[0] != -1:
+        raise ValueError("walk_tree: parents must be [N+1] with parents[0] == -1")
+    if len(tok) != len(par) - 1 or len(choice) != len(par):
+        raise ValueError(
+            f"walk_tree: expected token_ids [{len(par) - 1}] and target_choice [{len(par)}], "
+            f"got [{len(tok)}] and [{len(choice)}]"
+        )
+    children: List[List[int]] = [[] for _ in par]
+    for i in range(1, len(par)):
+        if not 0 <= par[i] < i:
+            raise ValueError(f"walk_tree: parents[{i}] = {par[i]} must lie in [0, {i})")
+        children[par[i]].append(i)
+    accepted = [0]
+    cur = 0
+    while True:
+        nxt = next((c for c in children[cur] if tok[c - 1] == choice[cur]), None)
+        if nxt is None:
+            break
+        accepted.append(nxt)
+        cur = nxt
+    return torch.tensor(accepted, dtype=torch.int64), int(choice[cur])
+
+
+def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+    """Packed ancestor-or-self bitmask, by the row-copy recurrence.
+
+    Args:
+        parents: ``[N+1]`` int, ``parents[0] == -1``, ``parents[i] < i``.
+
+    Returns:
+        ``[N+1, ceil((N+1)/32)]`` int32 on ``parents.device``: bit ``j % 32``
+        of word ``j // 32`` in row ``i`` is set iff node ``j`` is ``i`` or an
+        ancestor of ``i``. Row ``i`` = row ``parents[i]`` | bit ``i``.
+
+    A NumPy loop over rows: readable, and the benchmark baseline of the kernel.
+    """
+    if parents.dim() != 1 or parents.numel() < 1:
+        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
+    par = parents.detach().cpu().numpy()
+    n = par.shape[0]
+    bits = np.zeros((n, (n + 31) // 32), dtype=np.uint32)
+    for i in range(n):
+        if i > 0:
+            if not 0 <= par[i] < i:
+                raise ValueError(f"ancestor_bits: parents[{i}] = {par[i]} must lie in [0, {i})")
+            bits[i] = bits[par[i]]
+        bits[i, i // 32] |= np.uint32(1 << (i % 32))
+    return torch.from_numpy(bits.view(np.int32)).to(parents.device)
