@@ -1,3 +1,178 @@
-"""Placeholder: filled by the kernels work."""
+"""DDTree structure ops: tree build and walk (C++), ancestor bitmask (Triton).
 
-__all__ = []
+Tree layout (SPEC section 5): node 0 is the root, the last committed token;
+nodes 1..N are drafted tokens numbered in best-first pop order, so a parent
+always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
+``token_ids[i - 1]`` and ``depths[i - 1]`` describe node ``i``.
+
+* :func:`build_tree` and :func:`walk_tree` run in C++ on the host
+  (``dflash_kernels._C``); GPU inputs are copied to the CPU first (one small
+  device-to-host copy, which synchronizes), and the results are CPU tensors.
+  The pure-Python spec is :mod:`dflash_kernels.reference.tree`.
+* :func:`ancestor_bits` builds the packed ancestor-or-self bitmask on the
+  parents' device with a Triton kernel (the interpreter on CPU when
+  ``TRITON_INTERPRET=1``), else with the NumPy reference.
+* :func:`tree_positions` gives the position ids of ``[root, nodes...]``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _C
+from . import reference as _reference
+from ._dispatch import get_backend
+
+__all__ = ["build_tree", "walk_tree", "ancestor_bits", "tree_positions", "ANCESTOR_BITS_CONFIGS"]
+
+
+def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best-first draft tree under a node budget (C++).
+
+    Args:
+        top_logprobs: ``[D, K]`` float; row ``d`` holds the log-probs of the
+            top-K drafted tokens at depth ``d + 1``, sorted best first.
+        top_ids: ``[D, K]`` int64 (or int32) token ids matching ``top_logprobs``.
+        budget: the most nodes to add, root not counted (``>= 0``).
+
+    Returns:
+        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)``, all on
+        the CPU, ``N <= budget``. Scores are float64 path sums of log-probs; the
+        queue pops the highest score, ties in insertion order (see
+        :func:`dflash_kernels.reference.build_tree` for the algorithm).
+        Inputs on a GPU are copied to the CPU first.
+    """
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise TypeError(f"build_tree: budget must be an int, got {type(budget).__name__}")
+    if not isinstance(top_logprobs, torch.Tensor) or not isinstance(top_ids, torch.Tensor):
+        raise TypeError("build_tree: top_logprobs and top_ids must be torch.Tensor")
+    return _C.build_tree(top_logprobs.detach().cpu(), top_ids.detach().cpu(), budget)
+
+
+def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """Accepted path of a verified tree (C++).
+
+    Args:
+        parents: ``[N+1]`` int, ``parents[0] == -1``, ``parents[i] in [0, i)``.
+        token_ids: ``[N]`` int, token of nodes 1..N.
+        target_choice: ``[N+1]`` int, the target's token after each node
+            (argmax or sample of its logits at that node).
+
+    Returns:
+        ``(accepted, bonus)``: ``accepted`` is an int64 CPU tensor of node
+        indices from the root (0) down to the last accepted node; ``bonus`` is
+        ``int(target_choice[accepted[-1]])``. From the root, while
+        ``target_choice[cur]`` is the token of a child of ``cur``, the walk
+        moves to that child. GPU inputs are copied to the CPU first.
+    """
+    for name, t in (("parents", parents), ("token_ids", token_ids), ("target_choice", target_choice)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"walk_tree: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return _C.walk_tree(parents.detach().cpu(), token_ids.detach().cpu(), target_choice.detach().cpu())
+
+
+def tree_positions(depths: torch.Tensor, start: int) -> torch.Tensor:
+    """Position ids of the verification input ``[root, nodes...]``.
+
+    Args:
+        depths: ``[N]`` int, depth of nodes 1..N (from :func:`build_tree`).
+        start: position of the root (the last committed token).
+
+    Returns:
+        ``[N+1]`` int64 on ``depths.device``: ``start`` for the root and
+        ``start + depths[i - 1]`` for node ``i``.
+    """
+    if depths.dim() != 1:
+        raise ValueError(f"tree_positions: depths must be 1-D [N], got shape {tuple(depths.shape)}")
+    root = torch.zeros(1, dtype=torch.int64, device=depths.device)
+    return torch.cat([root, depths.to(torch.int64)]) + start
+
+
+# ----------------------------------------------------------------------------
+# Ancestor bitmask
+# ----------------------------------------------------------------------------
+
+#: Launch configurations :func:`ancestor_bits` can choose (the compile test enumerates them).
+ANCESTOR_BITS_CONFIGS: List[dict] = [
+    {"BLOCK_R": 32, "num_warps": 1},
+    {"BLOCK_R": 128, "num_warps": 4},
+]
+
+
+def ancestor_bits_config(n_nodes: int) -> dict:
+    """Rows per program and warps for ``n_nodes = N + 1`` tree tokens."""
+    return ANCESTOR_BITS_CONFIGS[0] if n_nodes <= 32 else ANCESTOR_BITS_CONFIGS[1]
+
+
+@triton.jit
+def _ancestor_bits_kernel(parents_ptr, bits_ptr, n_nodes, n_words, BLOCK_R: tl.constexpr):
+    """One program: word ``w`` (nodes 32w..32w+31) of rows ``BLOCK_R * pid .. + BLOCK_R``.
+
+    Each lane starts at its row and climbs the parent chain, setting the bit
+    of every visited node that falls in this word. Indices only decrease on the
+    way up, so the loop ends once every lane is below the word's first node
+    (at once for the words right of the diagonal). A parent that is not
+    smaller than its child ends the chain, so malformed input cannot hang.
+    """
+    row_block = tl.program_id(0)
+    word = tl.program_id(1)
+    rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_nodes
+    first = word * 32
+    cur = tl.where(row_ok, rows, -1)
+    acc = tl.zeros([BLOCK_R], dtype=tl.int32)
+    one = tl.full([BLOCK_R], 1, dtype=tl.int32)
+    while tl.max(cur, axis=0) >= first:
+        hit = (cur >= first) & (cur < first + 32)
+        shift = tl.where(hit, cur - first, 0)
+        acc = acc | tl.where(hit, one << shift, 0)
+        parent = tl.load(parents_ptr + cur, mask=cur >= 0, other=-1).to(tl.int32)
+        cur = tl.where(parent < cur, parent, -1)
+    tl.store(bits_ptr + rows.to(tl.int64) * n_words + word, acc, mask=row_ok)
+
+
+def _check_parents(parents: torch.Tensor) -> None:
+    if not isinstance(parents, torch.Tensor):
+        raise TypeError(f"ancestor_bits: parents must be a torch.Tensor, got {type(parents).__name__}")
+    if parents.dim() != 1 or parents.numel() < 1:
+        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
+    if parents.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"ancestor_bits: parents must be int64 or int32, got {parents.dtype}")
+    if parents.numel() >= 2**31:
+        raise ValueError(f"ancestor_bits: at most 2**31 - 1 nodes, got {parents.numel()}")
+
+
+def ancestor_bits_triton(parents: torch.Tensor) -> torch.Tensor:
+    """Triton launcher of :func:`ancestor_bits` (no check of parent values: no host sync)."""
+    _check_parents(parents)
+    n_nodes = parents.numel()
+    n_words = triton.cdiv(n_nodes, 32)
+    parents = parents.contiguous()
+    bits = torch.empty(n_nodes, n_words, dtype=torch.int32, device=parents.device)
+    cfg = ancestor_bits_config(n_nodes)
+    grid = (triton.cdiv(n_nodes, cfg["BLOCK_R"]), n_words)
+    _ancestor_bits_kernel[grid](parents, bits, n_nodes, n_words, BLOCK_R=cfg["BLOCK_R"], num_warps=cfg["num_warps"])
+    return bits
+
+
+def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+    """Packed ancestor-or-self bitmask of a tree.
+
+    Args:
+        parents: ``[N+1]`` int64/int32 on any device; ``parents[0] == -1`` and
+            ``parents[i] in [0, i)``.
+
+    Returns:
+        ``[N+1, ceil((N+1)/32)]`` int32 on ``parents.device``; bit ``j % 32`` of
+        word ``j // 32`` in row ``i`` is set iff node ``j`` is ``i`` or one of
+        its ancestors (the root always is). Values of ``parents`` are checked
+        only on the reference path (checking them on a GPU would synchronize).
+    """
+    _check_parents(parents)
+    if get_backend(parents.device) == "triton":
+        return ancestor_bits_triton(parents)
+    return _reference.ancestor_bits(parents)

@@ -1,0 +1,274 @@
+"""DDTree build and walk: the C++ ops against the Python reference (exact equality).
+
+Inputs are drafted the way a DDTree round makes them: per depth, log-probs
+sorted best first with their token ids. Ties (repeated log-probs), ``-inf``
+log-probs, budget edge cases and exhausted queues are all covered, and the
+structural properties of the output are checked independently of the
+reference (parents precede children, depths, best-first score order).
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+import dflash_kernels as dk
+from dflash_kernels import reference as ref
+
+
+def draft(depth, k, gen, ties=False, with_neg_inf=False):
+    """Sorted top-K log-probs ``[depth, k]`` and distinct token ids per row."""
+    if ties:
+        levels = torch.tensor([-0.5, -1.0, -1.5, -2.0])
+        lp = levels[torch.randint(0, 4, (depth, k), generator=gen)]
+    else:
+        lp = -6 * torch.rand(depth, k, generator=gen, dtype=torch.float64)
+    if with_neg_inf:
+        lp[torch.rand(depth, k, generator=gen) < 0.2] = -math.inf
+    lp = lp.sort(dim=1, descending=True).values
+    ids = torch.rand(depth, 4 * k, generator=gen).argsort(dim=1)[:, :k] * 97 + 3
+    return lp.to(torch.float32), ids
+
+
+def assert_same_tree(a, b):
+    for x, y, name in zip(a, b, ("token_ids", "depths", "parents")):
+        assert x.dtype == torch.int64 and y.dtype == torch.int64, name
+        assert torch.equal(x, y), f"{name} differs:\n{x}\n{y}"
+
+
+def path_scores(lp, ids, tokens, depths, parents):
+    """Sum of log-probs along the path of every node, from the outputs alone."""
+    score = [0.0]
+    for i in range(1, parents.numel()):
+        d = int(depths[i - 1])
+        rank = (ids[d - 1] == tokens[i - 1]).nonzero()[0, 0]
+        score.append(score[int(parents[i])] + float(lp[d - 1, rank]))
+    return score
+
+
+def check_structure(lp, ids, tree, budget):
+    tokens, depths, parents = tree
+    n = tokens.numel()
+    assert depths.shape == (n,) and parents.shape == (n + 1,)
+    assert n <= budget
+    assert int(parents[0]) == -1
+    for i in range(1, n + 1):
+        p = int(parents[i])
+        assert 0 <= p < i, "a parent must precede its child"
+        assert int(depths[i - 1]) == (1 if p == 0 else int(depths[p - 1]) + 1)
+    # Siblings carry distinct tokens (the walk relies on it).
+    seen = set()
+    for i in range(1, n + 1):
+        key = (int(parents[i]), int(tokens[i - 1]))
+        assert key not in seen
+        seen.add(key)
+    # Best first: with log-probs <= 0 and rows sorted, pop scores never rise.
+    scores = path_scores(lp.double(), ids, tokens, depths, parents)[1:]
+    assert all(a >= b for a, b in zip(scores, scores[1:]))
+
+
+def test_small_example_by_hand():
+    lp = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05]]))
+    ids = torch.tensor([[10, 11, 12], [20, 21, 22]])
+    # Scores: a=10 (.6), child 10->20 (.54), b=11 (.3), 11->20 (.27), c=12 (.1)...
+    tokens, depths, parents = dk.build_tree(lp, ids, 5)
+    assert tokens.tolist() == [10, 20, 11, 20, 12]
+    assert depths.tolist() == [1, 2, 1, 2, 1]
+    assert parents.tolist() == [-1, 0, 1, 0, 3, 0]
+
+
+def test_budget_zero_gives_empty_tree():
+    lp, ids = draft(5, 4, torch.Generator().manual_seed(0))
+    for build in (dk.build_tree, ref.build_tree):
+        tokens, depths, parents = build(lp, ids, 0)
+        assert tokens.shape == (0,) and depths.shape == (0,) and parents.tolist() == [-1]
+
+
+def test_budget_one_is_the_top_token():
+    lp, ids = draft(5, 4, torch.Generator().manual_seed(1))
+    tokens, depths, parents = dk.build_tree(lp, ids, 1)
+    assert tokens.tolist() == [int(ids[0, 0])] and depths.tolist() == [1] and parents.tolist() == [-1, 0]
+
+
+@pytest.mark.parametrize("depth", [1, 4, 15])
+def test_top1_with_budget_depth_is_the_dflash_chain(depth):
+    lp, ids = draft(depth, 1, torch.Generator().manual_seed(depth))
+    tokens, depths, parents = dk.build_tree(lp, ids, depth)
+    assert tokens.tolist() == ids[:, 0].tolist()
+    assert depths.tolist() == list(range(1, depth + 1))
+    assert parents.tolist() == [-1] + list(range(depth))
+    # A larger budget cannot add anything: the queue runs empty.
+    assert_same_tree(dk.build_tree(lp, ids, 1024), (tokens, depths, parents))
+
+
+@pytest.mark.parametrize("depth,k", [(1, 7), (2, 3), (3, 4)])
+def test_exhausted_queue_gives_the_full_tree(depth, k):
+    lp, ids = draft(depth, k, torch.Generator().manual_seed(7))
+    tree = dk.build_tree(lp, ids, 1024)
+    assert tree[0].numel() == sum(k**d for d in range(1, depth + 1))
+    assert_same_tree(tree, ref.build_tree(lp, ids, 1024))
+
+
+def test_ties_pop_in_insertion_order():
+    # Every log-prob equal: candidates pop in the order they were pushed, and
+    # each pop pushes its next sibling before its first child.
+    # Pushes: a(1:r0) | pop a -> b(1:r1), c(2:r0 under a) | pop b -> d(2:r0 under b)
+    # | pop c -> e(2:r1 under a), f(3:r0 under c) | pop d -> ... | pop e | pop f.
+    lp = torch.zeros(3, 2)
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    tokens, depths, parents = dk.build_tree(lp, ids, 6)
+    assert parents.tolist() == [-1, 0, 0, 1, 2, 1, 3]
+    assert tokens.tolist() == [1, 2, 3, 3, 4, 5]
+    assert depths.tolist() == [1, 1, 2, 2, 2, 3]
+    assert_same_tree((tokens, depths, parents), ref.build_tree(lp, ids, 6))
+
+
+def test_random_inputs_match_reference_exactly():
+    rng = random.Random(1234)
+    gen = torch.Generator().manual_seed(1234)
+    cases = 0
+    for _ in range(3000):
+        depth = rng.choice([1, 2, 3, 7, 15]) if rng.random() < 0.5 else rng.randint(1, 15)
+        k = rng.choice([1, 2, 3, 8, 32, 64]) if rng.random() < 0.5 else rng.randint(1, 64)
+        budget = rng.choice([0, 1, 2, depth - 1, depth, 15, 31, 64, 100, 1024])
+        lp, ids = draft(depth, k, gen, ties=rng.random() < 0.4, with_neg_inf=rng.random() < 0.15)
+        ours = dk.build_tree(lp, ids, budget)
+        assert_same_tree(ours, ref.build_tree(lp, ids, budget))
+        if cases % 25 == 0:
+            check_structure(lp, ids, ours, budget)
+        cases += 1
+    assert cases == 3000
+
+
+@pytest.mark.parametrize("seed,ties", [(0, False), (1, True), (2, False)])
+def test_large_budget_matches_reference(seed, ties):
+    gen = torch.Generator().manual_seed(seed)
+    lp, ids = draft(15, 64, gen, ties=ties)
+    ours = dk.build_tree(lp, ids, 1024)
+    assert ours[0].numel() == 1024
+    assert_same_tree(ours, ref.build_tree(lp, ids, 1024))
+    check_structure(lp, ids, ours, 1024)
+
+
+def test_input_dtypes_are_accepted():
+    gen = torch.Generator().manual_seed(5)
+    lp, ids = draft(6, 5, gen)
+    expected = ref.build_tree(lp, ids, 20)
+    for lp_x, ids_x in ((lp.double(), ids), (lp, ids.int()), (lp.half().float(), ids)):
+        assert_same_tree(dk.build_tree(lp_x, ids_x, 20), ref.build_tree(lp_x, ids_x, 20))
+    assert_same_tree(dk.build_tree(lp.t().contiguous().t(), ids, 20), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_inputs_are_copied_to_host():
+    lp, ids = draft(6, 5, torch.Generator().manual_seed(6))
+    out = dk.build_tree(lp.cuda(), ids.cuda(), 20)
+    assert all(t.device.type == "cpu" for t in out)
+    assert_same_tree(out, ref.build_tree(lp, ids, 20))
+
+
+def test_build_errors_are_clear():
+    lp, ids = draft(3, 4, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="2-D"):
+        dk.build_tree(lp[0], ids[0], 4)
+    with pytest.raises(RuntimeError, match="shape"):
+        dk.build_tree(lp, ids[:, :2], 4)
+    with pytest.raises(RuntimeError, match="budget"):
+        dk.build_tree(lp, ids, -1)
+    with pytest.raises(RuntimeError, match="NaN"):
+        bad = lp.clone()
+        bad[1, 2] = math.nan
+        dk.build_tree(bad, ids, 4)
+    with pytest.raises(RuntimeError, match="int64 or int32"):
+        dk.build_tree(lp, ids.float(), 4)
+    with pytest.raises(TypeError, match="budget"):
+        dk.build_tree(lp, ids, 4.0)
+
+
+# ----------------------------------------------------------------------------
+# Walk
+# ----------------------------------------------------------------------------
+
+def walk_both(parents, tokens, choice):
+    ours = dk.walk_tree(parents, tokens, choice)
+    theirs = ref.walk_tree(parents, tokens, choice)
+    assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1], (ours, theirs)
+    assert ours[0].dtype == torch.int64 and isinstance(ours[1], int)
+    return ours[0].tolist(), ours[1]
+
+
+def hand_tree():
+    #        0
+    #      /   \
+    #   1:10   2:11
+    #   /  \      \
+    # 3:20 4:21   5:30
+    #  |
+    # 6:40
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    tokens = torch.tensor([10, 11, 20, 21, 30, 40])
+    return parents, tokens
+
+
+def test_walk_follows_the_top1_chain():
+    parents, tokens = hand_tree()
+    choice = torch.tensor([10, 20, 0, 40, 0, 0, 99])
+    assert walk_both(parents, tokens, choice) == ([0, 1, 3, 6], 99)
+
+
+def test_walk_leaves_the_top1_chain():
+    parents, tokens = hand_tree()
+    # The target prefers 11 at the root (not the top-1 draft 10), then 30.
+    choice = torch.tensor([11, 20, 30, 40, 0, 7, 0])
+    assert walk_both(parents, tokens, choice) == ([0, 2, 5], 7)
+    # At node 1 it prefers the second child 21, then stops at a leaf.
+    choice = torch.tensor([10, 21, 0, 40, 5, 0, 0])
+    assert walk_both(parents, tokens, choice) == ([0, 1, 4], 5)
+
+
+def test_walk_rejects_everything():
+    parents, tokens = hand_tree()
+    choice = torch.tensor([12, 20, 30, 40, 0, 0, 0])
+    assert walk_both(parents, tokens, choice) == ([0], 12)
+
+
+def test_walk_of_root_only_tree():
+    assert walk_both(torch.tensor([-1]), torch.zeros(0, dtype=torch.int64), torch.tensor([5])) == ([0], 5)
+
+
+def test_walk_random_trees_match_reference():
+    rng = random.Random(99)
+    gen = torch.Generator().manual_seed(99)
+    for _ in range(300):
+        depth, k = rng.randint(1, 8), rng.randint(1, 6)
+        lp, ids = draft(depth, k, gen)
+        tokens, _, parents = dk.build_tree(lp, ids, rng.randint(0, 60))
+        n = tokens.numel()
+        # The target agrees with a random child most of the time.
+        choice = torch.randint(0, 50_000, (n + 1,), generator=gen)
+        kids = [[] for _ in range(n + 1)]
+        for c, p in enumerate(parents.tolist()[1:], start=1):
+            kids[p].append(c)
+        for i in range(n + 1):
+            if kids[i] and rng.random() < 0.8:
+                choice[i] = tokens[rng.choice(kids[i]) - 1]
+        accepted, bonus = walk_both(parents, tokens, choice)
+        for a, b in zip(accepted, accepted[1:]):
+            assert int(parents[b]) == a and int(tokens[b - 1]) == int(choice[a])
+        assert bonus == int(choice[accepted[-1]])
+
+
+def test_walk_errors_are_clear():
+    parents, tokens = hand_tree()
+    choice = torch.zeros(7, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"parents\[0\] must be -1"):
+        dk.walk_tree(torch.tensor([0, 0, 0, 1, 1, 2, 3]), tokens, choice)
+    with pytest.raises(RuntimeError, match=r"parents\[3\] = 3"):
+        dk.walk_tree(torch.tensor([-1, 0, 0, 3, 1, 2, 3]), tokens, choice)
+    with pytest.raises(RuntimeError, match="token_ids"):
+        dk.walk_tree(parents, tokens[:-1], choice)
+    with pytest.raises(RuntimeError, match="target_choice"):
+        dk.walk_tree(parents, tokens, choice[:-1])
+    with pytest.raises(RuntimeError, match="int64 or int32"):
+        dk.walk_tree(parents, tokens, choice.float())
