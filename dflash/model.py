@@ -1,0 +1,310 @@
+"""The DFlash drafter (SPEC section 3): a block-diffusion model conditioned on target features.
+
+Shapes (batch 1 at inference, B = block size, C = new context rows, H = hidden):
+
+* context features ``[C, n*H]`` -> ``fc`` -> ``hidden_norm`` -> context states ``[C, H]``
+* block states ``[B, H]``: the target's embedding of ``[last token, MASK x (B-1)]``
+* every layer: queries from the block only; keys/values from
+  ``[context states ; block states]`` through the layer's own k/v projections
+  (k_norm on keys); RoPE at the tokens' absolute positions; NOT causal
+* output: final RMSNorm of the block states ``[B, H]``; the caller applies the
+  target's lm_head at block positions 1..B-1.
+
+The drafter owns no embedding and no lm_head. Its KV cache
+(:class:`dflash.cache.DraftKVCache`) keeps the context K/V across rounds; the
+block's K/V are scratch, overwritten by the next round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+class RMSNorm(nn.Module):
+    """``w * (x * rsqrt(mean(x^2) + eps))``, the norm computed in fp32 and cast back first."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [heads, T, D]`` with ``cos, sin [T, D]``."""
+    return x * cos[None] + rotate_half(x) * sin[None]
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftAttention(nn.Module):
+    """Block queries over ``[context ; block]`` keys, GQA, per-head q/k RMSNorm, non-causal."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        if self.num_heads % self.num_kv_heads:
+            raise DraftConfigError(
+                f"num_attention_heads {self.num_heads} must be a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+        H, D = config.hidden_size, self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.scaling = D**-0.5
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys and values of ``x [T, H]``: ``[Hkv, T, D]`` each, RoPE'd keys."""
+        T = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        block: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache=None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
+
+        With ``cache``, the context K/V are appended to it and the block attends
+        to all cached context; ``attn_mask`` is an additive float mask
+        ``[B, K_total]`` (None: everything visible).
+        """
+        B, C = block.shape[0], context.shape[0]
+        q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
+        q = apply_rope(q, cos[C:], sin[C:])
+        k, v = self.project_kv(torch.cat([context, block], 0), cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, num_context=C)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(rep, dim=0)
+            v = v.repeat_interleave(rep, dim=0)
+        mask = attn_mask.to(q.dtype) if attn_mask is not None else None
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DraftAttention(config, layer_idx)
+        self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None)
+        kind = layer_types[layer_idx] if layer_types else "full_attention"
+        self.sliding_window = config.sliding_window if kind == "sliding_attention" else None
+
+    def forward(self, block, context, cos, sin, cache=None, attn_mask=None):
+        h = self.input_layernorm(block)
+        block = block + self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[Q, K]`` mask hiding keys more than ``window - 1`` positions behind a query.
+
+    Keys ahead of the query (later block positions) stay visible: the drafter is not causal.
+    """
+    hidden = (q_pos[:, None] - k_pos[None, :]) >= window
+    return torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, torch.finfo(dtype).min)
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash block-diffusion drafter (Qwen3-style layers reading target features)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        check_draft_config(config)
+        self.config = config
+        self.target_layer_ids = draft_layer_ids(config)
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        H = config.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    # ------------------------------------------------------------------ forward
+    def rope(self, positions: torch.Tensor, like: torch.Tensor):
+        """``cos, sin [T, D]`` at absolute ``positions [T]``."""
+        cos, sin = self.rotary_emb(like, positions[None])
+        return cos[0].to(like.dtype), sin[0].to(like.dtype)
+
+    def context_states(self, features: torch.Tensor) -> torch.Tensor:
+        """``[C, n*H]`` target features -> ``[C, H]`` context states (fc, hidden_norm)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context_features: torch.Tensor,
+        positions: torch.Tensor,
+        cache=None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """One drafter pass.
+
+        ``block_embeds [B, H]``, ``context_features [C, n*H]`` (the rows not yet
+        in ``cache``), ``positions [C + B]`` absolute positions of the new
+        context rows then the block. ``attn_mask``: optional additive float
+        ``[B, K]`` mask over all keys (cached context + new context + block),
+        used by training; sliding-window layers add their window on top.
+        Returns the final-normed block states ``[B, H]``.
+        """
+        dtype = self.fc.weight.dtype
+        block = block_embeds.to(dtype)
+        context = self.context_states(context_features)
+        cos, sin = self.rope(positions, block)
+        C, B = context.shape[0], block.shape[0]
+        key_pos = positions
+        if cache is not None:
+            key_pos = torch.cat([cache.positions(C), positions[C:]])
+        for layer in self.layers:
+            mask = attn_mask
+            if layer.sliding_window is not None:
+                window = sliding_window_mask(positions[C:], key_pos, layer.sliding_window, dtype)
+                mask = window if mask is None else mask + window
+            block = layer(block, context, cos, sin, cache=cache, attn_mask=mask)
+        if cache is not None:
+            cache.advance(C)
+        return self.norm(block)
+
+    # ------------------------------------------------------------ generation
+    def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):
+        """Drop-in DFlash generation: returns the output ids ``[1, prompt + new]``.
+
+        Same semantics as :func:`dflash.generate` with ``method="dflash"``; use
+        that function for the statistics (tau, timings, acceptance lengths).
+        """
+        from .generate import generate
+
+        result = generate(
+            target,
+            self,
+            input_ids,
+            method="dflash",
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_token_ids=stop_token_ids,
+            **kwargs,
+        )
+        return result.output_ids
+
+    # --------------------------------------------------------- checkpoints
+    def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in the published format."""
+        from safetensors.torch import save_file
+
+        os.makedirs(save_directory, exist_ok=True)
+        state = {
+            k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
+            for k, v in self.state_dict().items()
+            if "rotary_emb" not in k
+        }
+        save_file(state, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
+        config = self.config.to_dict()
+        config["architectures"] = ["DFlashDraftModel"]
+        if dtype is not None:
+            config["dtype"] = str(dtype).replace("torch.", "")
+        with open(os.path.join(save_directory, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None, device=None) -> "DFlashDraftModel":
+        """Load a drafter from a local directory (offline): ``config.json`` + safetensors.
+
+        Raises :class:`DraftConfigError` naming the missing file, missing or
+        unexpected weight names, or the weight whose shape does not match.
+        """
+        from safetensors.torch import load_file
+
+        if not os.path.isdir(directory):
+            raise DraftConfigError(f"drafter directory {directory!r} does not exist (loading is local only)")
+        config_path = os.path.join(directory, CONFIG_NAME)
+        if not os.path.isfile(config_path):
+            raise DraftConfigError(f"no {CONFIG_NAME} in drafter directory {directory!r}")
+        with open(config_path) as f:
+            raw = json.load(f)
+        raw.pop("architectures", None)
+        raw.pop("auto_map", None)
+        config = qwen3_config(raw)
+        model = cls(config)
+        files = sorted(fn for fn in os.listdir(directory) if fn.endswith(".safetensors"))
+        if not files:
+            raise DraftConfigError(f"no .safetensors weight file in drafter directory {directory!r}")
+        state = {}
+        for fn in files:
+            state.update(load_file(os.path.join(directory, fn)))
+        expected = {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing:
+            raise DraftConfigError(f"drafter checkpoint {directory!r} is missing weights: {', '.join(missing[:8])}"
+                                   + (" ..." if len(missing) > 8 else ""))
+        if unexpected:
+            raise DraftConfigError(f"drafter checkpoint {directory!r} has unexpected weights: {', '.join(unexpected[:8])}"
+                                   + (" ..." if len(unexpected) > 8 else ""))
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise DraftConfigError(
+                    f"weight {name} has shape {tuple(tensor.shape)} in {directory!r}, but the config implies "
+                    f"{tuple(expected[name].shape)}"
+                )
+        model.load_state_dict(state, strict=False)
+        if dtype is None:
+            dtype = next(iter(state.values())).dtype
+        return model.to(device=device, dtype=dtype).eval()
+
+    def extra_repr(self) -> str:
+        return f"target_layer_ids={self.target_layer_ids}, block_size={self.block_size}, mask_token_id={self.mask_token_id}"

@@ -1,0 +1,121 @@
+"""The drafter: cache-incremental passes, sliding windows, checkpoint format and its errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash import DFlashDraftModel, DraftConfigError
+from dflash.cache import DraftKVCache
+from tiny_models import tiny_draft, tiny_target
+
+SPEC_NAMES = [
+    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight", "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight",
+    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+    "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight", "norm.weight", "fc.weight",
+    "hidden_norm.weight",
+]
+
+
+def _run_rounds(draft, feats, splits, B, cache):
+    """Feed context in chunks (as the generate loop does) and return each round's block output."""
+    outs, done = [], 0
+    for end in splits:
+        pos = torch.arange(done, end + B)
+        block = torch.randn(B, draft.config.hidden_size, generator=torch.Generator().manual_seed(end))
+        ctx = feats[done:end]
+        outs.append((block, end, draft(block, ctx, pos, cache=cache)))
+        done = end
+    return outs
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_cached_passes_equal_full_context_passes(sliding):
+    target = tiny_target("qwen3", layers=6)
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5) if sliding else {}
+    draft = tiny_draft(target, block_size=4, **kw)
+    n, H = len(draft.target_layer_ids), target.config.hidden_size
+    feats = torch.randn(20, n * H)
+    cache = DraftKVCache(draft.config, 64, torch.float32, "cpu")
+    with torch.no_grad():
+        for block, end, out in _run_rounds(draft, feats, [7, 9, 14, 20], 4, cache):
+            full = draft(block, feats[:end], torch.arange(end + 4))
+            torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_changes_the_result():
+    target = tiny_target("qwen3", layers=6)
+    full = tiny_draft(target, block_size=4, layer_types=["full_attention"] * 2)
+    sliding = tiny_draft(target, block_size=4, layer_types=["sliding_attention"] * 2, sliding_window=3)
+    sliding.load_state_dict(full.state_dict())
+    feats = torch.randn(12, 2 * target.config.hidden_size)
+    block = torch.randn(4, target.config.hidden_size)
+    with torch.no_grad():
+        a = full(block, feats, torch.arange(16))
+        b = sliding(block, feats, torch.arange(16))
+        # a window wider than the sequence sees everything: equal to full attention
+        wide = tiny_draft(target, block_size=4, layer_types=["sliding_attention"] * 2, sliding_window=64)
+        wide.load_state_dict(full.state_dict())
+        c = wide(block, feats, torch.arange(16))
+    assert not torch.allclose(a, b, atol=1e-4)
+    torch.testing.assert_close(a, c)
+
+
+def test_checkpoint_round_trip_in_published_format(tmp_path):
+    target = tiny_target("qwen3", layers=6)
+    draft = tiny_draft(target, block_size=8, layer_types=["full_attention", "sliding_attention"], sliding_window=16)
+    draft.save_pretrained(tmp_path)
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["block_size"] == 8 and config["num_target_layers"] == 6
+    assert config["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 3]}
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert set(SPEC_NAMES) <= names
+    loaded = DFlashDraftModel.from_pretrained(str(tmp_path))
+    assert loaded.target_layer_ids == draft.target_layer_ids and loaded.block_size == 8
+    assert loaded.layers[1].sliding_window == 16 and loaded.layers[0].sliding_window is None
+    feats = torch.randn(5, 2 * 64)
+    block = torch.randn(8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(block, feats, torch.arange(13)), draft(block, feats, torch.arange(13)))
+
+
+def test_checkpoint_in_half_precision(tmp_path):
+    target = tiny_target("qwen3", layers=6)
+    tiny_draft(target).save_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert DFlashDraftModel.from_pretrained(str(tmp_path)).fc.weight.dtype == torch.bfloat16
+    assert DFlashDraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).fc.weight.dtype == torch.float32
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    target = tiny_target("qwen3", layers=6)
+    draft = tiny_draft(target)
+    with pytest.raises(DraftConfigError, match="does not exist"):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "nope"))
+    draft.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+
+    os.remove(weights)
+    with pytest.raises(DraftConfigError, match="no .safetensors weight file"):
+        DFlashDraftModel.from_pretrained(str(tmp_path))
+
+    save_file({k: v for k, v in state.items() if k != "fc.weight"}, weights)
+    with pytest.raises(DraftConfigError, match="missing weights: fc.weight"):
+        DFlashDraftModel.from_pretrained(str(tmp_path))
+
+    bad = dict(state)
+    bad["fc.weight"] = torch.zeros(64, 3 * 64)
+    save_file(bad, weights)
+    with pytest.raises(DraftConfigError, match=r"fc.weight has shape \(64, 192\)"):
+        DFlashDraftModel.from_pretrained(str(tmp_path))
+
+    save_file({**state, "lm_head.weight": torch.zeros(2, 2)}, weights)
+    with pytest.raises(DraftConfigError, match="unexpected weights: lm_head.weight"):
+        DFlashDraftModel.from_pretrained(str(tmp_path))
+
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(DraftConfigError, match="no config.json"):
+        DFlashDraftModel.from_pretrained(str(tmp_path))
