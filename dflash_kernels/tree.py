@@ -27,7 +27,7 @@ from . import _C
 from . import reference as _reference
 from ._dispatch import get_backend
 
-__all__ = ["build_tree", "walk_tree", "ancestor_bits", "tree_positions", "ANCESTOR_BITS_CONFIGS"]
+__all__ = ["build_tree", "walk_tree", "ancestor_bits", "tree_positions"]
 
 
 def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

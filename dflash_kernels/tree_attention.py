@@ -162,16 +162,19 @@ def _tree_attention_kernel(
     stride_vh, stride_vs, stride_vd,
     stride_bits_row, stride_bits_word,
     stride_oh, stride_ot, stride_od,
-    n_tree, prefix_len, head_dim, group, keys_per_split, qk_scale,
+    n_tree, prefix_len, head_dim, group, tiles_per_split, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Program (query tile, query head, key split).
 
-    Keys live on one axis ``[0, prefix_len + n_tree)``; split ``s`` covers
-    ``[s * keys_per_split, (s + 1) * keys_per_split)`` of it, cut at the tile's
-    last tree query. With one split the normalized output is stored directly;
-    otherwise ``(output, log2-sum-exp)`` partials go to the workspace.
+    The key axis is cut in ``BLOCK_N`` tiles: ``ceil(prefix_len / BLOCK_N)``
+    prefix tiles, then the tree tiles (node ``j`` at key ``prefix_len + j``).
+    Split ``s`` owns tiles ``[s * tiles_per_split, (s + 1) * tiles_per_split)``.
+    Without ``SPLIT_KEYS`` (one split) the normalized output is stored
+    directly; otherwise ``(output, log2-sum-exp)`` partials go to the
+    workspace. The split count is the grid's third dim, not a constexpr, so
+    changing it does not recompile.
     """
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -195,15 +198,18 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo = split * keys_per_split
-    tree_end = prefix_len + tl.minimum(n_tree, (tile + 1) * BLOCK_M)
-    hi = tl.minimum(lo + keys_per_split, tree_end)
+    # Key tiles: units [0, prefix_tiles) are prefix tiles, the next ones are
+    # tree tiles aligned on node indices (so that a tile covers whole bitmask
+    # words). Split `split` owns units [lo, lo + tiles_per_split); tree tiles
+    # past this query tile's last node are skipped (never ancestors).
+    prefix_tiles = tl.cdiv(prefix_len, BLOCK_N)
+    lo = split * tiles_per_split
+    hi = tl.minimum(lo + tiles_per_split, prefix_tiles + tl.cdiv(tl.minimum(n_tree, (tile + 1) * BLOCK_M), BLOCK_N))
 
     # Prefix keys: visible to every query; only the ragged end is masked.
-    prefix_hi = tl.minimum(hi, prefix_len)
-    for start in range(lo, prefix_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < prefix_hi
+    for unit in range(lo, tl.minimum(hi, prefix_tiles)):
+        offs_n = unit * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < prefix_len
         k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
@@ -214,11 +220,14 @@ def _tree_attention_kernel(
         visible = m_ok[:, None] & n_ok[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32, INPUT_PRECISION)
 
-    # Tree keys: visible iff the key's node is the query's ancestor or itself.
-    for start in range(tl.maximum(lo, prefix_len), hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        node = offs_n - prefix_len
+    # Tree keys: node j is visible to query i iff bit j of bits[i] is set.
+    lane = tl.arange(0, BLOCK_N)
+    bits_rows = bits_ptr + offs_m.to(tl.int64) * stride_bits_row
+    for unit in range(tl.maximum(lo, prefix_tiles), hi):
+        first_node = (unit - prefix_tiles) * BLOCK_N
+        nodes = first_node + lane
+        n_ok = nodes < n_tree
+        offs_n = prefix_len + nodes
         k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
@@ -226,21 +235,28 @@ def _tree_attention_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        both_ok = m_ok[:, None] & n_ok[None, :]
-        words = tl.load(bits_ptr + offs_m[:, None] * stride_bits_row + (node // 32)[None, :] * stride_bits_word,
-                        mask=both_ok, other=0)
-        visible = both_ok & (((words >> (node % 32)[None, :]) & 1) != 0)
+        # One bitmask word per query row and 32 keys: a [BLOCK_M] load each,
+        # expanded against the lanes it covers (no [BLOCK_M, BLOCK_N] gather).
+        visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for w in tl.static_range(BLOCK_N // 32):
+            word_index = first_node // 32 + w
+            word = tl.load(bits_rows + word_index * stride_bits_word,
+                           mask=m_ok & (offs_m * 0 + word_index * 32 < n_tree), other=0)
+            in_word = (lane // 32) == w
+            bit = (word[:, None] >> (lane % 32)[None, :]) & 1
+            visible = visible | tl.where(in_word[None, :], bit, 0)
+        visible = (visible != 0) & n_ok[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32, INPUT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     md_ok = m_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KEYS:
         o_base = out_ptr + head.to(tl.int64) * stride_oh
         tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=md_ok)
     else:
-        # Workspace: part_out [NUM_SPLITS, Hq, n_tree, head_dim], part_lse [NUM_SPLITS, Hq, n_tree].
+        # Workspace: part_out [splits, Hq, n_tree, head_dim], part_lse [splits, Hq, n_tree].
         n_heads = tl.num_programs(1)
         row = (split * n_heads + head).to(tl.int64) * n_tree
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -408,12 +424,16 @@ def tree_attention_triton(
     scale = head_dim**-0.5 if scale is None else float(scale)
     cfg = config or tree_attention_config(head_dim, q.dtype, n_tree)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if block_n % 32 != 0 or block_m < 16:
+        raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0 and BLOCK_M >= 16, got {cfg}")
     tiles = triton.cdiv(n_tree, block_m)
     if num_splits is None:
         num_splits = choose_num_splits(q.device, tiles * hq, n_keys, block_n)
     if num_splits < 1:
         raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
-    keys_per_split = triton.cdiv(triton.cdiv(n_keys, num_splits), block_n) * block_n
+    key_tiles = triton.cdiv(prefix_len, block_n) + triton.cdiv(n_tree, block_n)
+    num_splits = min(num_splits, key_tiles)
+    tiles_per_split = triton.cdiv(key_tiles, num_splits)
 
     out = torch.empty(hq, n_tree, head_dim, dtype=q.dtype, device=q.device)
     if n_tree == 0:
@@ -432,8 +452,8 @@ def tree_attention_triton(
         v.stride(0), v.stride(1), v.stride(2),
         bits.stride(0), bits.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        n_tree, prefix_len, head_dim, group, keys_per_split, scale * _LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], NUM_SPLITS=num_splits,
+        n_tree, prefix_len, head_dim, group, tiles_per_split, scale * _LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], SPLIT_KEYS=num_splits > 1,
         DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -272,3 +272,10 @@ def test_walk_errors_are_clear():
         dk.walk_tree(parents, tokens, choice[:-1])
     with pytest.raises(RuntimeError, match="int64 or int32"):
         dk.walk_tree(parents, tokens, choice.float())
+
+
+def test_tree_positions():
+    lp, ids = draft(4, 3, torch.Generator().manual_seed(8))
+    _, depths, _ = dk.build_tree(lp, ids, 10)
+    positions = dk.tree_positions(depths, 100)
+    assert positions.dtype == torch.int64 and positions.tolist() == [100] + (100 + depths).tolist()
