@@ -25,10 +25,55 @@ import torch
 import dflash_kernels
 
 from .cache import TargetKVCache
-from .config import DraftConfigError, validate_target_layer_ids
+from .config import validate_target_layer_ids
+
+TREE_ATTENTION = "dflash_tree"
 
 # RMSNorm classes computing ``w * normed(x).to(dtype)`` (safe to fuse into the lm_head op).
 _FUSABLE_NORMS = ("Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3MoeRMSNorm", "RMSNorm")
+
+
+def _base_attention(module, name: str):
+    """The attention function ``name`` of transformers' registry, or the model's own eager one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered as ``"dflash_tree"`` in transformers' registry.
+
+    Verify passes of DDTree switch the target to it: layers that got no dense
+    mask run :func:`dflash_kernels.tree_attention` (prefix fully visible, tree
+    keys by ancestor bit; ``query [1, Hq, T, D]``, ``key/value [1, Hkv, S, D]``
+    views of our cache); layers with a dense mask (sliding windows) and every
+    other pass use the model's own attention.
+    """
+    bits = kwargs.pop("dflash_tree_bits", None)
+    prefix_len = kwargs.pop("dflash_prefix_len", None)
+    base = kwargs.pop("dflash_base_attention", "sdpa")
+    if bits is None or attention_mask is not None:
+        return _base_attention(module, base)(module, query, key, value, attention_mask, scaling=scaling,
+                                             dropout=dropout, **kwargs)
+    out = dflash_kernels.tree_attention(query, key, value, bits, prefix_len, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register_tree_attention() -> None:
+    """Add ``"dflash_tree"`` to transformers' attention-function registry (once)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+        _registered = True
 
 
 class TargetStructureError(TypeError):
@@ -143,15 +188,25 @@ class TargetAdapter:
         return self.decoder.embed_tokens(ids)
 
     # ------------------------------------------------------------- forward
-    def masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: Optional[torch.Tensor] = None) -> dict:
-        """Additive masks per layer type; ``visible [T, S]`` defaults to causal (k_pos <= q_pos)."""
+    def masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: Optional[torch.Tensor] = None,
+              dense_full: bool = True) -> dict:
+        """Additive masks per layer type; ``visible [T, S]`` defaults to causal (k_pos <= q_pos).
+
+        ``dense_full=False`` leaves the full-attention layers without a mask
+        (the tree-attention kernel reads the ancestor bits instead).
+        """
         if visible is None:
             visible = k_pos[None, :] <= q_pos[:, None]
-        masks = {"full_attention": additive_mask(visible, self.dtype)}
+        masks = {"full_attention": additive_mask(visible, self.dtype) if dense_full else None}
         if "sliding_attention" in self.layer_types:
             in_window = (q_pos[:, None] - k_pos[None, :]) < int(self.sliding_window)
             masks["sliding_attention"] = additive_mask(visible & in_window, self.dtype)
         return masks
+
+    def tree_kernel_usable(self) -> bool:
+        """True when verify passes run the Triton tree-attention kernel (else dense-mask attention)."""
+        impl = getattr(self.config, "_attn_implementation", None)
+        return impl in ("sdpa", "eager", TREE_ATTENTION) and dflash_kernels.get_backend(self.device) == "triton"
 
     def forward(
         self,
@@ -159,17 +214,39 @@ class TargetAdapter:
         positions: torch.Tensor,
         cache: TargetKVCache,
         visible: Optional[torch.Tensor] = None,
-        **attention_kwargs,
+        tree_bits: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run the decoder on ``ids [T]`` at ``positions [T]``; returns pre-norm hidden ``[T, H]``.
 
         The new K/V go to rows ``[cache.length, cache.length+T)`` (the caller
         commits what it keeps). ``visible [T, cache.length+T]`` overrides the
-        causal visibility (tree verification). Captured layer outputs are
-        available through :meth:`context_features` until the next forward.
+        causal visibility. ``tree_bits [T, words]`` (DDTree verification):
+        the committed prefix is visible to all T tokens, and tree token j to
+        token i iff bit j of ``tree_bits[i]`` is set; served by the
+        tree-attention kernel through the ``"dflash_tree"`` attention function
+        when :meth:`tree_kernel_usable`, else by a dense additive mask.
+        Captured layer outputs are available through :meth:`context_features`
+        until the next forward.
         """
         k_pos = torch.cat([torch.arange(cache.length, device=ids.device), positions])
-        masks = self.masks(positions, k_pos, visible)
+        attention_kwargs = {}
+        use_kernel = tree_bits is not None and self.tree_kernel_usable()
+        if tree_bits is not None and (not use_kernel or "sliding_attention" in self.layer_types):
+            visible = dflash_kernels.tree_attention_mask(tree_bits, cache.length, torch.float32) == 0
+        masks = self.masks(positions, k_pos, visible, dense_full=not use_kernel)
+        if use_kernel:
+            register_tree_attention()
+            base = self.config._attn_implementation
+            attention_kwargs = dict(dflash_tree_bits=tree_bits, dflash_prefix_len=cache.length,
+                                    dflash_base_attention=base if base != TREE_ATTENTION else "sdpa")
+            self.config._attn_implementation = TREE_ATTENTION
+            try:
+                return self._run_layers(ids, positions, cache, masks, attention_kwargs)
+            finally:
+                self.config._attn_implementation = base
+        return self._run_layers(ids, positions, cache, masks, attention_kwargs)
+
+    def _run_layers(self, ids, positions, cache, masks, attention_kwargs) -> torch.Tensor:
         pos = positions[None]
         h = self.embed(ids[None])
         position_embeddings = self.rotary_emb(h, pos)

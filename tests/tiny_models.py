@@ -54,6 +54,17 @@ def tiny_draft(target, *, block_size: int = 8, layers: int = 2, seed: int = 1, t
     return DFlashDraftModel(config).to(dtype).eval()
 
 
+def steer(W: torch.Tensor, ranked, top: float = 8.0, gap: float = 0.7) -> torch.Tensor:
+    """A hidden state ``h`` whose logits ``W h`` give ``ranked[i]`` the logit ``top - i * gap``.
+
+    Minimum-norm solution of those equations, so every other logit stays near 0:
+    ``ranked[0]`` is the argmax and ``ranked[1]`` (if given) a close second.
+    """
+    A = W[torch.as_tensor(ranked)]
+    y = top - gap * torch.arange(len(ranked), dtype=W.dtype)
+    return A.T @ torch.linalg.solve(A @ A.T, y)
+
+
 class RiggedDraft(DFlashDraftModel):
     """A drafter that proposes a known continuation, right with probability ``p_right``.
 
@@ -83,7 +94,7 @@ class RiggedDraft(DFlashDraftModel):
         right = torch.rand(ref.shape, generator=self.rng) < self.p_right
         W = self.W.float()
         if self.second_right:
-            h = torch.where(right[:, None], W[ref], 1.0 * W[wrong] + 0.85 * W[ref])
+            h = torch.stack([steer(W, [r] if ok else [w, r]) for r, w, ok in zip(ref, wrong, right)])
         else:
-            h = torch.where(right[:, None], W[ref], W[wrong])
+            h = torch.stack([steer(W, [r] if ok else [w]) for r, w, ok in zip(ref, wrong, right)])
         return h.to(block_embeds.dtype).to(block_embeds.device)
