@@ -411,13 +411,17 @@ def tree_attention_triton(
     num_splits: Optional[int] = None,
     config: Optional[dict] = None,
 ) -> torch.Tensor:
-    """Triton launcher of :func:`tree_attention`.
+    """Triton launcher of :func:`tree_attention` (validates, then launches).
 
     ``num_splits`` (key-axis splits) and ``config`` (one of
     :func:`tree_attention_configs`) override the launcher's choice; tests use
     them to run every code path.
     """
     q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len)
+    return _launch(q, k, v, bits, prefix_len, scale, batched, num_splits, config)
+
+
+def _launch(q, k, v, bits, prefix_len, scale, batched, num_splits=None, config=None):
     hq, n_tree, head_dim = q.shape
     group = hq // k.shape[0]
     n_keys = prefix_len + n_tree
@@ -491,7 +495,7 @@ def tree_attention(
         accumulated in float32; the mask hides tree key ``j`` from query ``i``
         unless bit ``j`` of ``bits[i]`` is set. fp16/bf16/fp32 inputs.
     """
-    _check_attention_inputs(query, key, value, bits, prefix_len)
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len)
     if get_backend(query.device) == "triton":
-        return tree_attention_triton(query, key, value, bits, prefix_len, scale)
+        return _launch(q, k, v, bits, prefix_len, scale, batched)
     return _reference.tree_attention(query, key, value, bits, prefix_len, scale)
