@@ -41,8 +41,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
     return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
 
 
-def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int) -> List[int]:
-    """Check ids against the target's layer count; warn on repeats (shallow targets)."""
+def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int, warn_repeats: bool = True) -> List[int]:
+    """Check ids against the target's layer count; warn on repeats (shallow targets) once, at config time."""
     ids = [int(i) for i in ids]
     if not ids:
         raise DraftConfigError("target_layer_ids is empty: the drafter needs at least one target layer")
@@ -52,7 +52,7 @@ def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int) -> Lis
             f"target_layer_ids {ids} has ids {bad} out of range for a target with "
             f"{num_target_layers} decoder layers (allowed: 0..{num_target_layers - 1})"
         )
-    if len(set(ids)) != len(ids):
+    if warn_repeats and len(set(ids)) != len(ids):
         warnings.warn(
             f"target_layer_ids {ids} repeats a layer (shallow target with {num_target_layers} layers); "
             "the repeated features are concatenated as given",

@@ -227,7 +227,7 @@ def _check_pair(adapter: TargetAdapter, draft) -> None:
         raise DraftConfigError(
             f"drafter was built for a {cfg.num_target_layers}-layer target, this target has {adapter.num_layers} layers"
         )
-    validate_target_layer_ids(draft.target_layer_ids, adapter.num_layers)
+    validate_target_layer_ids(draft.target_layer_ids, adapter.num_layers, warn_repeats=False)
     if cfg.hidden_size != adapter.hidden_size:
         raise DraftConfigError(f"drafter hidden_size {cfg.hidden_size} != target hidden size {adapter.hidden_size}")
     if cfg.vocab_size != adapter.vocab_size:

@@ -129,7 +129,7 @@ class TargetAdapter:
         self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb = decoder_parts(model)
         self.config = model.config
         self.num_layers = len(self.layers)
-        self.capture_layer_ids = validate_target_layer_ids(capture_layer_ids, self.num_layers) if capture_layer_ids else []
+        self.capture_layer_ids = validate_target_layer_ids(capture_layer_ids, self.num_layers, warn_repeats=False) if capture_layer_ids else []
         self._cache_kw = _cache_keyword(self.layers[0])
         types = getattr(self.config, "layer_types", None)
         self.layer_types = list(types) if types else ["full_attention"] * self.num_layers
