@@ -14,6 +14,9 @@ from dflash_kernels import reference as ref
 from dflash_kernels.tree import ancestor_bits_triton
 from dflash_kernels.tree_attention import tree_attention_mask_triton
 
+# The Triton launchers need CUDA tensors on a GPU machine, CPU ones under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def random_parents(n_nodes, rng, shape="random"):
     """``[n_nodes]`` parents with ``parents[i] < i``.
@@ -36,11 +39,12 @@ def random_parents(n_nodes, rng, shape="random"):
             p = rng.randint(0, i - 1)
         parents.append(p)
         depth.append(depth[p] + 1)
-    return torch.tensor(parents, dtype=torch.int64)
+    return torch.tensor(parents, dtype=torch.int64, device=DEVICE)
 
 
 def bits_by_definition(parents):
     """Independent check: set bit j of row i for every node on i's path to the root."""
+    parents = parents.cpu()
     n = parents.numel()
     out = torch.zeros(n, (n + 31) // 32, dtype=torch.int64)
     for i in range(n):
@@ -61,7 +65,7 @@ def test_kernel_matches_reference(n_nodes):
         got = ancestor_bits_triton(parents)
         assert got.dtype == torch.int32 and got.shape == (n_nodes, (n_nodes + 31) // 32)
         assert torch.equal(got, expected), shape
-        assert torch.equal(dk.ancestor_bits(parents), expected)
+    assert torch.equal(dk.ancestor_bits(parents), expected)  # the public op dispatches to the same path
 
 
 @pytest.mark.parametrize("n_nodes", [1, 33, 70])
@@ -69,7 +73,7 @@ def test_reference_matches_the_definition(n_nodes):
     rng = random.Random(3)
     for shape in ("random", "chain", "star", "deep"):
         parents = random_parents(n_nodes, rng, shape)
-        assert torch.equal(ref.ancestor_bits(parents), bits_by_definition(parents))
+        assert torch.equal(ref.ancestor_bits(parents).cpu(), bits_by_definition(parents))
 
 
 def test_bits_of_a_built_tree():
@@ -77,8 +81,10 @@ def test_bits_of_a_built_tree():
     lp = (-3 * torch.rand(15, 8, generator=gen)).sort(dim=1, descending=True).values
     ids = torch.arange(15 * 8).view(15, 8)
     _, depths, parents = dk.build_tree(lp, ids, 200)
+    parents = parents.to(DEVICE)
     bits = ancestor_bits_triton(parents)
     assert torch.equal(bits, ref.ancestor_bits(parents))
+    bits, depths = bits.cpu(), depths.cpu()
     # Each row holds depth + 1 bits (itself and every ancestor, root included).
     counts = [bin(int(w) & 0xFFFFFFFF).count("1") for w in bits.flatten()]
     per_row = torch.tensor(counts).view(bits.shape).sum(1)
@@ -103,7 +109,7 @@ def test_errors_are_clear():
 
 def test_malformed_parents_do_not_hang_the_kernel():
     # parents[2] = 2 is a self loop: the kernel must stop (treating it as a chain end).
-    bits = ancestor_bits_triton(torch.tensor([-1, 0, 2, 1]))
+    bits = ancestor_bits_triton(torch.tensor([-1, 0, 2, 1], device=DEVICE))
     assert bits.shape == (4, 1)
 
 
@@ -127,7 +133,7 @@ def test_dense_mask_matches_reference(n_nodes, prefix_len, dtype):
 
 
 def test_dense_mask_semantics():
-    parents = torch.tensor([-1, 0, 0, 1])
+    parents = torch.tensor([-1, 0, 0, 1], device=DEVICE)
     mask = ref.tree_attention_mask(ref.ancestor_bits(parents), 2, torch.float32)
     hidden = torch.finfo(torch.float32).min
     visible = (mask == 0).int().tolist()
@@ -138,12 +144,13 @@ def test_dense_mask_semantics():
         [1, 1, 1, 1, 0, 1],
     ]
     assert set(mask.unique().tolist()) == {0.0, hidden}
+    assert torch.equal(dk.tree_attention_mask(ref.ancestor_bits(parents), 2, torch.float32), mask)
     # Softmax over the finite mask never produces NaN.
     assert torch.isfinite(torch.softmax(mask + torch.randn_like(mask), dim=-1)).all()
 
 
 def test_dense_mask_errors():
-    bits = ref.ancestor_bits(torch.tensor([-1, 0]))
+    bits = ref.ancestor_bits(torch.tensor([-1, 0], device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
         dk.tree_attention_mask(bits, 0, torch.int32)
     with pytest.raises(ValueError, match="prefix_len"):

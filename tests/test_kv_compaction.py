@@ -10,9 +10,12 @@ from dflash_kernels import reference as ref
 from dflash_kernels.kv_compaction import KV_COMPACTION_CONFIGS, compact_kv_triton, kv_compaction_config
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cache(layers=3, heads=2, smax=48, head_dim=24, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layers, 2, heads, smax, head_dim, generator=gen).to(dtype)
+    return torch.randn(layers, 2, heads, smax, head_dim, generator=gen).to(DEVICE, dtype)
 
 
 def expected_by_hand(kv, src, dst):
@@ -76,6 +79,12 @@ def test_public_op_and_int32_positions():
     kv = cache(seed=4)
     want = expected_by_hand(kv, [3, 6, 7], 2)
     assert torch.equal(dk.compact_kv_(kv, torch.tensor([3, 6, 7], dtype=torch.int32), 2), want)
+
+
+def test_positions_on_the_cache_device():
+    kv = cache(seed=5)
+    want = expected_by_hand(kv, [4, 9, 10, 30], 4)
+    assert torch.equal(dk.compact_kv_(kv, torch.tensor([4, 9, 10, 30], device=DEVICE), 4), want)
 
 
 def test_config_choices_are_listed():

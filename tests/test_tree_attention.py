@@ -20,6 +20,8 @@ from dflash_kernels.tree_attention import (
     tree_attention_triton,
 )
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # dtype -> (atol, rtol) against the float32 reference. bf16/fp16 cover the
 # rounding of the output (1 ulp, the interpreter truncates) and of the
 # probabilities fed to the second matmul on a GPU.
@@ -40,15 +42,15 @@ def random_tree_bits(n_tree, seed):
             p = parents[p]
         parents.append(p)
         depth.append(depth[p] + 1)
-    return dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64))
+    return dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64, device=DEVICE))
 
 
 def make_inputs(hq, hkv, n_tree, prefix_len, head_dim, dtype, seed, smax_extra=7, layers=2):
     """Query ``[Hq, T, D]`` (a transposed view) and key/value views into a cache."""
     gen = torch.Generator().manual_seed(seed)
     s = prefix_len + n_tree
-    q = torch.randn(n_tree, hq, head_dim, generator=gen).to(dtype).transpose(0, 1)
-    cache = torch.randn(layers, 2, hkv, s + smax_extra, head_dim, generator=gen).to(dtype)
+    q = torch.randn(n_tree, hq, head_dim, generator=gen).to(DEVICE, dtype).transpose(0, 1)
+    cache = torch.randn(layers, 2, hkv, s + smax_extra, head_dim, generator=gen).to(DEVICE, dtype)
     layer = layers - 1
     return q, cache[layer, 0, :, :s], cache[layer, 1, :, :s]
 
@@ -133,12 +135,12 @@ def test_fp16_and_batched_rank_and_scale():
 def test_ancestor_only_visibility():
     # Chain 0 <- 1 and a sibling 2 of node 1. Query 2 must ignore key 1 even
     # if key 1 is hugely attractive; query 1 must attend to it.
-    parents = torch.tensor([-1, 0, 0])
+    parents = torch.tensor([-1, 0, 0], device=DEVICE)
     bits = dk.ancestor_bits(parents)
-    q = torch.ones(1, 3, 16)
-    k = torch.zeros(1, 3, 16)
+    q = torch.ones(1, 3, 16, device=DEVICE)
+    k = torch.zeros(1, 3, 16, device=DEVICE)
     k[0, 1] = 10.0
-    v = torch.zeros(1, 3, 16)
+    v = torch.zeros(1, 3, 16, device=DEVICE)
     v[0, 1] = 1.0
     out = dk.tree_attention(q, k, v, bits, 0)
     assert out[0, 1].min() > 0.99
