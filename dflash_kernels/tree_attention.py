@@ -23,7 +23,6 @@ The reference of both is :mod:`dflash_kernels.reference.tree_attention`.
 from __future__ import annotations
 
 import functools
-import math
 from typing import List, Optional, Tuple
 
 import torch
