@@ -300,7 +300,7 @@ def dflash_generate(target, draft, input_ids, *, max_new_tokens, temperature=0.0
             host = torch.cat([choices, matches]).tolist()
             accepted = int(sum(host[B:]))
             cache.commit(accepted + 1)
-            context = adapter.context_features(rows=block_offsets[: accepted + 1])
+            context = adapter.context_features(rows=block_offsets[: accepted + 1], trusted_rows=True)
             out.extend(host[: accepted + 1])
             result.acceptance_lengths.append(accepted + 1)
             result.commit_time += clock.lap()

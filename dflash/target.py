@@ -264,14 +264,18 @@ class TargetAdapter:
             h = out[0] if isinstance(out, (tuple, list)) else out
         return h[0]
 
-    def context_features(self, rows=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Captured features ``[R, n*H]`` of the last forward at ``rows`` (None: all)."""
+    def context_features(self, rows=None, out: Optional[torch.Tensor] = None, trusted_rows: bool = False) -> torch.Tensor:
+        """Captured features ``[R, n*H]`` of the last forward at ``rows`` (None: all).
+
+        ``trusted_rows``: the rows come from our own loop (in range by
+        construction), so the range check and its device->host sync are skipped.
+        """
         if not self.capture_layer_ids:
             raise RuntimeError("this adapter captures no layers")
         if len(self._outputs) == 0:
             raise RuntimeError("no captured hidden states: run forward() first")
         layers = [self._outputs[k] for k in self.capture_layer_ids]
-        return dflash_kernels.gather_concat(layers, rows=rows, out=out)
+        return dflash_kernels.gather_concat(layers, rows=rows, out=out, check_bounds=not trusted_rows)
 
     def captured_layer(self, k: int) -> torch.Tensor:
         """The captured output ``[T, H]`` of layer ``k`` in the last forward."""
