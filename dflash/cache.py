@@ -89,7 +89,8 @@ class TargetKVCache(_KVBuffer):
 
         n = int(rows.numel())
         self._check_room(n)
-        src = rows.to(device=self.kv.device, dtype=torch.long) + self.length
+        # host positions: compact_kv_ validates them without a device->host sync
+        src = rows.detach().to(device="cpu", dtype=torch.long) + self.length
         dflash_kernels.compact_kv_(self.kv, src, self.length)
         self.length += n
 

@@ -103,7 +103,7 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
             accepted, bonus = dflash_kernels.walk_tree(parents, tokens, choices)
             committed = tokens[accepted[1:] - 1].tolist() + [int(bonus)]
             accepted_d = accepted.to(device)
-            cache.commit_rows(accepted_d)
+            cache.commit_rows(accepted)
             context = adapter.context_features(rows=accepted_d, trusted_rows=True)
             out.extend(committed)
             result.acceptance_lengths.append(len(committed))
