@@ -1,3 +1,752 @@
-"""Placeholder: filled by the kernels work."""
+"""Final RMSNorm + lm_head at selected positions, fused with what consumes the logits.
 
-__all__ = []
+Shapes: ``hidden [T, H]``, ``weight [V, H]`` (lm_head), ``norm_weight [H]``
+(optional final RMSNorm), ``positions [N]`` (rows of ``hidden``; None = all).
+The math is :mod:`dflash_kernels.reference.lm_head` (HF RMSNorm, then
+``logits = a @ weight.T`` accumulated in fp32); this module computes it without
+ever holding more than one chunk of the ``[N, V]`` logits.
+
+Pipeline (Triton backend):
+
+1. ``_norm_rows_kernel`` (a few selected rows per program): gathers
+   ``hidden[positions]``, applies the RMSNorm with HF's roundings (statistics in
+   fp32, ``x_normed`` cast to the hidden dtype, times ``norm_weight``, cast to
+   the hidden dtype) and writes the GEMM operand ``a [N, H]`` in the *dot
+   dtype*. Skipped when there is nothing to do (no norm, no positions, dtypes
+   already match). The norm lives in this prologue pass rather than in the
+   GEMM main loop because every vocab tile would otherwise redo it: ``a`` is
+   ``N*H`` elements, negligible next to the ``V*H`` weight the GEMM streams.
+2. A tiled GEMM over (position tiles x vocab tiles), ``weight`` read in its own
+   dtype, ``tl.dot`` on bf16/fp16 tensor cores with fp32 accumulation, and an
+   epilogue chosen by the op:
+
+   * argmax: per tile, per row max and lowest index of the max; a tiny
+     ``[N, n_tiles]`` cross-tile reduction (torch.argmax keeps the first, i.e.
+     lowest, tile) finishes it. No logits are stored at all.
+   * sample: the same with Gumbel-max: ``argmax(logits / T + G)``, ``G =
+     -log(-log(U))``, ``U`` from Philox keyed by a seed and counted by
+     ``row * V + vocab_id``, generated in-kernel (no ``[N, V]`` noise tensor).
+     Reproducible for a given seed whatever the tiling.
+   * logits: stores one chunk of fp32 logits, plus per-tile row max and
+     ``sum(exp(x - max))`` partials from which the chunk's logsumexp follows.
+     Top-K merges each chunk into a running top-K with ``torch.topk`` and a
+     running logsumexp; cross-entropy runs ``_ce_grad_kernel`` over the chunk.
+
+3. Cross-entropy (as Liger-Kernel's fused linear cross entropy): row chunks of
+   full-vocab logits; per chunk, loss ``= lse - logit[target]`` and
+   ``d loss / d a = (softmax - onehot) @ weight`` computed in the forward
+   (``_ce_grad_kernel`` writes ``softmax - onehot`` in the dot dtype, then one
+   GEMM), stored, and scaled by ``grad_output`` in backward.
+
+Dot dtype: the weight's dtype when ``hidden`` has the same dtype (the normal
+case, tensor cores); otherwise fp32 with IEEE precision (so a mixed fp32-hidden
+/ bf16-weight call equals the fp32 reference). Under Triton's CPU interpreter
+``DOT_FP32`` is always on (the interpreter's bf16 dot is wrong), which only
+changes how exact products are summed.
+
+Launch configs come from small fixed tables (:func:`gemm_config`,
+:func:`norm_config`, :func:`ce_grad_config`); :func:`launch_configs` lists
+every distinct compiled variant for real model shapes (the GPU compile test
+enumerates it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ._dispatch import get_backend, triton_interpreting
+from .reference import lm_head as _reference
+from .reference.lm_head import (check_k, check_lm_head_args, check_targets, check_temperature, rms_norm,
+                                seed_from)
+
+__all__ = [
+    "lm_head_logits",
+    "lm_head_argmax",
+    "lm_head_topk",
+    "lm_head_sample",
+    "lm_head_cross_entropy",
+]
+
+try:  # triton is optional: without it every op runs the reference
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+
+# Largest number of fp32 logits one chunk may hold (top-K and cross-entropy):
+# 2**25 elements = 128 MiB of fp32 logits (plus, for CE, the same count of
+# softmax-minus-onehot values in the dot dtype).
+DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+_INT32_MAX = 2 ** 31 - 1
+_SEED_MOD = 2 ** 61
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def dot_dtype_for(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the GEMM operands: the weight's when hidden matches it, else fp32."""
+    return weight_dtype if hidden_dtype == weight_dtype else torch.float32
+
+
+def gemm_config(n_rows: int, dot_dtype: torch.dtype) -> Dict[str, int]:
+    """Tile sizes and launch parameters of the GEMM kernels for ``n_rows`` positions.
+
+    Two row tiles per dtype. Decode-sized calls (<= 16 rows: a DFlash block,
+    a DDTree draft) use 16-row tiles that stream the weight with deep
+    pipelining (the call is bound by reading ``V*H`` weight bytes); anything
+    larger uses 128-row tiles (wgmma on sm_90; mostly-empty rows cost compute
+    only, which is cheap while the weight read dominates). fp32 (IEEE dot)
+    uses narrower tiles. All fit the sm_80 shared-memory limit.
+    """
+    if dot_dtype == torch.float32:
+        if n_rows <= 16:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+    if n_rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def norm_config(hidden: int) -> Dict[str, int]:
+    """BLOCK_R (rows per program), BLOCK_H and num_warps of the norm/gather prologue kernel."""
+    block_h = min(1024, max(16, next_power_of_2(hidden)))
+    return dict(BLOCK_R=max(1, 4096 // block_h), BLOCK_H=block_h, num_warps=4)
+
+
+def ce_grad_config() -> Dict[str, int]:
+    """BLOCK_R, BLOCK_V and num_warps of the softmax-minus-onehot kernel."""
+    return dict(BLOCK_R=2, BLOCK_V=1024, num_warps=4)
+
+
+def _dot_fp32(dot_dtype: torch.dtype) -> bool:
+    return dot_dtype == torch.float32 or triton_interpreting()
+
+
+# --------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+        """fp32 ``x`` rounded to ``dtype`` (returned as fp32).
+
+        With RNE_BF16 a bf16 target is rounded to nearest-even by bit
+        arithmetic first, because Triton's interpreter truncates fp32->bf16
+        casts; compiled code has RNE_BF16 off and uses the hardware cast.
+        """
+        if RNE_BF16 and dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _norm_rows_kernel(
+        x_ptr,  # hidden [T, H], unit stride in the last dim
+        stride_x,
+        pos_ptr,  # int64 [N] rows of hidden (unused without HAS_POS)
+        nw_ptr,  # norm weight [H] (unused without HAS_NORM)
+        out_ptr,  # a [N, H] contiguous, in the dot dtype
+        N,
+        H,
+        eps,
+        HAS_POS: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        RNE_BF16: tl.constexpr,
+    ):
+        """a[r] = (nw * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)).to(x.dtype), x = hidden[pos[r]]; BLOCK_R rows."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = rows < N
+        if HAS_POS:
+            src = tl.load(pos_ptr + rows, mask=r_mask, other=0)
+        else:
+            src = rows
+        x_rows = x_ptr + src[:, None] * stride_x
+        o_rows = out_ptr + rows[:, None] * H
+        in_ty = x_ptr.dtype.element_ty
+        offs = tl.arange(0, BLOCK_H)
+        rstd = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if HAS_NORM:
+            sq = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_H):
+                mask = r_mask[:, None] & (k0 + offs < H)[None, :]
+                x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+                sq += x * x
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=1) / H + eps)
+        for k0 in range(0, H, BLOCK_H):
+            h_mask = k0 + offs < H
+            mask = r_mask[:, None] & h_mask[None, :]
+            x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                w = tl.load(nw_ptr + k0 + offs, mask=h_mask, other=0.0).to(tl.float32)
+                x = _round_to(w[None, :] * _round_to(x * rstd[:, None], in_ty, RNE_BF16), in_ty, RNE_BF16)
+            tl.store(o_rows + k0 + offs[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _tile_coords(N, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row tile, vocab tile) of this program; GROUP_M row tiles share a band of weight tiles in L2."""
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(N, BLOCK_M)
+        num_n = tl.cdiv(n_cols, BLOCK_N)
+        width = GROUP_M * num_n
+        group = pid // width
+        first_m = group * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+        """fp32 [BLOCK_M, BLOCK_N] tile of a @ w.T (rows offs_m < N, vocab ids offs_n < V_END)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < N
+        n_mask = offs_n < V_END
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        return acc
+
+    @triton.jit
+    def _logits_kernel(
+        a_ptr, stride_am,  # a [N, H] (dot dtype)
+        w_ptr, stride_wn,  # weight [V, H]
+        out_ptr, stride_om,  # fp32 logits chunk [N, V_END - V0]
+        pmax_ptr, psum_ptr, stride_pm,  # fp32 [N, n_tiles] logsumexp partials
+        N, V0, V_END, H,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
+        """out[:, j] = logits[:, V0 + j]; per tile t: pmax = max_j, psum = sum_j exp(logit - pmax)."""
+        pid_m, pid_n = _tile_coords(N, V_END - V0, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = V0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        m_mask = offs_m < N
+        n_mask = offs_n < V_END
+        rows64 = offs_m.to(tl.int64)
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + (offs_n - V0)[None, :]
+        tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        x = tl.where(n_mask[None, :], acc, float("-inf"))
+        row_max = tl.max(x, axis=1)
+        row_sum = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
+        tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
+        tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
+
+    @triton.jit
+    def _argmax_kernel(
+        a_ptr, stride_am,  # a [N, H] (dot dtype)
+        w_ptr, stride_wn,  # weight [V, H]
+        pval_ptr, pidx_ptr, stride_pm,  # fp32 / int32 [N, n_tiles]: per-tile best score and its vocab id
+        N, V, H,
+        inv_temperature,  # GUMBEL only
+        seed,  # GUMBEL only: Philox key
+        GUMBEL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
+        """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
+
+        s = logits, or logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL.
+        """
+        pid_m, pid_n = _tile_coords(N, V, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        m_mask = offs_m < N
+        n_mask = offs_n < V
+        if GUMBEL:
+            # int32 counters: the launcher keeps N * V < 2**31 per launch.
+            counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
+            u = tl.rand(seed, counter)
+            acc = acc * inv_temperature - tl.log(-tl.log(u))
+        score = tl.where(n_mask[None, :], acc, float("-inf"))
+        best = tl.max(score, axis=1)
+        cand = tl.where((score == best[:, None]) & n_mask[None, :], offs_n[None, :], V)
+        idx = tl.min(cand, axis=1)
+        idx = tl.where(idx < V, idx, pid_n * BLOCK_N)  # NaN rows: still a valid id
+        rows64 = offs_m.to(tl.int64)
+        tl.store(pval_ptr + rows64 * stride_pm + pid_n, best, mask=m_mask)
+        tl.store(pidx_ptr + rows64 * stride_pm + pid_n, idx, mask=m_mask)
+
+    @triton.jit
+    def _ce_grad_kernel(
+        logits_ptr, stride_l,  # fp32 [N, V] chunk
+        lse_ptr,  # fp32 [N] logsumexp per row
+        target_ptr,  # int64 [N]
+        scale_ptr,  # fp32 [N]: loss weight, 0 for ignored rows
+        grad_ptr, stride_g,  # [N, V] in the dot dtype
+        N, V,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """grad[r, j] = scale[r] * (exp(logits[r, j] - lse[r]) - (j == target[r])) on a [BLOCK_R, BLOCK_V] tile."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        r_mask = rows < N
+        mask = r_mask[:, None] & (cols < V)[None, :]
+        x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
+        lse = tl.load(lse_ptr + rows, mask=r_mask, other=0.0)
+        target = tl.load(target_ptr + rows, mask=r_mask, other=-1)
+        scale = tl.load(scale_ptr + rows, mask=r_mask, other=0.0)
+        p = tl.exp(x - lse[:, None])
+        g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale[:, None]
+        tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _operand_a(hidden, norm_weight, eps, positions, dot_dtype) -> torch.Tensor:
+    """The GEMM's A operand ``[N, H]`` in ``dot_dtype`` (normed, gathered rows)."""
+    if norm_weight is None and positions is None and hidden.dtype == dot_dtype and hidden.stride(1) == 1:
+        return hidden
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    N = hidden.shape[0] if positions is None else positions.numel()
+    H = hidden.shape[1]
+    a = torch.empty(N, H, dtype=dot_dtype, device=hidden.device)
+    if N == 0:
+        return a
+    cfg = norm_config(H)
+    _norm_rows_kernel[(triton.cdiv(N, cfg["BLOCK_R"]),)](
+        hidden, hidden.stride(0),
+        positions if positions is not None else a,
+        norm_weight if norm_weight is not None else a,
+        a, N, H, float(eps),
+        HAS_POS=positions is not None, HAS_NORM=norm_weight is not None,
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_H=cfg["BLOCK_H"], RNE_BF16=triton_interpreting(), num_warps=cfg["num_warps"],
+    )
+    return a
+
+
+# Under Triton's CPU interpreter every program costs milliseconds of Python,
+# so the launcher widens the vocab tiles there to about 4 per call (at most
+# 1024 ids: same kernels and masks, several tiles still); compiled launches use
+# gemm_config as is.
+_INTERPRETER_VOCAB_TILES = 4
+_INTERPRETER_MAX_BLOCK_N = 1024
+
+
+def _gemm_launch_args(n_rows: int, n_vocab: int, dot_dtype: torch.dtype):
+    cfg = dict(gemm_config(n_rows, dot_dtype))
+    if triton_interpreting():
+        wide = min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(-(-n_vocab // _INTERPRETER_VOCAB_TILES)))
+        cfg["BLOCK_N"] = max(cfg["BLOCK_N"], wide)
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                DOT_FP32=_dot_fp32(dot_dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return cfg, meta
+
+
+def _logits_chunk(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, v0: int, v_end: int,
+                  dot_dtype: torch.dtype) -> torch.Tensor:
+    """Write logits[:, v0:v_end] of ``a`` into ``out`` ([N, v_end - v0] fp32, unit last stride).
+
+    Returns the rows' logsumexp over ``v0:v_end`` (fp32 [N]), from per-tile
+    partials the kernel writes alongside (``2 * N * n_tiles`` floats).
+    """
+    N, H = a.shape
+    cfg, meta = _gemm_launch_args(N, v_end - v0, dot_dtype)
+    n_tiles = triton.cdiv(v_end - v0, cfg["BLOCK_N"])
+    pmax = torch.empty(N, n_tiles, dtype=torch.float32, device=a.device)
+    psum = torch.empty(N, n_tiles, dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
+    _logits_kernel[grid](
+        a, a.stride(0), weight, weight.stride(0), out, out.stride(0), pmax, psum, pmax.stride(0),
+        N, v0, v_end, H, **meta,
+    )
+    return _combine_lse(pmax, psum)
+
+
+def _combine_lse(pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
+    """logsumexp from per-tile (max, sum exp(x - max)) partials, [N, tiles] -> [N]."""
+    top = pmax.max(dim=1).values
+    return top + torch.log((psum * torch.exp(pmax - top[:, None])).sum(dim=1))
+
+
+def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype, *, gumbel: bool,
+                   inv_temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
+    N, H = a.shape
+    V = weight.shape[0]
+    cfg, meta = _gemm_launch_args(N, V, dot_dtype)
+    n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
+    pval = torch.empty(N, n_tiles, dtype=torch.float32, device=a.device)
+    pidx = torch.empty(N, n_tiles, dtype=torch.int32, device=a.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
+    _argmax_kernel[grid](
+        a, a.stride(0), weight, weight.stride(0), pval, pidx, pval.stride(0), N, V, H,
+        float(inv_temperature), seed, GUMBEL=gumbel, **meta,
+    )
+    best_tile = torch.argmax(pval, dim=1, keepdim=True)  # first max = lowest vocab id on ties
+    return pidx.gather(1, best_tile).squeeze(1).to(torch.int64)
+
+
+def _kernel_seed(seed: int, chunk: int) -> int:
+    """Philox key for row chunk ``chunk``: always in [2**61, 2**62) so Triton passes it as int64."""
+    return ((seed + chunk * 0x9E3779B97F4A7C15) % _SEED_MOD) | _SEED_MOD
+
+
+def _sample_rows_per_launch(vocab: int) -> int:
+    return max(1, _INT32_MAX // vocab)
+
+
+def _prepare(hidden, weight, norm_weight, eps, positions):
+    dot_dtype = dot_dtype_for(hidden.dtype, weight.dtype)
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    a = _operand_a(hidden, norm_weight, eps, positions, dot_dtype)
+    return a, weight, dot_dtype
+
+
+def _logits_triton(hidden, weight, norm_weight, eps, positions):
+    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+    N, V = a.shape[0], weight.shape[0]
+    out = torch.empty(N, V, dtype=torch.float32, device=hidden.device)
+    if N > 0:
+        _logits_chunk(a, weight, out, 0, V, dot_dtype)
+    return out
+
+
+def _argmax_triton(hidden, weight, norm_weight, eps, positions):
+    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+    if a.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=hidden.device)
+    return _argmax_launch(a, weight, dot_dtype, gumbel=False)
+
+
+def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, seed):
+    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+    N, V = a.shape[0], weight.shape[0]
+    out = torch.empty(N, dtype=torch.int64, device=hidden.device)
+    step = _sample_rows_per_launch(V)
+    for chunk, r0 in enumerate(range(0, N, step)):
+        out[r0:r0 + step] = _argmax_launch(a[r0:r0 + step], weight, dot_dtype, gumbel=True,
+                                           inv_temperature=1.0 / temperature, seed=_kernel_seed(seed, chunk))
+    return out
+
+
+def topk_chunk_plan(n_rows: int, vocab: int, chunk_elements: Optional[int] = None) -> Tuple[int, int]:
+    """(rows per chunk, vocab ids per chunk) of the top-K loop: rows * vocab_chunk <= chunk_elements."""
+    budget = max(1, int(chunk_elements or DEFAULT_CHUNK_ELEMENTS))
+    if n_rows * vocab <= budget:
+        return max(n_rows, 1), vocab
+    vocab_chunk = min(vocab, max(256, (budget // max(n_rows, 1)) // 256 * 256))
+    rows = max(1, min(n_rows, budget // vocab_chunk))
+    return rows, vocab_chunk
+
+
+def _topk_triton(hidden, weight, k, norm_weight, eps, positions, chunk_elements):
+    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+    N, V = a.shape[0], weight.shape[0]
+    values = torch.empty(N, k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(N, k, dtype=torch.int64, device=hidden.device)
+    if N == 0:
+        return values, ids
+    rows_per, vocab_per = topk_chunk_plan(N, V, chunk_elements)
+    buf = torch.empty(min(rows_per, N), vocab_per, dtype=torch.float32, device=hidden.device)
+    for r0 in range(0, N, rows_per):
+        a_rows = a[r0:r0 + rows_per]
+        nr = a_rows.shape[0]
+        best_vals = best_ids = lse = None
+        for v0 in range(0, V, vocab_per):
+            v_end = min(V, v0 + vocab_per)
+            chunk = buf[:nr, :v_end - v0]
+            chunk_lse = _logits_chunk(a_rows, weight, chunk, v0, v_end, dot_dtype)
+            lse = chunk_lse if lse is None else torch.logaddexp(lse, chunk_lse)
+            c_vals, c_ids = torch.topk(chunk, min(k, v_end - v0), dim=1)
+            c_ids += v0
+            if best_vals is None:
+                best_vals, best_ids = c_vals, c_ids
+            else:
+                merged_vals = torch.cat([best_vals, c_vals], dim=1)
+                merged_ids = torch.cat([best_ids, c_ids], dim=1)
+                best_vals, pick = torch.topk(merged_vals, min(k, merged_vals.shape[1]), dim=1)
+                best_ids = merged_ids.gather(1, pick)
+        values[r0:r0 + nr] = best_vals - lse[:, None]
+        ids[r0:r0 + nr] = best_ids
+    return values, ids
+
+
+# ------------------------------------------------------------------ cross-entropy
+
+
+def cross_entropy_chunk_plan(n_rows: int, vocab: int, hidden: int, dot_dtype: torch.dtype = torch.bfloat16,
+                             chunk_elements: Optional[int] = None) -> Dict[str, int]:
+    """How the fused cross-entropy chunks ``n_rows`` positions, and the bytes its chunk buffers take.
+
+    Returns ``rows_per_chunk``, ``logits_bytes`` (fp32 chunk), ``grad_bytes``
+    (softmax - onehot chunk in the dot dtype), ``partial_bytes`` (logsumexp
+    partials) and ``chunk_bytes`` (their sum: the largest transient buffer set
+    the op allocates, besides its ``[N, H]`` operand and gradient).
+    """
+    budget = max(1, int(chunk_elements or DEFAULT_CHUNK_ELEMENTS))
+    rows = max(1, min(n_rows, budget // vocab))
+    if rows >= 128:
+        rows = rows // 128 * 128
+    elem = torch.empty((), dtype=dot_dtype).element_size()
+    block_n = gemm_config(rows, dot_dtype)["BLOCK_N"]
+    logits_bytes = rows * vocab * 4
+    grad_bytes = rows * vocab * elem
+    partial_bytes = 2 * rows * math.ceil(vocab / block_n) * 4
+    return dict(rows_per_chunk=rows, logits_bytes=logits_bytes, grad_bytes=grad_bytes, partial_bytes=partial_bytes,
+                chunk_bytes=logits_bytes + grad_bytes + partial_bytes)
+
+
+def _grad_matmul(grad_logits: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out = grad_logits @ weight ([n, V] @ [V, H]); upcasts weight chunk-wise when dtypes differ."""
+    if grad_logits.dtype == weight.dtype:
+        out.copy_(torch.mm(grad_logits, weight))
+        return
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    step = max(1, (1 << 24) // max(1, weight.shape[1]))
+    for v0 in range(0, weight.shape[0], step):
+        acc += grad_logits[:, v0:v0 + step].float() @ weight[v0:v0 + step].float()
+    out.copy_(acc)
+
+
+def _cross_entropy_forward(a, weight, targets, scale, dot_dtype, need_grad, chunk_elements):
+    """Per-row losses [N] and (if need_grad) d loss_r / d a_r [N, H], chunk by chunk."""
+    N, H = a.shape
+    V = weight.shape[0]
+    loss = torch.empty(N, dtype=torch.float32, device=a.device)
+    grad_a = torch.empty_like(a) if need_grad else None
+    if N == 0:
+        return loss, grad_a
+    plan = cross_entropy_chunk_plan(N, V, H, dot_dtype, chunk_elements)
+    rows_per = plan["rows_per_chunk"]
+    logits = torch.empty(min(rows_per, N), V, dtype=torch.float32, device=a.device)
+    grad_logits = torch.empty(min(rows_per, N), V, dtype=dot_dtype, device=a.device) if need_grad else None
+    safe_targets = targets.clamp(0, V - 1)  # ignored rows have scale 0
+    cfg = dict(ce_grad_config())
+    if triton_interpreting():  # fewer, larger programs (see _gemm_launch_args)
+        cfg["BLOCK_R"] = 64
+    for r0 in range(0, N, rows_per):
+        r1 = min(N, r0 + rows_per)
+        nr = r1 - r0
+        chunk = logits[:nr]
+        lse = _logits_chunk(a[r0:r1], weight, chunk, 0, V, dot_dtype)
+        picked = chunk.gather(1, safe_targets[r0:r1, None]).squeeze(1)
+        loss[r0:r1] = (lse - picked) * scale[r0:r1]
+        if need_grad:
+            g = grad_logits[:nr]
+            _ce_grad_kernel[(triton.cdiv(nr, cfg["BLOCK_R"]), triton.cdiv(V, cfg["BLOCK_V"]))](
+                chunk, chunk.stride(0), lse, targets[r0:r1], scale[r0:r1], g, g.stride(0), nr, V,
+                BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+            )
+            _grad_matmul(g, weight, grad_a[r0:r1])
+    return loss, grad_a
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """loss_r = scale_r * CE(a_r @ W.T, t_r); the gradient wrt ``a`` is computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, a, weight, targets, scale, dot_dtype, chunk_elements):
+        loss, grad_a = _cross_entropy_forward(a.detach(), weight, targets, scale, dot_dtype,
+                                              ctx.needs_input_grad[0], chunk_elements)
+        if grad_a is not None:
+            ctx.save_for_backward(grad_a)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_a,) = ctx.saved_tensors
+        grad = (grad_a.float() * grad_loss.float()[:, None]).to(grad_a.dtype)
+        return grad, None, None, None, None, None
+
+
+def _cross_entropy_triton(hidden, weight, targets, weights, norm_weight, eps, positions, ignore_index,
+                          chunk_elements):
+    dot_dtype = dot_dtype_for(hidden.dtype, weight.dtype)
+    weight = weight.detach()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        # Differentiable prologue in torch (autograd carries the gradient back
+        # through the norm and the row gather); the fused op starts at ``a``.
+        a = hidden if positions is None else hidden.index_select(0, positions)
+        if norm_weight is not None:
+            a = rms_norm(a, norm_weight.detach(), eps)
+        a = a.to(dot_dtype)
+        if a.stride(1) != 1:
+            a = a.contiguous()
+    else:
+        a = _operand_a(hidden.detach(), norm_weight, eps, positions, dot_dtype)
+    scale = (targets != ignore_index).float()
+    if weights is not None:
+        scale = scale * weights.detach().float()
+    return _FusedLinearCrossEntropy.apply(a, weight, targets, scale.contiguous(), dot_dtype, chunk_elements)
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True) -> torch.Tensor:
+    """fp32 ``[N, V]`` logits of ``rms_norm(hidden[positions]) @ weight.T`` (the full output, by request)."""
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                                         check_bounds=False)
+    return _logits_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions)
+
+
+def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True) -> torch.Tensor:
+    """int64 ``[N]`` greedy tokens: ``argmax`` of the logits, lowest id on ties. No logits are stored."""
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                                         check_bounds=False)
+    return _argmax_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions)
+
+
+def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
+                 chunk_elements: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs fp32 [N, k], ids int64 [N, k])``: top-k of the full-vocab log-softmax, best first.
+
+    ``chunk_elements`` bounds the fp32 logits held at once (default
+    :data:`DEFAULT_CHUNK_ELEMENTS`); ``k > V`` is an error.
+    """
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    check_k(k, weight.shape[0])
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=positions,
+                                       check_bounds=False)
+    return _topk_triton(hidden.detach(), weight.detach(), k, norm_weight, eps, positions, chunk_elements)
+
+
+def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
+                   seed=None, check_bounds=True) -> torch.Tensor:
+    """int64 ``[N]``: one token per row drawn from ``softmax(logits / temperature)``.
+
+    ``temperature > 0`` (use :func:`lm_head_argmax` for greedy). Reproducible:
+    the Triton path draws one 62-bit seed from ``generator`` (or takes
+    ``seed``; neither: torch's default generator) and generates Gumbel noise
+    in-kernel from it, so equal seeds give equal samples. The reference path
+    uses ``torch.multinomial`` with the same generator/seed (same
+    distribution, different draws).
+    """
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    t = check_temperature(temperature)
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=positions,
+                                         generator=generator, seed=seed, check_bounds=False)
+    key = seed_from(generator, seed)
+    return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key)
+
+
+def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
+                          ignore_index=-100, check_bounds=True, chunk_elements: Optional[int] = None) -> torch.Tensor:
+    """fp32 ``[N]`` losses ``weights * (logsumexp(logits) - logits[target])`` (0 at ``ignore_index``).
+
+    Differentiable wrt ``hidden`` only: ``weight`` and ``norm_weight`` are
+    treated as frozen (no gradient). The Triton path never holds more than
+    one row chunk of the logits (``chunk_elements`` fp32 values, default
+    :data:`DEFAULT_CHUNK_ELEMENTS`); see :func:`cross_entropy_chunk_plan`.
+    """
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    n = hidden.shape[0] if positions is None else positions.numel()
+    targets, weights = check_targets(targets, weights, n, weight.shape[0], hidden.device, ignore_index)
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_cross_entropy(hidden, weight, targets, weights=weights, norm_weight=norm_weight,
+                                                eps=eps, positions=positions, ignore_index=ignore_index,
+                                                check_bounds=False)
+    return _cross_entropy_triton(hidden, weight, targets.contiguous(), weights, norm_weight, eps, positions,
+                                 ignore_index, chunk_elements)
+
+
+# --------------------------------------------------------------------------- compile enumeration
+
+_TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+REAL_HIDDEN_SIZES = (48, 2560, 4096)
+REAL_VOCAB_SIZES = (151936, 128256)
+REAL_POSITION_COUNTS = (1, 7, 15, 16, 17, 64, 65, 257, 1024, 8192)
+REAL_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32))
+
+
+def launch_configs(hidden_sizes=REAL_HIDDEN_SIZES, position_counts=REAL_POSITION_COUNTS,
+                   dtypes=REAL_DTYPES) -> List[dict]:
+    """Every distinct compiled variant the launchers pick for the given shapes (compiled GPU mode).
+
+    ``dtypes`` holds ``(hidden dtype, weight dtype)`` pairs (real models use
+    matching ones; pass e.g. ``(float32, bfloat16)`` to cover the mixed fp32
+    path too). Each entry: ``name``, ``kernel``, ``signature`` (Triton type
+    strings by arg name), ``constexprs``, ``num_warps``, ``num_stages``, and
+    ``tensor_core_dot`` (True when the GEMM runs a bf16/fp16 ``tl.dot``). The
+    vocabulary size enters no config (only grid sizes). Built from the same
+    config functions the launchers call.
+    """
+    if triton is None:
+        return []
+    out, seen = [], set()
+
+    def add(name, kernel, signature, constexprs, num_warps, num_stages, tensor_core_dot=False):
+        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())), num_warps,
+               num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(dict(name=name, kernel=kernel, signature=signature, constexprs=constexprs,
+                            num_warps=num_warps, num_stages=num_stages, tensor_core_dot=tensor_core_dot))
+
+    for hidden_dtype, weight_dtype in dtypes:
+        dot = dot_dtype_for(hidden_dtype, weight_dtype)
+        ht, wt, dt = _TRITON_TYPE[hidden_dtype], _TRITON_TYPE[weight_dtype], _TRITON_TYPE[dot]
+        for H in hidden_sizes:
+            ncfg = norm_config(H)
+            for has_pos in (False, True):
+                for has_norm in (False, True):
+                    add(f"norm_rows[{ht}->{dt} pos={has_pos} norm={has_norm} R{ncfg['BLOCK_R']}xH{ncfg['BLOCK_H']}]",
+                        _norm_rows_kernel,
+                        {"x_ptr": "*" + ht, "stride_x": "i32", "pos_ptr": "*i64", "nw_ptr": "*" + ht,
+                         "out_ptr": "*" + dt, "N": "i32", "H": "i32", "eps": "fp32"},
+                        {"HAS_POS": has_pos, "HAS_NORM": has_norm, "BLOCK_R": ncfg["BLOCK_R"],
+                         "BLOCK_H": ncfg["BLOCK_H"], "RNE_BF16": False},
+                        ncfg["num_warps"], 1)
+        for n in position_counts:
+            cfg = gemm_config(n, dot)
+            common = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+            common["DOT_FP32"] = dot == torch.float32
+            tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
+            tc = dot != torch.float32
+            add(f"logits[{tag}]", _logits_kernel,
+                {"a_ptr": "*" + dt, "stride_am": "i32", "w_ptr": "*" + wt, "stride_wn": "i32",
+                 "out_ptr": "*fp32", "stride_om": "i32", "pmax_ptr": "*fp32", "psum_ptr": "*fp32",
+                 "stride_pm": "i32", "N": "i32", "V0": "i32", "V_END": "i32", "H": "i32"},
+                common, cfg["num_warps"], cfg["num_stages"], tc)
+            for gumbel in (False, True):
+                add(f"argmax[{tag} gumbel={gumbel}]", _argmax_kernel,
+                    {"a_ptr": "*" + dt, "stride_am": "i32", "w_ptr": "*" + wt, "stride_wn": "i32",
+                     "pval_ptr": "*fp32", "pidx_ptr": "*i32", "stride_pm": "i32", "N": "i32", "V": "i32",
+                     "H": "i32", "inv_temperature": "fp32", "seed": "i64"},
+                    dict(common, GUMBEL=gumbel), cfg["num_warps"], cfg["num_stages"], tc)
+        gcfg = ce_grad_config()
+        add(f"ce_grad[{dt}]", _ce_grad_kernel,
+            {"logits_ptr": "*fp32", "stride_l": "i32", "lse_ptr": "*fp32", "target_ptr": "*i64",
+             "scale_ptr": "*fp32", "grad_ptr": "*" + dt, "stride_g": "i32", "N": "i32", "V": "i32"},
+            {"BLOCK_R": gcfg["BLOCK_R"], "BLOCK_V": gcfg["BLOCK_V"]}, gcfg["num_warps"], 1)
+    return out

@@ -1,0 +1,464 @@
+"""Fused final RMSNorm + lm_head ops: Triton (interpreter on CPU, compiled on a GPU) against the reference.
+
+Covers logits, argmax, top-k, sampling and cross-entropy over a table of
+shapes (hidden 48/64, vocab 1000 and 50257, 1..257 positions, with and without
+norm and positions, fp32/bf16/fp16), exact argmax/top-k ids where the inputs
+have no near-ties (plus exactly tied inputs: lowest id wins), sampling
+reproducibility and a chi-square goodness-of-fit test, the CE gradient against
+autograd on the reference, and the error messages of bad inputs.
+"""
+
+import math
+
+import pytest
+import torch
+
+import dflash_kernels.lm_head as lm_head_module
+from dflash_kernels import (force_backend, lm_head_argmax, lm_head_cross_entropy, lm_head_logits, lm_head_sample,
+                            lm_head_topk)
+from dflash_kernels import reference as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ("triton", "reference")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# (atol, rtol) of fp32 logits against the reference, by input dtype: the GEMM
+# operands are identical up to one ulp of the normed hidden state (the norm's
+# rounding), the accumulation is fp32 in another order.
+LOGIT_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 1e-2), torch.float16: (4e-3, 2e-3)}
+# a reference top-1/top-2 gap below this counts as a near-tie (ids not compared)
+TIE_GAP = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def make_inputs(T, H, V, dtype, *, norm=True, positions=None, seed=0, boost=False):
+    """Random hidden [T, H], weight [V, H], norm weight [H]; positions as a tensor.
+
+    With ``boost``, hidden row ``p`` gets a clear winner (token ``(37 p + 11) % V``,
+    about 4 above the rest), so greedy ids are comparable without near-ties.
+    """
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    weight = torch.randn(V, H, generator=g) / math.sqrt(H)
+    norm_weight = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype) if norm else None
+    if boost:
+        a = (ref.rms_norm(hidden, norm_weight) if norm else hidden).float()
+        for p in range(T):
+            weight[(37 * p + 11) % V] += 4.0 * a[p] / a[p].dot(a[p])
+    weight = weight.to(dtype).to(DEVICE)
+    hidden = hidden.to(DEVICE)
+    norm_weight = norm_weight.to(DEVICE) if norm else None
+    if positions is not None:
+        positions = torch.as_tensor(positions, dtype=torch.int64, device=DEVICE)
+    return hidden, weight, dict(norm_weight=norm_weight, positions=positions)
+
+
+def clear_rows(ref_logits, dtype, k=1):
+    """Rows whose reference top-(k+1) logits are separated by more than the near-tie gap."""
+    top = torch.topk(ref_logits, min(k + 1, ref_logits.shape[1]), dim=1).values
+    gaps = top[:, :-1] - top[:, 1:]
+    return (gaps > TIE_GAP[dtype]).all(dim=1)
+
+
+# (T, H, V, positions, norm): decode-sized and 128-row tiles, ragged vocab,
+# duplicate and reordered positions.
+SHAPES = [
+    (1, 48, 1000, None, True),
+    (9, 48, 1000, [8, 0, 3, 3, 7, 1, 2], False),
+    (16, 64, 1000, None, True),
+    (300, 48, 1000, list(range(299, 41, -1)), True),  # 258 positions -> several 128-row tiles
+    (257, 48, 1000, None, False),
+]
+SHAPE_IDS = ["T1-norm", "P7-dup", "T16-norm", "P258-norm", "T257"]
+BIG_VOCAB = (7, 48, 50257, [6, 0, 2], True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,V,positions,norm", SHAPES, ids=SHAPE_IDS)
+def test_logits_and_argmax_match_reference(T, H, V, positions, norm, dtype):
+    hidden, weight, kw = make_inputs(T, H, V, dtype, norm=norm, positions=positions, boost=True)
+    expected = ref.lm_head_logits(hidden, weight, **kw)
+    with force_backend("triton"):
+        logits = lm_head_logits(hidden, weight, **kw)
+        ids = lm_head_argmax(hidden, weight, **kw)
+    atol, rtol = LOGIT_TOL[dtype]
+    assert logits.dtype == torch.float32 and logits.shape == expected.shape
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=rtol)
+    assert ids.dtype == torch.int64 and ids.shape == (expected.shape[0],)
+    clear = clear_rows(expected, dtype)
+    assert clear.float().mean() > 0.9, "test inputs have too many near-ties to be meaningful"
+    assert torch.equal(ids[clear], expected.argmax(dim=1)[clear])
+
+
+def test_argmax_big_vocab_bf16():
+    T, H, V, positions, norm = BIG_VOCAB
+    hidden, weight, kw = make_inputs(T, H, V, torch.bfloat16, norm=norm, positions=positions, seed=1, boost=True)
+    expected = ref.lm_head_logits(hidden, weight, **kw)
+    with force_backend("triton"):
+        ids = lm_head_argmax(hidden, weight, **kw)
+    clear = clear_rows(expected, torch.bfloat16)
+    assert torch.equal(ids[clear], expected.argmax(1)[clear]) and clear.all()
+
+
+def integer_inputs(T, H, V, dtype, seed=0):
+    """Small-integer hidden and weight (exact in every dtype): logits are exact integers, in any summation order."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-2, 3, (T, H), generator=g).to(dtype).to(DEVICE)
+    weight = torch.randint(-2, 3, (V, H), generator=g).to(dtype).to(DEVICE)
+    return hidden, weight
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_argmax_exact_with_ties_is_lowest_index(backend, dtype):
+    hidden, weight = integer_inputs(20, 48, 1000, dtype)
+    # exact ties inside one vocab tile (3, 7) and across tiles (5, 900): lowest id must win
+    weight[3] = weight[7] = hidden[0] * 2
+    weight[900] = weight[5] = hidden[1] * 2
+    expected = ref.lm_head_logits(hidden, weight).argmax(dim=1)
+    with force_backend(backend):
+        ids = lm_head_argmax(hidden, weight)
+    assert ids[0] == 3 and ids[1] == 5
+    assert torch.equal(ids, expected)  # integer logits: equal everywhere, ties included
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_exact_on_integer_logits(dtype):
+    hidden, weight = integer_inputs(5, 48, 1000, dtype, seed=2)
+    k = 20
+    logits = ref.lm_head_logits(hidden, weight)
+    with force_backend("triton"):
+        values, ids = lm_head_topk(hidden, weight, k, chunk_elements=2 * 256)  # 3 row chunks x 4 vocab chunks
+    ref_lp = torch.log_softmax(logits, dim=1)
+    expected_vals = torch.topk(ref_lp, k, dim=1).values
+    torch.testing.assert_close(values, expected_vals, atol=1e-5, rtol=0)
+    # ids: exactly the right logits; any order among equal logits
+    assert torch.equal(logits.gather(1, ids), torch.topk(logits, k, dim=1).values)
+    assert all(len(set(row.tolist())) == k for row in ids)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,V,positions,norm", SHAPES[:3] + [SHAPES[4]], ids=SHAPE_IDS[:3] + [SHAPE_IDS[4]])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
+def test_topk_matches_reference(T, H, V, positions, norm, dtype, chunked):
+    k = 8
+    hidden, weight, kw = make_inputs(T, H, V, dtype, norm=norm, positions=positions, seed=3)
+    logits = ref.lm_head_logits(hidden, weight, **kw)
+    ref_vals, ref_ids = ref.lm_head_topk(hidden, weight, k, **kw)
+    with force_backend("triton"):
+        # chunked: the vocab in 4 chunks of 256 ids (one row chunk)
+        n = logits.shape[0]
+        values, ids = lm_head_topk(hidden, weight, k, chunk_elements=n * 256 if chunked else None, **kw)
+    assert values.shape == ids.shape == (logits.shape[0], k)
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64
+    atol, rtol = LOGIT_TOL[dtype]
+    torch.testing.assert_close(values, ref_vals, atol=atol, rtol=rtol)
+    assert bool((values[:, :-1] >= values[:, 1:]).all()), "not sorted best first"
+    ref_lp = torch.log_softmax(logits, dim=1)
+    torch.testing.assert_close(ref_lp.gather(1, ids), values, atol=atol, rtol=rtol)
+    clear = clear_rows(logits, dtype, k=k)
+    assert torch.equal(ids[clear], ref_ids[clear])
+
+
+def test_topk_big_vocab_bf16():
+    T, H, V, positions, norm = BIG_VOCAB
+    hidden, weight, kw = make_inputs(T, H, V, torch.bfloat16, norm=norm, positions=positions, seed=4)
+    ref_vals, ref_ids = ref.lm_head_topk(hidden, weight, 16, **kw)
+    with force_backend("triton"):
+        values, ids = lm_head_topk(hidden, weight, 16, **kw)
+    torch.testing.assert_close(values, ref_vals, atol=3e-2, rtol=1e-2)
+    logits = ref.lm_head_logits(hidden, weight, **kw)
+    clear = clear_rows(logits, torch.bfloat16, k=16)
+    assert torch.equal(ids[clear], ref_ids[clear])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_k_equals_vocab(backend):
+    hidden, weight, kw = make_inputs(3, 48, 40, torch.float32)
+    with force_backend(backend):
+        values, ids = lm_head_topk(hidden, weight, 40, **kw)
+    assert torch.equal(ids.sort(dim=1).values, torch.arange(40, device=DEVICE).expand(3, 40))
+    torch.testing.assert_close(values.exp().sum(dim=1), torch.ones(3, device=DEVICE), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ sampling
+
+CHI2_CRITICAL_DF7_P001 = 24.322  # chi-square quantile for 7 degrees of freedom at p = 0.001
+
+
+def chi_square(samples, probs):
+    counts = torch.bincount(samples.cpu(), minlength=probs.numel()).double()
+    expected = probs.cpu().double() * samples.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.7, 2.0])
+def test_sample_matches_softmax_distribution(backend, temperature):
+    V, n = 8, 4000
+    hidden, weight, kw = make_inputs(3, 16, V, torch.float32, norm=True, seed=5)
+    weight = weight * 0.4
+    positions = torch.full((n,), 1, dtype=torch.int64, device=DEVICE)
+    logits = ref.lm_head_logits(hidden, weight, norm_weight=kw["norm_weight"], positions=positions[:1])[0]
+    probs = torch.softmax(logits / temperature, dim=0)
+    assert probs.min() > 0.02, "every token must be likely enough for a chi-square test"
+    with force_backend(backend):
+        samples = lm_head_sample(hidden, weight, temperature, norm_weight=kw["norm_weight"], positions=positions,
+                                 seed=1234)
+    assert samples.dtype == torch.int64 and samples.shape == (n,)
+    assert chi_square(samples, probs) < CHI2_CRITICAL_DF7_P001
+
+
+def test_sample_chi_square_detects_a_wrong_distribution():
+    # the statistic above is strong enough to reject the wrong temperature
+    V, n = 8, 4000
+    hidden, weight, kw = make_inputs(3, 16, V, torch.float32, norm=True, seed=5)
+    weight = weight * 0.4
+    positions = torch.full((n,), 1, dtype=torch.int64, device=DEVICE)
+    logits = ref.lm_head_logits(hidden, weight, norm_weight=kw["norm_weight"], positions=positions[:1])[0]
+    with force_backend("triton"):
+        samples = lm_head_sample(hidden, weight, 0.7, norm_weight=kw["norm_weight"], positions=positions, seed=1234)
+    assert chi_square(samples, torch.softmax(logits / 2.0, dim=0)) > CHI2_CRITICAL_DF7_P001
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sample_reproducible_with_seed_and_generator(backend):
+    hidden, weight, kw = make_inputs(40, 48, 1000, torch.bfloat16, seed=6)
+    with force_backend(backend):
+        a = lm_head_sample(hidden, weight, 1.5, seed=7, **kw)
+        b = lm_head_sample(hidden, weight, 1.5, seed=7, **kw)
+        c = lm_head_sample(hidden, weight, 1.5, seed=8, **kw)
+        g1 = torch.Generator(device=DEVICE).manual_seed(99)
+        g2 = torch.Generator(device=DEVICE).manual_seed(99)
+        d1 = lm_head_sample(hidden, weight, 1.5, generator=g1, **kw)
+        d2 = lm_head_sample(hidden, weight, 1.5, generator=g2, **kw)
+        e1 = lm_head_sample(hidden, weight, 1.5, generator=g1, **kw)  # the generator advanced
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert torch.equal(d1, d2)
+    assert not torch.equal(d1, e1)
+    assert bool(((a >= 0) & (a < 1000)).all())
+
+
+def test_sample_row_chunks_keep_rows_independent(monkeypatch):
+    # rows beyond 2**31 / V Philox counters go to another launch with another key
+    hidden, weight, kw = make_inputs(12, 48, 1000, torch.float32, seed=9)
+    positions = torch.zeros(12, dtype=torch.int64, device=DEVICE)
+    with force_backend("triton"):
+        whole = lm_head_sample(hidden, weight, 5.0, positions=positions, seed=3)
+        monkeypatch.setattr(lm_head_module, "_sample_rows_per_launch", lambda vocab: 5)
+        chunked = lm_head_sample(hidden, weight, 5.0, positions=positions, seed=3)
+        again = lm_head_sample(hidden, weight, 5.0, positions=positions, seed=3)
+    assert torch.equal(whole[:5], chunked[:5])  # the first launch is unchanged
+    assert torch.equal(chunked, again)
+    assert len(set(chunked.tolist())) > 6, "identical rows must still draw independently"
+
+
+def test_low_temperature_sampling_is_argmax():
+    hidden, weight, kw = make_inputs(9, 48, 1000, torch.float32, seed=10, boost=True)
+    with force_backend("triton"):
+        greedy = lm_head_argmax(hidden, weight, **kw)
+        cold = lm_head_sample(hidden, weight, 1e-4, seed=1, **kw)
+    assert torch.equal(greedy, cold)
+
+
+# ------------------------------------------------------------------ cross-entropy
+
+CE_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
+GRAD_TOL = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 5e-3)}
+
+
+def ce_case(dtype, T, H, V, positions, norm, seed, with_weights=True, ignore=True):
+    hidden, weight, kw = make_inputs(T, H, V, dtype, norm=norm, positions=positions, seed=seed)
+    n = T if positions is None else len(positions)
+    g = torch.Generator().manual_seed(seed + 100)
+    targets = torch.randint(0, V, (n,), generator=g)
+    if ignore:
+        targets[1::3] = -100
+    weights = torch.rand(n, generator=g) + 0.5 if with_weights else None
+    return hidden, weight, kw, targets.to(DEVICE), (weights.to(DEVICE) if weights is not None else None)
+
+
+CE_SHAPES = [
+    (1, 48, 1000, None, True),
+    (9, 48, 1000, [8, 0, 3, 3, 7, 1, 2], True),  # duplicate position: gradients add up
+    (16, 64, 1000, None, False),
+    (257, 48, 1000, None, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,V,positions,norm", CE_SHAPES, ids=["T1", "P7-dup", "T16-nonorm", "T257"])
+def test_cross_entropy_value_and_grad(T, H, V, positions, norm, dtype):
+    hidden, weight, kw, targets, weights = ce_case(dtype, T, H, V, positions, norm, seed=T)
+    n = targets.numel()
+    grad_out = torch.linspace(0.5, 2.0, n, device=DEVICE)
+
+    h_ref = hidden.clone().requires_grad_(True)
+    loss_ref = ref.lm_head_cross_entropy(h_ref, weight, targets, weights=weights, **kw)
+    (loss_ref * grad_out).sum().backward()
+
+    h = hidden.clone().requires_grad_(True)
+    with force_backend("triton"):
+        # row chunks of 3 positions for small cases, of 128 for the 257-row case
+        loss = lm_head_cross_entropy(h, weight, targets, weights=weights, chunk_elements=(128 if n > 16 else 3) * V,
+                                     **kw)
+    (loss * grad_out).sum().backward()
+
+    assert loss.dtype == torch.float32 and loss.shape == (n,)
+    atol, rtol = CE_TOL[dtype]
+    torch.testing.assert_close(loss.detach(), loss_ref.detach(), atol=atol, rtol=rtol)
+    assert bool((loss[targets == -100] == 0).all())
+    assert h.grad.dtype == dtype
+    gatol, grtol = GRAD_TOL[dtype]
+    torch.testing.assert_close(h.grad.float(), h_ref.grad.float(), atol=gatol, rtol=grtol)
+    assert h_ref.grad.abs().max() > 0.02  # the comparison is not vacuous
+
+
+def test_cross_entropy_big_vocab_bf16_no_grad_path():
+    # hidden without requires_grad: the Triton norm kernel builds the operand; no gradient is computed
+    hidden, weight, kw, targets, weights = ce_case(torch.bfloat16, 7, 48, 50257, [6, 0, 2], True, seed=11)
+    expected = ref.lm_head_cross_entropy(hidden, weight, targets, weights=weights, **kw)
+    with force_backend("triton"):
+        loss = lm_head_cross_entropy(hidden, weight, targets, weights=weights, **kw)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_weight_and_norm_weight_are_frozen(backend):
+    hidden, weight, kw, targets, _ = ce_case(torch.float32, 6, 48, 1000, None, True, seed=12)
+    weight.requires_grad_(True)
+    kw["norm_weight"].requires_grad_(True)
+    h = hidden.clone().requires_grad_(True)
+    with force_backend(backend):
+        loss = lm_head_cross_entropy(h, weight, targets, **kw)
+    loss.sum().backward()
+    assert h.grad is not None
+    assert weight.grad is None and kw["norm_weight"].grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_custom_ignore_index_and_no_weights(backend):
+    hidden, weight, kw, targets, _ = ce_case(torch.float32, 8, 48, 1000, None, False, seed=13, ignore=False)
+    targets[2] = 5
+    with force_backend(backend):
+        loss = lm_head_cross_entropy(hidden, weight, targets, ignore_index=5, **kw)
+    expected = torch.nn.functional.cross_entropy(ref.lm_head_logits(hidden, weight, **kw), targets, reduction="none",
+                                                 ignore_index=5)
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    assert loss[2] == 0
+
+
+def test_cross_entropy_chunk_plan_bounds_memory():
+    # 8192 positions x 151936 vocab: the unfused logits alone are 8192 * 151936 * 4 bytes
+    full = 8192 * 151936 * 4
+    plan = lm_head_module.cross_entropy_chunk_plan(8192, 151936, 4096, torch.bfloat16)
+    assert plan["chunk_bytes"] < full / 8
+    assert plan["rows_per_chunk"] * 151936 <= lm_head_module.DEFAULT_CHUNK_ELEMENTS
+
+
+def test_cross_entropy_peak_allocation_is_one_chunk():
+    # What the op really allocates (forward with gradient), measured by the
+    # torch profiler on CPU tensors at a scaled-down shape: 1024 bf16
+    # positions in chunks of 64 rows. The fused op's peak is one chunk (fp32
+    # logits + the bf16 softmax-minus-onehot buffer) plus [N, H]-sized
+    # tensors, under an eighth of the unfused fp32 logits; the reference's
+    # peak exceeds the logits.
+    if DEVICE != "cpu":
+        pytest.skip("the profiler accounting below is for CPU allocations")
+    T, H, V, rows = 1024, 16, 1000, 64
+    hidden, weight, kw, targets, weights = ce_case(torch.bfloat16, T, H, V, None, False, seed=14)
+    full_logits = T * V * 4
+    plan = lm_head_module.cross_entropy_chunk_plan(T, V, H, torch.bfloat16, rows * V)
+    assert plan["rows_per_chunk"] == rows
+    peaks = {}
+    for backend in BACKENDS:
+        h = hidden.clone().requires_grad_(True)
+        with force_backend(backend):
+            run = lambda: lm_head_cross_entropy(h, weight, targets, weights=weights,  # noqa: E731
+                                                chunk_elements=rows * V, **kw)
+            # warm-up: the first profiled bf16 CPU matmul allocates a one-off workspace
+            peak_live_bytes(lambda: lm_head_cross_entropy(h[:rows], weight, targets[:rows]))
+            peaks[backend] = peak_live_bytes(run)
+    assert plan["chunk_bytes"] <= peaks["triton"], "the profiler missed the chunk buffers"
+    assert peaks["triton"] < full_logits / 8, f"fused CE peak {peaks['triton']} B vs logits {full_logits} B"
+    assert peaks["reference"] > full_logits
+
+
+def peak_live_bytes(fn) -> int:
+    """Largest sum of live CPU allocations made while ``fn()`` runs (torch profiler memory records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    stamp = (lambda e: e.start_ns()) if records and hasattr(records[0], "start_ns") else (lambda e: e.start_us())
+    records.sort(key=stamp)
+    live = peak = 0
+    for e in records:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _base():
+    hidden = torch.randn(5, 48, device=DEVICE)
+    weight = torch.randn(100, 48, device=DEVICE)
+    return hidden, weight
+
+
+ERROR_CASES = [
+    ("hidden 1-D", lambda h, w: (lm_head_logits, (h[0], w), {}), ValueError, "hidden must be 2-D"),
+    ("int hidden", lambda h, w: (lm_head_logits, (h.long(), w), {}), TypeError, "hidden has dtype"),
+    ("H mismatch", lambda h, w: (lm_head_argmax, (h, w[:, :40]), {}), ValueError, "hidden sizes must match"),
+    ("device mismatch", lambda h, w: (lm_head_argmax, (h, w.to("meta")), {}), ValueError, "weight is on meta"),
+    ("empty vocab", lambda h, w: (lm_head_argmax, (h, w[:0]), {}), ValueError, "empty vocabulary"),
+    ("empty hidden size", lambda h, w: (lm_head_argmax, (h[:, :0], w[:, :0]), {}), ValueError, "hidden size 0"),
+    ("norm shape", lambda h, w: (lm_head_argmax, (h, w), {"norm_weight": torch.ones(47, device=DEVICE)}),
+     ValueError, r"norm_weight must have shape \[H\]"),
+    ("positions range", lambda h, w: (lm_head_argmax, (h, w), {"positions": [0, 5]}), IndexError,
+     r"positions\[1\] = 5 is out of range"),
+    ("positions negative", lambda h, w: (lm_head_topk, (h, w, 3), {"positions": [-1]}), IndexError,
+     r"positions\[0\] = -1"),
+    ("positions float", lambda h, w: (lm_head_argmax, (h, w), {"positions": torch.tensor([0.0])}), TypeError,
+     "integers"),
+    ("k > V", lambda h, w: (lm_head_topk, (h, w, 101), {}), ValueError, "k = 101 exceeds the vocabulary size V = 100"),
+    ("k = 0", lambda h, w: (lm_head_topk, (h, w, 0), {}), ValueError, "k must be >= 1"),
+    ("temperature 0", lambda h, w: (lm_head_sample, (h, w, 0.0), {}), ValueError, "temperature must be a finite"),
+    ("temperature < 0", lambda h, w: (lm_head_sample, (h, w, -1.0), {}), ValueError, "use lm_head_argmax"),
+    ("seed and generator", lambda h, w: (lm_head_sample, (h, w, 1.0), {"seed": 1, "generator": torch.Generator()}),
+     ValueError, "not both"),
+    ("targets range", lambda h, w: (lm_head_cross_entropy, (h, w, torch.tensor([0, 1, 100, 3, 4], device=DEVICE)),
+                                    {}), IndexError, r"targets\[2\] = 100 is out of range"),
+    ("targets shape", lambda h, w: (lm_head_cross_entropy, (h, w, torch.zeros(4, dtype=torch.long, device=DEVICE)),
+                                    {}), ValueError, r"targets must have shape \[N\] = \[5\]"),
+    ("targets float", lambda h, w: (lm_head_cross_entropy, (h, w, torch.zeros(5, device=DEVICE)), {}), TypeError,
+     "integer token ids"),
+    ("weights shape", lambda h, w: (lm_head_cross_entropy, (h, w, torch.zeros(5, dtype=torch.long, device=DEVICE)),
+                                    {"weights": torch.ones(3, device=DEVICE)}), ValueError, r"weights must have shape"),
+    ("eps", lambda h, w: (lm_head_argmax, (h, w), {"eps": -1.0}), ValueError, "eps must be"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make,error,match", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_bad_inputs_raise_clear_errors(backend, make, error, match):
+    fn, args, kwargs = make(*_base())
+    with force_backend(backend), pytest.raises(error, match=match):
+        fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_positions_give_empty_results(backend):
+    hidden, weight = _base()
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    with force_backend(backend):
+        assert lm_head_logits(hidden, weight, positions=empty).shape == (0, 100)
+        assert lm_head_argmax(hidden, weight, positions=empty).shape == (0,)
+        values, ids = lm_head_topk(hidden, weight, 4, positions=empty)
+        assert values.shape == ids.shape == (0, 4)
+        assert lm_head_sample(hidden, weight, 1.0, positions=empty, seed=0).shape == (0,)
+        assert lm_head_cross_entropy(hidden, weight, empty, positions=empty).shape == (0,)
