@@ -125,5 +125,5 @@ def gather_concat(layers, rows: RowsLike = None, out: Optional[torch.Tensor] = N
     if out is None:
         out = torch.empty(R, len(layers) * H, dtype=layers[0].dtype, device=layers[0].device)
     for i, layer in enumerate(layers):
-        out[:, i * H:(i + 1) * H] = layer if rows is None else layer.index_select(0, rows)
+        out[:, i * H:(i + 1) * H].copy_(layer if rows is None else layer.index_select(0, rows))
     return out
