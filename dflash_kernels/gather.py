@@ -42,7 +42,7 @@ def next_power_of_2(x: int) -> int:
 
 # Elements copied by one program: a few KB keeps many programs in flight and
 # gives every thread 16-byte vectors (4 warps x 32 lanes x 8 bf16 = 1024).
-_TILE_ELEMENTS = 4096
+_TILE_ELEMENTS = 2048
 _MAX_BLOCK_H = 1024
 _MIN_BLOCK_H = 16
 

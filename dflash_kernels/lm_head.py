@@ -119,7 +119,7 @@ def gemm_config(n_rows: int, dot_dtype: torch.dtype) -> Dict[str, int]:
 def norm_config(hidden: int) -> Dict[str, int]:
     """BLOCK_R (rows per program), BLOCK_H and num_warps of the norm/gather prologue kernel."""
     block_h = min(1024, max(16, next_power_of_2(hidden)))
-    return dict(BLOCK_R=max(1, 4096 // block_h), BLOCK_H=block_h, num_warps=4)
+    return dict(BLOCK_R=max(1, 2048 // block_h), BLOCK_H=block_h, num_warps=4)
 
 
 def ce_grad_config() -> Dict[str, int]:
