@@ -40,7 +40,8 @@ def check_rows(rows: RowsLike, num_rows: int, device: torch.device, *, what: str
         try:
             rows = torch.as_tensor(list(rows), dtype=torch.int64)
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"{what} must be None, an integer tensor or a sequence of ints; got {type(rows).__name__}") from exc
+            raise TypeError(f"{what} must be None, an integer tensor or a sequence of ints; "
+                            f"got {type(rows).__name__}") from exc
         if rows.numel() == 0:
             rows = rows.reshape(0)
     if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
@@ -90,8 +91,8 @@ def check_gather_args(layers, rows: RowsLike, out: Optional[torch.Tensor], *,
         if layer.device != first.device:
             raise ValueError(f"layers[{i}] is on {layer.device} but layers[0] is on {first.device}")
         if layer.shape[1] > 1 and layer.stride(1) != 1:
-            raise ValueError(f"layers[{i}] must have unit stride in its last dim (got strides {tuple(layer.stride())}); "
-                             "row-strided views are fine, otherwise call .contiguous()")
+            raise ValueError(f"layers[{i}] must have unit stride in its last dim (got strides "
+                             f"{tuple(layer.stride())}); row-strided views are fine, otherwise call .contiguous()")
     T, H = first.shape
     if H == 0:
         raise ValueError("layers have hidden size 0; nothing to concatenate")

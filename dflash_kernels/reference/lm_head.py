@@ -20,7 +20,7 @@ and the consumers of ``logits``:
 * ``lm_head_sample``: one draw per row from ``softmax(logits / temperature)``.
 * ``lm_head_cross_entropy``: ``weights * (logsumexp(logits) - logits[target])``
   per row (0 where ``target == ignore_index``), differentiable wrt ``hidden``
-  only (``weight`` and ``norm_weight`` are frozen).
+  only (``weight``, ``norm_weight`` and ``weights`` are constants).
 
 These materialize the full ``[N, V]`` logits: they are the spec, not the fast
 path. The argument checks are shared with the Triton launchers
@@ -226,7 +226,8 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
                           ignore_index=-100, check_bounds=True) -> torch.Tensor:
     """fp32 ``[N]`` per-row losses ``weights * (logsumexp(logits) - logits[target])``; 0 at ``ignore_index``.
 
-    Differentiable wrt ``hidden`` (``weight``, ``norm_weight`` are detached).
+    Differentiable wrt ``hidden`` only (``weight``, ``norm_weight`` and the loss
+    ``weights`` are detached).
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     n = hidden.shape[0] if positions is None else positions.numel()
@@ -234,5 +235,5 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
     logits = _logits(hidden, weight, norm_weight, eps, positions)
     loss = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
     if weights is not None:
-        loss = loss * weights.float()
+        loss = loss * weights.detach().float()
     return loss
