@@ -257,7 +257,7 @@ if triton is not None:
         tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
         tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not recompile
     def _argmax_kernel(
         a_ptr, stride_am,  # a [N, H] (dot dtype)
         w_ptr, stride_wn,  # weight [V, H]
