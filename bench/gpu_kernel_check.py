@@ -1,0 +1,412 @@
+"""Every dflash_kernels op on the device against its reference, at real model shapes; plus the key ratios.
+
+Run on a GPU machine: ``python bench/gpu_kernel_check.py [--model qwen3-8b] [--json PATH]``.
+On a CPU (tests): ``python bench/gpu_kernel_check.py --device cpu --tiny`` runs the Triton
+kernels under the interpreter at small shapes (a check of this script, not of speed).
+
+Correctness (exit status 1 on any mismatch): the Triton path (``force_backend("triton")``)
+against :mod:`dflash_kernels.reference` on identical inputs, bf16:
+
+* ``gather_concat`` (prefill rows and accepted rows): bit-exact;
+* ``lm_head_logits``: fp32 logits within (3e-2, 1e-2) (bf16 operands, fp32 accumulation in
+  another order); ``lm_head_argmax`` and ``lm_head_sample`` at temperature 1e-4: the reference
+  logit of the chosen id is within that tolerance of the row maximum (a near-tie may go either
+  way); ``lm_head_topk``: values within tolerance of the reference log-probs, and the reference
+  log-prob of every returned id equal to its value; ``lm_head_sample`` at T = 1: reproducible
+  with a seed, ids in range; ``lm_head_cross_entropy``: per-row losses within (2e-2, 1e-2);
+* ``ancestor_bits``, ``tree_attention_mask``, ``compact_kv_``: bit-exact;
+  ``tree_attention``: within (3e-2, 2e-2) of the fp32 reference;
+* ``build_tree`` / ``walk_tree`` (C++) against the Python reference, ``tree_positions``
+  against depths + start: exact.
+
+Ratios (reported, not gated): achieved fraction of ``Tensor.copy_`` bandwidth for
+``gather_concat`` (bytes read + written / time, against a contiguous copy of the same
+bytes); the bare GEMM ``hidden @ W.T`` time over each fused lm_head op's time (1.0 = the
+fusion costs nothing beyond the GEMM); tree attention against SDPA with a dense float mask
+(mask prebuilt, and mask built by the torch reference). Times: median over repeats of the
+mean of back-to-back calls between CUDA events, L2 not flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+# model name -> (hidden, decoder layers, vocab, q heads, kv heads, head dim)
+MODELS = {
+    "qwen3-8b": (4096, 36, 151936, 32, 8, 128),
+    "qwen3-4b": (2560, 36, 151936, 32, 8, 128),
+    "llama-3.1-8b": (4096, 32, 128256, 32, 8, 128),
+}
+
+
+@dataclass
+class Shapes:
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    captured: int = 5  # target layers read by the drafter
+    prefill: int = 4096  # rows captured at prefill
+    prefix: int = 4096  # committed tokens before a verify round
+    budget: int = 256  # DDTree nodes per round (tree tokens = budget + 1)
+    block: int = 16  # DFlash block (draft rows = block - 1)
+    accepted: int = 16  # accepted rows per round (gather, compaction)
+    topk: int = 64
+    ce_rows: int = 1024  # supervised positions of a training step
+    cache_len: int = 8192
+
+
+FAMILIES = ("gather", "lm_head", "tree", "compaction")
+
+
+def real_shapes(model: str) -> Shapes:
+    return Shapes(*MODELS[model])
+
+
+def tiny_shapes() -> Shapes:
+    return Shapes(hidden=64, layers=3, vocab=1000, heads=4, kv_heads=2, head_dim=16, captured=2, prefill=48,
+                  prefix=40, budget=16, block=8, accepted=5, topk=8, ce_rows=24, cache_len=96)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
+    p.add_argument("--tiny", action="store_true", help="small shapes (CPU tests of this script)")
+    p.add_argument("--only", default=",".join(FAMILIES), help="comma-separated op families to check: "
+                   + ", ".join(FAMILIES))
+    p.add_argument("--json", default=None, help="write results here (default: $OUT/gpu_kernel_check.json if OUT is set)")
+    args = p.parse_args(argv)
+    args.only = [f.strip() for f in args.only.split(",") if f.strip()]
+    unknown = [f for f in args.only if f not in FAMILIES]
+    if unknown or not args.only:
+        p.error(f"unknown op families {unknown}; allowed: {', '.join(FAMILIES)}")
+    return args
+
+
+class Checker:
+    """Collects named pass/fail checks with a one-line detail each."""
+
+    def __init__(self):
+        self.results = []
+
+    def add(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.results.append(dict(check=name, ok=bool(ok), detail=detail))
+        return ok
+
+    @property
+    def failed(self):
+        return [r for r in self.results if not r["ok"]]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":  # the kernels run under Triton's interpreter; set before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_kernel_check: CUDA is not available (use --device cpu --tiny to test this script)", file=sys.stderr)
+        return 2
+    import dflash_kernels as dk
+    from dflash_kernels import reference as ref
+
+    if "triton" not in dk.available_backends(device):
+        print(f"gpu_kernel_check: Triton cannot run on {device} here", file=sys.stderr)
+        return 2
+    shapes = tiny_shapes() if args.tiny else real_shapes(args.model)
+    # on a CPU the interpreter runs the kernels: one timed call each, no warm-up (the times mean nothing)
+    timing = dict(repeats=1, inner=1, warmup=False) if device.type == "cpu" else dict(repeats=7, inner=20)
+    check = Checker()
+    ratios = {}
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        if "gather" in args.only:
+            check_gather(torch, dk, ref, shapes, device, check, ratios, timing)
+        if "lm_head" in args.only:
+            check_lm_head(torch, dk, ref, shapes, device, check, ratios, timing)
+        if "tree" in args.only:
+            check_tree(torch, dk, ref, shapes, device, check, ratios, timing)
+        if "compaction" in args.only:
+            check_compaction(torch, dk, ref, shapes, device, check)
+    report = dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  model=None if args.tiny else args.model, shapes=shapes.__dict__, checks=check.results,
+                  ratios=ratios, triton_interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    print_report(report)
+    path = args.json or (os.path.join(os.environ["OUT"], "gpu_kernel_check.json") if os.environ.get("OUT") else None)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}")
+    if check.failed:
+        print(f"FAILED: {len(check.failed)} kernel result(s) differ from the reference: "
+              + ", ".join(r["check"] for r in check.failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- helpers
+def time_ms(torch, fn, device, repeats: int, inner: int, warmup: bool = True) -> float:
+    """Median over ``repeats`` of the mean time of ``inner`` back-to-back calls (after one warm-up call)."""
+    if warmup:
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / inner)
+    return statistics.median(samples)
+
+
+def max_abs(a, b) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def close(torch, got, want, atol, rtol):
+    """(ok, detail) of an elementwise |got - want| <= atol + rtol * |want| check."""
+    if got.shape != want.shape:
+        return False, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got.float() - want.float()).abs()
+    bound = atol + rtol * want.float().abs()
+    bad = int((err > bound).sum())
+    return bad == 0, f"max |err| {float(err.max()) if err.numel() else 0.0:.3g}, {bad} elements out of tolerance"
+
+
+def random_parents(torch, n_nodes: int, seed: int = 0):
+    """DDTree-like parents ``[n_nodes]`` (root first, depth <= 15)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents, depth = [-1], [0]
+    for i in range(1, n_nodes):
+        p = int(torch.randint(max(0, i - 32), i, (1,), generator=gen))
+        while depth[p] >= 15:
+            p = parents[p]
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return torch.tensor(parents, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- gather
+def check_gather(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, timing: dict) -> None:
+    dt = torch.bfloat16
+    prefill = [torch.randn(s.prefill, s.hidden, device=device, dtype=dt) for _ in range(s.captured)]
+    verify = [torch.randn(s.budget + 1, s.hidden, device=device, dtype=dt) for _ in range(s.captured)]
+    rows = torch.randperm(s.budget + 1, device=device)[: s.accepted].sort().values
+    with dk.force_backend("triton"):
+        got_all = dk.gather_concat(prefill)
+        got_rows = dk.gather_concat(verify, rows=rows)
+    check.add("gather_concat prefill rows", torch.equal(got_all, ref.gather_concat(prefill)),
+              f"[{s.prefill}, {s.captured}x{s.hidden}]")
+    check.add("gather_concat accepted rows", torch.equal(got_rows, torch.cat(verify, dim=1)[rows]),
+              f"{s.accepted} of {s.budget + 1} rows")
+    for name, layers, r in (("prefill", prefill, None), ("accepted", verify, rows)):
+        n_rows = layers[0].shape[0] if r is None else r.numel()
+        moved = 2 * n_rows * s.captured * s.hidden * 2  # read + write, bf16
+        src = torch.randn(n_rows, s.captured * s.hidden, device=device, dtype=dt)
+        dst = torch.empty_like(src)
+        out = torch.empty_like(src)
+        with dk.force_backend("triton"):
+            t_gather = time_ms(torch, lambda: dk.gather_concat(layers, rows=r, out=out, check_bounds=False), device,
+                               **timing)
+        t_copy = time_ms(torch, lambda: dst.copy_(src), device, **timing)
+        ratios[f"gather_{name}"] = dict(
+            rows=n_rows, bytes_moved=moved, gather_ms=t_gather, copy_ms=t_copy,
+            gather_gb_s=moved / t_gather / 1e6, copy_gb_s=moved / t_copy / 1e6,
+            fraction_of_copy_bandwidth=t_copy / t_gather)
+
+
+# ---------------------------------------------------------------- lm_head
+LOGIT_TOL = (3e-2, 1e-2)
+
+
+def _choice_is_a_max(torch, logits, ids, atol, rtol):
+    """Every chosen id's reference logit lies within tolerance of its row's maximum."""
+    top = logits.max(dim=1).values
+    picked = logits.gather(1, ids.view(-1, 1)).squeeze(1)
+    short = top - picked
+    bad = int((short > atol + rtol * top.abs()).sum())
+    return bad == 0, f"largest shortfall below the row max {float(short.max()):.3g}, {bad} rows off"
+
+
+def check_lm_head(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, timing: dict) -> None:
+    dt = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(1)
+    weight = (torch.randn(s.vocab, s.hidden, device=device, generator=gen) / math.sqrt(s.hidden)).to(dt)
+    norm_weight = (1 + 0.1 * torch.randn(s.hidden, device=device, generator=gen)).to(dt)
+    atol, rtol = LOGIT_TOL
+    for rows in sorted({s.block - 1, s.budget + 1}):
+        hidden = (3 * torch.randn(rows, s.hidden, device=device, generator=gen)).to(dt)
+        kw = dict(norm_weight=norm_weight)
+        logits = ref.lm_head_logits(hidden, weight, **kw)
+        with dk.force_backend("triton"):
+            got_logits = dk.lm_head_logits(hidden, weight, **kw)
+            got_ids = dk.lm_head_argmax(hidden, weight, **kw)
+            values, top_ids = dk.lm_head_topk(hidden, weight, s.topk, **kw)
+            cold = dk.lm_head_sample(hidden, weight, 1e-4, seed=3, **kw)
+            warm_a = dk.lm_head_sample(hidden, weight, 1.0, seed=5, **kw)
+            warm_b = dk.lm_head_sample(hidden, weight, 1.0, seed=5, **kw)
+        check.add(f"lm_head_logits N={rows}", *close(torch, got_logits, logits, atol, rtol))
+        check.add(f"lm_head_argmax N={rows}", *_choice_is_a_max(torch, logits, got_ids, atol, rtol))
+        check.add(f"lm_head_sample T=1e-4 N={rows}", *_choice_is_a_max(torch, logits, cold, atol, rtol))
+        in_range = bool(((warm_a >= 0) & (warm_a < s.vocab)).all())
+        check.add(f"lm_head_sample T=1 N={rows}", torch.equal(warm_a, warm_b) and in_range,
+                  "same seed gives the same ids" if torch.equal(warm_a, warm_b) else "same seed, different ids")
+        logprobs = torch.log_softmax(logits, dim=1)
+        ok_vals, detail_vals = close(torch, values, logprobs.topk(s.topk, dim=1).values, atol, rtol)
+        ok_ids, detail_ids = close(torch, logprobs.gather(1, top_ids), values, atol, rtol)
+        check.add(f"lm_head_topk k={s.topk} N={rows}", ok_vals and ok_ids, f"values: {detail_vals}; ids: {detail_ids}")
+
+        normed = ref.rms_norm(hidden, norm_weight) if hasattr(ref, "rms_norm") else hidden
+        t_gemm = time_ms(torch, lambda: normed @ weight.T, device, **timing)
+        t_torch = time_ms(torch, lambda: (ref.rms_norm(hidden, norm_weight) @ weight.T).float().argmax(1), device,
+                          **timing) if hasattr(ref, "rms_norm") else None
+        entry = dict(rows=rows, vocab=s.vocab, hidden=s.hidden, gemm_ms=t_gemm, torch_norm_gemm_argmax_ms=t_torch)
+        with dk.force_backend("triton"):
+            for name, fn in (("argmax", lambda: dk.lm_head_argmax(hidden, weight, **kw)),
+                             ("topk", lambda: dk.lm_head_topk(hidden, weight, s.topk, **kw)),
+                             ("sample", lambda: dk.lm_head_sample(hidden, weight, 0.7, seed=1, **kw))):
+                t = time_ms(torch, fn, device, **timing)
+                entry[f"{name}_ms"] = t
+                entry[f"{name}_gemm_fraction"] = t_gemm / t
+        ratios[f"lm_head_N{rows}"] = entry
+
+    rows = s.ce_rows
+    hidden = (3 * torch.randn(rows, s.hidden, device=device, generator=gen)).to(dt)
+    targets = torch.randint(0, s.vocab, (rows,), device=device, generator=gen)
+    want = ref.lm_head_cross_entropy(hidden, weight, targets, norm_weight=norm_weight)
+    with dk.force_backend("triton"):
+        got = dk.lm_head_cross_entropy(hidden, weight, targets, norm_weight=norm_weight)
+        t_ce = time_ms(torch, lambda: dk.lm_head_cross_entropy(hidden, weight, targets, norm_weight=norm_weight),
+                       device, **timing)
+    check.add(f"lm_head_cross_entropy N={rows}", *close(torch, got, want, 2e-2, 1e-2))
+    t_gemm = time_ms(torch, lambda: hidden @ weight.T, device, **timing)
+    ratios[f"lm_head_cross_entropy_N{rows}"] = dict(rows=rows, gemm_ms=t_gemm, cross_entropy_ms=t_ce,
+                                                    gemm_fraction=t_gemm / t_ce)
+
+
+# ---------------------------------------------------------------- tree
+def check_tree(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, timing: dict) -> None:
+    import torch.nn.functional as F
+
+    # host side: C++ build and walk against the Python reference
+    gen = torch.Generator().manual_seed(2)
+    depth = s.block - 1
+    logprobs, ids = (torch.randn(depth, min(4096, s.vocab), generator=gen) * 3).log_softmax(-1).topk(
+        min(s.budget, s.vocab), dim=-1)
+    built = dk.build_tree(logprobs, ids, s.budget)
+    want = ref.build_tree(logprobs, ids, s.budget)
+    check.add(f"build_tree budget={s.budget}", all(torch.equal(a, b) for a, b in zip(built, want)))
+    tokens, depths, parents = built
+    choices = torch.cat([tokens[:4], torch.randint(0, s.vocab, (s.budget + 1 - 4,), generator=gen)])
+    got_walk, want_walk = dk.walk_tree(parents, tokens, choices), ref.walk_tree(parents, tokens, choices)
+    check.add("walk_tree", torch.equal(got_walk[0], want_walk[0]) and int(got_walk[1]) == int(want_walk[1]))
+    positions = dk.tree_positions(depths.to(device), s.prefix)
+    check.add("tree_positions", positions.tolist() == [s.prefix] + [s.prefix + int(d) for d in depths])
+
+    # device side: bits, mask, attention
+    parents_d = parents.to(device)
+    with dk.force_backend("triton"):
+        bits = dk.ancestor_bits(parents_d)
+    check.add(f"ancestor_bits N+1={s.budget + 1}", torch.equal(bits.cpu(), ref.ancestor_bits(parents)))
+    big_parents = random_parents(torch, 4 * s.budget + 1, seed=3)
+    with dk.force_backend("triton"):
+        big_bits = dk.ancestor_bits(big_parents.to(device))
+    check.add(f"ancestor_bits N+1={4 * s.budget + 1}", torch.equal(big_bits.cpu(), ref.ancestor_bits(big_parents)))
+    with dk.force_backend("triton"):
+        mask = dk.tree_attention_mask(bits, s.prefix, torch.bfloat16)
+    check.add("tree_attention_mask", torch.equal(mask, ref.tree_attention_mask(bits, s.prefix, torch.bfloat16)))
+
+    T, S = s.budget + 1, s.prefix + s.budget + 1
+    dt = torch.bfloat16
+    gen_d = torch.Generator(device=device).manual_seed(4)
+    q = torch.randn(1, s.heads, T, s.head_dim, device=device, dtype=dt, generator=gen_d)
+    cache = torch.randn(2, 2, s.kv_heads, S + 64, s.head_dim, device=device, dtype=dt, generator=gen_d)
+    k, v = cache[1, 0, :, :S][None], cache[1, 1, :, :S][None]
+    want_attn = ref.tree_attention(q, k, v, bits, s.prefix)
+    with dk.force_backend("triton"):
+        got_attn = dk.tree_attention(q, k, v, bits, s.prefix)
+        t_tree = time_ms(torch, lambda: dk.tree_attention(q, k, v, bits, s.prefix), device, **timing)
+    check.add(f"tree_attention T={T} prefix={s.prefix}", *close(torch, got_attn, want_attn, 3e-2, 2e-2))
+
+    def sdpa(m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[None, None], enable_gqa=True)
+
+    t_sdpa = time_ms(torch, lambda: sdpa(mask), device, **timing)
+    t_sdpa_build = time_ms(torch, lambda: sdpa(ref.tree_attention_mask(bits, s.prefix, dt)), device, **timing)
+    ratios["tree_attention"] = dict(tree_tokens=T, prefix=s.prefix, heads=s.heads, kv_heads=s.kv_heads,
+                                    head_dim=s.head_dim, tree_attention_ms=t_tree, sdpa_dense_mask_ms=t_sdpa,
+                                    sdpa_with_torch_mask_build_ms=t_sdpa_build,
+                                    speedup_over_sdpa_dense_mask=t_sdpa / t_tree,
+                                    speedup_over_sdpa_with_mask_build=t_sdpa_build / t_tree,
+                                    dense_mask_mib=T * S * 2 / 2**20)
+
+
+def check_compaction(torch, dk, ref, s: Shapes, device, check: Checker) -> None:
+    kv = torch.randn(s.layers, 2, s.kv_heads, s.cache_len, s.head_dim, device=device, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    tail = torch.randperm(s.budget, generator=gen)[: s.accepted - 1].sort().values + s.prefix + 1
+    src = torch.cat([torch.tensor([s.prefix]), tail]).to(device)
+    want = ref.compact_kv_(kv.clone(), src, s.prefix)
+    with dk.force_backend("triton"):
+        got = dk.compact_kv_(kv, src, s.prefix)
+    check.add(f"compact_kv_ {s.layers} layers, {s.accepted} rows", torch.equal(got, want))
+
+
+# ---------------------------------------------------------------- report
+def print_report(report: dict) -> None:
+    print(f"== dflash_kernels on {report['device_name']} ({report['device']}), shapes "
+          f"{report['model'] or 'tiny'}" + (" [Triton interpreter: times mean nothing]"
+                                            if report["triton_interpreter"] else ""))
+    width = max(len(r["check"]) for r in report["checks"])
+    for r in report["checks"]:
+        print(f"  {'ok  ' if r['ok'] else 'FAIL'}  {r['check']:<{width}}  {r['detail']}")
+    rt = report["ratios"]
+    print("== ratios")
+    for key in ("gather_prefill", "gather_accepted"):
+        if key not in rt:
+            continue
+        g = rt[key]
+        print(f"  gather_concat {g['rows']:>5} rows: {g['gather_gb_s']:8.1f} GB/s vs copy_ {g['copy_gb_s']:8.1f} GB/s"
+              f" -> {100 * g['fraction_of_copy_bandwidth']:5.1f}% of copy bandwidth")
+    for key, e in rt.items():
+        if key.startswith("lm_head_N"):
+            print(f"  lm_head N={e['rows']:>4}: bare GEMM {e['gemm_ms']:.3f} ms; fused argmax {e['argmax_ms']:.3f} ms "
+                  f"({100 * e['argmax_gemm_fraction']:.0f}% of GEMM speed), topk {e['topk_ms']:.3f} ms "
+                  f"({100 * e['topk_gemm_fraction']:.0f}%), sample {e['sample_ms']:.3f} ms "
+                  f"({100 * e['sample_gemm_fraction']:.0f}%)")
+        elif key.startswith("lm_head_cross_entropy"):
+            print(f"  lm_head_cross_entropy N={e['rows']}: {e['cross_entropy_ms']:.3f} ms vs bare GEMM "
+                  f"{e['gemm_ms']:.3f} ms ({100 * e['gemm_fraction']:.0f}% of GEMM speed)")
+    if "tree_attention" not in rt:
+        return
+    t = rt["tree_attention"]
+    print(f"  tree_attention T={t['tree_tokens']} prefix={t['prefix']}: {t['tree_attention_ms']:.3f} ms; SDPA + dense "
+          f"mask {t['sdpa_dense_mask_ms']:.3f} ms ({t['speedup_over_sdpa_dense_mask']:.2f}x), with torch mask build "
+          f"{t['sdpa_with_torch_mask_build_ms']:.3f} ms ({t['speedup_over_sdpa_with_mask_build']:.2f}x)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
