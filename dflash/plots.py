@@ -68,6 +68,7 @@ def acceptance_histograms(rows: Sequence[dict], path: Path):
         ax.set_xlabel("tokens committed per round")
         ax.set_ylabel("share of rounds")
         ax.set_xticks(range(1, longest + 1))
+        ax.tick_params(labelbottom=True)  # every panel keeps its numbers (shared x hides them otherwise)
         ax.set_ylim(0, 1.05)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
