@@ -274,7 +274,12 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, 
 
 @dataclass
 class BlockTrainingConfig:
-    """What a step does: block size, blocks per sequence, loss decay, logit layer, context noise."""
+    """What a step does: block size, blocks per sequence, loss decay, logit layer, context noise.
+
+    ``fused=False`` switches labels and loss to the naive recipe (full
+    ``[T, V]`` target logits then argmax; full ``[nb*B, V]`` drafter logits
+    then ``F.cross_entropy``): same numbers, kept to measure what fusing saves.
+    """
 
     block_size: int
     blocks_per_seq: int = 8
@@ -315,8 +320,13 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
             context = context.contiguous()
             store[seq.line] = (context, all_labels)
             labels = all_labels[label_rows]
-        else:
+        elif cfg.fused:
             labels = target_labels(adapter, cap.logit_hidden, label_rows)
+        else:  # the naive recipe: logits of the whole sequence, then argmax (memory benchmark only)
+            with torch.no_grad():
+                full = adapter.norm(cap.logit_hidden).float() @ adapter.lm_head.weight.float().T  # [T, V]
+                labels = full.argmax(-1)[label_rows]
+                del full
     labels = labels.view(-1, B - 1)
     C = int(anchors.max())
     context = perturb_context(context[:C], n, cfg.context_noise, generator)

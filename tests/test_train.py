@@ -147,6 +147,12 @@ def test_block_losses_match_unfused_path(pair, adapter):
     naive, _ = drafter_block_losses(draft, adapter.lm_head.weight, embeds, context, anchors, labels, w, fused=False)
     torch.testing.assert_close(fused, naive, rtol=1e-5, atol=1e-5)
     assert fused.shape == (3, B - 1)
+    # the whole naive recipe (full-sequence target logits for the labels too) gives the same step
+    cfg = dict(block_size=B, logit_layer=LOGIT)
+    a = sequence_block_losses(draft, adapter, seq, BlockTrainingConfig(**cfg), anchors=anchors)
+    b = sequence_block_losses(draft, adapter, seq, BlockTrainingConfig(**cfg, fused=False), anchors=anchors)
+    assert torch.equal(a["labels"], b["labels"])
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------ labels, capture, noise
