@@ -24,17 +24,11 @@ build, and the choices for the walk.
 
 from __future__ import annotations
 
-import time
-from typing import Optional
-
 import torch
 
 import dflash_kernels
 
-from .cache import DraftKVCache
-from .generate import (GenerationResult, _check_common, _check_pair, _Clock, _generator, _Output, _prefill,
-                       _prepare_prompt, draft_block)
-from .target import TargetAdapter
+from .generate import GenerationResult, Speculation
 
 
 def _check_budget(tree_budget) -> int:
@@ -53,84 +47,39 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
     ``return_trees``: keep each round's tree (tokens, depths, parents,
     accepted node indices) in ``result.trees``.
     """
-    stop_ids = _check_common(max_new_tokens, temperature, stop_token_ids)
-    B = int(block_size if block_size is not None else draft.block_size)
-    if B < 2:
-        raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
-    budget = _check_budget(tree_budget if tree_budget is not None else 2 * (B - 1))
-    adapter = TargetAdapter(target, draft.target_layer_ids)
-    try:
-        _check_pair(adapter, draft)
-        mask_id = draft.mask_token_id if mask_token_id is None else int(mask_token_id)
-        if not 0 <= mask_id < adapter.vocab_size:
-            raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {adapter.vocab_size})")
-        device = adapter.device
-        prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
-        gen = _generator(seed, device)
-        K = min(budget, adapter.vocab_size)
-        max_len = prompt.numel() + max_new_tokens + max(budget, B) + 2
-        cache = adapter.new_cache(max_len)
-        draft_cache = DraftKVCache(draft.config, max_len, dtype=draft.fc.weight.dtype, device=device)
-        out = _Output(prompt, max_new_tokens, stop_ids)
-        result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method="ddtree")
-        W = adapter.lm_head.weight
-        draft_rows = torch.arange(1, B, device=device)
-
-        clock = _Clock(device, stage_timing)
-        start_time = clock.t
-        first = _prefill(adapter, prompt, cache, temperature, gen)
-        context = adapter.context_features()
-        out.extend(first.tolist())
-        result.time_to_first_token = clock.lap()
-
-        while not out.done:
-            start = out.committed - 1
-            positions = torch.arange(draft_cache.length, start + B, device=device)
-            with _mask_token(draft, mask_id):
-                draft_hidden = draft_block(draft, adapter, out.last, context, positions, draft_cache)
-            logprobs, ids = dflash_kernels.lm_head_topk(draft_hidden, W, K, positions=draft_rows)
+    B = block_size if block_size is not None else draft.block_size
+    budget = _check_budget(tree_budget if tree_budget is not None else 2 * (int(B) - 1))
+    with Speculation(target, draft, input_ids, method="ddtree", max_new_tokens=max_new_tokens,
+                     temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
+                     tree_size=budget, mask_token_id=mask_token_id, stage_timing=stage_timing) as s:
+        result, clock, device = s.result, s.clock, s.device
+        K = min(budget, s.adapter.vocab_size)
+        s.prefill()
+        while not s.out.done:
+            start = s.out.committed - 1
+            logprobs, ids = dflash_kernels.lm_head_topk(s.draft(), s.lm_head, K, positions=s.draft_rows)
             tokens, depths, parents = dflash_kernels.build_tree(logprobs.cpu(), ids.cpu(), budget)
             result.draft_time += clock.lap()
 
-            tokens_d, parents_d = tokens.to(device), parents.to(device)
-            verify_ids = torch.cat([torch.tensor([out.last], device=device), tokens_d])
+            verify_ids = torch.cat([torch.tensor([s.out.last], device=device), tokens.to(device)])
             verify_pos = dflash_kernels.tree_positions(depths.to(device), start)
-            bits = dflash_kernels.ancestor_bits(parents_d)
-            hidden = adapter.forward(verify_ids, verify_pos, cache, tree_bits=bits)
-            choices = adapter.choose(hidden, temperature, generator=gen)
+            bits = dflash_kernels.ancestor_bits(parents.to(device))
+            hidden = s.adapter.forward(verify_ids, verify_pos, s.cache, tree_bits=bits)
+            choices = s.adapter.choose(hidden, temperature, generator=s.generator)
             result.verify_time += clock.lap()
 
             accepted, bonus = dflash_kernels.walk_tree(parents, tokens, choices)
             committed = tokens[accepted[1:] - 1].tolist() + [int(bonus)]
-            accepted_d = accepted.to(device)
-            cache.commit_rows(accepted)
-            context = adapter.context_features(rows=accepted_d, trusted_rows=True)
-            out.extend(committed)
+            s.cache.commit_rows(accepted)
+            s.context = s.adapter.context_features(rows=accepted.to(device), trusted_rows=True)
+            s.out.extend(committed)
             result.acceptance_lengths.append(len(committed))
             result.tree_sizes.append(int(tokens.numel()))
             result.accepted_depths.append(len(committed) - 1)
             if return_trees:
                 result.trees.append(dict(tokens=tokens, depths=depths, parents=parents, accepted=accepted))
             result.commit_time += clock.lap()
-
-        result.total_time = time.perf_counter() - start_time
-        result.output_ids = torch.tensor([out.tokens], device=device)
-        return result
-    finally:
-        adapter.close()
-
-
-class _mask_token:
-    """Temporarily use another mask token id in the drafter's block input."""
-
-    def __init__(self, draft, mask_id: int):
-        self.draft, self.mask_id = draft, mask_id
-
-    def __enter__(self):
-        self.saved, self.draft.mask_token_id = self.draft.mask_token_id, self.mask_id
-
-    def __exit__(self, *exc):
-        self.draft.mask_token_id = self.saved
+        return s.finish()
 
 
 def ddtree_generate(draft, target, input_ids, mask_token_id=None, max_new_tokens=128, block_size=None,

@@ -240,76 +240,118 @@ def _check_pair(adapter: TargetAdapter, draft) -> None:
         )
 
 
-@torch.inference_mode()
-def draft_block(draft, adapter: TargetAdapter, last_token: int, context, positions, cache) -> torch.Tensor:
+def draft_block(draft, adapter: TargetAdapter, last_token: int, context, positions, cache,
+                mask_token_id: Optional[int] = None) -> torch.Tensor:
     """One drafter pass: final-normed states ``[B, H]`` of ``[last_token, MASK x (B-1)]``."""
     B = positions.numel() - context.shape[0]
-    ids = torch.full((B,), draft.mask_token_id, dtype=torch.long, device=adapter.device)
+    mask = draft.mask_token_id if mask_token_id is None else mask_token_id
+    ids = torch.full((B,), mask, dtype=torch.long, device=adapter.device)
     ids[0] = last_token
     return draft(adapter.embed(ids), context, positions, cache=cache)
+
+
+class Speculation:
+    """State of one speculative generation, shared by the DFlash and DDTree loops.
+
+    Owns the target adapter (capture hooks), both caches, the committed
+    output and the result; ``prefill()`` then rounds of ``draft()`` and the
+    loop's own verify/commit, then ``finish()``. Use as a context manager
+    (removes the hooks).
+    """
+
+    def __init__(self, target, draft, input_ids, *, method, max_new_tokens, temperature, stop_token_ids, block_size,
+                 seed, tree_size: int = 0, mask_token_id=None, stage_timing=True):
+        from .cache import DraftKVCache
+
+        stop_ids = _check_common(max_new_tokens, temperature, stop_token_ids)
+        self.B = int(block_size if block_size is not None else draft.block_size)
+        if self.B < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.B}")
+        self.adapter = adapter = TargetAdapter(target, draft.target_layer_ids)
+        try:
+            _check_pair(adapter, draft)
+            self.mask_token_id = draft.mask_token_id if mask_token_id is None else int(mask_token_id)
+            if not 0 <= self.mask_token_id < adapter.vocab_size:
+                raise ValueError(
+                    f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {adapter.vocab_size})"
+                )
+            self.device = device = adapter.device
+            prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
+        except BaseException:
+            adapter.close()
+            raise
+        self.draft_model, self.temperature, self.prompt = draft, temperature, prompt
+        self.generator = _generator(seed, device)
+        # verify writes B (chain) or tree_size + 1 (tree) rows past the committed length
+        max_len = prompt.numel() + max_new_tokens + max(self.B, tree_size + 1) + 1
+        self.cache = adapter.new_cache(max_len)
+        self.draft_cache = DraftKVCache(draft.config, max_len, dtype=draft.fc.weight.dtype, device=device)
+        self.out = _Output(prompt, max_new_tokens, stop_ids)
+        self.result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=method)
+        self.lm_head = adapter.lm_head.weight
+        self.draft_rows = torch.arange(1, self.B, device=device)  # block positions with a proposal
+        self.clock = _Clock(device, stage_timing)
+        self.context = None  # captured features waiting to enter the drafter cache
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.adapter.close()
+
+    def prefill(self) -> None:
+        """Target pass over the prompt; commits the first token; the prompt features wait for the drafter."""
+        self.start_time = self.clock.t
+        first = _prefill(self.adapter, self.prompt, self.cache, self.temperature, self.generator)
+        self.context = self.adapter.context_features()
+        self.out.extend(first.tolist())
+        self.result.time_to_first_token = self.clock.lap()
+
+    def draft(self) -> torch.Tensor:
+        """Drafter pass over the waiting context and the block at ``n-1 .. n-2+B``: ``[B, H]``."""
+        start = self.out.committed - 1
+        positions = torch.arange(self.draft_cache.length, start + self.B, device=self.device)
+        return draft_block(self.draft_model, self.adapter, self.out.last, self.context, positions, self.draft_cache,
+                           self.mask_token_id)
+
+    def finish(self) -> GenerationResult:
+        self.result.total_time = time.perf_counter() - self.start_time
+        self.result.output_ids = torch.tensor([self.out.tokens], device=self.device)
+        return self.result
 
 
 @torch.inference_mode()
 def dflash_generate(target, draft, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None,
                     block_size=None, seed=None, stage_timing=True) -> GenerationResult:
     """DFlash speculative decoding (one chain of ``block_size - 1`` drafts per round)."""
-    from .cache import DraftKVCache
-
-    stop_ids = _check_common(max_new_tokens, temperature, stop_token_ids)
-    B = int(block_size if block_size is not None else draft.block_size)
-    if B < 2:
-        raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
-    adapter = TargetAdapter(target, draft.target_layer_ids)
-    try:
-        _check_pair(adapter, draft)
-        device = adapter.device
-        prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
-        gen = _generator(seed, device)
-        max_len = prompt.numel() + max_new_tokens + B + 1
-        cache = adapter.new_cache(max_len)
-        draft_cache = DraftKVCache(draft.config, max_len, dtype=draft.fc.weight.dtype, device=device)
-        out = _Output(prompt, max_new_tokens, stop_ids)
-        result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method="dflash")
-        W = adapter.lm_head.weight
-        draft_rows = torch.arange(1, B, device=device)
-        block_offsets = torch.arange(B, device=device)
-
-        clock = _Clock(device, stage_timing)
-        start = clock.t
-        first = _prefill(adapter, prompt, cache, temperature, gen)
-        context = adapter.context_features()
-        out.extend(first.tolist())
-        result.time_to_first_token = clock.lap()
-
-        while not out.done:
-            n = out.committed
-            # draft: context rows at positions [draft_cache.length, n-1), block at [n-1, n-1+B)
-            positions = torch.arange(draft_cache.length, n - 1 + B, device=device)
-            draft_hidden = draft_block(draft, adapter, out.last, context, positions, draft_cache)
-            proposals = dflash_kernels.lm_head_argmax(draft_hidden, W, positions=draft_rows)
+    with Speculation(target, draft, input_ids, method="dflash", max_new_tokens=max_new_tokens,
+                     temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
+                     stage_timing=stage_timing) as s:
+        B, result, clock = s.B, s.result, s.clock
+        block_offsets = torch.arange(B, device=s.device)
+        s.prefill()
+        while not s.out.done:
+            n = s.out.committed
+            # draft: B-1 proposals for positions n .. n+B-2
+            proposals = dflash_kernels.lm_head_argmax(s.draft(), s.lm_head, positions=s.draft_rows)
             result.draft_time += clock.lap()
 
             # verify: the block at positions n-1 .. n-1+B-1
-            block = torch.cat([torch.tensor([out.last], device=device), proposals])
-            hidden = adapter.forward(block, (n - 1) + block_offsets, cache)
-            choices = adapter.choose(hidden, temperature, generator=gen)
+            block = torch.cat([torch.tensor([s.out.last], device=s.device), proposals])
+            hidden = s.adapter.forward(block, (n - 1) + block_offsets, s.cache)
+            choices = s.adapter.choose(hidden, temperature, generator=s.generator)
             result.verify_time += clock.lap()
 
             # commit: longest matching prefix plus the bonus token (one host sync)
             matches = torch.cumprod((proposals == choices[:-1]).long(), 0)
             host = torch.cat([choices, matches]).tolist()
             accepted = int(sum(host[B:]))
-            cache.commit(accepted + 1)
-            context = adapter.context_features(rows=block_offsets[: accepted + 1], trusted_rows=True)
-            out.extend(host[: accepted + 1])
+            s.cache.commit(accepted + 1)
+            s.context = s.adapter.context_features(rows=block_offsets[: accepted + 1], trusted_rows=True)
+            s.out.extend(host[: accepted + 1])
             result.acceptance_lengths.append(accepted + 1)
             result.commit_time += clock.lap()
-
-        result.total_time = time.perf_counter() - start
-        result.output_ids = torch.tensor([out.tokens], device=device)
-        return result
-    finally:
-        adapter.close()
+        return s.finish()
 
 
 def generate(target, draft=None, input_ids=None, *, method: str = "dflash", max_new_tokens: int,
