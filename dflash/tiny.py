@@ -46,3 +46,24 @@ def load_tiny_target(
 def load_tiny_tokenizer(path: str | Path | None = None) -> ByteTokenizer:
     """The byte tokenizer stored next to the tiny target."""
     return ByteTokenizer.from_pretrained(Path(path) if path is not None else TINY_TARGET_DIR)
+
+
+TINY_DRAFTER_DIR = TINY_DIR / "drafter"
+__all__ += ["TINY_DRAFTER_DIR", "load_tiny_drafter"]
+
+
+def load_tiny_drafter(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                      path: str | Path | None = None):
+    """The shipped DFlash drafter of the tiny target (2 layers reading target layers [1, 3], B=8).
+
+    Trained by :mod:`dflash.train` on the target's own greedy continuations;
+    ``dflash/assets/tiny/drafter/train_log.json`` holds the command and its
+    measured tau. ``dtype`` is the compute dtype (the file stores bf16).
+    """
+    from dflash.model import DFlashDraftModel
+
+    directory = Path(path) if path is not None else TINY_DRAFTER_DIR
+    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{directory} lacks config.json / model.safetensors; train it with the command in "
+                                "dflash/train.py's module docstring (python -m dflash train ...)")
+    return DFlashDraftModel.from_pretrained(str(directory), dtype=dtype, device=device)

@@ -53,6 +53,20 @@ CLI: ``python -m dflash train --target DIR --data FILE --out DIR ...``
 published format (``config.json`` + ``model.safetensors``), ``train_log.json``
 and, unless ``--state-dir`` puts it elsewhere, ``training_state.pt``
 (fp32 weights, optimizer, step, elapsed time) for ``--resume``.
+
+The shipped tiny drafter (``dflash/assets/tiny/drafter``) comes from::
+
+    python -m dflash.drafter_data --target dflash/assets/tiny/target --out /tmp/tiny_drafter_data.jsonl \
+        --num 4096 --prompt-len 128 --new-tokens 256 --batch-size 64 --seed 0
+    python -m dflash train --target dflash/assets/tiny/target --data /tmp/tiny_drafter_data.jsonl \
+        --out dflash/assets/tiny/drafter --state-dir /tmp/tiny_drafter_state --layers 2 --block-size 8 \
+        --target-layer-ids 1,3 --steps 2800 --batch-size 8 --blocks-per-seq 32 --lr 1e-3 --cache-target \
+        --eval-every 500 --final-eval --seed 0 --threads 1
+
+(one CPU thread; ``train_log.json`` next to the weights holds the measured
+numbers). With ``--steps`` alone the learning-rate schedule depends on the
+step count only, so the run is reproducible step for step for a seed;
+``--minutes`` makes it depend on the machine's speed.
 """
 
 from __future__ import annotations
