@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from .stdlib_corpus import load_corpus
+from .stdlib_corpus import line_start_prompts
 
 __all__ = [
     "DataError",
@@ -82,25 +81,7 @@ def heldin_prompts(n: int, prompt_len: int, seed: int = 0, following: int = 0,
     given arguments and interpreter). The held-out packages (json, email,
     asyncio, xml) are never used, so evaluation on them stays fair.
     """
-    if n < 0 or prompt_len <= 0 or following < 0:
-        raise ValueError(f"need n >= 0, prompt_len > 0, following >= 0; got {n}, {prompt_len}, {following}")
-    sources = load_corpus("train", root)
-    candidates = []
-    for file_index, data in enumerate(sources):
-        last_start = len(data) - prompt_len - following
-        start = 0
-        while 0 <= start <= last_start:
-            if data[start:start + 1] not in (b"\n", b"\r"):
-                candidates.append((file_index, start))
-            nl = data.find(b"\n", start)
-            if nl < 0:
-                break
-            start = nl + 1
-    if n > len(candidates):
-        raise ValueError(f"asked for {n} prompts of {prompt_len}+{following} bytes but the train split has only "
-                         f"{len(candidates)} eligible line starts")
-    picks = random.Random(seed).sample(candidates, n)
-    return [list(sources[f][s:s + prompt_len]) for f, s in picks]
+    return line_start_prompts("train", n, prompt_len, seed, following, root)
 
 
 # --------------------------------------------------------------------------- generation

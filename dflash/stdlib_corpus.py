@@ -145,26 +145,27 @@ def encode_corpus(split: str = "train", root: Optional[Union[str, Path]] = None)
     return torch.cat(parts)
 
 
-def heldout_prompts(
+def line_start_prompts(
+    split: str,
     n: int,
     prompt_len: int,
     seed: int = 0,
     following: int = 0,
     root: Optional[Union[str, Path]] = None,
 ) -> list[list[int]]:
-    """``n`` deterministic prompts of ``prompt_len`` byte ids from held-out files.
+    """``n`` deterministic prompts of ``prompt_len`` byte ids from the files of ``split``.
 
-    Each prompt starts at the beginning of a non-blank line of a held-out file
-    and lies inside that one file, with at least ``following`` more bytes of
-    the same file after it (room for a reference continuation). Start points
-    are drawn without replacement, uniformly over all eligible line starts, by
-    ``random.Random(seed)``; the result depends only on (n, prompt_len, seed,
-    following) and the interpreter's standard library.
+    Each prompt starts at the beginning of a non-blank line of one file and
+    lies inside that file, with at least ``following`` more bytes of the same
+    file after it (room for a reference continuation). Start points are drawn
+    without replacement, uniformly over all eligible line starts, by
+    ``random.Random(seed)``; the result depends only on (split, n, prompt_len,
+    seed, following) and the interpreter's standard library.
     """
     if n < 0 or prompt_len <= 0 or following < 0:
         raise ValueError(f"need n >= 0, prompt_len > 0, following >= 0; got {n}, {prompt_len}, {following}")
     candidates: list[tuple[int, int]] = []
-    sources = load_corpus("heldout", root)
+    sources = load_corpus(split, root)
     for file_index, data in enumerate(sources):
         last_start = len(data) - prompt_len - following
         start = 0
@@ -177,8 +178,14 @@ def heldout_prompts(
             start = nl + 1
     if n > len(candidates):
         raise ValueError(
-            f"asked for {n} prompts of {prompt_len}+{following} bytes but the held-out files "
-            f"have only {len(candidates)} eligible line starts"
+            f"asked for {n} prompts of {prompt_len}+{following} bytes but the {split} split "
+            f"has only {len(candidates)} eligible line starts"
         )
     picks = random.Random(seed).sample(candidates, n)
     return [list(sources[f][s:s + prompt_len]) for f, s in picks]
+
+
+def heldout_prompts(n: int, prompt_len: int, seed: int = 0, following: int = 0,
+                    root: Optional[Union[str, Path]] = None) -> list[list[int]]:
+    """Prompts from the held-out packages (json, email, asyncio, xml): see :func:`line_start_prompts`."""
+    return line_start_prompts("heldout", n, prompt_len, seed, following, root)
