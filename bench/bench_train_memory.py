@@ -50,24 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(vocab=151936, hidden=64, seq_len=1024, blocks=32, block_size=16, target_layers=3)
 
 
-def _status_kib(name: str):
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from dflash.process_memory import proc_status_kib as _status_kib  # noqa: E402
+from dflash.process_memory import reset_peak_rss as _reset_peak  # noqa: E402
 
 
 def child(variant: str, cfg: dict) -> dict:

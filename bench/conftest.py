@@ -71,24 +71,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     )
 
 
-def _proc_status_kib(name):
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(name + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _reset_peak_rss():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from dflash.process_memory import proc_status_kib as _proc_status_kib  # noqa: E402
+from dflash.process_memory import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

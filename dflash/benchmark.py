@@ -104,26 +104,7 @@ def expand_configs(methods: Sequence[str], budgets: Sequence[int], temperatures:
 
 
 # ------------------------------------------------------------------ memory
-def _proc_status_kib(field_name: str) -> Optional[int]:
-    """A ``kB`` field of ``/proc/self/status`` (None where there is no procfs)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (``VmHWM``) of this process to its current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from .process_memory import proc_status_kib, reset_peak_rss  # noqa: E402
 
 
 class PeakMemory:
@@ -142,8 +123,8 @@ class PeakMemory:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif _reset_peak_rss():
-            self._rss_base = _proc_status_kib("VmRSS")
+        elif reset_peak_rss():
+            self._rss_base = proc_status_kib("VmRSS")
 
     def peak_mib(self) -> Optional[float]:
         if self.cuda:
@@ -151,7 +132,7 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         if self._rss_base is None:
             return None
-        hwm = _proc_status_kib("VmHWM")
+        hwm = proc_status_kib("VmHWM")
         return None if hwm is None else max(0, hwm - self._rss_base) / 1024
 
 
