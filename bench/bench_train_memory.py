@@ -9,7 +9,7 @@ or with pytest-benchmark (one round per variant; the memory is in
 
     python -m pytest bench/bench_train_memory.py --benchmark-columns=median,rounds
 
-One step of :func:`dflash.train.step_loss` (forward and backward) on one
+One step of :func:`dflash.training.train.step_loss` (forward and backward) on one
 sequence of ``T`` tokens with ``nb`` blocks of ``B = 16`` at a 151936-token
 vocabulary (Qwen3's), a small hidden size so that it runs on a CPU:
 
@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(vocab=151936, hidden=64, seq_len=1024, blocks=32, block_size=16, target_layers=3)
 
 
-from dflash.process_memory import proc_status_kib as _status_kib  # noqa: E402
-from dflash.process_memory import reset_peak_rss as _reset_peak  # noqa: E402
+from dflash.benchmark.memory import proc_status_kib as _status_kib  # noqa: E402
+from dflash.benchmark.memory import reset_peak_rss as _reset_peak  # noqa: E402
 
 
 def child(variant: str, cfg: dict) -> dict:
@@ -65,9 +65,9 @@ def child(variant: str, cfg: dict) -> dict:
 
     import dflash_kernels
     from dflash import TargetAdapter, make_draft_config
-    from dflash.drafter_data import TrainingSequence
-    from dflash.model import DFlashDraftModel
-    from dflash.train import BlockTrainingConfig, step_loss
+    from dflash.training.data import TrainingSequence
+    from dflash.drafter.model import DFlashDraftModel
+    from dflash.training.train import BlockTrainingConfig, step_loss
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     V, H, T, B, L = cfg["vocab"], cfg["hidden"], cfg["seq_len"], cfg["block_size"], cfg["target_layers"]

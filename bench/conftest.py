@@ -71,8 +71,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     )
 
 
-from dflash.process_memory import proc_status_kib as _proc_status_kib  # noqa: E402
-from dflash.process_memory import reset_peak_rss as _reset_peak_rss  # noqa: E402
+from dflash.benchmark.memory import proc_status_kib as _proc_status_kib  # noqa: E402
+from dflash.benchmark.memory import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

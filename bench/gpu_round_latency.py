@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     import dflash_kernels as dk
-    from dflash.config import default_target_layer_ids
+    from dflash.drafter.config import default_target_layer_ids
     from dflash.target import TargetAdapter
 
     shape = TINY if args.tiny else QWEN3_8B

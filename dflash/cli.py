@@ -14,9 +14,9 @@ from typing import List, Optional
 
 # command -> (module, one-line help); each module has main(argv) -> int
 DELEGATED = {
-    "bench": ("dflash.benchmark", "end-to-end benchmark: methods, budgets, temperatures, peers, plots"),
-    "train": ("dflash.train", "train a DFlash drafter for a target"),
-    "train-target": ("dflash.target_pretrain", "train the tiny byte-level target on the standard library"),
+    "bench": ("dflash.benchmark.run", "end-to-end benchmark: methods, budgets, temperatures, peers, plots"),
+    "train": ("dflash.training.train", "train a DFlash drafter for a target"),
+    "train-target": ("dflash.tiny.pretrain", "train the tiny byte-level target on the standard library"),
 }
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split a "Key: value" header line."""\n'
@@ -24,7 +24,7 @@ DEMO_PROMPT = 'def parse_header(line):\n    """Split a "Key: value" header line.
 
 def _load_pair(target_dir: Optional[str], draft_dir: Optional[str], dtype):
     """(target, draft, tokenizer): from directories, else the embedded default pair."""
-    from .default_pair import load_default_pair, load_pair
+    from .tiny.pair import load_default_pair, load_pair
 
     if target_dir is None and draft_dir is None:
         return load_default_pair(dtype=dtype)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import dflash_kernels
-from dflash import benchmark
+from dflash.benchmark import run as benchmark
 from dflash.cli import main as cli_main
-from dflash.tokenizer import ByteTokenizer
+from dflash.tiny.tokenizer import ByteTokenizer
 from tiny_models import tiny_draft, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent

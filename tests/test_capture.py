@@ -68,7 +68,7 @@ def test_a_model_without_decoder_parts_is_a_clear_error():
 
 
 def test_layer_id_out_of_range_is_a_clear_error():
-    from dflash.config import DraftConfigError
+    from dflash.drafter.config import DraftConfigError
 
     with pytest.raises(DraftConfigError, match="out of range"):
         TargetAdapter(tiny_target("qwen3", layers=4), [1, 4])

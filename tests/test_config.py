@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.config import DraftConfigError, default_target_layer_ids, make_draft_config, validate_target_layer_ids
+from dflash.drafter.config import DraftConfigError, default_target_layer_ids, make_draft_config, validate_target_layer_ids
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash import DFlashDraftModel, DraftConfigError
-from dflash.cache import DraftKVCache
+from dflash.drafter.cache import DraftKVCache
 from tiny_models import tiny_draft, tiny_target
 
 SPEC_NAMES = [

@@ -1,4 +1,4 @@
-"""Drafter training data (dflash/drafter_data.py): prompts, greedy continuations, JSONL reading."""
+"""Drafter training data (dflash/training/data.py): prompts, greedy continuations, JSONL reading."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from dflash.drafter_data import (DataError, build_greedy_records, greedy_continuations, heldin_prompts,
+from dflash.training.data import (DataError, build_greedy_records, greedy_continuations, heldin_prompts,
                                  read_prompts_jsonl, read_training_jsonl, valid_anchor_mask, write_jsonl)
-from dflash.stdlib_corpus import HELDOUT_PACKAGES, stdlib_files
-from dflash.tokenizer import ByteTokenizer
+from dflash.tiny.corpus import HELDOUT_PACKAGES, stdlib_files
+from dflash.tiny.tokenizer import ByteTokenizer
 from tiny_models import tiny_target
 
 

@@ -204,7 +204,7 @@ def test_round_latency_runs_at_tiny_shapes_and_paths_agree(tmp_path, capsys):
 
 
 def test_round_latency_fails_when_compaction_is_skipped(monkeypatch, capsys):
-    from dflash.cache import TargetKVCache
+    from dflash.target.cache import TargetKVCache
 
     latency = load_script("gpu_round_latency")
     monkeypatch.setattr(TargetKVCache, "commit_rows", lambda self, rows: self.commit(int(rows.numel())))

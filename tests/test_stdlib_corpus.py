@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.stdlib_corpus import (
+from dflash.tiny.corpus import (
     HELDOUT_PACKAGES,
     encode_corpus,
     heldout_prompts,
@@ -14,7 +14,7 @@ from dflash.stdlib_corpus import (
     stdlib_root,
     top_level_name,
 )
-from dflash.tokenizer import ByteTokenizer
+from dflash.tiny.tokenizer import ByteTokenizer
 
 
 def _write(root: Path, rel: str, text: str) -> None:

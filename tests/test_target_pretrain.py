@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from dflash.stdlib_corpus import encode_corpus
-from dflash.target_pretrain import (
+from dflash.tiny.corpus import encode_corpus
+from dflash.tiny.pretrain import (
     _lr_at,
     build_target_config,
     ends_in_loop,
@@ -19,7 +19,7 @@ from dflash.target_pretrain import (
     sample_windows,
     train_target,
 )
-from dflash.tiny import TINY_TARGET_DIR, load_tiny_target, load_tiny_tokenizer
+from dflash.tiny.models import TINY_TARGET_DIR, load_tiny_target, load_tiny_tokenizer
 
 # Measured bits/byte of the shipped target on the 16-window slice below is in
 # dflash/assets/tiny/target/README.md; the floor sits a little above it, so a

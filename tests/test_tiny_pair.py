@@ -16,7 +16,7 @@ import torch
 
 import dflash_kernels
 from dflash import generate
-from dflash.stdlib_corpus import heldout_prompts
+from dflash.tiny.corpus import heldout_prompts
 
 ASSETS = Path(__file__).resolve().parents[1] / "dflash" / "assets" / "tiny"
 TARGET_DIR, DRAFT_DIR = ASSETS / "target", ASSETS / "drafter"
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def pair():
-    from dflash.default_pair import load_pair
+    from dflash.tiny.pair import load_pair
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

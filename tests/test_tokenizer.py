@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash.tokenizer import TOKENIZER_CONFIG_NAME, ByteTokenizer, is_byte_tokenizer_dir
+from dflash.tiny.tokenizer import TOKENIZER_CONFIG_NAME, ByteTokenizer, is_byte_tokenizer_dir
 
 
 def test_ids_and_vocab():

@@ -15,8 +15,8 @@ import torch
 
 import dflash_kernels
 from dflash import DFlashDraftModel, TargetAdapter
-from dflash.drafter_data import TrainingSequence, write_jsonl
-from dflash.train import (BlockTrainingConfig, block_visibility, capture_target, default_gamma,
+from dflash.training.data import TrainingSequence, write_jsonl
+from dflash.training.train import (BlockTrainingConfig, block_visibility, capture_target, default_gamma,
                           drafter_block_losses, loss_weights, main, perturb_context, resolve_logit_layer,
                           sequence_block_losses, step_loss)
 from tiny_models import tiny_draft, tiny_target
@@ -285,7 +285,7 @@ def test_a_few_steps_reduce_the_loss_on_a_tiny_set(pair):
 def byte_target_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.tokenizer import ByteTokenizer
+    from dflash.tiny.tokenizer import ByteTokenizer
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -17,10 +17,10 @@ from typing import Tuple
 
 import torch
 
-from .model import DFlashDraftModel
+from ..drafter.model import DFlashDraftModel
 from .tokenizer import ByteTokenizer
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "tiny"
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 TARGET_DIR = ASSETS / "target"
 DRAFT_DIR = ASSETS / "drafter"
 
@@ -54,7 +54,7 @@ def load_pair(target_dir, draft_dir, dtype=torch.float32, device="cpu"):
 
 
 def _untrained_drafter(target, dtype, device) -> DFlashDraftModel:
-    from .config import make_draft_config
+    from ..drafter.config import make_draft_config
 
     cfg = target.config
     config = make_draft_config(

@@ -104,7 +104,7 @@ def expand_configs(methods: Sequence[str], budgets: Sequence[int], temperatures:
 
 
 # ------------------------------------------------------------------ memory
-from .process_memory import proc_status_kib, reset_peak_rss  # noqa: E402
+from .memory import proc_status_kib, reset_peak_rss  # noqa: E402
 
 
 class PeakMemory:
@@ -182,7 +182,7 @@ class RunSettings:
 def run_ours(cfg: BenchConfig, pair: Pair, prompt: torch.Tensor, settings: RunSettings, seed: int,
              max_new_tokens: Optional[int] = None) -> Run:
     """``ar`` / ``dflash`` / ``ddtree`` through :func:`dflash.generate`."""
-    from .generate import generate
+    from ..decoding import generate
 
     kw = dict(method=cfg.method, max_new_tokens=max_new_tokens or settings.max_new_tokens,
               temperature=cfg.temperature, stop_token_ids=settings.stop_token_ids or None, seed=seed)
@@ -432,8 +432,8 @@ def builtin_prompts(tokenizer, n: int, prompt_len: int, seed: int) -> List[List[
     With the byte tokenizer the bytes are the ids; another tokenizer encodes
     the text of those bytes.
     """
-    from .stdlib_corpus import heldout_prompts
-    from .tokenizer import ByteTokenizer
+    from ..tiny.corpus import heldout_prompts
+    from ..tiny.tokenizer import ByteTokenizer
 
     chunks = heldout_prompts(n, prompt_len, seed)
     if isinstance(tokenizer, ByteTokenizer):
@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_pair_for(args, device: torch.device, dtype: torch.dtype, notes: List[str]) -> Pair:
-    from .default_pair import load_default_pair, load_pair
+    from ..tiny.pair import load_default_pair, load_pair
 
     if (args.target is None) != (args.draft is None):
         raise SystemExit("give both --target and --draft, or neither (the embedded default pair)")

@@ -4,7 +4,7 @@ A DFlash drafter learns to predict what the *target* would generate, so its
 best training text is the target's own output (SPEC section 6). This module
 
 * samples *held-in* prompts (line starts in the train split of
-  :mod:`dflash.stdlib_corpus`; the held-out packages stay unseen),
+  :mod:`dflash.tiny.corpus`; the held-out packages stay unseen),
 * continues them greedily with the target, batched through Hugging Face
   ``generate`` (equal-length prompts, so no padding),
 * writes token-id JSONL, one sequence per line::
@@ -23,7 +23,7 @@ best training text is the target's own output (SPEC section 6). This module
 
 Command line (writes the shipped drafter's data set)::
 
-    python -m dflash.drafter_data --target dflash/assets/tiny/target --out DATA.jsonl \
+    python -m dflash.training.data --target dflash/assets/tiny/target --out DATA.jsonl \
         --num 2048 --prompt-len 128 --new-tokens 256 --seed 0
 """
 
@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from .stdlib_corpus import line_start_prompts
+from ..tiny.corpus import line_start_prompts
 
 __all__ = [
     "DataError",
@@ -275,8 +275,8 @@ def read_prompts_jsonl(path: Union[str, Path], vocab_size: int, tokenizer=None) 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m dflash.drafter_data``: write the target's greedy continuations of held-in prompts."""
-    p = argparse.ArgumentParser(prog="python -m dflash.drafter_data", description=main.__doc__)
+    """``python -m dflash.training.data``: write the target's greedy continuations of held-in prompts."""
+    p = argparse.ArgumentParser(prog="python -m dflash.training.data", description=main.__doc__)
     p.add_argument("--target", required=True, help="local target directory (byte tokenizer: stdlib prompts)")
     p.add_argument("--out", required=True, help="output JSONL file")
     p.add_argument("--num", type=int, default=2048, help="number of prompts")
@@ -288,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
 
-    from .default_pair import load_target, load_tokenizer
+    from ..tiny.pair import load_target, load_tokenizer
 
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.target)

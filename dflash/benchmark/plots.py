@@ -1,6 +1,6 @@
 """PNG plots of the end-to-end benchmark (matplotlib, Agg backend: no display needed).
 
-Inputs are the summary rows of :mod:`dflash.benchmark` (one per
+Inputs are the summary rows of :mod:`dflash.benchmark.run` (one per
 configuration: ``method``, ``budget``, ``block_size``, ``temperature``,
 ``tau``, ``speedup``, ``acceptance_histogram`` = {committed tokens per round: count}).
 

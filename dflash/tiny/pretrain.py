@@ -1,8 +1,8 @@
 """Pretrain the tiny byte-level Qwen3 target on the standard library sources.
 
 The model is a ``transformers.Qwen3ForCausalLM`` trained from scratch, with
-the byte tokenizer of :mod:`dflash.tokenizer` (vocabulary 258) on the *train*
-split of :mod:`dflash.stdlib_corpus`; the held-out packages (json, email,
+the byte tokenizer of :mod:`dflash.tiny.tokenizer` (vocabulary 258) on the *train*
+split of :mod:`dflash.tiny.corpus`; the held-out packages (json, email,
 asyncio, xml) measure it.
 
 Training: each step draws ``batch`` random contiguous windows of
@@ -23,13 +23,13 @@ Measures (also written to ``train_log.json``):
   token stream, ``sum CE / (ln 2 * number of byte targets)``, skipping the
   positions whose target is the EOS id (not a byte);
 * loop rate: greedy continuations of held-out prompts (see
-  :func:`dflash.stdlib_corpus.heldout_prompts`) and the fraction that end in a
+  :func:`dflash.tiny.corpus.heldout_prompts`) and the fraction that end in a
   repetition loop (:func:`ends_in_loop`). A looping target inflates
   speculative-decoding acceptance, so this is reported next to it.
 
 The shipped weights come from::
 
-    python -m dflash.target_pretrain --out dflash/assets/tiny/target --seed 0 --minutes 25
+    python -m dflash.tiny.pretrain --out dflash/assets/tiny/target --seed 0 --minutes 25
 
 and are stored in bf16 (``config.json``, ``model.safetensors``,
 ``tokenizer_config.json``, ``train_log.json``). Final numbers are measured on
@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.stdlib_corpus import encode_corpus, heldout_prompts
-from dflash.tokenizer import ByteTokenizer
+from .corpus import encode_corpus, heldout_prompts
+from .tokenizer import ByteTokenizer
 
 __all__ = [
     "build_target_config",
@@ -412,7 +412,7 @@ def _train_target(args: argparse.Namespace) -> TrainResult:
 
     weights = out_dir / "model.safetensors"
     log = {
-        "command": "python -m dflash.target_pretrain " + " ".join(args.argv),
+        "command": "python -m dflash.tiny.pretrain " + " ".join(args.argv),
         "seed": args.seed,
         "steps": step,
         "tokens_seen": tokens_seen,
@@ -462,9 +462,9 @@ def _train_target(args: argparse.Namespace) -> TrainResult:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Command-line options of ``python -m dflash.target_pretrain``."""
+    """Command-line options of ``python -m dflash.tiny.pretrain``."""
     p = argparse.ArgumentParser(
-        prog="python -m dflash.target_pretrain",
+        prog="python -m dflash.tiny.pretrain",
         description="Pretrain the tiny byte-level Qwen3 target on the Python standard library.",
     )
     p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, ...)")

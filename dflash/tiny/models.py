@@ -1,7 +1,7 @@
 """The tiny byte-level models shipped with the package (the demo's default).
 
 ``dflash/assets/tiny/target`` holds a 6-layer Qwen3 target trained on the
-Python standard library by :mod:`dflash.target_pretrain` (bf16 weights, byte
+Python standard library by :mod:`dflash.tiny.pretrain` (bf16 weights, byte
 tokenizer config, ``train_log.json`` with its measured numbers). Loading is
 fully offline.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen3ForCausalLM
 
-from dflash.tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer
 
 __all__ = ["TINY_DIR", "TINY_TARGET_DIR", "load_tiny_target", "load_tiny_tokenizer"]
 
-TINY_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
+TINY_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 TINY_TARGET_DIR = TINY_DIR / "target"
 
 
@@ -25,7 +25,7 @@ def _check_dir(directory: Path) -> Path:
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"{directory} lacks config.json / model.safetensors; train it with "
-            f"`python -m dflash.target_pretrain --out {directory} --seed 0 --minutes 25`"
+            f"`python -m dflash.tiny.pretrain --out {directory} --seed 0 --minutes 25`"
         )
     return directory
 
@@ -56,11 +56,11 @@ def load_tiny_drafter(dtype: torch.dtype = torch.float32, device: str | torch.de
                       path: str | Path | None = None):
     """The shipped DFlash drafter of the tiny target (2 layers reading target layers [1, 3], B=8).
 
-    Trained by :mod:`dflash.train` on the target's own greedy continuations;
+    Trained by :mod:`dflash.training.train` on the target's own greedy continuations;
     ``dflash/assets/tiny/drafter/train_log.json`` holds the command and its
     measured tau. ``dtype`` is the compute dtype (the file stores bf16).
     """
-    from dflash.model import DFlashDraftModel
+    from ..drafter.model import DFlashDraftModel
 
     directory = Path(path) if path is not None else TINY_DRAFTER_DIR
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():

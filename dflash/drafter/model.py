@@ -11,7 +11,7 @@ Shapes (batch 1 at inference, B = block size, C = new context rows, H = hidden):
   target's lm_head at block positions 1..B-1.
 
 The drafter owns no embedding and no lm_head. Its KV cache
-(:class:`dflash.cache.DraftKVCache`) keeps the context K/V across rounds; the
+(:class:`dflash.drafter.cache.DraftKVCache`) keeps the context K/V across rounds; the
 block's K/V are scratch, overwritten by the next round.
 """
 
@@ -219,27 +219,6 @@ class DFlashDraftModel(nn.Module):
         if cache is not None:
             cache.advance(C)
         return self.norm(block)
-
-    # ------------------------------------------------------------ generation
-    def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):
-        """Drop-in DFlash generation: returns the output ids ``[1, prompt + new]``.
-
-        Same semantics as :func:`dflash.generate` with ``method="dflash"``; use
-        that function for the statistics (tau, timings, acceptance lengths).
-        """
-        from .generate import generate
-
-        result = generate(
-            target,
-            self,
-            input_ids,
-            method="dflash",
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            stop_token_ids=stop_token_ids,
-            **kwargs,
-        )
-        return result.output_ids
 
     # --------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None) -> None:

@@ -16,7 +16,7 @@ the final norm and the lm_head is exactly the target's choice):
    taken per row and per layer slice of width H).
 2. Anchors: ``nb`` distinct positions ``a`` per sequence where a block fits
    (``1 <= a``, ``a+1..a+B-1`` inside the sequence and the loss mask; see
-   :func:`dflash.drafter_data.valid_anchor_mask`).
+   :func:`dflash.training.data.valid_anchor_mask`).
 3. Blocks: block ``b`` is ``[x[a_b], MASK x (B-1)]`` at positions
    ``a_b .. a_b+B-1``; embeddings from the target's (frozen) embedding.
    All blocks of a sequence go through the drafter in one pass: queries
@@ -56,7 +56,7 @@ and, unless ``--state-dir`` puts it elsewhere, ``training_state.pt``
 
 The shipped tiny drafter (``dflash/assets/tiny/drafter``) comes from::
 
-    python -m dflash.drafter_data --target dflash/assets/tiny/target --out /tmp/tiny_drafter_data.jsonl \
+    python -m dflash.training.data --target dflash/assets/tiny/target --out /tmp/tiny_drafter_data.jsonl \
         --num 4096 --prompt-len 128 --new-tokens 256 --batch-size 64 --seed 0
     python -m dflash train --target dflash/assets/tiny/target --data /tmp/tiny_drafter_data.jsonl \
         --out dflash/assets/tiny/drafter --state-dir /tmp/tiny_drafter_state --layers 2 --block-size 8 \
@@ -88,10 +88,10 @@ import torch.nn.functional as F
 
 import dflash_kernels
 
-from .config import DraftConfigError, default_target_layer_ids, make_draft_config
-from .drafter_data import DataError, TrainingSequence, read_prompts_jsonl, read_training_jsonl, valid_anchor_mask
-from .model import DFlashDraftModel
-from .target import TargetAdapter
+from ..drafter.config import DraftConfigError, default_target_layer_ids, make_draft_config
+from .data import DataError, TrainingSequence, read_prompts_jsonl, read_training_jsonl, valid_anchor_mask
+from ..drafter.model import DFlashDraftModel
+from ..target import TargetAdapter
 
 __all__ = [
     "BlockTrainingConfig",
@@ -150,7 +150,7 @@ def sample_anchors(valid: torch.Tensor, count: int, generator: Optional[torch.Ge
     """``min(count, valid.sum())`` distinct anchors drawn uniformly from ``valid [T]`` (bool), sorted."""
     candidates = valid.nonzero().flatten()
     if candidates.numel() == 0:
-        raise ValueError("no valid anchor in this sequence (see dflash.drafter_data.valid_anchor_mask)")
+        raise ValueError("no valid anchor in this sequence (see dflash.training.data.valid_anchor_mask)")
     pick = torch.randperm(candidates.numel(), generator=generator)[: int(count)]
     return candidates[pick].sort().values
 
@@ -395,7 +395,7 @@ def measure_tau(target, draft, prompts: Sequence[Sequence[int]], *, method: str 
     No stop token (every prompt yields ``max_new_tokens``); at ``T > 0``
     prompt ``i`` uses seed ``seed + i``.
     """
-    from .generate import generate
+    from ..decoding import generate
 
     was_training = draft.training
     draft.eval()
@@ -484,8 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_tokenizer(args):
-    from .default_pair import load_tokenizer
-    from .tokenizer import ByteTokenizer
+    from ..tiny.pair import load_tokenizer
+    from ..tiny.tokenizer import ByteTokenizer
 
     if args.tokenizer == "byte":
         return ByteTokenizer()
@@ -587,7 +587,7 @@ def train(args: argparse.Namespace) -> dict:
     """Train (or resume), checkpoint, optionally measure; returns the train log written to ``--out``."""
     from tqdm import tqdm
 
-    from .default_pair import load_target
+    from ..tiny.pair import load_target
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -606,7 +606,7 @@ def train(args: argparse.Namespace) -> dict:
         if not path.is_file():
             raise SystemExit(f"--resume: no {STATE_NAME} in {state_dir}")
         state = torch.load(path, map_location="cpu", weights_only=False)
-        from .config import qwen3_config
+        from ..drafter.config import qwen3_config
 
         raw = dict(state["config"])
         raw.pop("architectures", None)
@@ -622,7 +622,7 @@ def train(args: argparse.Namespace) -> dict:
     sequences = read_training_jsonl(args.data, vocab, B, tokenizer=tokenizer, max_length=args.max_length)
     adapter = TargetAdapter(target, list(draft.target_layer_ids) + [
         resolve_logit_layer(args.logit_layer, draft.target_layer_ids, target.config.num_hidden_layers)])
-    from .generate import _check_pair
+    from ..decoding import check_pair as _check_pair
 
     _check_pair(adapter, draft)
     cfg = BlockTrainingConfig(block_size=B, blocks_per_seq=args.blocks_per_seq, gamma=args.gamma,

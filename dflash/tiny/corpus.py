@@ -24,7 +24,7 @@ module name (first path component, ``.py`` stripped) is in
 file is *train*. The split is by whole package, so evaluation measures
 generalization to code the model never saw.
 
-In token space (see :class:`dflash.tokenizer.ByteTokenizer`) the files of a
+In token space (see :class:`dflash.tiny.tokenizer.ByteTokenizer`) the files of a
 split are concatenated with ``eos_token_id`` (257) after each file.
 """
 
@@ -38,7 +38,7 @@ from typing import Optional, Union
 
 import torch
 
-from dflash.tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer
 
 __all__ = [
     "HELDOUT_PACKAGES",

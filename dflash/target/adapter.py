@@ -24,8 +24,8 @@ import torch
 
 import dflash_kernels
 
+from ..drafter.config import validate_target_layer_ids
 from .cache import TargetKVCache
-from .config import validate_target_layer_ids
 
 TREE_ATTENTION = "dflash_tree"
 

@@ -1,0 +1,61 @@
+"""Decoding loops: plain autoregressive baseline and the DFlash chain (SPEC section 4).
+
+One DFlash round, with ``n`` committed tokens (the last one, at position
+``n-1``, not yet in the target's cache):
+
+1. draft:  the drafter reads the new context rows and the block
+   ``[x[n-1], MASK x (B-1)]`` at positions ``n-1 .. n+B-2``; the target's
+   lm_head + argmax at block positions 1..B-1 gives proposals ``d_1..d_{B-1}``;
+2. verify: the target runs on ``[x[n-1], d_1 .. d_{B-1}]``; its choice after
+   block position j is ``posterior[j]`` (argmax, or a sample at T > 0);
+3. commit: ``a`` = length of the prefix with ``d_{j+1} == posterior[j]``;
+   commit ``posterior[0..a]`` (the accepted drafts plus the bonus token),
+   keep ``a + 1`` rows of the target cache, and the captured features of
+   those rows become the next round's context.
+
+The round needs one host sync (the accepted tokens, to check stop tokens
+and lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import dflash_kernels
+
+from .result import GenerationResult
+from .speculation import Speculation
+
+
+@torch.inference_mode()
+def dflash_generate(target, draft, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None,
+                    block_size=None, seed=None, stage_timing=True) -> GenerationResult:
+    """DFlash speculative decoding (one chain of ``block_size - 1`` drafts per round)."""
+    with Speculation(target, draft, input_ids, method="dflash", max_new_tokens=max_new_tokens,
+                     temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
+                     stage_timing=stage_timing) as s:
+        B, result, clock = s.B, s.result, s.clock
+        block_offsets = torch.arange(B, device=s.device)
+        s.prefill()
+        while not s.out.done:
+            n = s.out.committed
+            # draft: B-1 proposals for positions n .. n+B-2
+            proposals = dflash_kernels.lm_head_argmax(s.draft(), s.lm_head, positions=s.draft_rows)
+            result.draft_time += clock.lap()
+
+            # verify: the block at positions n-1 .. n-1+B-1
+            block = torch.cat([torch.tensor([s.out.last], device=s.device), proposals])
+            hidden = s.adapter.forward(block, (n - 1) + block_offsets, s.cache)
+            choices = s.adapter.choose(hidden, temperature, generator=s.generator)
+            result.verify_time += clock.lap()
+
+            # commit: longest matching prefix plus the bonus token (one host sync)
+            matches = torch.cumprod((proposals == choices[:-1]).long(), 0)
+            host = torch.cat([choices, matches]).tolist()
+            accepted = int(sum(host[B:]))
+            s.cache.commit(accepted + 1)
+            s.context = s.adapter.context_features(rows=block_offsets[: accepted + 1], trusted_rows=True)
+            s.out.extend(host[: accepted + 1])
+            result.acceptance_lengths.append(accepted + 1)
+            result.commit_time += clock.lap()
+        return s.finish()

@@ -1,0 +1,53 @@
+"""The preallocated KV buffer both caches are built on (the bottom layer of ``dflash``).
+
+One tensor ``kv [L, 2, Hkv, max_len, D]`` (layers, key/value, kv heads,
+positions, head dim; batch 1) and a committed ``length``. A forward of ``T``
+new tokens writes rows ``[length, length + T)`` of every layer and attends
+over rows ``[0, length + T)`` (views, no concatenation); the caller then keeps
+what it accepted. Rows past ``length`` are scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CacheFullError", "KVBuffer"]
+
+
+class CacheFullError(RuntimeError):
+    """A forward would write past the preallocated cache length."""
+
+
+class KVBuffer:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device):
+        self.kv = torch.zeros(num_layers, 2, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def _check_room(self, new: int) -> None:
+        if self.length + new > self.max_len:
+            raise CacheFullError(
+                f"KV cache holds {self.max_len} positions; {self.length} are used and {new} more were written. "
+                "Allocate a longer cache (max_len >= prompt + max_new_tokens + block/tree size)."
+            )
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Write ``k, v [Hkv, T, D]`` at ``[length, length+T)``; return views over ``[0, length+T)``."""
+        T = k.shape[-2]
+        self._check_room(T)
+        end = self.length + T
+        layer = self.kv[layer_idx]
+        layer[0, :, self.length : end].copy_(k)
+        layer[1, :, self.length : end].copy_(v)
+        return layer[0, :, :end], layer[1, :, :end]
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` rows written after ``length``."""
+        self._check_room(n)
+        self.length += int(n)
+
+    def crop(self, length: int) -> None:
+        """Forget everything from position ``length`` on."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = int(length)

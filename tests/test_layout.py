@@ -1,0 +1,101 @@
+"""The package layout: subpackages import only downward, and nothing imports in a cycle.
+
+Layers of ``dflash`` from the bottom (docs/ARCHITECTURE.md): ``kv_buffer`` < ``drafter`` <
+``target`` < ``decoding`` < ``tiny`` < ``training`` < ``benchmark`` < the package root,
+``cli``, ``__main__`` and the public alias ``dflash.ddtree``. Every import of a ``dflash``
+module, at module level or inside a function, is read from the source (AST) and must point to
+the same layer or a lower one; inside a layer the module graph must be acyclic.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "dflash"
+LAYERS = ["kv_buffer", "drafter", "target", "decoding", "tiny", "training", "benchmark", "<top>"]
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] not in LAYERS:
+        return LAYERS.index("<top>")
+    return LAYERS.index(parts[1])
+
+
+def imports_of(path: pathlib.Path):
+    """Absolute names of the dflash modules ``path`` imports (relative imports resolved)."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "dflash" or target.startswith("dflash."):
+                # `from . import x` names a submodule
+                names = [f"{target}.{a.name}" for a in node.names]
+                out.add(target)
+                out.update(n for n in names if (ROOT.parent / n.replace(".", "/")).with_suffix(".py").exists()
+                           or (ROOT.parent / n.replace(".", "/")).is_dir())
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name == "dflash" or a.name.startswith("dflash."))
+    out.discard(me)
+    return out
+
+
+SOURCES = sorted(p for p in ROOT.rglob("*.py") if "assets" not in p.parts)
+
+
+def test_every_module_sits_in_a_known_layer():
+    top_level = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
+    allowed = set(LAYERS[:-1]) | {"__init__", "__main__", "cli", "ddtree", "assets", "__pycache__"}
+    assert top_level <= allowed, f"modules outside the layer table: {sorted(top_level - allowed)}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_imports_only_point_down(path):
+    me = module_name(path)
+    mine = layer_of(me)
+    upward = sorted(t for t in imports_of(path) if layer_of(t) > mine)
+    assert not upward, f"{me} (layer {LAYERS[mine]}) imports higher layers: {upward}"
+
+
+def test_no_import_cycle():
+    graph = {module_name(p): {t for t in imports_of(p) if t != "dflash"} for p in SOURCES}
+    # package __init__ modules re-export their children: an edge child -> package is the cycle we forbid
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_public_api_still_works():
+    import dflash
+    from dflash.ddtree import ddtree_generate  # noqa: F401
+
+    assert callable(dflash.generate) and callable(dflash.DFlashDraftModel.spec_generate)
+    assert dflash.GenerationResult.__module__ == "dflash.decoding.result"
