@@ -2,20 +2,81 @@
 
 The verify pass leaves ``[prefix | root, node 1, ..., node N]`` in the cache;
 only the accepted path survives. :func:`compact_kv_` moves the accepted rows
-``src_positions[i]`` to ``dst_start + i`` in every layer, key and value, head.
+``src_positions[i]`` to ``dst_start + i`` (``i < n``) in every layer, key and
+value, head::
 
-Source and destination ranges overlap (``src = [p, p+2, p+3]`` into
-``[p, p+1, p+2]`` writes ``p+2`` which is also row 1's source), so programs
-never split the row axis: each owns one ``(layer, k/v, head, head-dim tile)``
-slice and walks the rows in chunks of ``BLOCK_A``, in order, loading a whole
-chunk before storing it. That is race free because sources strictly increase
-and ``src[i] >= dst_start + i``: every later source lies beyond every earlier
-destination, and a chunk's stores depend on its own loads.
+    kv[l, c, h, dst_start + i, :] = kv_before[l, c, h, src_positions[i], :]     i < n
+
+where ``n`` is ``A = len(src_positions)``, or ``min(num_rows, A)`` when the
+row count is a device tensor (the DDTree loop passes a fixed ``A = max path
+length`` buffer and keeps the real count on the device: no host sync).
+
+Kernel layout: a program owns one ``(layer, k/v, head, head-dim tile)`` slice
+and walks the rows in chunks of ``BLOCK_A = 16`` rows, in order. Within a
+chunk it loads all 16 source rows, then executes a CTA barrier
+(``tl.debug_barrier()``, PTX ``bar.sync 0``), then stores the 16 rows.
+
+Why that is race free
+---------------------
+Write ``d(i) = dst_start + i`` and ``s(i) = src_positions[i]``. The caller
+guarantees (and ``check=True`` verifies) ``s`` strictly increasing and
+``s(i) >= d(i)``. Within one slice, every memory conflict is a pair (load of
+row ``i`` at ``s(i)``, store of row ``j`` at ``d(j)``) with ``s(i) == d(j)``;
+two stores never collide (``d`` is injective), loads never conflict with loads.
+
+1. *An earlier row's source equals a later row's destination* (``i < j``,
+   ``s(i) == d(j)``; e.g. accepted nodes ``[0, 2, 3]``: ``s = [L, L+2, L+3]``,
+   ``d = [L, L+1, L+2]``, row 1 reads ``L+2`` which row 2 writes). This is a
+   write-after-read hazard: the load of row ``i`` must be performed before
+   the store of row ``j``.
+
+   * Same chunk: the rows live in different threads/warps, so program order
+     alone orders nothing. The barrier does: every thread's chunk loads come
+     before it in program order, every chunk store after it, and ``bar.sync``
+     guarantees that memory accesses requested before it by the participating
+     threads are performed relative to all of them (PTX ISA, ``bar.sync``
+     memory ordering). LLVM/ptxas cannot move a global access across it.
+   * ``i`` in an earlier chunk than ``j`` (cross chunk): the load of ``i``
+     precedes barrier ``c(i)`` in its thread; the thread of ``j`` passes
+     barrier ``c(i)`` before it even reaches chunk ``c(j) > c(i)``, so the
+     store of ``j`` is again performed after the load.
+   * Same row (``i == j``, ``s(i) == d(i)``): the stored value is the loaded
+     register (a data dependence), and it is the same value anyway.
+
+2. *A later row's source lies beyond every earlier destination* (the pairs
+   with ``i > j``): ``s(i) >= d(i) > d(j)``, so no store of an earlier row
+   ever touches a later row's source. There is no read-after-write
+   dependence at all and no ordering is needed. In particular the loads of
+   chunk ``c + 1`` may overtake (or see, or not see) the stores of chunk
+   ``c`` made by other warps: the addresses are disjoint. Every load
+   therefore reads the value from before the kernel started, which is what
+   the reference (``index_select`` then ``copy_``) computes.
+
+Cross program: different programs own different ``(layer, k/v, head)``
+slices or different head-dim columns, so their address sets are disjoint
+(given a cache without internal overlap: the launcher rejects stride-0
+broadcast views) and no inter-program ordering is needed. Memory visibility to later
+work: the stores are ordinary global stores; the next kernel on the stream
+sees them (kernel boundary). No thread ever needs to *read* another thread's
+store within this kernel (case 2), so no fence beyond the barrier is needed.
+The loop bound ``n`` is uniform across the CTA (a scalar, or one loaded
+value), so every thread reaches every barrier (no divergent ``bar.sync``).
+The launch uses ``num_stages=1`` (no software pipelining: no asynchronous
+copies of a later chunk in flight across the barrier; hoisting a later
+chunk's plain loads would be harmless anyway, by case 2).
+
+Triton's CPU interpreter runs a program as whole-block numpy (all loads of a
+chunk before all stores), so it cannot show the race the barrier prevents;
+the GPU compile test checks the barrier's position in the PTX instead.
+
+Recompiles: ``BLOCK_A`` is always 16 (rows beyond 16 walk several chunks);
+``BLOCK_D`` depends on the head dim only; the row count and ``dst_start`` are
+``do_not_specialize``. One binary per (model, dtype, count-on-device or not).
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import triton
@@ -26,28 +87,49 @@ from ._dispatch import get_backend
 
 __all__ = ["compact_kv_"]
 
+#: Rows per chunk: fixed, so that the path length never picks a new binary.
+BLOCK_A = 16
+
 #: Launch configurations :func:`compact_kv_` can choose (row chunk x head-dim tile).
 KV_COMPACTION_CONFIGS: List[dict] = [
-    {"BLOCK_A": block_a, "BLOCK_D": block_d, "num_warps": 4}
-    for block_a in (1, 2, 4, 8, 16)
+    {"BLOCK_A": BLOCK_A, "BLOCK_D": block_d, "num_warps": 4, "num_stages": 1}
     for block_d in (16, 32, 64, 128)
 ]
 
 
+#: Integer kernel arguments that vary per round: never specialized (no recompiles).
+DO_NOT_SPECIALIZE = ("n_rows", "dst_start")
+
+#: ``(L, Hkv, Smax, D)`` of real target caches: Qwen3-8B (36 layers, 8 kv
+#: heads, head dim 128) and Llama-3.2-1B (16 layers, 8 kv heads, head dim 64).
+REAL_CACHE_SHAPES = ((36, 8, 8192, 128), (16, 8, 8192, 64))
+
+_TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+                torch.int32: "i32"}
+
+
 def kv_compaction_config(n_rows: int, head_dim: int) -> dict:
-    """Rows per chunk (up to 16) and head-dim tile (up to 128) for ``n_rows`` accepted rows."""
-    block_a = min(16, triton.next_power_of_2(max(n_rows, 1)))
+    """Launch config: ``BLOCK_A = 16`` rows per chunk whatever ``n_rows``; head-dim tile 16..128."""
     block_d = min(128, max(16, triton.next_power_of_2(head_dim)))
-    return {"BLOCK_A": block_a, "BLOCK_D": block_d, "num_warps": 4}
+    return {"BLOCK_A": BLOCK_A, "BLOCK_D": block_d, "num_warps": 4, "num_stages": 1}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def _compact_kv_kernel(
-    kv_ptr, src_ptr, n_rows, dst_start, n_heads, head_dim,
+    kv_ptr,  # [L, 2, Hkv, Smax, D]
+    src_ptr,  # int64 / int32 [A] source positions
+    count_ptr,  # int64 / int32 [1] device row count (read only with HAS_COUNT)
+    n_rows,  # A
+    dst_start,
+    n_heads, head_dim,
     stride_layer, stride_kv, stride_head, stride_pos, stride_dim,
-    BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_COUNT: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (slice = (layer, k/v, head), head-dim tile): rows in order, chunk by chunk."""
+    """Program (slice = (layer, k/v, head), head-dim tile): rows in order, chunk by chunk.
+
+    Per chunk of BLOCK_A rows: load every source row, CTA barrier, store every
+    destination row (see the module docstring for why that is race free).
+    """
     slice_id = tl.program_id(0)
     head = slice_id % n_heads
     kv_index = (slice_id // n_heads) % 2
@@ -56,22 +138,74 @@ def _compact_kv_kernel(
             + head.to(tl.int64) * stride_head)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    for first in range(0, n_rows, BLOCK_A):
+    if HAS_COUNT:
+        n = tl.minimum(tl.maximum(tl.load(count_ptr).to(tl.int64), 0), n_rows).to(tl.int32)
+    else:
+        n = n_rows
+    for first in range(0, n, BLOCK_A):
         rows = first + tl.arange(0, BLOCK_A)
-        row_ok = rows < n_rows
-        src = tl.load(src_ptr + rows, mask=row_ok, other=0)
+        row_ok = rows < n
+        src = tl.load(src_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         ok = row_ok[:, None] & d_ok[None, :]
         chunk = tl.load(base + src[:, None] * stride_pos + offs_d[None, :] * stride_dim, mask=ok)
+        # Every load of this chunk (all warps) is performed before any store of
+        # this chunk or a later one: an earlier row's source may be a later
+        # row's destination.
+        tl.debug_barrier()
         dst = (dst_start + rows).to(tl.int64)
         tl.store(base + dst[:, None] * stride_pos + offs_d[None, :] * stride_dim, chunk, mask=ok)
 
 
-def _check_compaction(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int) -> torch.Tensor:
-    """Validate the arguments; returns ``src_positions`` as an int64 CPU tensor (for the value checks)."""
+def launch_configs(shapes=REAL_CACHE_SHAPES, dtypes=(torch.bfloat16, torch.float16, torch.float32),
+                   src_dtypes=(torch.int64, torch.int32)) -> List[dict]:
+    """Every distinct binary :func:`compact_kv_` launches for these cache shapes (for the GPU compile test).
+
+    Each entry: ``name``, ``kernel``, ``signature``, ``constexprs``,
+    ``num_warps``, ``num_stages``, ``divisible_by_16``, ``do_not_specialize``
+    (what ``tests/gpu_compile.compile_for_gpu`` takes). The integer arguments
+    are specialized as the Triton runtime does at a contiguous cache of that
+    shape (``stride_dim == 1`` becomes a constexpr; head dim and the other
+    strides are multiples of 16); the row count and ``dst_start`` are
+    ``do_not_specialize``. Both count modes (host ``A``, device ``num_rows``).
+    """
+    from .gather import runtime_int_specialization
+
+    out, seen = [], set()
+    for n_layers, n_heads, smax, head_dim in shapes:
+        cfg = kv_compaction_config(16, head_dim)
+        ints = {"n_rows": 16, "dst_start": 4000, "n_heads": n_heads, "head_dim": head_dim,
+                "stride_layer": 2 * n_heads * smax * head_dim, "stride_kv": n_heads * smax * head_dim,
+                "stride_head": smax * head_dim, "stride_pos": head_dim, "stride_dim": 1}
+        types, divisible, ones = runtime_int_specialization(ints, DO_NOT_SPECIALIZE)
+        for dtype in dtypes:
+            for src_dtype in src_dtypes:
+                for has_count in (False, True):
+                    count_type = "*i64" if has_count else "*" + _TRITON_TYPE[src_dtype]
+                    signature = dict({"kv_ptr": "*" + _TRITON_TYPE[dtype], "src_ptr": "*" + _TRITON_TYPE[src_dtype],
+                                      "count_ptr": count_type}, **types)
+                    constexprs = dict({"HAS_COUNT": has_count, "BLOCK_A": cfg["BLOCK_A"],
+                                       "BLOCK_D": cfg["BLOCK_D"]}, **ones)
+                    key = (tuple(sorted(signature.items())), tuple(sorted(constexprs.items())), tuple(divisible))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    out.append(dict(
+                        name=(f"compact_kv[{_TRITON_TYPE[dtype]} src={_TRITON_TYPE[src_dtype]} count={has_count} "
+                              f"A{cfg['BLOCK_A']}xD{cfg['BLOCK_D']} div16={','.join(divisible) or 'none'}]"),
+                        kernel=_compact_kv_kernel, signature=signature, constexprs=constexprs,
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=divisible,
+                        do_not_specialize=list(DO_NOT_SPECIALIZE), head_dim=head_dim))
+    return out
+
+
+def _check_metadata(kv, src_positions, dst_start, num_rows) -> None:
+    """Checks that read no tensor values (no host sync): types, shapes, dtypes, devices."""
     if not isinstance(kv, torch.Tensor) or not isinstance(src_positions, torch.Tensor):
         raise TypeError("compact_kv_: kv and src_positions must be torch.Tensor")
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"compact_kv_: kv must be [L, 2, Hkv, Smax, D], got shape {tuple(kv.shape)}")
+    if any(st == 0 and size > 1 for st, size in zip(kv.stride(), kv.shape)):
+        raise ValueError(f"compact_kv_: kv must not be a broadcast (stride-0) view, got strides {tuple(kv.stride())}")
     if src_positions.dim() != 1:
         raise ValueError(f"compact_kv_: src_positions must be 1-D [A], got shape {tuple(src_positions.shape)}")
     if src_positions.dtype not in (torch.int64, torch.int32):
@@ -82,11 +216,32 @@ def _check_compaction(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: 
         raise ValueError(
             f"compact_kv_: src_positions must be on the CPU or on kv's device {kv.device}, got {src_positions.device}"
         )
+    if num_rows is not None:
+        if not isinstance(num_rows, torch.Tensor):
+            raise TypeError(f"compact_kv_: num_rows must be None or an int64 tensor [1] on kv's device, "
+                            f"got {type(num_rows).__name__}")
+        if num_rows.numel() != 1 or num_rows.dim() > 1:
+            raise ValueError(f"compact_kv_: num_rows must have shape [1] or [], got {tuple(num_rows.shape)}")
+        if num_rows.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"compact_kv_: num_rows must be int64 or int32, got {num_rows.dtype}")
+        if num_rows.device != kv.device:
+            raise ValueError(f"compact_kv_: num_rows must be on kv's device {kv.device}, got {num_rows.device}")
+
+
+def _check_values(kv, src_positions, dst_start, num_rows) -> None:
+    """The debug checks over the moved rows (may sync: they read the positions on the host)."""
     # Host copy: A small ints (a sync when they live on a GPU; pass CPU positions to avoid it).
     src = src_positions.detach().to("cpu", torch.int64)
     a, smax = src.numel(), kv.shape[3]
+    if num_rows is not None:
+        n = int(num_rows.reshape(()).item())
+        if not 0 <= n <= a:
+            raise ValueError(f"compact_kv_: num_rows = {n} must be in [0, A] = [0, {a}] "
+                             "(A = len(src_positions))")
+        src = src[:n]
+        a = n
     if a == 0:
-        return src
+        return
     if a > 1:
         steps = src[1:] - src[:-1]
         if bool((steps <= 0).any()):
@@ -102,51 +257,66 @@ def _check_compaction(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: 
             "(rows only move towards the prefix)"
         )
     if int(src[-1]) >= smax:
-        raise ValueError(f"compact_kv_: src_positions[-1] = {int(src[-1])} is beyond the cache length Smax = {smax}")
-    return src
+        raise ValueError(f"compact_kv_: src_positions[{a - 1}] = {int(src[-1])} is beyond the cache length "
+                         f"Smax = {smax}")
 
 
-def _launch(kv: torch.Tensor, src_positions: torch.Tensor, src_host: torch.Tensor, dst_start: int) -> torch.Tensor:
+def _launch(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int,
+            num_rows: Optional[torch.Tensor]) -> torch.Tensor:
     n_layers, _, n_heads, _, head_dim = kv.shape
-    a = src_host.numel()
+    a = src_positions.numel()
     if a == 0 or kv.numel() == 0:
         return kv
-    if src_positions.device == kv.device:
-        src_dev = src_positions.to(torch.int64).contiguous()
-    else:
-        src_dev = src_host.to(kv.device)
+    # CPU positions: one host->device copy (no sync); device ones are used as they are.
+    src_dev = src_positions.to(kv.device, non_blocking=True).contiguous()
+    count = num_rows.reshape(1) if num_rows is not None else src_dev  # never read without HAS_COUNT
     cfg = kv_compaction_config(a, head_dim)
     grid = (n_layers * 2 * n_heads, triton.cdiv(head_dim, cfg["BLOCK_D"]))
     _compact_kv_kernel[grid](
-        kv, src_dev, a, dst_start, n_heads, head_dim,
+        kv, src_dev, count, a, dst_start, n_heads, head_dim,
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
-        BLOCK_A=cfg["BLOCK_A"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+        HAS_COUNT=num_rows is not None, BLOCK_A=cfg["BLOCK_A"], BLOCK_D=cfg["BLOCK_D"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return kv
 
 
-def compact_kv_triton(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int) -> torch.Tensor:
+def compact_kv_triton(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *,
+                      num_rows: Optional[torch.Tensor] = None, check: bool = True) -> torch.Tensor:
     """Triton launcher of :func:`compact_kv_` (validates, then one launch)."""
-    src_host = _check_compaction(kv, src_positions, dst_start)
-    return _launch(kv, src_positions, src_host, dst_start)
+    _check_metadata(kv, src_positions, dst_start, num_rows)
+    if check:
+        _check_values(kv, src_positions, dst_start, num_rows)
+    return _launch(kv, src_positions, dst_start, num_rows)
 
 
-def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int) -> torch.Tensor:
-    """In place, every layer/key-value/head: ``kv[..., dst_start + i, :] = kv[..., src_positions[i], :]``.
+def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *,
+                num_rows: Optional[torch.Tensor] = None, check: bool = True) -> torch.Tensor:
+    """In place, every layer/key-value/head: ``kv[..., dst_start + i, :] = kv[..., src_positions[i], :]``, ``i < n``.
 
     Args:
-        kv: ``[L, 2, Hkv, Smax, D]`` cache, any dtype and strides.
-        src_positions: ``[A]`` int64/int32 on the CPU (preferred: the walk
-            makes them there; no sync) or on ``kv.device`` (copied to the host
-            once for the checks); strictly increasing, ``src_positions[i] >=
-            dst_start + i``, ``< Smax``.
+        kv: ``[L, 2, Hkv, Smax, D]`` cache, any dtype and strides (not a
+            stride-0 broadcast view).
+        src_positions: ``[A]`` int64/int32 on the CPU or on ``kv.device``;
+            over the moved rows: strictly increasing, ``src_positions[i] >=
+            dst_start + i``, ``< Smax``. Entries ``i >= n`` are never read.
         dst_start: first destination position (typically the position of
             the first row to keep after the committed prefix).
+        num_rows: optional int64/int32 tensor ``[1]`` or ``[]`` on
+            ``kv.device``: only rows ``i < n = min(num_rows, A)`` move (the
+            count stays on the device; values below 0 move nothing). None:
+            ``n = A``.
+        check: True validates the positions over the moved rows (reads them
+            and ``num_rows`` on the host: a sync for device tensors; the debug
+            path). False trusts the input: only shapes, dtypes and devices are
+            checked, no tensor value is read on the host (no sync).
 
     Returns:
-        ``kv``, compacted. Positions past ``dst_start + A`` keep stale values.
+        ``kv``, compacted. Positions past ``dst_start + n`` keep stale values.
     """
-    src_host = _check_compaction(kv, src_positions, dst_start)
+    _check_metadata(kv, src_positions, dst_start, num_rows)
+    if check:
+        _check_values(kv, src_positions, dst_start, num_rows)
     if get_backend(kv.device) == "triton":
-        return _launch(kv, src_positions, src_host, dst_start)
-    return _reference.compact_kv_(kv, src_host, dst_start)
+        return _launch(kv, src_positions, dst_start, num_rows)
+    return _reference.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows)

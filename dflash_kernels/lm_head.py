@@ -20,10 +20,15 @@ Pipeline (Triton backend):
    dtype, ``tl.dot`` on bf16/fp16 tensor cores with fp32 accumulation, and an
    epilogue chosen by the op:
 
-   * argmax: per tile, per row max and lowest index of the max; a tiny
-     ``[N, n_tiles]`` cross-tile reduction (torch.argmax keeps the first, i.e.
-     lowest, tile) finishes it. No logits are stored at all.
-   * sample: the same with Gumbel-max: ``argmax(logits / T + G)``, ``G =
+   * argmax: the fp32 accumulator is first rounded to the logits' dtype
+     (``logit_dtype``, default the dtype ``F.linear`` returns: bf16 for a bf16
+     model, round to nearest even as a bf16 GEMM writes its output, so the
+     choice is transformers' ``argmax`` of the bf16 logits; fp32: no
+     rounding); then per tile, per row max and lowest index of the max; a
+     tiny ``[N, n_tiles]`` cross-tile reduction (torch.argmax keeps the first,
+     i.e. lowest, tile) finishes it. No logits are stored at all.
+   * sample: the same with Gumbel-max on the rounded logits:
+     ``argmax(logits / T + G)``, ``G =
      -log(-log(U))``, ``U`` from Philox keyed by a seed and counted by
      ``row * V + vocab_id``, generated in-kernel (no ``[N, V]`` noise tensor).
      Reproducible for a given seed whatever the tiling.
@@ -47,7 +52,9 @@ changes how exact products are summed.
 Launch configs come from small fixed tables (:func:`gemm_config`,
 :func:`norm_config`, :func:`ce_grad_config`); :func:`launch_configs` lists
 every distinct compiled variant for real model shapes (the GPU compile test
-enumerates it).
+enumerates it). Integer arguments that change between calls (row counts,
+vocab chunk bounds, row offsets, seeds: :data:`DO_NOT_SPECIALIZE`) are
+``do_not_specialize``, so a generation never recompiles mid-way.
 """
 
 from __future__ import annotations
@@ -59,8 +66,8 @@ import torch
 
 from ._dispatch import get_backend, triton_interpreting
 from .reference import lm_head as _reference
-from .reference.lm_head import (check_k, check_lm_head_args, check_targets, check_temperature, rms_norm,
-                                seed_from)
+from .reference.lm_head import (check_k, check_lm_head_args, check_targets, check_temperature,
+                                resolve_logit_dtype, rms_norm, seed_from)
 
 __all__ = [
     "lm_head_logits",
@@ -127,6 +134,18 @@ def ce_grad_config() -> Dict[str, int]:
     return dict(BLOCK_R=2, BLOCK_V=1024, num_warps=4)
 
 
+#: Integer kernel arguments that vary from call to call (the row count per
+#: decoding round, vocab chunk bounds, row offsets, a fresh seed): declared
+#: ``do_not_specialize`` so that they never select a new binary. Everything
+#: else is fixed per model and call site (H, V, strides, tiles).
+DO_NOT_SPECIALIZE = {
+    "_norm_rows_kernel": ("N",),
+    "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
+    "_argmax_kernel": ("N", "seed"),
+    "_ce_grad_kernel": ("N", "row0"),
+}
+
+
 def _dot_fp32(dot_dtype: torch.dtype) -> bool:
     return dot_dtype == torch.float32 or triton_interpreting()
 
@@ -149,7 +168,7 @@ if triton is not None:
             x = bits.to(tl.float32, bitcast=True)
         return x.to(dtype).to(tl.float32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_norm_rows_kernel"])
     def _norm_rows_kernel(
         x_ptr,  # hidden [T, H], unit stride in the last dim
         stride_x,
@@ -230,7 +249,8 @@ if triton is not None:
             w_ptrs += BLOCK_K
         return acc
 
-    @triton.jit
+    # row count, vocab chunk bounds and the partials' row stride (tiles per chunk) vary per call
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_logits_kernel"])
     def _logits_kernel(
         a_ptr, stride_am,  # a [N, H] (dot dtype)
         w_ptr, stride_wn,  # weight [V, H]
@@ -257,7 +277,8 @@ if triton is not None:
         tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
         tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
 
-    @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call must not recompile
+    # a fresh seed per call and the row count (it varies per decoding round) must not recompile
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"])
     def _argmax_kernel(
         a_ptr, stride_am,  # a [N, H] (dot dtype)
         w_ptr, stride_wn,  # weight [V, H]
@@ -268,10 +289,14 @@ if triton is not None:
         GUMBEL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        LOGIT_DTYPE: tl.constexpr,  # the logits' dtype: the fp32 accumulator is rounded to it first
+        RNE_BF16: tl.constexpr,  # interpreter: round to bf16 by bit arithmetic (see _round_to)
     ):
         """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
 
-        s = logits, or logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL.
+        logits = round(a @ w.T) to LOGIT_DTYPE (nearest even, as a bf16/fp16
+        GEMM writes its output; no rounding for fp32), then s = logits, or
+        logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL.
         """
         pid_m, pid_n = _tile_coords(N, V, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -280,6 +305,8 @@ if triton is not None:
                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
         m_mask = offs_m < N
         n_mask = offs_n < V
+        if LOGIT_DTYPE != tl.float32:
+            acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
         if GUMBEL:
             # int32 counters: the launcher keeps N * V < 2**31 per launch.
             counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
@@ -294,26 +321,32 @@ if triton is not None:
         tl.store(pval_ptr + rows64 * stride_pm + pid_n, best, mask=m_mask)
         tl.store(pidx_ptr + rows64 * stride_pm + pid_n, idx, mask=m_mask)
 
-    @triton.jit
+    # the chunk's row count and its first row vary from chunk to chunk
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_ce_grad_kernel"])
     def _ce_grad_kernel(
         logits_ptr, stride_l,  # fp32 [N, V] chunk
         lse_ptr,  # fp32 [N] logsumexp per row
-        target_ptr,  # int64 [N]
-        scale_ptr,  # fp32 [N]: loss weight, 0 for ignored rows
+        target_ptr,  # int64 [row0 + N]: all rows' targets (the chunk's start at row0)
+        scale_ptr,  # fp32 [row0 + N]: loss weight, 0 for ignored rows (same indexing)
         grad_ptr, stride_g,  # [N, V] in the dot dtype
-        N, V,
+        N, V, row0,
         BLOCK_R: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        """grad[r, j] = scale[r] * (exp(logits[r, j] - lse[r]) - (j == target[r])) on a [BLOCK_R, BLOCK_V] tile."""
+        """grad[r, j] = scale[row0 + r] * (exp(logits[r, j] - lse[r]) - (j == target[row0 + r])), one tile.
+
+        The tile is [BLOCK_R, BLOCK_V]; ``row0`` is an offset rather than a
+        sliced pointer so that the chunk start never changes the pointer
+        alignment the binary was specialized on.
+        """
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         r_mask = rows < N
         mask = r_mask[:, None] & (cols < V)[None, :]
         x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
         lse = tl.load(lse_ptr + rows, mask=r_mask, other=0.0)
-        target = tl.load(target_ptr + rows, mask=r_mask, other=-1)
-        scale = tl.load(scale_ptr + rows, mask=r_mask, other=0.0)
+        target = tl.load(target_ptr + row0 + rows, mask=r_mask, other=-1)
+        scale = tl.load(scale_ptr + row0 + rows, mask=r_mask, other=0.0)
         p = tl.exp(x - lse[:, None])
         g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale[:, None]
         tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
@@ -389,8 +422,16 @@ def _combine_lse(pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
     return top + torch.log((psum * torch.exp(pmax - top[:, None])).sum(dim=1))
 
 
+_TL_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    """The ``tl`` dtype matching a torch float dtype (a LOGIT_DTYPE constexpr)."""
+    return getattr(tl, _TL_DTYPE[dtype])
+
+
 def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype, *, gumbel: bool,
-                   inv_temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
+                   logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
     N, H = a.shape
     V = weight.shape[0]
     cfg, meta = _gemm_launch_args(N, V, dot_dtype)
@@ -400,7 +441,8 @@ def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype
     grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
     _argmax_kernel[grid](
         a, a.stride(0), weight, weight.stride(0), pval, pidx, pval.stride(0), N, V, H,
-        float(inv_temperature), seed, GUMBEL=gumbel, **meta,
+        float(inv_temperature), seed, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype),
+        RNE_BF16=triton_interpreting(), **meta,
     )
     best_tile = torch.argmax(pval, dim=1, keepdim=True)  # first max = lowest vocab id on ties
     return pidx.gather(1, best_tile).squeeze(1).to(torch.int64)
@@ -423,30 +465,31 @@ def _prepare(hidden, weight, norm_weight, eps, positions):
     return a, weight, dot_dtype
 
 
-def _logits_triton(hidden, weight, norm_weight, eps, positions):
+def _logits_triton(hidden, weight, norm_weight, eps, positions, logit_dtype=torch.float32):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     N, V = a.shape[0], weight.shape[0]
     out = torch.empty(N, V, dtype=torch.float32, device=hidden.device)
     if N > 0:
         _logits_chunk(a, weight, out, 0, V, dot_dtype)
-    return out
+    return out if logit_dtype == torch.float32 else out.to(logit_dtype)  # torch's cast rounds to nearest even
 
 
-def _argmax_triton(hidden, weight, norm_weight, eps, positions):
+def _argmax_triton(hidden, weight, norm_weight, eps, positions, logit_dtype):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     if a.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
-    return _argmax_launch(a, weight, dot_dtype, gumbel=False)
+    return _argmax_launch(a, weight, dot_dtype, gumbel=False, logit_dtype=logit_dtype)
 
 
-def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, seed):
+def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, seed, logit_dtype):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     N, V = a.shape[0], weight.shape[0]
     out = torch.empty(N, dtype=torch.int64, device=hidden.device)
     step = _sample_rows_per_launch(V)
     for chunk, r0 in enumerate(range(0, N, step)):
         out[r0:r0 + step] = _argmax_launch(a[r0:r0 + step], weight, dot_dtype, gumbel=True,
-                                           inv_temperature=1.0 / temperature, seed=_kernel_seed(seed, chunk))
+                                           logit_dtype=logit_dtype, inv_temperature=1.0 / temperature,
+                                           seed=_kernel_seed(seed, chunk))
     return out
 
 
@@ -555,7 +598,7 @@ def _cross_entropy_forward(a, weight, targets, scale, dot_dtype, need_grad, chun
         if need_grad:
             g = grad_logits[:nr]
             _ce_grad_kernel[(triton.cdiv(nr, cfg["BLOCK_R"]), triton.cdiv(V, cfg["BLOCK_V"]))](
-                chunk, chunk.stride(0), lse, targets[r0:r1], scale[r0:r1], g, g.stride(0), nr, V,
+                chunk, chunk.stride(0), lse, targets, scale, g, g.stride(0), nr, V, r0,
                 BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
             )
             _grad_matmul(g, weight, grad_a[r0:r1])
@@ -606,22 +649,42 @@ def _cross_entropy_triton(hidden, weight, targets, weights, norm_weight, eps, po
 # --------------------------------------------------------------------------- public ops
 
 
-def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True) -> torch.Tensor:
-    """fp32 ``[N, V]`` logits of ``rms_norm(hidden[positions]) @ weight.T`` (the full output, by request)."""
+def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
+                   logit_dtype=torch.float32) -> torch.Tensor:
+    """``[N, V]`` logits of ``rms_norm(hidden[positions]) @ weight.T`` (the full output, by request).
+
+    Accumulated in fp32; returned as fp32 by default, or rounded (nearest
+    even) to ``logit_dtype`` (None: the dtype ``F.linear`` returns, i.e. the
+    promotion of hidden's and the weight's dtypes; see :func:`lm_head_argmax`).
+    """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         check_bounds=False)
-    return _logits_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions)
+                                         check_bounds=False, logit_dtype=logit_dtype)
+    return _logits_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype)
 
 
-def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True) -> torch.Tensor:
-    """int64 ``[N]`` greedy tokens: ``argmax`` of the logits, lowest id on ties. No logits are stored."""
+def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
+                   logit_dtype=None) -> torch.Tensor:
+    """int64 ``[N]`` greedy tokens: ``argmax`` of the logits, lowest id on ties. No logits are stored.
+
+    ``logit_dtype``: the dtype the logits are compared in, as Hugging Face's
+    ``generate()`` takes the argmax of the lm_head output in the model's
+    dtype. None (default): the dtype ``F.linear`` would return here (the
+    promotion of hidden's dtype, which the norm keeps, and the weight's: bf16
+    for a bf16 model); the kernel rounds the fp32 accumulator to it (nearest
+    even, as a bf16/fp16 GEMM writes its output) before the argmax, so logits
+    that tie in that dtype pick the lowest id. ``torch.float32``: the argmax
+    of the fp32-accumulated logits (no rounding).
+    ``check_bounds=False`` reads no tensor value on the host (no sync).
+    """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         check_bounds=False)
-    return _argmax_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions)
+                                         check_bounds=False, logit_dtype=logit_dtype)
+    return _argmax_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
@@ -640,8 +703,12 @@ def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=Non
 
 
 def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True) -> torch.Tensor:
+                   seed=None, check_bounds=True, logit_dtype=None) -> torch.Tensor:
     """int64 ``[N]``: one token per row drawn from ``softmax(logits / temperature)``.
+
+    ``logits`` are rounded to ``logit_dtype`` first (default None: the dtype
+    ``F.linear`` returns, as in :func:`lm_head_argmax`; transformers samples
+    from those rounded logits), then scaled by the temperature.
 
     ``temperature > 0`` (use :func:`lm_head_argmax` for greedy). Reproducible:
     the Triton path draws one 62-bit seed from ``generator`` (or takes
@@ -652,11 +719,12 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     t = check_temperature(temperature)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         generator=generator, seed=seed, check_bounds=False)
+                                         generator=generator, seed=seed, check_bounds=False, logit_dtype=logit_dtype)
     key = seed_from(generator, seed)
-    return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key)
+    return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key, logit_dtype)
 
 
 def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
@@ -683,70 +751,98 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
 
 _TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-REAL_HIDDEN_SIZES = (48, 2560, 4096)
-REAL_VOCAB_SIZES = (151936, 128256)
+#: (hidden size H, vocabulary size V) of real targets: Qwen3-4B, Qwen3-8B,
+#: Llama-3.1-8B. (The CPU-sized tiny pair, (128, 258), has V not a multiple of
+#: 16: pass ``shapes=`` to enumerate its binaries too.)
+REAL_SHAPES = ((2560, 151936), (4096, 151936), (4096, 128256))
+REAL_HIDDEN_SIZES = tuple(sorted({h for h, _ in REAL_SHAPES}))
+REAL_VOCAB_SIZES = tuple(sorted({v for _, v in REAL_SHAPES}))
 REAL_POSITION_COUNTS = (1, 7, 15, 16, 17, 64, 65, 257, 1024, 8192)
 REAL_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32))
 
 
-def launch_configs(hidden_sizes=REAL_HIDDEN_SIZES, position_counts=REAL_POSITION_COUNTS,
-                   dtypes=REAL_DTYPES) -> List[dict]:
+def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dtypes=REAL_DTYPES) -> List[dict]:
     """Every distinct compiled variant the launchers pick for the given shapes (compiled GPU mode).
 
-    ``dtypes`` holds ``(hidden dtype, weight dtype)`` pairs (real models use
-    matching ones; pass e.g. ``(float32, bfloat16)`` to cover the mixed fp32
-    path too). Each entry: ``name``, ``kernel``, ``signature`` (Triton type
-    strings by arg name), ``constexprs``, ``num_warps``, ``num_stages``, and
-    ``tensor_core_dot`` (True when the GEMM runs a bf16/fp16 ``tl.dot``). The
-    vocabulary size enters no config (only grid sizes). Built from the same
-    config functions the launchers call.
+    ``shapes`` holds ``(H, V)`` pairs; ``dtypes`` holds ``(hidden dtype,
+    weight dtype)`` pairs (real models use matching ones; pass e.g.
+    ``(float32, bfloat16)`` to cover the mixed fp32 path too). Each entry:
+    ``name``, ``kernel``, ``signature`` (Triton type strings by arg name),
+    ``constexprs``, ``num_warps``, ``num_stages``, ``divisible_by_16``,
+    ``do_not_specialize`` and ``tensor_core_dot`` (True when the GEMM runs a
+    bf16/fp16 ``tl.dot``). Built from the same config functions the launchers
+    call, and from the integer arguments' values at that shape as the Triton
+    runtime specializes them (``gather.runtime_int_specialization``): the
+    strides ``H`` / ``V``, ``H`` and ``V`` get ``divisible_by_16`` when they
+    are multiples of 16 (an argument equal to 1 would become a constexpr);
+    row counts, vocab chunk bounds and row offsets are
+    :data:`DO_NOT_SPECIALIZE` (their values here are stand-ins). Argmax /
+    sample are listed for both logit dtypes a launcher passes: the model's
+    (the default) and fp32.
     """
     if triton is None:
         return []
+    from .gather import runtime_int_specialization
+
     out, seen = [], set()
 
-    def add(name, kernel, signature, constexprs, num_warps, num_stages, tensor_core_dot=False):
-        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())), num_warps,
-               num_stages)
+    def add(name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot=False):
+        dns = DO_NOT_SPECIALIZE.get(kernel.__name__, ())
+        types, divisible, ones = runtime_int_specialization(ints, dns)
+        signature = dict(pointers, **types)
+        constexprs = dict(constexprs, **ones)
+        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items(), key=str)),
+               tuple(sorted(divisible)), num_warps, num_stages)
         if key not in seen:
             seen.add(key)
-            out.append(dict(name=name, kernel=kernel, signature=signature, constexprs=constexprs,
-                            num_warps=num_warps, num_stages=num_stages, tensor_core_dot=tensor_core_dot))
+            tag = ",".join(sorted(divisible)) or "none"
+            out.append(dict(name=f"{name} div16={tag}", kernel=kernel, signature=signature, constexprs=constexprs,
+                            num_warps=num_warps, num_stages=num_stages, tensor_core_dot=tensor_core_dot,
+                            divisible_by_16=sorted(divisible), do_not_specialize=list(dns)))
 
     for hidden_dtype, weight_dtype in dtypes:
         dot = dot_dtype_for(hidden_dtype, weight_dtype)
         ht, wt, dt = _TRITON_TYPE[hidden_dtype], _TRITON_TYPE[weight_dtype], _TRITON_TYPE[dot]
-        for H in hidden_sizes:
+        default_logit = torch.promote_types(hidden_dtype, weight_dtype)
+        logit_dtypes = [default_logit] + ([torch.float32] if default_logit != torch.float32 else [])
+        for H, V in shapes:
             ncfg = norm_config(H)
             for has_pos in (False, True):
                 for has_norm in (False, True):
                     add(f"norm_rows[{ht}->{dt} pos={has_pos} norm={has_norm} R{ncfg['BLOCK_R']}xH{ncfg['BLOCK_H']}]",
                         _norm_rows_kernel,
-                        {"x_ptr": "*" + ht, "stride_x": "i32", "pos_ptr": "*i64", "nw_ptr": "*" + ht,
-                         "out_ptr": "*" + dt, "N": "i32", "H": "i32", "eps": "fp32"},
+                        {"x_ptr": "*" + ht, "pos_ptr": "*i64", "nw_ptr": "*" + ht, "out_ptr": "*" + dt,
+                         "eps": "fp32"},
+                        {"stride_x": H, "N": 16, "H": H},
                         {"HAS_POS": has_pos, "HAS_NORM": has_norm, "BLOCK_R": ncfg["BLOCK_R"],
                          "BLOCK_H": ncfg["BLOCK_H"], "RNE_BF16": False},
                         ncfg["num_warps"], 1)
-        for n in position_counts:
-            cfg = gemm_config(n, dot)
-            common = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
-            common["DOT_FP32"] = dot == torch.float32
-            tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
-            tc = dot != torch.float32
-            add(f"logits[{tag}]", _logits_kernel,
-                {"a_ptr": "*" + dt, "stride_am": "i32", "w_ptr": "*" + wt, "stride_wn": "i32",
-                 "out_ptr": "*fp32", "stride_om": "i32", "pmax_ptr": "*fp32", "psum_ptr": "*fp32",
-                 "stride_pm": "i32", "N": "i32", "V0": "i32", "V_END": "i32", "H": "i32"},
-                common, cfg["num_warps"], cfg["num_stages"], tc)
-            for gumbel in (False, True):
-                add(f"argmax[{tag} gumbel={gumbel}]", _argmax_kernel,
-                    {"a_ptr": "*" + dt, "stride_am": "i32", "w_ptr": "*" + wt, "stride_wn": "i32",
-                     "pval_ptr": "*fp32", "pidx_ptr": "*i32", "stride_pm": "i32", "N": "i32", "V": "i32",
-                     "H": "i32", "inv_temperature": "fp32", "seed": "i64"},
-                    dict(common, GUMBEL=gumbel), cfg["num_warps"], cfg["num_stages"], tc)
-        gcfg = ce_grad_config()
-        add(f"ce_grad[{dt}]", _ce_grad_kernel,
-            {"logits_ptr": "*fp32", "stride_l": "i32", "lse_ptr": "*fp32", "target_ptr": "*i64",
-             "scale_ptr": "*fp32", "grad_ptr": "*" + dt, "stride_g": "i32", "N": "i32", "V": "i32"},
-            {"BLOCK_R": gcfg["BLOCK_R"], "BLOCK_V": gcfg["BLOCK_V"]}, gcfg["num_warps"], 1)
+            for n in position_counts:
+                cfg = gemm_config(n, dot)
+                common = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+                common["DOT_FP32"] = dot == torch.float32
+                tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
+                tc = dot != torch.float32
+                n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
+                add(f"logits[{tag}]", _logits_kernel,
+                    {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "out_ptr": "*fp32", "pmax_ptr": "*fp32",
+                     "psum_ptr": "*fp32"},
+                    {"stride_am": H, "stride_wn": H, "stride_om": V, "stride_pm": n_tiles, "N": n, "V0": 0,
+                     "V_END": V, "H": H},
+                    common, cfg["num_warps"], cfg["num_stages"], tc)
+                for logit_dtype in logit_dtypes:
+                    for gumbel in (False, True):
+                        add(f"argmax[{tag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}]", _argmax_kernel,
+                            {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pval_ptr": "*fp32", "pidx_ptr": "*i32",
+                             "inv_temperature": "fp32"},
+                            {"stride_am": H, "stride_wn": H, "stride_pm": n_tiles, "N": n, "V": V, "H": H,
+                             "seed": _SEED_MOD},
+                            dict(common, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=False),
+                            cfg["num_warps"], cfg["num_stages"], tc)
+            gcfg = ce_grad_config()
+            add(f"ce_grad[{dt}]", _ce_grad_kernel,
+                {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "target_ptr": "*i64", "scale_ptr": "*fp32",
+                 "grad_ptr": "*" + dt},
+                {"stride_l": V, "stride_g": V, "N": 16, "V": V, "row0": 0},
+                {"BLOCK_R": gcfg["BLOCK_R"], "BLOCK_V": gcfg["BLOCK_V"]}, gcfg["num_warps"], 1)
     return out

@@ -2,13 +2,16 @@
 
 The configs are not hard-coded here: ``dflash_kernels.lm_head.launch_configs``
 and ``dflash_kernels.gather.launch_configs`` enumerate what their launchers
-choose for real model shapes (hidden 48 / 2560 / 4096, positions 1..8192,
-bf16 / fp16 / fp32; the vocabulary size only changes grids). Each must compile
-with no local memory (no spills), with shared memory under the chip's
-per-block limit, and, where the GEMM runs bf16/fp16 ``tl.dot``, with tensor
-core instructions (``wgmma`` on sm_90 for 128-row tiles, ``mma`` otherwise)
-in the PTX. Everything is compiled once per session (two worker processes),
-then checked per config.
+choose for real model shapes ((H, V) = tiny (128, 258), Qwen3-4B / 8B,
+Llama-3.1-8B; positions 1..8192; bf16 / fp16 / fp32; argmax with the model's
+and fp32 logit dtypes). Each is compiled with the divisibility hints the
+Triton runtime gives at that shape (every integer argument that is a multiple
+of 16 and not ``do_not_specialize`` is ``divisible_by_16``), so the checked
+binary is the one that runs. Each must compile with no local memory (no
+spills), with shared memory under the chip's per-block limit, and, where the
+GEMM runs bf16/fp16 ``tl.dot``, with tensor core instructions (``wgmma`` on
+sm_90 for 128-row tiles, ``mma`` otherwise) in the PTX. Everything is
+compiled once per session (two worker processes), then checked per config.
 """
 
 import pytest
@@ -27,7 +30,8 @@ def compiled():
     if reason is not None:
         pytest.skip(reason)
     jobs = [dict(kernel=cfg["kernel"], signature=cfg["signature"], constexprs=cfg["constexprs"], arch=arch,
-                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]) for cfg, arch in CASES]
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                 divisible_by_16=cfg["divisible_by_16"]) for cfg, arch in CASES]
     results = compile_many_for_gpu(jobs, workers=2)
     return {(cfg["name"], arch): res for (cfg, arch), res in zip(CASES, results)}
 
@@ -40,6 +44,44 @@ def test_configs_cover_every_kernel():
     tiles = {(cfg["constexprs"]["BLOCK_M"], cfg["signature"]["a_ptr"]) for cfg in CONFIGS
              if cfg["kernel"].__name__ == "_argmax_kernel"}
     assert tiles == {(16, "*bf16"), (128, "*bf16"), (16, "*fp16"), (128, "*fp16"), (16, "*fp32"), (128, "*fp32")}
+    # the greedy/sample epilogue in the model's dtype (default) and in fp32
+    rounding = {(cfg["signature"]["a_ptr"], str(cfg["constexprs"]["LOGIT_DTYPE"])) for cfg in CONFIGS
+                if cfg["kernel"].__name__ == "_argmax_kernel"}
+    assert rounding == {("*bf16", "bf16"), ("*bf16", "fp32"), ("*fp16", "fp16"), ("*fp16", "fp32"),
+                        ("*fp32", "fp32")}
+
+
+def _declared_do_not_specialize(kernel):
+    """The kernel's do_not_specialize names (compiled JITFunction or interpreter object)."""
+    names = getattr(kernel, "do_not_specialize", None)
+    if names is None:
+        names = kernel.kwargs.get("do_not_specialize") or ()
+    return {kernel.arg_names[n] if isinstance(n, int) else n for n in names}
+
+
+def test_divisibility_hints_are_the_runtime_ones():
+    """Every int argument is either do_not_specialize (as the kernel declares it) or hinted as the runtime would."""
+    for cfg in CONFIGS:
+        kernel = cfg["kernel"]
+        declared = _declared_do_not_specialize(kernel)
+        assert set(cfg["do_not_specialize"]) == declared, cfg["name"]
+        ints = {name for name, ty in cfg["signature"].items() if ty in ("i32", "i64")}
+        assert not declared & set(cfg["divisible_by_16"]), cfg["name"]
+        assert set(cfg["divisible_by_16"]) <= ints, cfg["name"]
+    # real shapes: hidden sizes, vocab sizes and the strides built from them are multiples of 16
+    big = [cfg for cfg in CONFIGS if cfg["kernel"].__name__ == "_argmax_kernel" and "V" in cfg["divisible_by_16"]]
+    assert big and all({"H", "stride_am", "stride_wn"} <= set(cfg["divisible_by_16"]) for cfg in big)
+    gathers = [cfg for cfg in CONFIGS if cfg["kernel"].__name__ == "_gather_concat_kernel"]
+    assert all(set(cfg["divisible_by_16"]) == {"H", "stride_out"} for cfg in gathers)
+
+
+def test_varying_int_arguments_are_not_specialized():
+    """Row counts (they change every decoding round), vocab chunk bounds and row offsets never pick a new binary."""
+    expected = {"_gather_concat_kernel": {"R"}, "_norm_rows_kernel": {"N"}, "_logits_kernel": {"N", "V0", "V_END"},
+                "_argmax_kernel": {"N", "seed"}, "_ce_grad_kernel": {"N", "row0"}}
+    for name, wanted in expected.items():
+        kernel = getattr(gather if name == "_gather_concat_kernel" else lm_head, name)
+        assert wanted <= _declared_do_not_specialize(kernel), name
 
 
 @pytest.mark.parametrize("cfg,arch", CASES, ids=[f"{c['name']}-sm{a}" for c, a in CASES])
@@ -58,3 +100,6 @@ def test_compiles_without_spills(compiled, cfg, arch):
             assert "wgmma" in ptx, f"{cfg['name']} on sm_90 does not use wgmma"
         else:
             assert "mma.sync" in ptx or "wgmma" in ptx, f"{cfg['name']} on sm_{arch} uses no tensor-core mma"
+    if cfg["kernel"].__name__ == "_gather_concat_kernel" and cfg["constexprs"].get("ALIGNED"):
+        # addresses come in as int64 arguments: the alignment hints must still give 16-byte vectors
+        assert "ld.global.v4" in res["ptx"] and "st.global.v4" in res["ptx"], f"{cfg['name']}: scalar copies"

@@ -109,3 +109,47 @@ def test_bad_inputs_raise_clear_errors(backend, make_args, error, match):
     args = make_args(layers)
     with force_backend(backend), pytest.raises(error, match=match):
         gather_concat(*args)
+
+
+class _KernelStub:
+    """Stands in for the Triton kernel on the meta device: records launches."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+        return launch
+
+
+def test_trusted_rows_read_nothing_on_the_host(monkeypatch):
+    """``gather_concat(..., check_bounds=False)`` on meta tensors (no values: any host read raises).
+
+    That is the decode loop's call (accepted rows on the device, trusted). With
+    ``check_bounds=True`` the same call reads the rows and fails: the meta
+    device does detect reads.
+    """
+    import dflash_kernels.gather as gather_module
+
+    stub = _KernelStub()
+    monkeypatch.setattr(gather_module, "_gather_concat_kernel", stub)
+    layers = [torch.empty(64, 256, dtype=torch.bfloat16, device="meta") for _ in range(5)]
+    rows = torch.empty(7, dtype=torch.int64, device="meta")
+    out = torch.empty(20, 5 * 256, dtype=torch.bfloat16, device="meta")[3:10]
+    with force_backend("triton"):
+        assert gather_concat(layers, rows, out=out, check_bounds=False) is out
+        assert len(stub.launches) == 1
+        with pytest.raises(RuntimeError, match="meta"):
+            gather_concat(layers, rows, out=out, check_bounds=True)
+
+
+def test_row_count_is_not_specialized():
+    """R (a + 1 accepted rows per DFlash round, a varies) must not select a new binary each round."""
+    import dflash_kernels.gather as gather_module
+
+    kernel = gather_module._gather_concat_kernel
+    declared = getattr(kernel, "do_not_specialize", None)
+    if declared is None:  # interpreter object
+        declared = kernel.kwargs["do_not_specialize"]
+    assert "R" in {kernel.arg_names[n] if isinstance(n, int) else n for n in declared}

@@ -1,11 +1,24 @@
-"""KV compaction kernel against the index_select reference, overlaps included."""
+"""KV compaction kernel against the index_select reference, overlaps included.
 
+Covers the adversarial overlaps of an accepted tree path (``[0, 2, 3, ...]``:
+an earlier row's source is a later row's destination), every subset of a
+small tree as the accepted set, 1..20 rows (several 16-row chunks), a device
+row count below the buffer length (``num_rows``), ``check=False`` (no value is
+read on the host: proven on the meta device, which has no values), the error
+messages, the fixed chunk tile (no recompiles) and, because Triton's
+interpreter cannot show a race between warps, the barrier in the compiled
+PTX.
+"""
+
+import itertools
 import random
 
 import pytest
 import torch
 
 import dflash_kernels as dk
+import dflash_kernels.kv_compaction as kv_module
+from dflash_kernels import force_backend
 from dflash_kernels import reference as ref
 from dflash_kernels.kv_compaction import KV_COMPACTION_CONFIGS, compact_kv_triton, kv_compaction_config
 
@@ -25,14 +38,19 @@ def expected_by_hand(kv, src, dst):
     return out
 
 
-def run_both(kv, src, dst):
+def run_both(kv, src, dst, **kw):
     src_t = torch.tensor(src, dtype=torch.int64)
     want = ref.compact_kv_(kv.clone(), src_t, dst)
     got = kv.clone()
-    assert compact_kv_triton(got, src_t, dst) is got
+    assert compact_kv_triton(got, src_t, dst, **kw) is got
     assert torch.equal(got, want)
     assert torch.equal(want, expected_by_hand(kv, src, dst))
     return got
+
+
+def path_positions(nodes, prefix):
+    """Cache positions of accepted tree nodes (node 0 = the root at ``prefix``)."""
+    return [prefix + n for n in nodes]
 
 
 @pytest.mark.parametrize(
@@ -93,6 +111,174 @@ def test_config_choices_are_listed():
             assert kv_compaction_config(a, d) in KV_COMPACTION_CONFIGS
 
 
+def test_row_tile_is_fixed_and_counts_are_not_specialized():
+    """No recompiles: the chunk is 16 rows whatever the path length, row count and dst_start are not specialized.
+
+    Fails on the old kernel (BLOCK_A = next_pow2(rows): 1, 2, 4, 8 or 16, and
+    no do_not_specialize).
+    """
+    assert {kv_compaction_config(a, 128)["BLOCK_A"] for a in range(1, 40)} == {16}
+    kernel = kv_module._compact_kv_kernel
+    declared = getattr(kernel, "do_not_specialize", None)
+    if declared is None:  # interpreter object
+        declared = kernel.kwargs["do_not_specialize"]
+    names = {kernel.arg_names[n] if isinstance(n, int) else n for n in declared}
+    assert {"n_rows", "dst_start"} <= names
+
+
+# ------------------------------------------------------------------ adversarial overlaps
+
+
+def small_cache(seed=0, dtype=torch.float32, smax=64):
+    return cache(layers=2, heads=1, smax=smax, head_dim=16, dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("a", range(1, 21))
+def test_skip_one_then_run_crosses_chunks(a):
+    """Accepted nodes [0, 2, 3, ..., a]: row i >= 1 reads L+i+1, which row i+1 writes (same and next chunk)."""
+    prefix = 7
+    nodes = [0] + list(range(2, a + 1))
+    run_both(small_cache(seed=a), path_positions(nodes, prefix), prefix)
+    # and the mirror image: a run first, then the skip ([0, 1, ..., k, k+2, k+3, ...])
+    k = a // 2
+    nodes = list(range(k + 1)) + list(range(k + 2, a + 2))
+    run_both(small_cache(seed=100 + a), path_positions(nodes, prefix), prefix)
+
+
+def test_every_subset_of_a_small_tree():
+    """Every accepted set {0} + S, S a subset of nodes 1..7: all overlap patterns of short paths."""
+    kv = small_cache(seed=3, smax=24)
+    prefix = 5
+    for size in range(0, 8):
+        for subset in itertools.combinations(range(1, 8), size):
+            run_both(kv, path_positions((0,) + subset, prefix), prefix)
+
+
+@pytest.mark.parametrize("a", [1, 2, 15, 16, 17, 20])
+def test_dense_sparse_mixes_up_to_20_rows(a):
+    rng = random.Random(a)
+    for trial in range(3):
+        prefix = rng.randint(0, 10)
+        nodes = [0] + sorted(rng.sample(range(1, 40), a - 1))
+        run_both(small_cache(seed=trial, smax=prefix + 41), path_positions(nodes, prefix), prefix)
+
+
+# ------------------------------------------------------------------ device row count
+
+
+@pytest.mark.parametrize("count_shape", [(1,), ()], ids=["shape1", "scalar"])
+@pytest.mark.parametrize("count_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_device_row_count_below_the_buffer(count_shape, count_dtype, check, backend):
+    """A fixed A = 20 buffer; only the first n rows move; entries past n are garbage and never read."""
+    prefix, A = 6, 20
+    nodes = [0, 2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    for n in (0, 1, 3, 16, 17, 18):
+        kv = cache(layers=2, heads=2, smax=prefix + 40, head_dim=16, seed=n)
+        src = path_positions(nodes[:n], prefix)
+        garbage = [10 ** 6, -5, 0] * A  # out of range, negative, not increasing: must not be touched
+        buf = torch.tensor(src + garbage[: A - n], dtype=torch.int64, device=DEVICE)
+        count = torch.full(count_shape, n, dtype=count_dtype, device=DEVICE)
+        want = expected_by_hand(kv, src, prefix)
+        with force_backend(backend):
+            out = dk.compact_kv_(kv, buf, prefix, num_rows=count, check=check)
+        assert out is kv and torch.equal(kv, want), n
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_device_row_count_is_clamped_without_checks(backend):
+    """check=False: a count above A moves A rows, a negative one moves nothing (no error, no host read)."""
+    prefix = 4
+    src = [4, 6, 7]
+    for count, moved in ((5, src), (-2, [])):
+        kv = small_cache(seed=count + 10)
+        want = expected_by_hand(kv, moved, prefix)
+        with force_backend(backend):
+            dk.compact_kv_(kv, torch.tensor(src), prefix, num_rows=torch.tensor([count]), check=False)
+        assert torch.equal(kv, want)
+
+
+def test_device_count_near_the_end_of_the_cache():
+    """dst_start + A past Smax is fine when the real rows fit (the reference too)."""
+    smax, prefix = 32, 28
+    kv = small_cache(seed=1, smax=smax)
+    buf = torch.tensor([28, 30, 31, 0, 0, 0, 0, 0])  # A = 8 > Smax - prefix = 4
+    want = expected_by_hand(kv, [28, 30, 31], prefix)
+    for backend in ("triton", "reference"):
+        got = kv.clone()
+        with force_backend(backend):
+            dk.compact_kv_(got, buf, prefix, num_rows=torch.tensor(3), check=False)
+        assert torch.equal(got, want), backend
+
+
+def test_check_true_validates_only_the_counted_rows():
+    kv = small_cache()
+    buf = torch.tensor([5, 7, 8, 3, 3])  # rows 3.. would be rejected
+    want = expected_by_hand(kv, [5, 7, 8], 5)
+    dk.compact_kv_(kv, buf, 5, num_rows=torch.tensor([3]), check=True)
+    assert torch.equal(kv, want)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        dk.compact_kv_(small_cache(), buf, 5, num_rows=torch.tensor([4]), check=True)
+
+
+# ------------------------------------------------------------------ no host reads with check=False
+
+
+class _KernelStub:
+    """Stands in for the Triton kernel: records launches (meta tensors have no values to copy)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+        return launch
+
+
+@pytest.mark.parametrize("with_count", [False, True])
+def test_check_false_reads_no_tensor_value_on_the_host(monkeypatch, with_count):
+    """On the meta device any host read of a value raises; check=False must get through to the launch.
+
+    check=True (the debug path) does read the positions, and so fails there:
+    that shows the meta device detects host reads.
+    """
+    stub = _KernelStub()
+    monkeypatch.setattr(kv_module, "_compact_kv_kernel", stub)
+    kv = torch.empty(3, 2, 4, 64, 128, dtype=torch.bfloat16, device="meta")
+    src = torch.empty(20, dtype=torch.int64, device="meta")
+    count = torch.empty(1, dtype=torch.int64, device="meta") if with_count else None
+    with force_backend("triton"):
+        assert dk.compact_kv_(kv, src, 4000 % 64, num_rows=count, check=False) is kv
+        assert len(stub.launches) == 1
+        grid, args, kwargs = stub.launches[0]
+        assert grid == (3 * 2 * 4, 1) and kwargs["HAS_COUNT"] == with_count and kwargs["BLOCK_A"] == 16
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            dk.compact_kv_(kv, src, 0, num_rows=count, check=True)
+
+
+# ------------------------------------------------------------------ the barrier (compiled PTX)
+
+
+def test_compiled_kernel_has_a_barrier_between_each_chunks_loads_and_stores():
+    """Race freedom across warps, which the interpreter cannot show: inspect the real sm_90 PTX instead.
+
+    Rows of one 16-row chunk live in different warps; with accepted nodes
+    [0, 2, 3] row 1 reads the position row 2 writes. The kernel must execute a
+    CTA barrier after the chunk's global loads and before its global stores.
+    This test fails on the old kernel, whose PTX has no barrier at all.
+    """
+    from gpu_compile import compile_for_gpu, require_gpu_compiler
+    from test_compile_gpu_kv_compaction import assert_loads_barrier_stores
+
+    require_gpu_compiler()
+    cfg = next(c for c in kv_module.launch_configs() if c["head_dim"] == 128 and c["signature"]["kv_ptr"] == "*bf16")
+    res = compile_for_gpu(cfg["kernel"], cfg["signature"], cfg["constexprs"], 90, cfg["num_warps"],
+                          cfg["num_stages"], divisible_by_16=cfg["divisible_by_16"])
+    assert_loads_barrier_stores(res["ptx"], cfg["name"])
+
+
 @pytest.mark.parametrize(
     "src,dst,message",
     [
@@ -113,9 +299,45 @@ def test_bad_arguments_are_rejected():
     kv = cache()
     with pytest.raises(ValueError, match=r"\[L, 2, Hkv, Smax, D\]"):
         dk.compact_kv_(kv[:, :1], torch.tensor([1]), 0)
+    with pytest.raises(ValueError, match="stride-0"):
+        dk.compact_kv_(kv[:, :, :1].expand(-1, -1, 3, -1, -1), torch.tensor([1]), 0)
     with pytest.raises(ValueError, match="1-D"):
         dk.compact_kv_(kv, torch.tensor([[1]]), 0)
     with pytest.raises(ValueError, match="int64 or int32"):
         dk.compact_kv_(kv, torch.tensor([1.0]), 0)
     with pytest.raises(ValueError, match="dst_start"):
         dk.compact_kv_(kv, torch.tensor([1]), -1)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_bad_row_counts_are_rejected(check):
+    kv = cache()
+    src = torch.tensor([3, 5, 6])
+    with pytest.raises(TypeError, match="num_rows must be None or an int64 tensor"):
+        dk.compact_kv_(kv, src, 3, num_rows=2, check=check)
+    with pytest.raises(ValueError, match=r"num_rows must have shape \[1\] or \[\]"):
+        dk.compact_kv_(kv, src, 3, num_rows=torch.tensor([1, 2]), check=check)
+    with pytest.raises(ValueError, match="num_rows must be int64 or int32"):
+        dk.compact_kv_(kv, src, 3, num_rows=torch.tensor([1.0]), check=check)
+    with pytest.raises(ValueError, match="num_rows must be on kv's device"):
+        dk.compact_kv_(kv, src, 3, num_rows=torch.tensor([1], device="meta"), check=check)
+
+
+def test_row_count_out_of_range_is_rejected_when_checking():
+    kv = cache()
+    with pytest.raises(ValueError, match=r"num_rows = 4 must be in \[0, A\] = \[0, 3\]"):
+        dk.compact_kv_(kv, torch.tensor([3, 5, 6]), 3, num_rows=torch.tensor([4]))
+    with pytest.raises(ValueError, match=r"num_rows = -1 must be in \[0, A\]"):
+        dk.compact_kv_(kv, torch.tensor([3, 5, 6]), 3, num_rows=torch.tensor(-1))
+
+
+def test_check_false_skips_the_value_checks_only():
+    kv = cache()
+    # metadata is still checked ...
+    with pytest.raises(ValueError, match="int64 or int32"):
+        dk.compact_kv_(kv, torch.tensor([1.0]), 0, check=False)
+    with pytest.raises(ValueError, match="dst_start"):
+        dk.compact_kv_(kv, torch.tensor([1]), -1, check=False)
+    # ... values are trusted: a valid call gives the same result as with checks
+    want = expected_by_hand(kv, [9, 11, 12], 8)
+    assert torch.equal(dk.compact_kv_(kv, torch.tensor([9, 11, 12]), 8, check=False), want)

@@ -5,13 +5,18 @@ shapes (hidden 48/64, vocab 1000 and 50257, 1..257 positions, with and without
 norm and positions, fp32/bf16/fp16), exact argmax/top-k ids where the inputs
 have no near-ties (plus exactly tied inputs: lowest id wins), sampling
 reproducibility and a chi-square goodness-of-fit test, the CE gradient against
-autograd on the reference, and the error messages of bad inputs.
+autograd on the reference, and the error messages of bad inputs. The greedy
+choice is made in the logits' dtype (``logit_dtype``, default the model's):
+exact ties after rounding, kernel == reference on every row, and equality with
+transformers' recipe ``argmax(F.linear(normed, W))`` in bf16. Decode calls
+with ``check_bounds=False`` read no tensor value on the host (meta device).
 """
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dflash_kernels.lm_head as lm_head_module
 from dflash_kernels import (force_backend, lm_head_argmax, lm_head_cross_entropy, lm_head_logits, lm_head_sample,
@@ -440,6 +445,10 @@ ERROR_CASES = [
     ("weights shape", lambda h, w: (lm_head_cross_entropy, (h, w, torch.zeros(5, dtype=torch.long, device=DEVICE)),
                                     {"weights": torch.ones(3, device=DEVICE)}), ValueError, r"weights must have shape"),
     ("eps", lambda h, w: (lm_head_argmax, (h, w), {"eps": -1.0}), ValueError, "eps must be"),
+    ("logit dtype", lambda h, w: (lm_head_argmax, (h, w), {"logit_dtype": torch.int32}), TypeError,
+     "logit_dtype must be None, torch.float32, torch.bfloat16 or torch.float16"),
+    ("logit dtype str", lambda h, w: (lm_head_sample, (h, w, 1.0), {"logit_dtype": "bf16"}), TypeError,
+     "logit_dtype must be None"),
 ]
 
 
@@ -462,3 +471,145 @@ def test_zero_positions_give_empty_results(backend):
         assert values.shape == ids.shape == (0, 4)
         assert lm_head_sample(hidden, weight, 1.0, positions=empty, seed=0).shape == (0,)
         assert lm_head_cross_entropy(hidden, weight, empty, positions=empty).shape == (0,)
+
+
+# ------------------------------------------------------------------ greedy choice in the logits' dtype
+
+
+def rounding_tie_inputs(dtype, V=1000):
+    """hidden [2, 48] and weight [V, 48] (no norm) whose top two logits tie once rounded to ``dtype``.
+
+    Row 0: ids 3 and 7 (one vocab tile), logits 2048.5 and 2048.75; row 1:
+    ids 5 and 900 (different tiles), 2048.25 and 2048.75. Every value is exact
+    in bf16/fp16, the products and sums exact in fp32; at 2048 the bf16 and
+    fp16 spacings are 16 and 2, so each pair rounds to the same 2048. The
+    larger fp32 logit has the larger id; every other logit is below 1.
+    """
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(V, 48, generator=g) * 0.01
+    hidden = torch.zeros(2, 48)
+    hidden[0, :2] = 1.0
+    hidden[1, 2:4] = 1.0
+    weight[3, :2] = torch.tensor([2048.0, 0.5])
+    weight[7, :2] = torch.tensor([2048.0, 0.75])
+    weight[5, 2:4] = torch.tensor([2048.0, 0.25])
+    weight[900, 2:4] = torch.tensor([2048.0, 0.75])
+    return hidden.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rounded_logits_tie_to_the_lowest_id(backend, dtype):
+    """Default (the model's dtype): a tie after rounding, lowest id; fp32 mode: the larger fp32 logit.
+
+    Fails on the old kernel, which compared fp32 logits only (picks 7 and 900).
+    """
+    hidden, weight = rounding_tie_inputs(dtype)
+    fp32_logits = hidden.float() @ weight.float().T
+    assert fp32_logits[0, 7] > fp32_logits[0, 3] and fp32_logits[1, 900] > fp32_logits[1, 5]
+    assert torch.equal(torch.argmax(F.linear(hidden, weight), dim=-1).cpu(), torch.tensor([3, 5]))  # transformers
+    with force_backend(backend):
+        default = lm_head_argmax(hidden, weight)
+        explicit = lm_head_argmax(hidden, weight, logit_dtype=dtype)
+        exact = lm_head_argmax(hidden, weight, logit_dtype=torch.float32)
+        rounded_logits = lm_head_logits(hidden, weight, logit_dtype=None)
+    assert default.tolist() == [3, 5] and explicit.tolist() == [3, 5]
+    assert exact.tolist() == [7, 900]
+    assert rounded_logits.dtype == dtype and rounded_logits[0, 3] == rounded_logits[0, 7] == 2048
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampling_uses_the_rounded_logits(backend):
+    """At a low temperature the tied pair is drawn about evenly; in fp32 mode the larger logit always wins.
+
+    The rounding happens before the temperature scaling (as transformers samples from the bf16 logits).
+    """
+    hidden, weight = rounding_tie_inputs(torch.bfloat16)
+    positions = torch.zeros(400, dtype=torch.int64, device=DEVICE)
+    with force_backend(backend):
+        rounded = lm_head_sample(hidden, weight, 0.01, positions=positions, seed=5)
+        exact = lm_head_sample(hidden, weight, 0.01, positions=positions, seed=5, logit_dtype=torch.float32)
+    counts = torch.bincount(rounded.cpu(), minlength=8)
+    assert counts[3] + counts[7] == 400 and 120 < counts[3] < 280
+    assert bool((exact == 7).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,V,positions,norm", SHAPES, ids=SHAPE_IDS)
+def test_argmax_equals_reference_on_every_row(T, H, V, positions, norm, dtype):
+    """Kernel == reference on all rows (near-ties included: no clear-winner boost) in the default logit dtype."""
+    hidden, weight, kw = make_inputs(T, H, V, dtype, norm=norm, positions=positions, seed=21)
+    expected = ref.lm_head_argmax(hidden, weight, **kw)
+    with force_backend("triton"):
+        ids = lm_head_argmax(hidden, weight, **kw)
+    assert torch.equal(ids, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_argmax_matches_the_transformers_recipe(dtype):
+    """``torch.argmax(F.linear(normed, W))`` in the model's dtype (what generate() does), on many random rows.
+
+    The fp32-logit argmax disagrees with it on some of these rows (checked
+    below), so this fails on the old kernel.
+    """
+    T, H, V = 256, 64, 2000
+    g = torch.Generator().manual_seed({torch.bfloat16: 3, torch.float16: 1}[dtype])  # 5 / 1 fp32-argmax misses
+    hidden = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    weight = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(dtype)
+    norm_weight = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    normed = ref.rms_norm(hidden, norm_weight)
+    want = torch.argmax(F.linear(normed, weight), dim=-1)
+    fp32_choice = torch.argmax(normed.float() @ weight.float().T, dim=-1)
+    assert (fp32_choice != want).any(), "these inputs must contain rows where the fp32 argmax differs"
+    hidden, weight, norm_weight = hidden.to(DEVICE), weight.to(DEVICE), norm_weight.to(DEVICE)
+    for backend in BACKENDS:
+        with force_backend(backend):
+            ids = lm_head_argmax(hidden, weight, norm_weight=norm_weight)
+            ids_fp32 = lm_head_argmax(hidden, weight, norm_weight=norm_weight, logit_dtype=torch.float32)
+        assert torch.equal(ids.cpu(), want), backend
+        assert torch.equal(ids_fp32.cpu(), fp32_choice), backend
+
+
+def test_default_logit_dtype_is_what_f_linear_returns():
+    from dflash_kernels.reference.lm_head import resolve_logit_dtype
+
+    bf, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    for h, w, want in ((bf, bf, bf), (fp16, fp16, fp16), (fp32, fp32, fp32), (fp32, bf, fp32), (fp16, bf, fp32)):
+        assert resolve_logit_dtype(torch.empty(1, dtype=h), torch.empty(1, dtype=w), None) == want
+    assert resolve_logit_dtype(torch.empty(1, dtype=bf), torch.empty(1, dtype=bf), fp32) == fp32
+
+
+# ------------------------------------------------------------------ no host reads in the decode loop
+
+
+class _KernelStub:
+    """Stands in for a Triton kernel on the meta device: records launches."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+        return launch
+
+
+def test_argmax_with_trusted_positions_reads_nothing_on_the_host(monkeypatch):
+    """``lm_head_argmax(..., positions=..., check_bounds=False)`` on meta tensors (no values: any host read raises).
+
+    With ``check_bounds=True`` the same call does read the positions, and fails: the meta device detects reads.
+    """
+    norm_stub, argmax_stub = _KernelStub(), _KernelStub()
+    monkeypatch.setattr(lm_head_module, "_norm_rows_kernel", norm_stub)
+    monkeypatch.setattr(lm_head_module, "_argmax_kernel", argmax_stub)
+    hidden = torch.empty(40, 256, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(1000, 256, dtype=torch.bfloat16, device="meta")
+    norm_weight = torch.empty(256, dtype=torch.bfloat16, device="meta")
+    positions = torch.empty(9, dtype=torch.int64, device="meta")
+    with force_backend("triton"):
+        ids = lm_head_argmax(hidden, weight, norm_weight=norm_weight, positions=positions, check_bounds=False)
+        assert ids.shape == (9,) and ids.dtype == torch.int64
+        assert len(norm_stub.launches) == 1 and len(argmax_stub.launches) == 1
+        assert str(argmax_stub.launches[0][2]["LOGIT_DTYPE"]) == "bf16"
+        with pytest.raises(RuntimeError, match="meta"):
+            lm_head_argmax(hidden, weight, norm_weight=norm_weight, positions=positions, check_bounds=True)

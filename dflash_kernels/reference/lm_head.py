@@ -14,10 +14,16 @@ Math, exactly as Hugging Face's ``Qwen3RMSNorm`` / ``LlamaRMSNorm`` then
 
 and the consumers of ``logits``:
 
-* ``lm_head_logits``: ``logits``.
-* ``lm_head_argmax``: ``argmax(logits, -1)`` (ties: lowest index).
+* ``lm_head_logits``: ``logits`` (fp32 by default, or ``logits.to(logit_dtype)``).
+* ``lm_head_argmax``: ``argmax(logits.to(logit_dtype), -1)`` (ties: lowest
+  index). ``logit_dtype`` None (default) is the dtype ``F.linear(a, weight)``
+  returns, ``promote_types(hidden.dtype, weight.dtype)``: bf16 for a bf16
+  model, which is what transformers' ``generate()`` takes the argmax of
+  (``.to`` rounds to nearest even, as a bf16 GEMM rounds its fp32
+  accumulator); ``torch.float32`` compares the fp32 logits themselves.
 * ``lm_head_topk``: top-k of ``log_softmax(logits, -1)``, best first.
-* ``lm_head_sample``: one draw per row from ``softmax(logits / temperature)``.
+* ``lm_head_sample``: one draw per row from
+  ``softmax(logits.to(logit_dtype).float() / temperature)``.
 * ``lm_head_cross_entropy``: ``weights * (logsumexp(logits) - logits[target])``
   per row (0 where ``target == ignore_index``), differentiable wrt ``hidden``
   only (``weight``, ``norm_weight`` and ``weights`` are constants).
@@ -89,6 +95,20 @@ def check_lm_head_args(hidden, weight, norm_weight, eps, positions, *, check_bou
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     return check_rows(positions, T, hidden.device, what="positions", check_bounds=check_bounds)
+
+
+def resolve_logit_dtype(hidden: torch.Tensor, weight: torch.Tensor, logit_dtype) -> torch.dtype:
+    """The dtype the logits are rounded to: ``logit_dtype``, or for None the dtype ``F.linear`` returns.
+
+    ``F.linear(rms_norm(hidden), weight)`` computes in the promotion of
+    hidden's dtype (the norm keeps it) and the weight's.
+    """
+    if logit_dtype is None:
+        return torch.promote_types(hidden.dtype, weight.dtype)
+    if not isinstance(logit_dtype, torch.dtype) or logit_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logit_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; "
+                        f"got {logit_dtype!r}")
+    return logit_dtype
 
 
 def check_k(k, vocab: int) -> int:
@@ -179,16 +199,20 @@ def _logits(hidden, weight, norm_weight, eps, positions) -> torch.Tensor:
     return a.float() @ weight.detach().float().T
 
 
-def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True):
-    """fp32 ``[N, V]`` logits of the (normed) rows at ``positions``."""
+def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
+                   logit_dtype=torch.float32):
+    """``[N, V]`` logits of the (normed) rows at ``positions``: fp32, or rounded to ``logit_dtype``."""
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    return _logits(hidden, weight, norm_weight, eps, positions)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    return _logits(hidden, weight, norm_weight, eps, positions).to(logit_dtype)
 
 
-def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True):
-    """int64 ``[N]``: ``argmax`` of the logits (lowest index on ties)."""
+def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
+                   logit_dtype=None):
+    """int64 ``[N]``: ``argmax`` of the logits rounded to ``logit_dtype`` (lowest index on ties)."""
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    return torch.argmax(_logits(hidden, weight, norm_weight, eps, positions), dim=-1)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    return torch.argmax(_logits(hidden, weight, norm_weight, eps, positions).to(logit_dtype), dim=-1)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None,
@@ -202,17 +226,18 @@ def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=Non
 
 
 def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True) -> torch.Tensor:
-    """int64 ``[N]``: one draw per row from ``softmax(logits / temperature)``.
+                   seed=None, check_bounds=True, logit_dtype=None) -> torch.Tensor:
+    """int64 ``[N]``: one draw per row from ``softmax(logits.to(logit_dtype).float() / temperature)``.
 
     Reproducible: with ``seed`` a private generator seeded with it is used;
     otherwise ``generator`` (or torch's default generator).
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     t = check_temperature(temperature)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to lm_head_sample, not both")
-    logits = _logits(hidden, weight, norm_weight, eps, positions)
+    logits = _logits(hidden, weight, norm_weight, eps, positions).to(logit_dtype).float()
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
     if seed is not None:
