@@ -1,21 +1,25 @@
-"""Benchmark: tree attention over the packed bitmask vs SDPA with a dense mask.
+"""Benchmark: tree attention (packed bits / causal chain / sliding window) vs SDPA with a dense mask.
 
 Run: ``python -m pytest bench/bench_tree_attention.py --benchmark-columns=median,rounds``
 
-Providers, at equal inputs (bf16 K/V as strided views of a ``[L, 2, Hkv, Smax, D]``
-cache, the tree's ancestor bits already built):
+Shapes at Qwen3-8B (Hq 32, Hkv 8, D 128, bf16 K/V as strided views of a
+``[L, 2, Hkv, Smax, D]`` cache): prefixes 1k / 4k / 8k, T = 16 (a DFlash
+block), 65 (a DDTree budget of 64), 257 and 1025 (big trees, prefill chunks).
+Providers, at equal inputs (the tree's ancestor bits already built):
 
-* ``tree_attention``: :func:`dflash_kernels.tree_attention` (Triton).
-* ``sdpa_dense_mask``: :func:`dflash_kernels.tree_attention_mask` builds the
-  ``[T, prefix + T]`` additive mask (its torch reference on a CPU), then
-  ``torch.nn.functional.scaled_dot_product_attention`` (GQA via
-  ``enable_gqa``), as an attention backend without a tree kernel must do.
+* ``tree_attention``: :func:`dflash_kernels.tree_attention` (Triton on a GPU;
+  on a CPU the pure-torch reference, since the interpreter is no speed path).
+  Modes: ``tree`` (random DDTree-like ancestor bits), ``chain`` (``bits=None``,
+  the DFlash verify / AR / prefill-chunk pass) and ``window`` (tree bits and a
+  4096-key sliding window at positions ``prefix + depth``), the last two at
+  T = 16 and 65 only.
+* ``sdpa_dense_mask``: the ``[T, prefix + T]`` mask (``tree_attention_mask``
+  for bits; the reference's ``tree_visibility`` for chain / window), then
+  ``torch.nn.functional.scaled_dot_product_attention`` with ``enable_gqa``, as
+  an attention backend without a tree kernel must do.
 
-With CUDA: Hq 32, Hkv 8, D 128, prefix 1000-8000, tree 64-1024 tokens, and the
-peak extra GPU memory of each provider in ``extra_info["peak_extra_mib"]``.
-Without CUDA: one small shape, and the Triton kernel runs under the
-interpreter (a correctness tool, not a speed path: one round only); the dense
-mask's size is recorded for both so the memory argument stays visible.
+With CUDA every provider also records its peak extra GPU memory in
+``extra_info["peak_extra_mib"]``; without CUDA only prefix 1k, T 16 / 65 run.
 """
 
 import os
@@ -30,20 +34,21 @@ import torch.nn.functional as F  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels import reference as ref  # noqa: E402
-from dflash_kernels._dispatch import triton_interpreting  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+HQ, HKV, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+WINDOW = 4096
 if CUDA:
-    HQ, HKV, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
-    SHAPES = [(p, t) for p in (1000, 4000, 8000) for t in (64, 256, 1024)]
+    PREFIXES, TREES = (1024, 4096, 8192), (16, 65, 257, 1025)
 else:
-    HQ, HKV, HEAD_DIM, DTYPE = 4, 2, 64, torch.bfloat16
-    SHAPES = [(256, 64)]
+    PREFIXES, TREES = (1024,), (16, 65)
+CASES = [(p, t, "tree") for p in PREFIXES for t in TREES]
+CASES += [(p, t, mode) for p in PREFIXES for t in TREES if t <= 65 for mode in ("chain", "window")]
 
 
-def tree_bits(n_tree, seed=0):
-    """Ancestor bits of a DDTree-like tree (depth <= 15) on the bench device."""
+def tree_parents(n_tree, seed=0):
+    """Parents and depths of a DDTree-like tree (depth <= 15)."""
     gen = torch.Generator().manual_seed(seed)
     parents, depth = [-1], [0]
     for i in range(1, n_tree):
@@ -52,55 +57,73 @@ def tree_bits(n_tree, seed=0):
             p = parents[p]
         parents.append(p)
         depth.append(depth[p] + 1)
-    return dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64, device=DEVICE))
+    return parents, depth
 
 
-def inputs(prefix_len, n_tree):
+def inputs(prefix_len, n_tree, mode):
     s = prefix_len + n_tree
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    q = torch.randn(1, HQ, n_tree, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
+    # [1, Hq, T, D] as the model passes it: a transposed view of [1, T, Hq, D].
+    q = torch.randn(1, n_tree, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen).transpose(1, 2)
     cache = torch.randn(2, 2, HKV, s + 64, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
-    return q, cache[1, 0, :, :s][None], cache[1, 1, :, :s][None], tree_bits(n_tree)
+    parents, depth = tree_parents(n_tree)
+    kwargs = {}
+    if mode == "chain":
+        bits = None
+    else:
+        bits = dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64, device=DEVICE))
+    if mode == "window":
+        kwargs = {"positions": torch.tensor([prefix_len + d for d in depth], device=DEVICE), "window": WINDOW}
+    return q, cache[1, 0, :, :s][None], cache[1, 1, :, :s][None], bits, kwargs
 
 
-def sdpa_dense_mask(q, k, v, bits, prefix_len):
-    # On a GPU the mask comes from the Triton builder; on a CPU from the torch
-    # reference (the interpreted kernel would dominate the timing).
-    build = dk.tree_attention_mask if CUDA else ref.tree_attention_mask
-    mask = build(bits, prefix_len, q.dtype)
+def sdpa_dense_mask(q, k, v, bits, prefix_len, positions=None, window=None):
+    if bits is not None and window is None and CUDA:
+        mask = dk.tree_attention_mask(bits, prefix_len, q.dtype) == 0
+    else:
+        mask = ref.tree_visibility(bits, prefix_len, q.shape[2], positions=positions, window=window,
+                                   device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
 
 
-def run_provider(benchmark, fn, args, slow):
+def tree_attention(q, k, v, bits, prefix_len, **kwargs):
+    if CUDA:
+        return dk.tree_attention(q, k, v, bits, prefix_len, **kwargs)
+    with dk.force_backend("reference"):
+        return dk.tree_attention(q, k, v, bits, prefix_len, **kwargs)
+
+
+def run_provider(benchmark, fn, args, kwargs):
     if CUDA:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
 
         def call():
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             torch.cuda.synchronize()
             return out
 
         out = benchmark(call)
         benchmark.extra_info["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 2)
         return out
-    if slow:
-        return benchmark.pedantic(fn, args=args, rounds=1, iterations=1)
-    return benchmark(fn, *args)
+    return benchmark.pedantic(fn, args=args, kwargs=kwargs, rounds=3, iterations=1)
 
 
-@pytest.mark.parametrize("prefix_len,n_tree", SHAPES)
+@pytest.mark.parametrize("prefix_len,n_tree,mode", CASES, ids=[f"p{p}-T{t}-{m}" for p, t, m in CASES])
 @pytest.mark.parametrize("provider", ["tree_attention", "sdpa_dense_mask"])
-def test_tree_attention(benchmark, provider, prefix_len, n_tree):
-    q, k, v, bits = inputs(prefix_len, n_tree)
-    benchmark.group = f"tree_attention prefix={prefix_len} T={n_tree}"
+def test_tree_attention(benchmark, provider, prefix_len, n_tree, mode):
+    q, k, v, bits, kwargs = inputs(prefix_len, n_tree, mode)
+    benchmark.group = f"tree_attention {mode} prefix={prefix_len} T={n_tree}"
     benchmark.extra_info.update(
-        hq=HQ, hkv=HKV, head_dim=HEAD_DIM, dtype=str(DTYPE), device=DEVICE,
+        hq=HQ, hkv=HKV, head_dim=HEAD_DIM, dtype=str(DTYPE), device=DEVICE, mode=mode,
+        window=kwargs.get("window"), backend="triton" if CUDA else "reference",
         dense_mask_mib=round(n_tree * (prefix_len + n_tree) * q.element_size() / 2**20, 3),
     )
     if provider == "tree_attention":
-        out = run_provider(benchmark, dk.tree_attention, (q, k, v, bits, prefix_len), slow=triton_interpreting())
+        if CUDA:
+            dk.warmup_tree_attention(q, k, v, bits, prefix_len, **kwargs)
+        out = run_provider(benchmark, tree_attention, (q, k, v, bits, prefix_len), kwargs)
     else:
-        out = run_provider(benchmark, sdpa_dense_mask, (q, k, v, bits, prefix_len), slow=False)
+        out = run_provider(benchmark, sdpa_dense_mask, (q, k, v, bits, prefix_len), kwargs)
     assert out.shape == q.shape

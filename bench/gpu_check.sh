@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_check.sh            # from the repository root (or anywhere: it cds there)
 #
-# Steps (the whole run is capped at GPU_CHECK_BUDGET_S seconds, default 470, so < 8 minutes):
+# Steps (the whole run is capped at GPU_CHECK_BUDGET_S seconds, default 560, so < 10 minutes):
 #   0. fail early unless nvidia-smi lists a GPU and torch.cuda.is_available()
 #   1. build:   pip install --no-build-isolation --no-deps -e .  (the extension builds as a
 #               CUDAExtension for this GPU's architecture only; checked: built_with_cuda)
@@ -14,7 +14,12 @@
 #               lm_head ops against the bare GEMM, tree attention against dense-mask SDPA
 #   4. micro:   the pytest-benchmark suite in bench/ at real model shapes, random weights
 #   5. round:   bench/gpu_round_latency.py: one DFlash / DDTree verify round at Qwen3-8B shapes
-#               (target cut to 8 of 36 layers), our path vs the plain-torch path: the table
+#               (target cut to 8 of 36 layers): our path, our path with the pre-redesign dense-mask
+#               SDPA attention, and the plain-torch path: the table
+#      syncs:   bench/gpu_round_syncs.py: host syncs per round of ar / dflash / ddtree at Qwen3-8B
+#               shapes (4 layers), by torch.cuda.set_sync_debug_mode and by the host-read counter
+#      stress:  bench/gpu_compaction_stress.py: thousands of adversarial accepted paths through
+#               compact_kv_ at Qwen3-8B cache shapes against the reference (the race fix)
 #   6. e2e:     python -m dflash bench on the embedded tiny pair, fp32, T = 0: every method's
 #               output must equal plain decoding's token for token
 # Exit status: 0 when every step passed; 1 when any failed (a kernel result differing from its
@@ -24,7 +29,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
 OUT_DIR=${OUT:-bench/results/gpu_check}
 
 die() {
@@ -134,7 +139,7 @@ step cuda-ext 30 "$PY" -c "$CUDA_EXT_CHECK"
 # Step 3 checks every op on the GPU in any case.
 KERNEL_TESTS=()
 for f in tests/test_gather.py tests/test_lm_head.py tests/test_tree_attention.py tests/test_ancestor_bits.py \
-         tests/test_kv_compaction.py tests/test_tree_build.py tests/test_extension.py; do
+         tests/test_kv_compaction.py tests/test_tree_build.py tests/test_tree_device.py tests/test_extension.py; do
     if [ -f "$f" ] && grep -q 'cuda' "$f"; then
         KERNEL_TESTS+=("$f")
     else
@@ -147,12 +152,15 @@ step tests 180 env DFLASH_TEST_REAL_TRITON=1 "$PY" -m pytest -q -p no:cacheprovi
 step kernels 120 "$PY" bench/gpu_kernel_check.py --model qwen3-8b --json "$OUT_DIR/gpu_kernel_check.json"
 
 # ---------------------------------------------------------------- 4. microbenchmarks, real shapes
-step micro 150 "$PY" -m pytest bench -q -p no:cacheprovider --benchmark-json="$OUT_DIR/micro.json" \
+step micro 100 "$PY" -m pytest bench -q -p no:cacheprovider --benchmark-json="$OUT_DIR/micro.json" \
     --benchmark-max-time=0.1 --benchmark-min-rounds=3 --benchmark-columns=median,rounds
 
 # ---------------------------------------------------------------- 5. one round, our path vs plain torch
 step round 120 "$PY" bench/gpu_round_latency.py --layers 8 --prefix 4096 --budgets 64,256 \
     --json "$OUT_DIR/gpu_round_latency.json"
+
+step syncs 90 "$PY" bench/gpu_round_syncs.py --layers 4 --json "$OUT_DIR/gpu_round_syncs.json"
+step stress 60 "$PY" bench/gpu_compaction_stress.py --cases 3000
 
 # ---------------------------------------------------------------- 6. end to end, lossless on the GPU
 step e2e 90 "$PY" -m dflash bench --device cuda --dtype float32 --num-prompts 2 --max-new-tokens 48 \

@@ -16,10 +16,16 @@ is in both caches; then one round, timed end to end (median over ``--repeats``):
   verified with ancestor-only attention; the path to the deepest node is accepted.
 
 Our path (what ``dflash.generate`` runs): ``TargetAdapter.forward`` with forward-hook capture
-of the 5 layers and a static cache; on the tree, the ancestor bitmask and the tree-attention
-kernel; the target's choice at every row by the fused norm + lm_head + argmax; the walk;
-``compact_kv_`` of the accepted rows (or a length bump for the chain) and ``gather_concat``
-of their features.
+of the 5 layers and a static cache; attention through our one attention function (the
+tree-attention kernel in chain mode for the chain, with the ancestor bitmask for the tree; GQA
+packed, no mask); the target's choice at every row by the fused norm + lm_head + argmax; the
+device walk; ``compact_kv_`` of the accepted rows with a device-side count (or a length bump for
+the chain), ``gather_concat`` of their features, and the round's one host read.
+
+Our path before the round redesign (``ours, dense SDPA``): the same round with the attention
+of every layer replaced by what the adapter did before: a dense additive ``[1, 1, T, S]`` float
+mask and SDPA over K/V expanded to every query head (``repeat_kv``), which is what HF's SDPA
+path does once it is handed a mask. The speedup of the new attention path is ``dense / ours``.
 
 Plain-torch path (what a transformers user writes): ``model(..., output_hidden_states=True)``
 with a ``DynamicCache`` (every forward concatenates onto each layer's K/V), a dense
@@ -158,18 +164,51 @@ def our_round(adapter, cache, sc: Scenario):
     if sc.chain:
         hidden = adapter.forward(sc.ids_d, sc.pos_d, cache)
         choices = adapter.choose(hidden)
-        matches = torch.cumprod((sc.ids_d[1:] == choices[:-1]).long(), 0)
-        torch.cat([choices, matches]).tolist()  # the loop's one host sync
+        accepted = torch.cumprod((sc.ids_d[1:] == choices[:-1]).long(), 0).sum()
+        torch.cat([choices, accepted[None]]).tolist()  # the loop's one host read
         cache.commit(sc.accepted.numel())
         features = adapter.context_features(rows=sc.accepted_d, trusted_rows=True)
     else:
-        bits = dk.ancestor_bits(sc.parents_d)
+        bits = dk.ancestor_bits(sc.parents_d, check=False)
         hidden = adapter.forward(sc.ids_d, sc.pos_d, cache, tree_bits=bits)
         choices = adapter.choose(hidden)
-        dk.walk_tree(sc.parents, sc.tokens, choices)  # host sync; the commit below uses the fixed path
-        cache.commit_rows(sc.accepted)  # host positions, as the DDTree loop passes them
-        features = adapter.context_features(rows=sc.accepted_d, trusted_rows=True)
+        # the loop's device walk and its one host read; the commit uses the scenario's fixed path
+        _, path_len, committed = dk.walk_tree_device(sc.parents_d, sc.ids_d[1:], choices, int(sc.depths.max()),
+                                                     bits=bits)
+        n = torch.full((1,), sc.accepted.numel(), dtype=torch.int64, device=choices.device)
+        padded = torch.cat([sc.accepted_d, sc.accepted_d[-1:].expand(int(sc.depths.max()) + 1 - n.numel())])
+        cache.compact_rows(padded, n)
+        features = adapter.context_features(rows=padded, trusted_rows=True)[: sc.accepted.numel()]
+        torch.cat([committed, path_len]).tolist()
+        cache.commit(sc.accepted.numel())
     return choices, features
+
+
+class dense_mask_attention:
+    """Context manager: our passes' attention as before the redesign (dense float mask, K/V per query head)."""
+
+    def __enter__(self):
+        import dflash.target.attention as attention
+        from dflash_kernels import reference
+
+        self.module, self.real = attention, attention.pass_attention
+
+        def dense(query, key, value, attention_pass, window, scaling):
+            T = query.shape[2]
+            visible = reference.tree_visibility(attention_pass.bits, attention_pass.prefix_len, T,
+                                                positions=attention_pass.positions, window=window,
+                                                device=query.device)
+            mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+            mask = mask.masked_fill_(~visible, torch.finfo(query.dtype).min)[None, None]
+            group = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+
+        attention.pass_attention = dense
+        return self
+
+    def __exit__(self, *exc):
+        self.module.pass_attention = self.real
 
 
 def dense_tree_mask(parents: torch.Tensor, prefix: int, dtype, max_depth: int) -> torch.Tensor:
@@ -276,14 +315,18 @@ def main(argv=None) -> int:
         adapter = TargetAdapter(model, layer_ids)
         try:
             cache = adapter.new_cache(args.prefix + max_rows + 8)
-            adapter.forward(prompt, torch.arange(args.prefix, device=device), cache)
-            cache.commit(args.prefix)
+            adapter.prefill(prompt, cache)
             for sc in scenarios:
+                with dense_mask_attention():
+                    dense_ms, _, _ = timed(lambda: our_round(adapter, cache, sc), device, args.repeats, warmup)
                 ms, peak, (choices, feats) = timed(lambda: our_round(adapter, cache, sc), device, args.repeats, warmup)
                 n = sc.accepted.numel()
                 kv_rows = cache.kv[:, :, :, args.prefix: args.prefix + n].clone()
-                ours[sc.name] = dict(ms=ms, peak=peak, choices=choices.clone(), features=feats.clone(), kv=kv_rows)
-            tree_backend = "tree-attention kernel" if adapter.tree_kernel_usable() else "dense mask (reference backend)"
+                ours[sc.name] = dict(ms=ms, dense_ms=dense_ms, peak=peak, choices=choices.clone(),
+                                     features=feats.clone(), kv=kv_rows)
+            backend = dk.get_backend(device)
+            tree_backend = ("tree-attention kernel (GQA packed, no mask)" if backend == "triton"
+                            else "SDPA with a [T, S] mask (reference backend)")
         finally:
             adapter.close()
         del cache
@@ -301,7 +344,8 @@ def main(argv=None) -> int:
             mine = ours[sc.name]
             rows.append(dict(
                 scenario=sc.name, tree_tokens=int(sc.ids_d.numel()), accepted_rows=n,
-                ours_ms=mine["ms"], plain_ms=ms, speedup=ms / mine["ms"],
+                ours_ms=mine["ms"], dense_ms=mine["dense_ms"], attention_speedup=mine["dense_ms"] / mine["ms"],
+                plain_ms=ms, speedup=ms / mine["ms"],
                 ours_peak_extra_mib=mine["peak"], plain_peak_extra_mib=peak,
                 choices_agree=float((mine["choices"] == choices).float().mean()),
                 feature_rel_err=rel_err(mine["features"], feats), kv_rel_err=rel_err(mine["kv"], plain_kv),
@@ -339,15 +383,18 @@ def print_table(r: dict) -> None:
           f"{s['num_key_value_heads']} heads x {s['head_dim']}, vocab {s['vocab_size']}, {r['dtype']}; "
           f"{r['note']}; prefix {r['prefix']}; captured layers {r['captured_layers']}; kernels: "
           f"{r['kernel_backend']}, tree verify: {r['tree_verify']}; median of {r['repeats']}")
-    head = (f"{'scenario':<22}{'T':>5}{'acc':>5}{'ours ms':>10}{'plain ms':>10}{'speedup':>9}{'ours MiB':>10}"
-            f"{'plain MiB':>11}{'agree':>7}{'feat err':>10}{'kv err':>10}")
+    head = (f"{'scenario':<22}{'T':>5}{'acc':>5}{'ours ms':>10}{'dense ms':>10}{'vs dense':>9}{'plain ms':>10}"
+            f"{'speedup':>9}{'ours MiB':>10}{'plain MiB':>11}{'agree':>7}{'feat err':>10}{'kv err':>10}")
     print(head)
     print("-" * len(head))
     for row in r["rows"]:
         print(f"{row['scenario']:<22}{row['tree_tokens']:>5}{row['accepted_rows']:>5}{row['ours_ms']:>10.3f}"
+              f"{row['dense_ms']:>10.3f}{row['attention_speedup']:>8.2f}x"
               f"{row['plain_ms']:>10.3f}{row['speedup']:>8.2f}x{_mib(row['ours_peak_extra_mib']):>10}"
               f"{_mib(row['plain_peak_extra_mib']):>11}{row['choices_agree']:>7.2f}{row['feature_rel_err']:>10.2e}"
               f"{row['kv_rel_err']:>10.2e}")
+    print("(dense: our round with the pre-redesign attention, dense float mask + K/V per query head; "
+          "vs dense: dense ms / ours ms)")
     print("(T: verified tokens; acc: accepted rows; MiB: peak memory above the round's start, CUDA only; agree: share "
           "of equal target choices; errors: relative, ours vs plain)")
 

@@ -4,7 +4,7 @@
 // what the host commits. The Python reference of both is
 // dflash_kernels/reference/tree.py; the two must agree bit for bit.
 //
-// build_tree(top_logprobs [D, K] float64, top_ids [D, K] int64, budget)
+// build_tree(top_logprobs [D, K] float, top_ids [D, K] int64/int32, budget)
 //   Row d of the inputs is depth d + 1, sorted best first. A max-priority
 //   queue holds candidate nodes keyed by the sum of log-probs along their path
 //   from the root. It starts with (depth 1, rank 0, parent root). Each pop
@@ -13,20 +13,28 @@
 //   rank + 1 < K, then (b) its first child (rank 0, depth + 1, parent n) when
 //   depth < D. The loop stops at `budget` nodes or an empty queue.
 //   Scores are computed as score(parent) + logprob[depth - 1][rank] in double
-//   precision (the parent's score rides along in the queue entry), which is
-//   the path sum without the cancellation of "score - old + new". Ties in the
+//   precision (the parent's score is looked up per popped node), which is the
+//   path sum without the cancellation of "score - old + new". Ties in the
 //   score pop the entry pushed first (lower insertion counter).
+//   The node count n = min(budget, sum_{d=1..D} K^d) is known up front (the
+//   queue only runs empty once the whole tree is popped), so the loop writes
+//   straight into the preallocated outputs. Inputs are read in place
+//   (float32/float64, int64/int32, any strides), with no conversion copies.
+//   Queue entries are 128-bit integer keys (score, then ~counter), so each
+//   heap comparison is one unsigned compare (see make_key below).
 //
 // walk_tree(parents [N+1], token_ids [N], target_choice [N+1])
 //   From the root (node 0): while target_choice[cur] equals the token of a
 //   child of cur, move to that child (the lowest-numbered one, should two
 //   children share a token). Returns the visited nodes and the bonus token
 //   target_choice[last].
+#include <ATen/EmptyTensor.h>
 #include <torch/extension.h>
 
 #include <cmath>
 #include <cstdint>
-#include <queue>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -34,88 +42,207 @@
 namespace dflash {
 namespace {
 
-struct Candidate {
-  double score;         // sum of log-probs from the root to this candidate
-  double parent_score;  // score of its parent (0 for the root)
-  int64_t counter;      // insertion order: the tie-break, lower pops first
-  int64_t depth;        // 1-based depth, row depth - 1 of the inputs
-  int64_t rank;         // column of the inputs
-  int64_t parent;       // node index of the parent (0 = root)
+// Queue entries are single 128-bit keys: high 64 bits = the score mapped to
+// an unsigned integer in the same order (sign-magnitude to offset binary),
+// low 64 bits = ~counter, so "pops first" (higher score, then lower insertion
+// counter) is one unsigned compare, and counters are unique, so the order is
+// total and the pop sequence cannot depend on the heap's layout. Scores get
+// `+ 0.0` first, which turns -0.0 into +0.0 (they compare equal as doubles,
+// so they must map to one key) and changes no other value. The rest of a
+// candidate (parent, depth, rank) lives in a side array indexed by counter.
+using Key = unsigned __int128;
+
+inline uint64_t score_bits(double score) {
+  score += 0.0;
+  uint64_t b;
+  std::memcpy(&b, &score, sizeof b);
+  return (b >> 63) ? ~b : (b | (uint64_t{1} << 63));
+}
+
+inline double bits_score(uint64_t o) {
+  const uint64_t b = (o >> 63) ? (o & ~(uint64_t{1} << 63)) : ~o;
+  double score;
+  std::memcpy(&score, &b, sizeof score);
+  return score;
+}
+
+inline Key make_key(double score, uint32_t counter) {
+  return (Key{score_bits(score)} << 64) | Key{~uint64_t{counter}};
+}
+
+struct Payload {
+  uint32_t parent;  // node index of the parent (0 = root)
+  uint32_t depth;   // 1-based depth, row depth - 1 of the inputs
+  uint32_t rank;    // column of the inputs
 };
 
-// std::priority_queue pops the *largest* element under this "less than".
-struct PopsLater {
-  bool operator()(const Candidate& a, const Candidate& b) const {
-    if (a.score != b.score) return a.score < b.score;
-    return a.counter > b.counter;
+// Binary max-heap of keys on a preallocated array, with hole-based sifts and
+// a replace-top operation: a pop followed by the push of the popped entry's
+// sibling is one sift-down instead of a sift-down plus a sift-up.
+class KeyHeap {
+ public:
+  explicit KeyHeap(Key* storage) : h_(storage) {}
+  Key top() const { return h_[0]; }
+
+  void push(const Key c) {
+    int64_t i = size_++;
+    while (i > 0) {
+      const int64_t p = (i - 1) >> 1;
+      if (!(c > h_[p])) break;
+      h_[i] = h_[p];
+      i = p;
+    }
+    h_[i] = c;
   }
+  // Removes the top and inserts `c` (one sift-down from the root).
+  void replace_top(const Key c) { sift_down(c); }
+  // Removes the top.
+  void pop() {
+    --size_;
+    if (size_ > 0) sift_down(h_[size_]);
+  }
+
+ private:
+  // Sift-down from the root, the winning child chosen without a branch. (The
+  // entry placed at the top is often the popped entry's next sibling, which
+  // still ranks high, so stopping early beats Floyd's walk to a leaf.)
+  void sift_down(const Key c) {
+    int64_t i = 0;
+    while (true) {
+      int64_t child = 2 * i + 1;
+      if (child >= size_) break;
+      if (child + 1 < size_) child += (h_[child + 1] > h_[child]);
+      if (!(h_[child] > c)) break;
+      h_[i] = h_[child];
+      i = child;
+    }
+    h_[i] = c;
+  }
+
+  Key* h_;
+  int64_t size_ = 0;
 };
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(
-    const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget) {
+// Nodes of the full tree, sum_{d=1..D} K^d, saturated at `cap`.
+int64_t full_tree_nodes(int64_t max_depth, int64_t k, int64_t cap) {
+  int64_t total = 0;
+  int64_t level = 1;
+  for (int64_t d = 1; d <= max_depth && total < cap; ++d) {
+    if (k != 0 && level > cap / k) return cap;
+    level *= k;
+    if (level == 0) break;
+    total += level;
+  }
+  return total < cap ? total : cap;
+}
+
+// The heap loop on typed, strided inputs. Writes node i + 1's depth to
+// depths[i], its parent to parents[i + 1] and its token to tokens[i].
+template <typename lp_t, typename id_t>
+void build_tree_loop(const lp_t* lp, int64_t lp_s0, int64_t lp_s1, const id_t* ids, int64_t id_s0, int64_t id_s1,
+                     int64_t max_depth, int64_t k, int64_t n, int64_t* tokens, int64_t* depths, int64_t* parents) {
+  // NaN anywhere is an error, as in the reference (which checks every entry).
+  for (int64_t d = 0; d < max_depth; ++d) {
+    const lp_t* row = lp + d * lp_s0;
+    for (int64_t r = 0; r < k; ++r) {
+      TORCH_CHECK(!std::isnan(static_cast<double>(row[r * lp_s1])), "build_tree: top_logprobs contains NaN (row ", d,
+                  ", column ", r, ")");
+    }
+  }
+  parents[0] = -1;
+  if (n == 0) return;
+  auto logprob = [&](int64_t row, int64_t rank) { return static_cast<double>(lp[row * lp_s0 + rank * lp_s1]); };
+  // A heap of at most 2n entries (each pop pushes at most two, and pops one),
+  // payload[counter] per pushed candidate, node_score[i] = score of node i
+  // (root 0). Uninitialized: every slot is written before it is read.
+  std::unique_ptr<Key[]> storage(new Key[2 * n + 1]);
+  std::unique_ptr<Payload[]> payload(new Payload[2 * n + 1]);
+  std::unique_ptr<double[]> node_score(new double[n + 1]);
+  node_score[0] = 0.0;
+  KeyHeap heap(storage.get());
+  uint32_t counter = 0;
+  payload[counter] = Payload{0, 1, 0};
+  heap.push(make_key(logprob(0, 0), counter++));
+  for (int64_t node = 1; node <= n; ++node) {
+    // The heap cannot run empty before n pops: n <= the full tree's size and
+    // every node of the full tree is eventually pushed.
+    const Key top = heap.top();
+    const Payload c = payload[~static_cast<uint32_t>(static_cast<uint64_t>(top))];
+    const double score = bits_score(static_cast<uint64_t>(top >> 64));
+    const int64_t row = c.depth - 1;
+    tokens[node - 1] = static_cast<int64_t>(ids[row * id_s0 + static_cast<int64_t>(c.rank) * id_s1]);
+    depths[node - 1] = c.depth;
+    parents[node] = c.parent;
+    node_score[node] = score;
+    if (node == n) break;  // the last node's sibling and child are never popped
+    if (c.rank + 1 < k) {
+      payload[counter] = Payload{c.parent, c.depth, c.rank + 1};
+      heap.replace_top(make_key(node_score[c.parent] + logprob(row, c.rank + 1), counter++));
+    } else {
+      heap.pop();
+    }
+    if (c.depth < max_depth) {
+      payload[counter] = Payload{static_cast<uint32_t>(node), c.depth + 1, 0};
+      heap.push(make_key(score + logprob(row + 1, 0), counter++));
+    }
+  }
+}
+
+template <typename lp_t>
+void build_tree_dispatch_ids(const torch::Tensor& lp, const torch::Tensor& ids, int64_t n, int64_t* tokens,
+                             int64_t* depths, int64_t* parents) {
+  const lp_t* lp_ptr = lp.data_ptr<lp_t>();
+  if (ids.scalar_type() == torch::kInt64) {
+    build_tree_loop(lp_ptr, lp.stride(0), lp.stride(1), ids.data_ptr<int64_t>(), ids.stride(0), ids.stride(1),
+                    lp.size(0), lp.size(1), n, tokens, depths, parents);
+  } else {
+    build_tree_loop(lp_ptr, lp.stride(0), lp.stride(1), ids.data_ptr<int32_t>(), ids.stride(0), ids.stride(1),
+                    lp.size(0), lp.size(1), n, tokens, depths, parents);
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(const torch::Tensor& top_logprobs_in,
+                                                                       const torch::Tensor& top_ids_in, int64_t budget) {
   TORCH_CHECK(top_logprobs_in.dim() == 2, "build_tree: top_logprobs must be 2-D [depth, K], got shape ",
               top_logprobs_in.sizes());
   TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(), "build_tree: top_ids must have the shape of top_logprobs ",
               top_logprobs_in.sizes(), ", got ", top_ids_in.sizes());
-  TORCH_CHECK(top_logprobs_in.device().is_cpu() && top_ids_in.device().is_cpu(),
-              "build_tree (C++): inputs must be CPU tensors");
   TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()), "build_tree: top_logprobs must be floating point, got ",
               top_logprobs_in.scalar_type());
   TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32,
               "build_tree: top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
   TORCH_CHECK(budget >= 0, "build_tree: budget must be >= 0, got ", budget);
 
-  const torch::Tensor logprobs = top_logprobs_in.to(torch::kFloat64).contiguous();
-  const torch::Tensor ids = top_ids_in.to(torch::kInt64).contiguous();
-  const int64_t max_depth = logprobs.size(0);
-  const int64_t k = logprobs.size(1);
-  const double* lp = logprobs.data_ptr<double>();
-  const int64_t* tok = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < max_depth * k; ++i) {
-    TORCH_CHECK(!std::isnan(lp[i]), "build_tree: top_logprobs contains NaN (row ", i / k, ", column ", i % k, ")");
-  }
+  // Inputs are read in place (any strides, float32 / float64 directly); GPU
+  // tensors are copied to the host first, other float types become float64
+  // (exact: every float type converts to double without rounding).
+  const bool lp_native = top_logprobs_in.scalar_type() == torch::kFloat32 ||
+                         top_logprobs_in.scalar_type() == torch::kFloat64;
+  torch::Tensor lp = top_logprobs_in.device().is_cpu() ? top_logprobs_in : top_logprobs_in.cpu();
+  if (!lp_native) lp = lp.to(torch::kFloat64);
+  const torch::Tensor ids = top_ids_in.device().is_cpu() ? top_ids_in : top_ids_in.cpu();
+  const int64_t max_depth = lp.size(0);
+  const int64_t k = lp.size(1);
+  constexpr int64_t kMaxNodes = int64_t{1} << 30;  // node indices and counters fit in uint32
+  const int64_t n = full_tree_nodes(max_depth, k, budget < kMaxNodes ? budget : kMaxNodes);
+  TORCH_CHECK(n < kMaxNodes, "build_tree: the tree would have ", n, " or more nodes; at most ", kMaxNodes - 1,
+              " are supported");
+  TORCH_CHECK(k < kMaxNodes && max_depth < kMaxNodes, "build_tree: D and K must be below ", kMaxNodes, ", got ",
+              max_depth, " and ", k);
 
-  std::vector<int64_t> token_ids;
-  std::vector<int64_t> depths;
-  std::vector<int64_t> parents{-1};
-  const int64_t reserve = budget < 1 << 20 ? budget : 1 << 20;
-  token_ids.reserve(reserve);
-  depths.reserve(reserve);
-  parents.reserve(reserve + 1);
-
-  std::vector<Candidate> storage;
-  storage.reserve(2 * reserve + 1);
-  std::priority_queue<Candidate, std::vector<Candidate>, PopsLater> queue(PopsLater(), std::move(storage));
-  int64_t counter = 0;
-  if (budget > 0 && max_depth > 0 && k > 0) {
-    queue.push(Candidate{lp[0], 0.0, counter++, 1, 0, 0});
+  // The outputs, allocated without the dispatcher (plain CPU int64 tensors).
+  torch::Tensor out_tokens = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
+  torch::Tensor out_depths = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
+  torch::Tensor out_parents = at::detail::empty_cpu({n + 1}, torch::kInt64, false, c10::nullopt);
+  int64_t* tokens = out_tokens.data_ptr<int64_t>();
+  int64_t* depths = out_depths.data_ptr<int64_t>();
+  int64_t* parents = out_parents.data_ptr<int64_t>();
+  if (lp.scalar_type() == torch::kFloat32) {
+    build_tree_dispatch_ids<float>(lp, ids, n, tokens, depths, parents);
+  } else {
+    build_tree_dispatch_ids<double>(lp, ids, n, tokens, depths, parents);
   }
-  while (!queue.empty() && static_cast<int64_t>(token_ids.size()) < budget) {
-    const Candidate c = queue.top();
-    queue.pop();
-    const int64_t row = c.depth - 1;
-    token_ids.push_back(tok[row * k + c.rank]);
-    depths.push_back(c.depth);
-    parents.push_back(c.parent);
-    const int64_t node = static_cast<int64_t>(token_ids.size());
-    if (c.rank + 1 < k) {
-      queue.push(Candidate{c.parent_score + lp[row * k + c.rank + 1], c.parent_score, counter++, c.depth, c.rank + 1,
-                           c.parent});
-    }
-    if (c.depth < max_depth) {
-      queue.push(Candidate{c.score + lp[(row + 1) * k], c.score, counter++, c.depth + 1, 0, node});
-    }
-  }
-
-  const auto opts = torch::TensorOptions().dtype(torch::kInt64);
-  const int64_t n = static_cast<int64_t>(token_ids.size());
-  torch::Tensor out_tokens = torch::empty({n}, opts);
-  torch::Tensor out_depths = torch::empty({n}, opts);
-  torch::Tensor out_parents = torch::empty({n + 1}, opts);
-  std::copy(token_ids.begin(), token_ids.end(), out_tokens.data_ptr<int64_t>());
-  std::copy(depths.begin(), depths.end(), out_depths.data_ptr<int64_t>());
-  std::copy(parents.begin(), parents.end(), out_parents.data_ptr<int64_t>());
-  return {out_tokens, out_depths, out_parents};
+  return {std::move(out_tokens), std::move(out_depths), std::move(out_parents)};
 }
 
 std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in, const torch::Tensor& token_ids_in,

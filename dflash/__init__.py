@@ -8,7 +8,7 @@ Subpackages, each importing only the ones listed after it: ``benchmark``,
 module ``kv_buffer``). See docs/ARCHITECTURE.md.
 """
 
-from .decoding import GenerationResult, generate, spec_generate
+from .decoding import GenerationResult, generate, spec_generate, warmup
 from .drafter import DFlashDraftModel, DraftConfigError, default_target_layer_ids, make_draft_config
 from .target import TargetAdapter, TargetStructureError
 
@@ -25,4 +25,5 @@ __all__ = [
     "default_target_layer_ids",
     "generate",
     "make_draft_config",
+    "warmup",
 ]

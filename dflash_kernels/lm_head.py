@@ -104,7 +104,17 @@ def dot_dtype_for(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch
     return weight_dtype if hidden_dtype == weight_dtype else torch.float32
 
 
-def gemm_config(n_rows: int, dot_dtype: torch.dtype) -> Dict[str, int]:
+#: Register cap passed with every bf16/fp16 GEMM launch: without it ptxas 13 caps the 16-row tiles
+#: at 64-72 registers and spills to a stack frame (the AOT compile shows it); the fp32 tiles compile
+#: without a stack frame only without it.
+GEMM_MAXNREG = 255
+
+
+def gemm_maxnreg(dot_dtype: torch.dtype) -> Optional[int]:
+    return None if dot_dtype == torch.float32 else GEMM_MAXNREG
+
+
+def gemm_config(n_rows: int, dot_dtype: torch.dtype, gumbel: bool = False) -> Dict[str, int]:
     """Tile sizes and launch parameters of the GEMM kernels for ``n_rows`` positions.
 
     Two row tiles per dtype. Decode-sized calls (<= 16 rows: a DFlash block,
@@ -112,7 +122,10 @@ def gemm_config(n_rows: int, dot_dtype: torch.dtype) -> Dict[str, int]:
     pipelining (the call is bound by reading ``V*H`` weight bytes); anything
     larger uses 128-row tiles (wgmma on sm_90; mostly-empty rows cost compute
     only, which is cheap while the weight read dominates). fp32 (IEEE dot)
-    uses narrower tiles. All fit the sm_80 shared-memory limit.
+    uses narrower tiles. All fit the sm_80 shared-memory limit. The sampling
+    epilogue (``gumbel``: Philox noise per logit) needs more registers per
+    element, so its 128-row tile is 64 vocab ids wide instead of 128 (the
+    wider one spilled).
     """
     if dot_dtype == torch.float32:
         if n_rows <= 16:
@@ -120,7 +133,7 @@ def gemm_config(n_rows: int, dot_dtype: torch.dtype) -> Dict[str, int]:
         return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
     if n_rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=64 if gumbel else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def norm_config(hidden: int) -> Dict[str, int]:
@@ -386,13 +399,15 @@ _INTERPRETER_VOCAB_TILES = 4
 _INTERPRETER_MAX_BLOCK_N = 1024
 
 
-def _gemm_launch_args(n_rows: int, n_vocab: int, dot_dtype: torch.dtype):
-    cfg = dict(gemm_config(n_rows, dot_dtype))
+def _gemm_launch_args(n_rows: int, n_vocab: int, dot_dtype: torch.dtype, gumbel: bool = False):
+    cfg = dict(gemm_config(n_rows, dot_dtype, gumbel))
     if triton_interpreting():
         wide = min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(-(-n_vocab // _INTERPRETER_VOCAB_TILES)))
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], wide)
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                 DOT_FP32=_dot_fp32(dot_dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if gemm_maxnreg(dot_dtype) is not None:
+        meta["maxnreg"] = gemm_maxnreg(dot_dtype)
     return cfg, meta
 
 
@@ -434,7 +449,7 @@ def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype
                    logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
     N, H = a.shape
     V = weight.shape[0]
-    cfg, meta = _gemm_launch_args(N, V, dot_dtype)
+    cfg, meta = _gemm_launch_args(N, V, dot_dtype, gumbel)
     n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
     pval = torch.empty(N, n_tiles, dtype=torch.float32, device=a.device)
     pidx = torch.empty(N, n_tiles, dtype=torch.int32, device=a.device)
@@ -798,7 +813,9 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
             tag = ",".join(sorted(divisible)) or "none"
             out.append(dict(name=f"{name} div16={tag}", kernel=kernel, signature=signature, constexprs=constexprs,
                             num_warps=num_warps, num_stages=num_stages, tensor_core_dot=tensor_core_dot,
-                            divisible_by_16=sorted(divisible), do_not_specialize=list(dns)))
+                            divisible_by_16=sorted(divisible), do_not_specialize=list(dns),
+                            maxnreg=gemm_maxnreg(torch.float32 if constexprs.get("DOT_FP32") else torch.bfloat16)
+                            if kernel in (_logits_kernel, _argmax_kernel) else None))
 
     for hidden_dtype, weight_dtype in dtypes:
         dot = dot_dtype_for(hidden_dtype, weight_dtype)
@@ -832,6 +849,10 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
                     common, cfg["num_warps"], cfg["num_stages"], tc)
                 for logit_dtype in logit_dtypes:
                     for gumbel in (False, True):
+                        cfg = gemm_config(n, dot, gumbel)
+                        common = dict(common, BLOCK_N=cfg["BLOCK_N"])
+                        n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
+                        tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
                         add(f"argmax[{tag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}]", _argmax_kernel,
                             {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pval_ptr": "*fp32", "pidx_ptr": "*i32",
                              "inv_temperature": "fp32"},

@@ -13,6 +13,10 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
   parents' device with a Triton kernel (the interpreter on CPU when
   ``TRITON_INTERPRET=1``), else with the NumPy reference.
 * :func:`tree_positions` gives the position ids of ``[root, nodes...]``.
+* :func:`build_tree_device` / :func:`walk_tree_device` (from
+  :mod:`dflash_kernels.tree_device`) do the build and the walk with torch ops
+  on the inputs' device, fixed shapes (:func:`tree_size` gives ``N``) and no
+  host sync: the same trees as the C++ ops when scores are distinct.
 """
 
 from __future__ import annotations
@@ -27,7 +31,17 @@ from . import _C
 from . import reference as _reference
 from ._dispatch import get_backend
 
-__all__ = ["build_tree", "walk_tree", "ancestor_bits", "tree_positions"]
+from .tree_device import build_tree_device, tree_size, walk_tree_device
+
+__all__ = [
+    "build_tree",
+    "walk_tree",
+    "ancestor_bits",
+    "tree_positions",
+    "tree_size",
+    "build_tree_device",
+    "walk_tree_device",
+]
 
 
 def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,13 +58,19 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
         the CPU, ``N <= budget``. Scores are float64 path sums of log-probs; the
         queue pops the highest score, ties in insertion order (see
         :func:`dflash_kernels.reference.build_tree` for the algorithm).
-        Inputs on a GPU are copied to the CPU first.
+        Inputs on a GPU are copied to the CPU first (inside the C++ op, which
+        reads CPU inputs in place: any strides, float32/float64 without a
+        conversion copy). This wrapper only type-checks: the whole call costs
+        about 1-2 us over the heap loop itself. For a build on the device with
+        no host sync see :func:`build_tree_device`.
     """
-    if not isinstance(budget, int) or isinstance(budget, bool):
+    if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
         raise TypeError(f"build_tree: budget must be an int, got {type(budget).__name__}")
-    if not isinstance(top_logprobs, torch.Tensor) or not isinstance(top_ids, torch.Tensor):
-        raise TypeError("build_tree: top_logprobs and top_ids must be torch.Tensor")
-    return _C.build_tree(top_logprobs.detach().cpu(), top_ids.detach().cpu(), budget)
+    if type(top_logprobs) is not torch.Tensor and not isinstance(top_logprobs, torch.Tensor):
+        raise TypeError(f"build_tree: top_logprobs must be a torch.Tensor, got {type(top_logprobs).__name__}")
+    if type(top_ids) is not torch.Tensor and not isinstance(top_ids, torch.Tensor):
+        raise TypeError(f"build_tree: top_ids must be a torch.Tensor, got {type(top_ids).__name__}")
+    return _C.build_tree(top_logprobs, top_ids, budget)
 
 
 def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -159,7 +179,7 @@ def ancestor_bits_triton(parents: torch.Tensor) -> torch.Tensor:
     return bits
 
 
-def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_bits(parents: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Packed ancestor-or-self bitmask of a tree.
 
     Args:
@@ -170,9 +190,13 @@ def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
         ``[N+1, ceil((N+1)/32)]`` int32 on ``parents.device``; bit ``j % 32`` of
         word ``j // 32`` in row ``i`` is set iff node ``j`` is ``i`` or one of
         its ancestors (the root always is). Values of ``parents`` are checked
-        only on the reference path (checking them on a GPU would synchronize).
+        only on the reference path with ``check=True`` (checking reads them on
+        the host); ``check=False`` (trees the decode loop built itself) runs
+        the reference as fixed-shape tensor ops with no host read.
     """
     _check_parents(parents)
     if get_backend(parents.device) == "triton":
         return ancestor_bits_triton(parents)
+    if not check:
+        return _reference.ancestor_bits_doubling(parents)
     return _reference.ancestor_bits(parents)

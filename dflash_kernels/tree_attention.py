@@ -1,19 +1,31 @@
-"""DDTree verification attention over a packed ancestor bitmask (SPEC 7.3).
+"""Verification attention over ``[committed prefix ; tree]`` keys (SPEC 5, 7.3).
 
-The target verifies ``T = N + 1`` tree tokens (root, then nodes in pop order)
-in one pass. Query ``i`` sees every key of the committed prefix, and among the
-tree keys only itself and its ancestors: bit ``j`` of ``bits[i]`` (see
-:func:`dflash_kernels.ancestor_bits`).
+The one attention of every target pass (DFlash chain verify, AR steps, DDTree
+tree verify, prefill chunks after the first) and of the drafter (its block
+over the cached context, all block keys visible). ``T`` query tokens (the
+"tree") attend over ``S = prefix_len + T`` keys; query ``i`` and tree key
+``i`` are the same token. Query ``i`` sees every prefix key and, among the
+tree keys, key ``j`` iff bit ``j`` of ``bits[i]`` (the ancestor-or-self
+bitmask of :func:`dflash_kernels.ancestor_bits`, or all ones), or iff
+``j <= i`` when ``bits is None`` (a causal chain). A sliding ``window``
+additionally hides key ``k`` when ``pos_q(i) - pos_k(k) >= window`` (see
+:func:`dflash_kernels.reference.tree_visibility`, the spec in code).
 
-* :func:`tree_attention`: FlashAttention-2 style Triton kernel. Each program
-  owns ``BLOCK_M`` queries of one head and walks key tiles of ``BLOCK_N`` with
-  an online softmax in float32: first the prefix tiles (no mask), then the
-  tree tiles up to the program's last query (tree keys past a query are never
-  its ancestors), whose visibility comes from the bitmask words. No dense
-  ``[T, S]`` mask exists anywhere. When the ``(query tile, head)`` grid is too
-  small to fill the GPU (short trees, long prefixes), the key axis is split
-  across programs that write partial ``(output, log-sum-exp)`` pairs, merged
-  by a second small kernel (flash-decoding style).
+* :func:`tree_attention`: FlashAttention-2 style Triton kernel with GQA
+  packing. A program owns ``BLOCK_M`` rows of one kv head, the (token, query
+  head of the group) pairs flattened token-major (``row = t * G + g``), so
+  each K/V tile is loaded once for all ``G = Hq / Hkv`` query heads that read
+  it. It walks key tiles of ``BLOCK_N`` with an online softmax in float32:
+  prefix tiles (no mask but the window's; tiles older than every row's window
+  are skipped), then tree tiles, whose visibility comes from the bitmask
+  words or from ``j <= t`` (chain); tiles past the last key any row of the
+  program can see (its last token, for ancestor bits and chains) are never
+  visited. No dense ``[T, S]`` mask
+  exists anywhere. When the grid does not fill whole waves of the GPU, the
+  key axis is split across programs that write partial ``(output, log2-sum-
+  exp)`` pairs, merged by a second small kernel (flash-decoding style).
+* :func:`warmup_tree_attention`: compiles every variant a generation at
+  given shapes can hit, so none compiles mid-generation.
 * :func:`tree_attention_mask`: the dense additive mask, for attention backends
   that need one (SDPA, eager).
 
@@ -23,7 +35,7 @@ The reference of both is :mod:`dflash_kernels.reference.tree_attention`.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -32,7 +44,7 @@ import triton.language as tl
 from . import reference as _reference
 from ._dispatch import get_backend, triton_interpreting
 
-__all__ = ["tree_attention", "tree_attention_mask"]
+__all__ = ["tree_attention", "tree_attention_mask", "warmup_tree_attention"]
 
 _LOG2E = 1.4426950408889634
 _MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -124,9 +136,22 @@ def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype 
     return _reference.tree_attention_mask(bits, prefix_len, dtype)
 
 
+
 # ----------------------------------------------------------------------------
 # Attention kernel
 # ----------------------------------------------------------------------------
+
+#: Integer arguments of :func:`_tree_attention_kernel` that change from one
+#: decoding round (or pass) to the next: never specialized, so a growing
+#: prefix, another tree size or another window never compiles a new binary.
+TREE_ATTENTION_DYNAMIC_INTS = ["n_tree", "prefix_len", "window", "stride_bits_row", "stride_pos"]
+#: The same for :func:`_merge_splits_kernel`.
+MERGE_DYNAMIC_INTS = ["n_tree", "num_splits"]
+#: Pointers that may be slices at any offset of a bigger buffer (the bits of
+#: a tree, the positions of this pass): not specialized on 16-byte alignment,
+#: so a new offset never compiles a new binary.
+TREE_ATTENTION_UNALIGNED_PTRS = ["bits_ptr", "pos_ptr"]
+
 
 @triton.jit
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
@@ -153,41 +178,52 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TREE_ATTENTION_DYNAMIC_INTS,
+            do_not_specialize_on_alignment=TREE_ATTENTION_UNALIGNED_PTRS)
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_ks, stride_kd,
     stride_vh, stride_vs, stride_vd,
-    stride_bits_row, stride_bits_word,
+    stride_bits_row, stride_bits_word, stride_pos,
     stride_oh, stride_ot, stride_od,
-    n_tree, prefix_len, head_dim, group, tiles_per_split, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    n_tree, prefix_len, window, group, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHAIN: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Program (query tile, query head, key split).
+    """Program (row tile, kv head, key split).
 
-    The key axis is cut in ``BLOCK_N`` tiles: ``ceil(prefix_len / BLOCK_N)``
-    prefix tiles, then the tree tiles (node ``j`` at key ``prefix_len + j``).
-    Split ``s`` owns tiles ``[s * tiles_per_split, (s + 1) * tiles_per_split)``.
-    Without ``SPLIT_KEYS`` (one split) the normalized output is stored
-    directly; otherwise ``(output, log2-sum-exp)`` partials go to the
-    workspace. The split count is the grid's third dim, not a constexpr, so
-    changing it does not recompile.
+    Rows ``r = t * group + g`` (``t`` the token, ``g`` the query head within
+    the group, query head ``kv_head * group + g``), ``n_tree * group`` of them.
+    The key axis is cut in ``BLOCK_N`` tiles ("units"): ``ceil(prefix_len /
+    BLOCK_N)`` prefix units, then the tree units, aligned on node indices (so
+    a unit covers whole bitmask words). This program's units run from
+    ``begin`` (0, or the first prefix unit inside the window of its oldest
+    row) to ``end`` (all tree units; in chain mode only those up to its last
+    token); split ``s`` of ``S = num_programs(2)`` takes the ``s``-th of ``S``
+    equal chunks of that range (possibly empty). With a bitmask, tree units
+    after the last bitmask word any of the program's rows has a bit in are
+    not visited (for ancestor bits: the units past its last token). Without ``SPLIT_KEYS`` the
+    normalized output is stored; otherwise the ``(output, log2-sum-exp)``
+    partials go to the workspace ``[S, Hkv, rows, BLOCK_D]`` / ``[S, Hkv,
+    rows]``. The split count is a grid dim, never a constexpr.
     """
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    row_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = head // group
 
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_rows = n_tree * group
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    tok = rows // group
+    head = kv_head * group + rows % group
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_tree
-    d_ok = offs_d < head_dim
+    d_ok = offs_d < HEAD_DIM
+    lane = tl.arange(0, BLOCK_N)
 
-    q_base = q_ptr + head.to(tl.int64) * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + head[:, None].to(tl.int64) * stride_qh + tok[:, None].to(tl.int64) * stride_qt
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -197,17 +233,43 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key tiles: units [0, prefix_tiles) are prefix tiles, the next ones are
-    # tree tiles aligned on node indices (so that a tile covers whole bitmask
-    # words). Split `split` owns units [lo, lo + tiles_per_split); tree tiles
-    # past this query tile's last node are skipped (never ancestors).
-    prefix_tiles = tl.cdiv(prefix_len, BLOCK_N)
-    lo = split * tiles_per_split
-    hi = tl.minimum(lo + tiles_per_split, prefix_tiles + tl.cdiv(tl.minimum(n_tree, (tile + 1) * BLOCK_M), BLOCK_N))
+    prefix_units = tl.cdiv(prefix_len, BLOCK_N)
+    bits_rows = bits_ptr + tok.to(tl.int64) * stride_bits_row
+    if CHAIN:
+        # Tree key j is visible to token t iff j <= t: nothing past the last token.
+        last_node = tl.minimum(n_tree - 1, (row_tile * BLOCK_M + BLOCK_M - 1) // group)
+        end = prefix_units + tl.cdiv(last_node + 1, BLOCK_N)
+        stop = end
+    else:
+        end = prefix_units + tl.cdiv(n_tree, BLOCK_N)
+        # Stop after the last bitmask word any row of this program has a bit
+        # in: for ancestor bits the word of its last token, for all-ones the
+        # last word. (The splits still cut [begin, end): loop bounds that
+        # depend on this scan would keep the prefix loop from pipelining.)
+        last_word = tl.zeros([BLOCK_M], dtype=tl.int32) - 1
+        for word_index in range(0, tl.cdiv(n_tree, 32)):
+            word = tl.load(bits_rows + word_index * stride_bits_word, mask=row_ok, other=0)
+            last_word = tl.where(word != 0, word_index, last_word)
+        last_node = tl.minimum(n_tree - 1, tl.max(last_word, axis=0) * 32 + 31)
+        stop = prefix_units + tl.cdiv(last_node + 1, BLOCK_N)
+    if WINDOW:
+        pos_q = tl.load(pos_ptr + tok.to(tl.int64) * stride_pos, mask=row_ok, other=0).to(tl.int32)
+        # Prefix key k (position k) is inside row i's window iff k > pos_q(i) - window.
+        oldest = tl.min(tl.where(row_ok, pos_q, 2147483647), axis=0)
+        begin = tl.minimum(tl.maximum(oldest - window + 1, 0) // BLOCK_N, prefix_units)
+    else:
+        begin = 0
+    if SPLIT_KEYS:
+        per_split = tl.cdiv(end - begin, tl.num_programs(2))
+        lo = begin + split * per_split
+        hi = tl.minimum(lo + per_split, end)
+    else:
+        lo = begin
+        hi = end
 
-    # Prefix keys: visible to every query; only the ragged end is masked.
-    for unit in range(lo, tl.minimum(hi, prefix_tiles)):
-        offs_n = unit * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Prefix keys: visible to every row; masked only at the ragged end and by the window.
+    for unit in range(lo, tl.minimum(hi, prefix_units)):
+        offs_n = unit * BLOCK_N + lane
         n_ok = offs_n < prefix_len
         k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -216,16 +278,33 @@ def _tree_attention_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        visible = m_ok[:, None] & n_ok[None, :]
+        # (Padded rows have q = 0 and are never stored: they need no mask.)
+        if WINDOW:
+            visible = n_ok[None, :] & ((pos_q[:, None] - offs_n[None, :]) < window)
+        else:
+            visible = n_ok[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32, INPUT_PRECISION)
 
-    # Tree keys: node j is visible to query i iff bit j of bits[i] is set.
-    lane = tl.arange(0, BLOCK_N)
-    bits_rows = bits_ptr + offs_m.to(tl.int64) * stride_bits_row
-    for unit in range(tl.maximum(lo, prefix_tiles), hi):
-        first_node = (unit - prefix_tiles) * BLOCK_N
+    # Tree keys: node j at key prefix_len + j.
+    for unit in range(tl.maximum(lo, prefix_units), tl.minimum(hi, stop)):
+        first_node = (unit - prefix_units) * BLOCK_N
         nodes = first_node + lane
         n_ok = nodes < n_tree
+        if CHAIN:
+            visible = n_ok[None, :] & (nodes[None, :] <= tok[:, None])
+        else:
+            # One bitmask word per row and 32 keys: a [BLOCK_M] load each,
+            # expanded against the lanes it covers (no [BLOCK_M, BLOCK_N] gather).
+            lane_word = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+            for w in tl.static_range(BLOCK_N // 32):
+                word_index = first_node // 32 + w
+                word = tl.load(bits_rows + word_index * stride_bits_word,
+                               mask=row_ok & (tok * 0 + word_index * 32 < n_tree), other=0)
+                lane_word = tl.where(((lane // 32) == w)[None, :], word[:, None], lane_word)
+            visible = (((lane_word >> (lane % 32)[None, :]) & 1) != 0) & n_ok[None, :]
+        if WINDOW:
+            pos_k = tl.load(pos_ptr + nodes.to(tl.int64) * stride_pos, mask=n_ok, other=0).to(tl.int32)
+            visible = visible & ((pos_q[:, None] - pos_k[None, :]) < window)
         offs_n = prefix_len + nodes
         k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
@@ -234,56 +313,47 @@ def _tree_attention_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        # One bitmask word per query row and 32 keys: a [BLOCK_M] load each,
-        # expanded against the lanes it covers (no [BLOCK_M, BLOCK_N] gather).
-        visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for w in tl.static_range(BLOCK_N // 32):
-            word_index = first_node // 32 + w
-            word = tl.load(bits_rows + word_index * stride_bits_word,
-                           mask=m_ok & (offs_m * 0 + word_index * 32 < n_tree), other=0)
-            in_word = (lane // 32) == w
-            bit = (word[:, None] >> (lane % 32)[None, :]) & 1
-            visible = visible | tl.where(in_word[None, :], bit, 0)
-        visible = (visible != 0) & n_ok[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32, INPUT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    md_ok = m_ok[:, None] & d_ok[None, :]
     if not SPLIT_KEYS:
-        o_base = out_ptr + head.to(tl.int64) * stride_oh
-        tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=md_ok)
+        tl.store(out_ptr + head[:, None].to(tl.int64) * stride_oh + tok[:, None].to(tl.int64) * stride_ot
+                 + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        # Workspace: part_out [splits, Hq, n_tree, head_dim], part_lse [splits, Hq, n_tree].
-        n_heads = tl.num_programs(1)
-        row = (split * n_heads + head).to(tl.int64) * n_tree
+        part_row = (split * tl.num_programs(1) + kv_head).to(tl.int64) * n_rows + rows
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        tl.store(part_lse_ptr + row + offs_m, lse, mask=m_ok)
-        tl.store(part_out_ptr + (row + offs_m[:, None]) * head_dim + offs_d[None, :], out, mask=md_ok)
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+        tl.store(part_out_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_DYNAMIC_INTS)
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, n_tree, head_dim, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, n_tree, group, num_splits,
     stride_oh, stride_ot, stride_od,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge per-split partials: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    n_heads = tl.num_programs(1)
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Program (row tile, kv head): ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
+
+    Rows and workspace as in :func:`_tree_attention_kernel`; an empty split
+    has ``lse = -inf`` and weighs nothing.
+    """
+    row_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    n_kv_heads = tl.num_programs(1)
+    n_rows = n_tree * group
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_tree
-    md_ok = m_ok[:, None] & (offs_d < head_dim)[None, :]
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for split in range(0, num_splits):
-        row = (split * n_heads + head).to(tl.int64) * n_tree
-        lse = tl.load(part_lse_ptr + row + offs_m, mask=m_ok, other=float("-inf"))
-        part = tl.load(part_out_ptr + (row + offs_m[:, None]) * head_dim + offs_d[None, :], mask=md_ok, other=0.0)
+        part_row = (split * n_kv_heads + kv_head).to(tl.int64) * n_rows + rows
+        lse = tl.load(part_lse_ptr + part_row, mask=row_ok, other=float("-inf"))
+        part = tl.load(part_out_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
+                       other=0.0)
         m_new = tl.maximum(m_run, lse)
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_run - m_base)
@@ -292,50 +362,97 @@ def _merge_splits_kernel(
         w_sum = w_sum * alpha + weight
         m_run = m_new
     out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-    o_base = out_ptr + head.to(tl.int64) * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=md_ok)
+    tok = rows // group
+    head = kv_head * group + rows % group
+    tl.store(out_ptr + head[:, None].to(tl.int64) * stride_oh + tok[:, None].to(tl.int64) * stride_ot
+             + offs_d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 # ----------------------------------------------------------------------------
-# Launcher
+# Launch configuration
 # ----------------------------------------------------------------------------
+
+#: Rows of one merge program (fixed: the merge kernel has one binary per head dim and dtype).
+MERGE_BLOCK_M = 32
+MERGE_NUM_WARPS = 4
+#: Query-row tile sizes of the config table.
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+#: Cost of one more row tile, in padded rows: its K/V pass over the keys
+#: (the tie-break that keeps 4100 rows on 128-row tiles, 260 on 64).
+TILE_COST_ROWS = 16
+#: Split-KV: each split walks at least this many key tiles, at most this many splits,
+#: and the grid should fill whole waves of SMs at least this well.
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+WAVE_EFFICIENCY = 0.9
+MAX_WAVES = 4
+#: ``maxnreg`` of every attention launch. Without it ptxas (13.x, as Triton
+#: drives it) sometimes caps a kernel at 32-128 registers and spills to the
+#: stack although 255 are available; with it no table config spills.
+MAX_REGISTERS = 255
+
 
 def head_dim_block(head_dim: int) -> int:
     """Padded head dim of the kernel's tiles: the next power of two, at least 16."""
     return max(16, triton.next_power_of_2(head_dim))
 
 
+@functools.lru_cache(maxsize=None)
+def _config_table(block_d: int, elem_bytes: int) -> Tuple[dict, ...]:
+    if elem_bytes == 4:
+        # float32 (a correctness path: exact "ieee" FMA dots, no tensor cores):
+        # one small tile, the only one that compiles without spills up to D = 256.
+        return ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": block_d, "num_warps": 8, "num_stages": 1,
+                 "maxnreg": MAX_REGISTERS},)
+    configs = []
+    for block_m in BLOCK_M_CHOICES:
+        if block_d <= 128:
+            block_n, stages = (64, 3) if block_m <= 64 else (32, 3)
+        else:  # D = 256: narrower key tiles and 2 stages keep K/V in shared memory on sm_80
+            block_n, stages = 32, 2
+        # About 32 fp32 accumulator elements per thread (64 at most), 4..8 warps.
+        acc_per_warp = block_m * block_d // 32
+        warps = min(8, max(4, acc_per_warp // 32))
+        if acc_per_warp // warps > 64:
+            continue
+        configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": warps,
+                        "num_stages": stages, "maxnreg": MAX_REGISTERS})
+    return tuple(configs)
+
+
 def tree_attention_configs(head_dim: int, dtype: torch.dtype) -> List[dict]:
     """Every launch configuration :func:`tree_attention` can choose for this head dim and dtype.
 
-    Keys: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_D``, ``num_warps``, ``num_stages``.
-    Query tiles shrink to 16 / 32 rows for small trees; key tiles and stages
-    shrink for wide heads and float32 so the pipelined K/V tiles fit in shared
-    memory on sm_80 (164 KiB) as well as sm_90.
+    Keys: ``BLOCK_M`` (packed rows per program), ``BLOCK_N`` (keys per tile),
+    ``BLOCK_D``, ``num_warps``, ``num_stages``, ``maxnreg``. bf16/fp16: row
+    tiles of 16/32/64/128 (no 128 at D = 256), 4 warps, 8 from 64 x 128
+    accumulators up; key tiles of 64 (32 for 128-row tiles and D = 256, which
+    also gets 2 stages so the pipelined K/V fit in sm_80's 163 KiB). float32:
+    one 16 x 32 tile with exact FMA dots. Every one compiles for sm_80 and
+    sm_90 without spills (tests/test_compile_gpu_tree.py).
     """
-    block_d = head_dim_block(head_dim)
-    wide = block_d * (4 if dtype == torch.float32 else 2)  # bytes per key row
-    if wide <= 256:
-        block_n, warps, stages = 64, 4, 3
-    elif wide <= 512:
-        block_n, warps, stages = 32, 4, 2
-    else:
-        block_n, warps, stages = 32, 8, 2
-    return [
-        {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": warps, "num_stages": stages}
-        for block_m in (16, 32, 64)
-    ]
+    return [dict(c) for c in _config_table(head_dim_block(head_dim), torch.finfo(dtype).bits // 8)]
 
 
-def tree_attention_config(head_dim: int, dtype: torch.dtype, n_tree: int) -> dict:
-    """The configuration chosen for ``n_tree`` queries (smallest query tile that is not mostly padding)."""
+def tree_attention_config(head_dim: int, dtype: torch.dtype, n_rows: int) -> dict:
+    """The configuration for ``n_rows = T * (Hq // Hkv)`` packed rows.
+
+    A fixed function of ``(head_dim, dtype, n_rows)`` (never of the prefix):
+    the ``BLOCK_M`` minimizing ``padded rows + TILE_COST_ROWS * tiles``, ties
+    to fewer padded rows, then to bigger tiles. E.g. 260 rows (T = 65, G = 4)
+    -> 64 (320 padded), 64 -> 64, 8 -> 16, 4100 -> 128 (bf16/fp16; float32
+    has the one 16-row tile).
+    """
     configs = tree_attention_configs(head_dim, dtype)
-    if n_tree <= 16:
-        return configs[0]
-    if n_tree <= 32:
-        return configs[1]
-    return configs[2]
+    n_rows = max(1, n_rows)
+
+    def cost(cfg):
+        tiles = triton.cdiv(n_rows, cfg["BLOCK_M"])
+        padded = tiles * cfg["BLOCK_M"]
+        return (padded + TILE_COST_ROWS * tiles, padded, -cfg["BLOCK_M"])
+
+    return min(configs, key=cost)
 
 
 @functools.lru_cache(maxsize=None)
@@ -343,16 +460,49 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_splits(device: torch.device, programs: int, n_keys: int, block_n: int) -> int:
-    """Key splits so that ``programs * splits`` covers the GPU about twice, each split >= 4 key tiles."""
-    if device.type != "cuda":
+def wave_efficiency(programs: int, sms: int) -> float:
+    """``programs / (whole waves * sms)``: how fully the last wave is used."""
+    return programs / (triton.cdiv(programs, sms) * sms)
+
+
+def choose_num_splits(programs: int, key_tiles: int, sms: int) -> int:
+    """Key splits for a grid of ``programs`` (row tiles x kv heads) on ``sms`` SMs.
+
+    At most ``key_tiles // MIN_TILES_PER_SPLIT`` (and ``MAX_SPLITS``) splits.
+    For the fewest waves ``w = 1 .. MAX_WAVES`` that can be filled, the most
+    splits with ``programs * splits <= w * sms`` if that fills the ``w`` waves
+    to ``>= WAVE_EFFICIENCY``; if no wave count can be, the split count of best
+    :func:`wave_efficiency` among those within ``MAX_WAVES`` waves (ties to fewer).
+    """
+    most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
+    if most == 1 or programs >= MAX_WAVES * sms:
         return 1
-    sms = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= sms:
-        return 1
-    wanted = triton.cdiv(2 * sms, programs)
-    most = max(1, n_keys // (4 * block_n))
-    return max(1, min(wanted, most, 64))
+    for waves in range(1, MAX_WAVES + 1):
+        splits = min(most, waves * sms // programs)
+        if splits >= 1 and programs * splits >= WAVE_EFFICIENCY * waves * sms:
+            return splits
+    cap = max(1, min(most, MAX_WAVES * sms // programs))
+    return max(range(1, cap + 1), key=lambda s: (wave_efficiency(programs * s, sms), -s))
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+def _input_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision: exact for float32; bf16/fp16 dots are exact on tensor cores anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_placeholders: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor passed for a pointer the kernel variant never reads."""
+    key = (device, dtype)
+    if key not in _placeholders:
+        _placeholders[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _placeholders[key]
 
 
 def _squeeze_batch(x: torch.Tensor, name: str) -> Tuple[torch.Tensor, bool]:
@@ -365,10 +515,14 @@ def _squeeze_batch(x: torch.Tensor, name: str) -> Tuple[torch.Tensor, bool]:
     return x, False
 
 
-def _check_attention_inputs(query, key, value, bits, prefix_len):
-    for name, t in (("query", query), ("key", key), ("value", value), ("bits", bits)):
+def _check_attention_inputs(query, key, value, bits, prefix_len, positions, window):
+    for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tree_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if bits is not None and not isinstance(bits, torch.Tensor):
+        raise TypeError(
+            f"tree_attention: bits must be a torch.Tensor or None (causal chain), got {type(bits).__name__}"
+        )
     _check_prefix_len(prefix_len, "tree_attention")
     q, batched = _squeeze_batch(query, "query")
     k, _ = _squeeze_batch(key, "key")
@@ -393,10 +547,22 @@ def _check_attention_inputs(query, key, value, bits, prefix_len):
             f"tree_attention: query/key/value must share one dtype among {_ATTENTION_DTYPES}, "
             f"got {query.dtype}/{key.dtype}/{value.dtype}"
         )
-    devices = {query.device, key.device, value.device, bits.device}
+    tensors = [query, key, value] + [t for t in (bits, positions) if isinstance(t, torch.Tensor)]
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"tree_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
-    _check_bits(bits, n_tree, "tree_attention")
+    if bits is not None:
+        _check_bits(bits, n_tree, "tree_attention")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"tree_attention: window must be None or an int >= 1, got {window!r}")
+    if positions is not None:
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"tree_attention: positions must be a torch.Tensor or None, got {type(positions).__name__}")
+        if positions.dtype not in (torch.int32, torch.int64) or positions.dim() != 1 or positions.shape[0] != n_tree:
+            raise ValueError(
+                f"tree_attention: positions must be a 1-D [T] = [{n_tree}] int32/int64 tensor, "
+                f"got {tuple(positions.shape)} {positions.dtype}"
+            )
     return q, k, v, batched
 
 
@@ -404,67 +570,82 @@ def tree_attention_triton(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bits: torch.Tensor,
+    bits: Optional[torch.Tensor],
     prefix_len: int,
     scale: Optional[float] = None,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
     num_splits: Optional[int] = None,
     config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Triton launcher of :func:`tree_attention` (validates, then launches).
 
-    ``num_splits`` (key-axis splits) and ``config`` (one of
-    :func:`tree_attention_configs`) override the launcher's choice; tests use
-    them to run every code path.
+    ``num_splits`` (key-axis splits, any ``>= 1``: splits past the work are
+    empty) and ``config`` (one of :func:`tree_attention_configs`) override the
+    launcher's choice; tests use them to run every code path.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len)
-    return _launch(q, k, v, bits, prefix_len, scale, batched, num_splits, config)
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window)
+    return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_splits, config)
 
 
-def _launch(q, k, v, bits, prefix_len, scale, batched, num_splits=None, config=None):
+def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_splits=None, config=None):
     hq, n_tree, head_dim = q.shape
-    group = hq // k.shape[0]
-    n_keys = prefix_len + n_tree
+    hkv = k.shape[0]
+    group = hq // hkv
+    n_rows = n_tree * group
+    device = q.device
     scale = head_dim**-0.5 if scale is None else float(scale)
-    cfg = config or tree_attention_config(head_dim, q.dtype, n_tree)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if block_n % 32 != 0 or block_m < 16:
-        raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0 and BLOCK_M >= 16, got {cfg}")
-    tiles = triton.cdiv(n_tree, block_m)
-    if num_splits is None:
-        num_splits = choose_num_splits(q.device, tiles * hq, n_keys, block_n)
-    if num_splits < 1:
-        raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
-    key_tiles = triton.cdiv(prefix_len, block_n) + triton.cdiv(n_tree, block_n)
-    num_splits = min(num_splits, key_tiles)
-    tiles_per_split = triton.cdiv(key_tiles, num_splits)
-
-    out = torch.empty(hq, n_tree, head_dim, dtype=q.dtype, device=q.device)
+    cfg = config or tree_attention_config(head_dim, q.dtype, n_rows)
+    block_m, block_n, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
+    if block_n % 32 != 0 or block_m < 16 or block_d < head_dim:
+        raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0, BLOCK_M >= 16, BLOCK_D >= D, got {cfg}")
+    out = torch.empty(hq, n_tree, head_dim, dtype=q.dtype, device=device)
     if n_tree == 0:
         return out.unsqueeze(0) if batched else out
-    if num_splits > 1:
-        part_out = torch.empty(num_splits, hq, n_tree, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_splits, hq, n_tree, dtype=torch.float32, device=q.device)
+    row_tiles = triton.cdiv(n_rows, block_m)
+    if num_splits is None:
+        if device.type == "cuda":
+            visible_prefix = prefix_len if window is None else min(prefix_len, window + n_tree)
+            key_tiles = triton.cdiv(visible_prefix, block_n) + triton.cdiv(n_tree, block_n)
+            sms = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+            num_splits = choose_num_splits(row_tiles * hkv, key_tiles, sms)
+        else:
+            num_splits = 1
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"tree_attention: num_splits must be an int >= 1, got {num_splits!r}")
+
+    chain = bits is None
+    if chain:
+        bits = _placeholder(device, torch.int32)
+    if window is None:
+        pos, window_arg = _placeholder(device, torch.int64), 1
     else:
-        part_out = part_lse = out  # unused
-    dot_fp32 = triton_interpreting()
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _tree_attention_kernel[(tiles, hq, num_splits)](
-        q, k, v, bits, out, part_out, part_lse,
+        pos = positions if positions is not None else torch.arange(prefix_len, prefix_len + n_tree, device=device)
+        window_arg = min(window, 2**30)  # an i32 argument; wider windows hide nothing more
+    if num_splits > 1:
+        part_out = torch.empty(num_splits, hkv, n_rows, block_d, dtype=torch.float32, device=device)
+        part_lse = torch.empty(num_splits, hkv, n_rows, dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = _placeholder(device, torch.float32)
+    _tree_attention_kernel[(row_tiles, hkv, num_splits)](
+        q, k, v, bits, pos, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        bits.stride(0), bits.stride(1),
+        bits.stride(0), bits.stride(-1), pos.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        n_tree, prefix_len, head_dim, group, tiles_per_split, scale * _LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"], SPLIT_KEYS=num_splits > 1,
-        DOT_FP32=dot_fp32, INPUT_PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        n_tree, prefix_len, window_arg, group, scale * _LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        CHAIN=chain, WINDOW=window is not None, SPLIT_KEYS=num_splits > 1,
+        DOT_FP32=triton_interpreting(), INPUT_PRECISION=_input_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(tiles, hq)](
-            part_out, part_lse, out, n_tree, head_dim, num_splits,
+        _merge_splits_kernel[(triton.cdiv(n_rows, MERGE_BLOCK_M), hkv)](
+            part_out, part_lse, out, n_tree, group, num_splits,
             out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_M=block_m, BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M, BLOCK_D=block_d, num_warps=MERGE_NUM_WARPS,
         )
     return out.unsqueeze(0) if batched else out
 
@@ -473,28 +654,67 @@ def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bits: torch.Tensor,
+    bits: Optional[torch.Tensor],
     prefix_len: int,
     scale: Optional[float] = None,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Attention of the tree tokens over ``[committed prefix ; tree]`` keys.
+    """Attention of T query tokens over ``[prefix ; tree]`` keys.
 
     Args:
-        query: ``[Hq, T, D]`` or ``[1, Hq, T, D]``; T = N + 1 tree tokens in node order.
+        query: ``[Hq, T, D]`` or ``[1, Hq, T, D]``, T tokens in node order.
         key, value: ``[Hkv, S, D]`` or ``[1, Hkv, S, D]``, ``S = prefix_len + T``;
             any strides (e.g. ``cache[l, 0, :, :S]`` of a ``[L, 2, Hkv, Smax, D]``
             buffer): nothing is copied. ``Hq % Hkv == 0``; query head ``h`` reads
-            kv head ``h // (Hq // Hkv)``.
-        bits: ``[T, >= ceil(T/32)]`` int32 ancestor bitmask from :func:`ancestor_bits`.
-        prefix_len: committed keys, visible to every query.
+            kv head ``h // (Hq // Hkv)``. ``1 <= D <= 256``.
+        bits: ``[T, >= ceil(T/32)]`` int32 bitmask (tree key ``j`` visible to
+            query ``i`` iff bit ``j`` of row ``i``: :func:`ancestor_bits`, or all
+            ones for a non-causal block), or None for a causal chain (``j <= i``;
+            no bitmask is read).
+        prefix_len: keys before the tree keys, visible to every query (subject to the window).
         scale: softmax scale, default ``D ** -0.5``.
+        positions: ``[T]`` int32/int64 absolute positions of the tree tokens on
+            the query's device (default ``prefix_len + arange(T)``); prefix key
+            ``k`` sits at position ``k``. Only read with ``window``.
+        window: None or an int ``>= 1``: also hide key ``k`` from query ``i`` when
+            ``pos_q(i) - pos_k(k) >= window`` (later keys are never hidden by it);
+            prefix tiles outside every query's window are not read at all.
 
     Returns:
         ``softmax(q k^T * scale + mask) v`` in the query's dtype and rank,
-        accumulated in float32; the mask hides tree key ``j`` from query ``i``
-        unless bit ``j`` of ``bits[i]`` is set. fp16/bf16/fp32 inputs.
+        accumulated in float32, with the visibility of
+        :func:`dflash_kernels.reference.tree_visibility`. fp16/bf16/fp32.
+        No host synchronization: only shapes are read on the host.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len)
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window)
     if get_backend(query.device) == "triton":
-        return _launch(q, k, v, bits, prefix_len, scale, batched)
-    return _reference.tree_attention(query, key, value, bits, prefix_len, scale)
+        return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window)
+    return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window)
+
+
+def warmup_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bits: Optional[torch.Tensor],
+    prefix_len: int,
+    scale: Optional[float] = None,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+) -> None:
+    """Compile (by running) every kernel variant :func:`tree_attention` can pick at these shapes.
+
+    The binaries depend on the dtype, head dim, row count bucket (``T * G``),
+    the chain / window flags and whether the key axis is split, never on
+    ``prefix_len``, ``T`` within its bucket, the window size or the split
+    count; so one unsplit and one split launch (plus the merge kernel) cover
+    a generation that keeps these flags and shapes. A no-op on the reference backend.
+    """
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window)
+    if get_backend(query.device) != "triton":
+        return
+    for num_splits in (1, 2):
+        _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_splits=num_splits)

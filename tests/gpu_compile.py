@@ -250,7 +250,8 @@ def _kernel_location(kernel):
 
 
 def _compile_in_this_process(module: str, name: str, signature: Dict[str, str], constexprs: Dict[str, object],
-                             arch: int, num_warps: int, num_stages: int, divisible: tuple) -> dict:
+                             arch: int, num_warps: int, num_stages: int, divisible: tuple,
+                             maxnreg: Optional[int] = None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -269,8 +270,10 @@ def _compile_in_this_process(module: str, name: str, signature: Dict[str, str], 
     if unknown:
         raise ValueError(f"{name}: {unknown} are not arguments of the kernel (it has {fn.arg_names})")
     src = _ast_source(fn, full_sig, dict(constexprs), _attrs_for(fn, full_sig, divisible))
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = int(maxnreg)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     usage = _resource_usage(compiled.asm["cubin"], name)
     local = usage.get("LOCAL", 0)
     return {
@@ -286,11 +289,15 @@ def _compile_in_this_process(module: str, name: str, signature: Dict[str, str], 
 
 
 def compile_for_gpu(kernel, signature: Dict[str, str], constexprs: Dict[str, object], arch: int = 90,
-                    num_warps: int = 4, num_stages: int = 3, *, divisible_by_16: Iterable[str] = ()) -> dict:
-    """Compile ``kernel`` for ``sm_{arch}``; returns its PTX and resource usage (see the module doc)."""
+                    num_warps: int = 4, num_stages: int = 3, *, divisible_by_16: Iterable[str] = (),
+                    maxnreg: Optional[int] = None) -> dict:
+    """Compile ``kernel`` for ``sm_{arch}``; returns its PTX and resource usage (see the module doc).
+
+    ``maxnreg``: the launch option of that name (the register cap the launcher passes), if any.
+    """
     module, name = _kernel_location(kernel)
     return _run(_compile_in_this_process, module, name, dict(signature), dict(constexprs), int(arch),
-                int(num_warps), int(num_stages), tuple(divisible_by_16))
+                int(num_warps), int(num_stages), tuple(divisible_by_16), maxnreg)
 
 
 def compile_many_for_gpu(jobs: Sequence[dict], workers: int = 2) -> list:
@@ -307,7 +314,7 @@ def compile_many_for_gpu(jobs: Sequence[dict], workers: int = 2) -> list:
         module, name = _kernel_location(job["kernel"])
         calls.append((module, name, dict(job["signature"]), dict(job["constexprs"]), int(job.get("arch", 90)),
                       int(job.get("num_warps", 4)), int(job.get("num_stages", 3)),
-                      tuple(job.get("divisible_by_16", ()))))
+                      tuple(job.get("divisible_by_16", ())), job.get("maxnreg")))
     results: list = [None] * len(calls)
     if not _interpreting() or workers <= 1 or len(calls) <= 1:
         for i, args in enumerate(calls):

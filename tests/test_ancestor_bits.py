@@ -157,3 +157,17 @@ def test_dense_mask_errors():
         dk.tree_attention_mask(bits, -1, torch.float32)
     with pytest.raises(ValueError, match="int32"):
         dk.tree_attention_mask(bits.long(), 0, torch.float32)
+
+
+@pytest.mark.parametrize("n_nodes", [1, 2, 31, 32, 33, 65, 257, 1025])
+def test_doubling_reference_equals_the_loop(n_nodes):
+    """The host-read-free reference (pointer doubling, used by the decode loop) == the row-copy loop."""
+    gen = torch.Generator().manual_seed(n_nodes)
+    for chain in (False, True):
+        if chain:
+            parents = torch.arange(-1, n_nodes - 1)
+        else:
+            parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n_nodes)])
+        assert torch.equal(ref.ancestor_bits_doubling(parents), ref.ancestor_bits(parents))
+        with dk.force_backend("reference"):
+            assert torch.equal(dk.ancestor_bits(parents, check=False), ref.ancestor_bits(parents))

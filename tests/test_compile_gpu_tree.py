@@ -2,22 +2,44 @@
 
 The interpreter accepts code a real compile rejects and says nothing about
 registers or shared memory, so each kernel is compiled through Triton's NVIDIA
-pipeline (no GPU needed, see ``gpu_compile.py``) at the shapes of a real
-target (head_dim 128, Hq 32, Hkv 8) and checked for: no register spills,
-shared memory within the per-block limit, and tensor-core instructions in the
-half-precision attention (``wgmma`` on sm_90 for 64-row tiles, ``mma`` else).
-Strides are given as a launch of contiguous-last-dim tensors specializes them:
-the unit stride as the constant 1, the others as multiples of 16.
+pipeline (no GPU needed, see ``gpu_compile.py``) and checked for: no register
+spills (neither ``LOCAL`` nor a ptxas stack frame, which is where ptxas 13
+puts them), shared memory within the per-block limit, the K/V loads
+pipelined (``cp.async`` and ``num_stages - 1`` K/V buffers in shared memory),
+and tensor-core instructions in the half-precision attention (``wgmma`` on
+sm_90 for 64/128-row tiles, ``mma`` else).
+
+Signatures are those of a real launch: contiguous last dims specialize their
+unit strides to the constant 1, the other strides (and head dims) are
+multiples of 16 and get the divisibility hint, and the ints the kernels list
+in ``do_not_specialize`` (prefix length, tree size, window, ...) are plain
+``i32`` without hints; the bits / positions pointers (slices at any offset)
+are not marked 16-byte aligned. ``group`` (Hq / Hkv) is the constant 1 for MHA and a
+plain ``i32`` for G = 4 or 8 (one binary for both).
+
+The attention launches pass ``maxnreg`` (see ``MAX_REGISTERS``), which
+``compile_for_gpu`` has no argument for, so they compile through
+:func:`_compile_with_options` (the same steps plus the option) on the same
+worker processes.
 """
+
+import importlib
+import threading
 
 import pytest
 import torch
 
+import gpu_compile
 from gpu_compile import SHARED_MEMORY_LIMIT_BYTES, compile_for_gpu, require_gpu_compiler
-from dflash_kernels.kv_compaction import _compact_kv_kernel, kv_compaction_config
 from dflash_kernels.tree import ANCESTOR_BITS_CONFIGS, _ancestor_bits_kernel
 from dflash_kernels.tree_attention import (
+    MERGE_BLOCK_M,
+    MERGE_DYNAMIC_INTS,
+    MERGE_NUM_WARPS,
+    TREE_ATTENTION_DYNAMIC_INTS,
+    TREE_ATTENTION_UNALIGNED_PTRS,
     TREE_MASK_CONFIGS,
+    _input_precision,
     _merge_splits_kernel,
     _tree_attention_kernel,
     _tree_mask_kernel,
@@ -25,7 +47,6 @@ from dflash_kernels.tree_attention import (
 )
 
 ARCHS = [90, 80]
-HEAD_DIM = 128
 TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -36,6 +57,9 @@ def gpu_compiler():
 
 def check_resources(result, arch):
     assert result["spill_bytes"] == 0, f"{result['name']} spills {result['spill_bytes']} bytes on sm_{arch}"
+    assert result["stack_bytes"] == 0, (
+        f"{result['name']} has a {result['stack_bytes']} B stack frame (ptxas spills) on sm_{arch}"
+    )
     assert result["shared_bytes"] <= SHARED_MEMORY_LIMIT_BYTES[arch], (
         f"{result['name']} needs {result['shared_bytes']} B of shared memory, sm_{arch} allows "
         f"{SHARED_MEMORY_LIMIT_BYTES[arch]}"
@@ -68,74 +92,182 @@ def test_dense_mask_kernel(arch, dtype):
     check_resources(result, arch)
 
 
-def attention_signature(dtype):
-    ptr = f"*{TRITON_TYPE[dtype]}"
-    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "bits_ptr": "*i32",
-           "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
-    for name in ("stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "stride_vs",
-                 "stride_bits_row", "stride_oh", "stride_ot",
-                 "n_tree", "prefix_len", "head_dim", "group", "tiles_per_split"):
-        sig[name] = "i32"
-    return sig
+# ----------------------------------------------------------------------------
+# Attention: compiled once per module on the two worker processes
+# ----------------------------------------------------------------------------
+
+def _compile_with_options(module, name, signature, constexprs, arch, num_warps, num_stages, divisible, maxnreg,
+                          unaligned=()):
+    """:func:`gpu_compile.compile_for_gpu`'s compile step with ``maxnreg`` (runs where Triton compiles).
+
+    ``unaligned``: pointer arguments the kernel lists in
+    ``do_not_specialize_on_alignment`` (no divisibility hint for them).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = getattr(importlib.import_module(module), name)
+    full_sig = {arg: "constexpr" if arg in constexprs else signature[arg] for arg in fn.arg_names}
+    attrs = gpu_compile._attrs_for(fn, full_sig, divisible)
+    for i, arg in enumerate(fn.arg_names):
+        if arg in unaligned:
+            attrs.pop((i,), None)
+    src = gpu_compile._ast_source(fn, full_sig, dict(constexprs), attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    usage = gpu_compile._resource_usage(compiled.asm["cubin"], name)
+    return {
+        "name": name, "arch": arch, "ptx": compiled.asm["ptx"], "registers": usage["REG"],
+        "spill_bytes": usage.get("LOCAL", 0), "stack_bytes": usage.get("STACK", 0),
+        "shared_bytes": int(getattr(compiled.metadata, "shared", 0) or 0) + usage.get("SHARED", 0),
+    }
 
 
-ALIGNED = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "stride_vs", "stride_oh", "stride_ot",
-           "head_dim"]
+def _compile_all(calls, workers=2):
+    """Run ``_compile_with_options(*call)`` for every call, ``workers`` at a time; exceptions are returned."""
+    results = [None] * len(calls)
+    if not gpu_compile._interpreting():
+        for i, call in enumerate(calls):
+            try:
+                results[i] = _compile_with_options(*call)
+            except Exception as exc:
+                results[i] = exc
+        return results
+    pending = list(range(len(calls)))
+    lock = threading.Lock()
+
+    def drain(worker):
+        while True:
+            with lock:
+                if not pending:
+                    return
+                i = pending.pop(0)
+            try:
+                results[i] = worker.call(_compile_with_options, *calls[i])
+            except Exception as exc:
+                results[i] = exc
+
+    threads = [threading.Thread(target=drain, args=(w,)) for w in gpu_compile._live_workers(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+ATTENTION_INTS = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "stride_vs", "stride_bits_row",
+                  "stride_pos", "stride_oh", "stride_ot", "n_tree", "prefix_len", "window", "group"]
+# Multiples of 16 at real shapes (head_dim 64/128/256 strides); never a do_not_specialize int.
+ALIGNED = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "stride_vs", "stride_oh", "stride_ot"]
 UNIT_STRIDES = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "stride_bits_word": 1, "stride_od": 1}
 
-ATTENTION_CASES = [
-    (dtype, cfg, split)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32)
-    for cfg in tree_attention_configs(HEAD_DIM, dtype)
-    for split in ((False, True) if dtype == torch.bfloat16 else (False,))
-]
+
+def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4):
+    ptr = f"*{TRITON_TYPE[dtype]}"
+    sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "bits_ptr": "*i32", "pos_ptr": "*i64",
+           "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+    sig.update({name: "i32" for name in ATTENTION_INTS})
+    constexprs = dict(UNIT_STRIDES, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, DOT_FP32=False,
+                      INPUT_PRECISION=_input_precision(dtype))
+    if group == 1:  # the runtime specializes an int equal to 1
+        del sig["group"]
+        constexprs["group"] = 1
+    return ("dflash_kernels.tree_attention", "_tree_attention_kernel", sig, constexprs, arch, cfg["num_warps"],
+            cfg["num_stages"], tuple(ALIGNED), cfg.get("maxnreg"), tuple(TREE_ATTENTION_UNALIGNED_PTRS))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def _flags(chain, window, split, group=4):
+    return f"{'chain' if chain else 'tree'}{'-window' if window else ''}-{'split' if split else 'whole'}-G{group}"
+
+
+# (arch, dtype, head_dim, cfg, chain, window, split, group)
+ATTENTION_CASES = []
+for _arch in ARCHS:
+    for _dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for _d in (64, 128, 256):
+            if _dtype == torch.float16 and _d != 128:
+                continue  # fp16 shares every line with bf16; checked at the target's head dim
+            for _cfg in tree_attention_configs(_d, _dtype):
+                # Every config: the heaviest variant (bitmask + window + split) and the
+                # two lightest (chain / tree, whole), whose loops ptxas allocates differently.
+                variants = [(False, True, True), (True, False, False), (False, False, False)]
+                if _dtype == torch.float16:
+                    variants = variants[:1]
+                for _chain, _window, _split in variants:
+                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, _chain, _window, _split, 4))
+    # Every flag combination at Qwen3-8B's T = 65 tile (D 128, bf16, 64 rows), and MHA (G = 1).
+    _cfg = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 64)
+    for _chain in (False, True):
+        for _window in (False, True):
+            for _split in (False, True):
+                case = (_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4)
+                if case not in ATTENTION_CASES:
+                    ATTENTION_CASES.append(case)
+    for _chain in (False, True):
+        ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1))
+
+MERGE_CASES = [(arch, dtype, d) for arch in ARCHS for dtype in (torch.bfloat16, torch.float32) for d in (64, 128, 256)]
+
+
+def merge_call(arch, dtype, head_dim):
+    sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{TRITON_TYPE[dtype]}", "n_tree": "i32",
+           "group": "i32", "num_splits": "i32", "stride_oh": "i32", "stride_ot": "i32"}
+    constexprs = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": MERGE_BLOCK_M, "BLOCK_D": head_dim}
+    return ("dflash_kernels.tree_attention", "_merge_splits_kernel", sig, constexprs, arch, MERGE_NUM_WARPS, 1,
+            ("stride_oh", "stride_ot"), None)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    calls = [attention_call(*case) for case in ATTENTION_CASES] + [merge_call(*case) for case in MERGE_CASES]
+    results = _compile_all(calls)
+    return dict(zip([("attn",) + c[:3] + (c[3]["BLOCK_M"],) + c[4:] for c in ATTENTION_CASES]
+                    + [("merge",) + c for c in MERGE_CASES], results))
+
+
+def _result(compiled, key):
+    result = compiled[key]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def test_signatures_match_the_runtime_specialization():
+    assert not set(ALIGNED) & set(TREE_ATTENTION_DYNAMIC_INTS)
+    assert set(TREE_ATTENTION_DYNAMIC_INTS) <= set(ATTENTION_INTS)
+    assert set(MERGE_DYNAMIC_INTS) <= {"n_tree", "group", "num_splits"}
+    call = attention_call(90, torch.bfloat16, 128, tree_attention_configs(128, torch.bfloat16)[0], False, False, False)
+    assert set(_tree_attention_kernel.arg_names) == set(call[2]) | set(call[3])
+    call = merge_call(90, torch.bfloat16, 128)
+    assert set(_merge_splits_kernel.arg_names) == set(call[2]) | set(call[3])
+
+
 @pytest.mark.parametrize(
-    "dtype,cfg,split", ATTENTION_CASES,
-    ids=[f"{TRITON_TYPE[d]}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{'split' if s else 'whole'}" for d, c, s in ATTENTION_CASES],
+    "arch,dtype,head_dim,cfg,chain,window,split,group", ATTENTION_CASES,
+    ids=[f"sm{a}-{TRITON_TYPE[dt]}-D{d}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{_flags(ch, w, s, g)}"
+         for a, dt, d, c, ch, w, s, g in ATTENTION_CASES],
 )
-def test_tree_attention_kernel(arch, dtype, cfg, split):
-    constexprs = dict(UNIT_STRIDES, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-                      SPLIT_KEYS=split, DOT_FP32=False,
-                      INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
-    result = compile_for_gpu(_tree_attention_kernel, attention_signature(dtype), constexprs, arch=arch,
-                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=ALIGNED)
+def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, window, split, group):
+    result = _result(compiled, ("attn", arch, dtype, head_dim, cfg["BLOCK_M"], chain, window, split, group))
     check_resources(result, arch)
+    ptx = result["ptx"]
+    if cfg["num_stages"] > 1:
+        elem = torch.finfo(dtype).bits // 8
+        kv_tile_bytes = 2 * cfg["BLOCK_N"] * cfg["BLOCK_D"] * elem
+        assert "cp.async" in ptx and result["shared_bytes"] >= (cfg["num_stages"] - 1) * kv_tile_bytes, (
+            f"the K/V loads are not pipelined ({result['shared_bytes']} B of shared memory)"
+        )
     if dtype != torch.float32:
-        ptx = result["ptx"]
-        if arch == 90 and cfg["BLOCK_M"] == 64:
-            assert "wgmma" in ptx, "the 64-row bf16/fp16 tile should use Hopper's wgmma"
+        if arch == 90 and cfg["BLOCK_M"] >= 64:
+            assert "wgmma" in ptx, "the 64/128-row bf16/fp16 tiles should use Hopper's wgmma"
         else:
-            assert "mma" in ptx, "bf16/fp16 attention must run on tensor cores"
+            assert "mma.sync" in ptx, "bf16/fp16 attention must run on tensor cores"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_merge_splits_kernel(arch, block_m):
-    result = compile_for_gpu(
-        _merge_splits_kernel,
-        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "n_tree": "i32", "head_dim": "i32",
-         "num_splits": "i32", "stride_oh": "i32", "stride_ot": "i32"},
-        {"stride_od": 1, "BLOCK_M": block_m, "BLOCK_D": HEAD_DIM},
-        arch=arch, num_warps=4, num_stages=1, divisible_by_16=["head_dim", "stride_oh", "stride_ot"],
-    )
-    check_resources(result, arch)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("n_rows", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kv_compaction_kernel(arch, n_rows, dtype):
-    cfg = kv_compaction_config(n_rows, HEAD_DIM)
-    result = compile_for_gpu(
-        _compact_kv_kernel,
-        {"kv_ptr": f"*{TRITON_TYPE[dtype]}", "src_ptr": "*i64", "n_rows": "i32", "dst_start": "i32",
-         "n_heads": "i32", "head_dim": "i32", "stride_layer": "i32", "stride_kv": "i32", "stride_head": "i32",
-         "stride_pos": "i32"},
-        {"stride_dim": 1, "BLOCK_A": cfg["BLOCK_A"], "BLOCK_D": cfg["BLOCK_D"]},
-        arch=arch, num_warps=cfg["num_warps"], num_stages=1,
-        divisible_by_16=["head_dim", "stride_layer", "stride_kv", "stride_head", "stride_pos"],
-    )
-    check_resources(result, arch)
+@pytest.mark.parametrize("arch,dtype,head_dim", MERGE_CASES,
+                         ids=[f"sm{a}-{TRITON_TYPE[d]}-D{h}" for a, d, h in MERGE_CASES])
+def test_merge_splits_kernel(compiled, arch, dtype, head_dim):
+    check_resources(_result(compiled, ("merge", arch, dtype, head_dim)), arch)

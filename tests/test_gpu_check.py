@@ -103,7 +103,7 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None):
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "cuda-ext", "tests", "kernels", "micro", "round", "e2e"]
+STEPS = ["build", "cuda-ext", "tests", "kernels", "micro", "round", "syncs", "stress", "e2e"]
 
 
 def summary_states(stdout):
@@ -147,7 +147,9 @@ def test_script_installs_offline_for_this_gpu_within_the_budget():
     # the install must not reach for the network, and the build must target this GPU only
     assert "--no-build-isolation --no-deps --no-index -e ." in text
     assert 'TORCH_CUDA_ARCH_LIST="$ARCH"' in text
-    assert "GPU_CHECK_BUDGET_S:-470" in text  # 470 s < 8 minutes, whatever each step takes
+    assert "GPU_CHECK_BUDGET_S:-560" in text  # 560 s < 10 minutes (one device call), whatever each step takes
+    for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py"):
+        assert f"bench/{script}" in text
 
 
 # ------------------------------------------------------------ Python parts
@@ -198,7 +200,7 @@ def test_round_latency_runs_at_tiny_shapes_and_paths_agree(tmp_path, capsys):
     for row in report["rows"]:
         assert row["choices_agree"] == 1.0
         assert row["feature_rel_err"] < 1e-4 and row["kv_rel_err"] < 1e-4
-        assert row["ours_ms"] > 0 and row["plain_ms"] > 0
+        assert row["ours_ms"] > 0 and row["plain_ms"] > 0 and row["dense_ms"] > 0
         assert row["accepted_rows"] >= 2
     assert "target cut to 6 of 6 decoder layers" in capsys.readouterr().out
 
@@ -207,7 +209,7 @@ def test_round_latency_fails_when_compaction_is_skipped(monkeypatch, capsys):
     from dflash.target.cache import TargetKVCache
 
     latency = load_script("gpu_round_latency")
-    monkeypatch.setattr(TargetKVCache, "commit_rows", lambda self, rows: self.commit(int(rows.numel())))
+    monkeypatch.setattr(TargetKVCache, "compact_rows", lambda self, rows, num_rows: None)
     with dflash_kernels.force_backend("reference"):
         rc = latency.main(["--device", "cpu", "--tiny", "--budgets", "16", "--repeats", "1"])
     assert rc == 1
@@ -221,3 +223,14 @@ def test_dense_tree_mask_matches_the_ancestor_bits():
     want = dflash_kernels.reference.tree_attention_mask(dflash_kernels.reference.ancestor_bits(parents), 3,
                                                         torch.float32)
     assert torch.equal(mask[0, 0] == 0, want == 0)
+
+
+def test_round_syncs_runs_at_tiny_shapes(tmp_path, capsys):
+    syncs = load_script("gpu_round_syncs")
+    out = tmp_path / "syncs.json"
+    with dflash_kernels.force_backend("reference"):
+        assert syncs.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["method"] for r in report["rows"]] == ["ar", "dflash", "ddtree"]
+    assert all(r["host_reads_max"] == 1 and r["rounds"] >= 3 for r in report["rows"])
+    assert "host syncs per round" in capsys.readouterr().out

@@ -1,12 +1,16 @@
-"""Tree attention kernel against SDPA with the dense ancestor mask.
+"""Tree attention kernel against the SDPA reference, and the reference against a naive loop.
 
-The kernel runs under the Triton interpreter here, so heads and head dims stay
-small (Hq=4, Hkv=2, D=16/32); the sweep over prefix lengths x tree sizes uses
-every combination for small sizes and a diagonal for the big ones. Key/value
-come from a ``[L, 2, Hkv, Smax, D]`` cache as strided views, as the model
-layer passes them.
+The kernel runs under the Triton interpreter here (Python per program), so
+shapes stay small: prefixes 0/1/37/300, T 1/2/16/17/33/65, heads (4,4) (4,2)
+(8,1), head dims 64 and 96 (96 pads to a 128-wide tile). Key/value are always
+strided views into a ``[L, 2, Hkv, Smax, D]`` cache and the query a
+transposed view, as the model layer passes them. Visibility modes: random
+DDTree-like ancestor bits, ``bits=None`` (causal chain), all-ones bits (the
+drafter's block), each with and without a sliding window (positions
+``prefix_len + depth``).
 """
 
+import itertools
 import random
 
 import pytest
@@ -15,9 +19,16 @@ import torch
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
 from dflash_kernels.tree_attention import (
+    MAX_WAVES,
+    MIN_TILES_PER_SPLIT,
+    TREE_ATTENTION_DYNAMIC_INTS,
+    WAVE_EFFICIENCY,
+    _tree_attention_kernel,
+    choose_num_splits,
     tree_attention_config,
     tree_attention_configs,
     tree_attention_triton,
+    wave_efficiency,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,8 +43,8 @@ TOLERANCE = {
 }
 
 
-def random_tree_bits(n_tree, seed):
-    """Ancestor bits of a DDTree-like random tree of ``n_tree`` tokens (depth <= 15)."""
+def random_parents(n_tree, seed):
+    """Parents of a DDTree-like random tree of ``n_tree`` tokens (depth <= 15), and the depths."""
     rng = random.Random(seed)
     parents, depth = [-1], [0]
     for i in range(1, n_tree):
@@ -42,7 +53,26 @@ def random_tree_bits(n_tree, seed):
             p = parents[p]
         parents.append(p)
         depth.append(depth[p] + 1)
+    return parents, depth
+
+
+def random_tree_bits(n_tree, seed):
+    parents, _ = random_parents(n_tree, seed)
     return dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64, device=DEVICE))
+
+
+def ones_bits(n_tree):
+    return torch.full((n_tree, (n_tree + 31) // 32), -1, dtype=torch.int32, device=DEVICE)
+
+
+def make_bits(mode, n_tree, seed):
+    """(bits, positions of the tokens as prefix-relative depths or steps) for a visibility mode."""
+    if mode == "tree":
+        parents, depth = random_parents(n_tree, seed)
+        return dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64, device=DEVICE)), depth
+    if mode == "chain":
+        return None, list(range(n_tree))
+    return ones_bits(n_tree), [0] * n_tree  # drafter: the block after the context, one position each
 
 
 def make_inputs(hq, hkv, n_tree, prefix_len, head_dim, dtype, seed, smax_extra=7, layers=2):
@@ -61,74 +91,145 @@ def check(out, expected, dtype):
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
-SWEEP = [(p, t) for p in (0, 1, 100, 1000) for t in (1, 17, 64, 257)]
+# ----------------------------------------------------------------------------
+# Kernel vs reference
+# ----------------------------------------------------------------------------
+
+HEADS = [(4, 4), (4, 2), (8, 1)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MODES = ["tree", "chain", "ones"]
+# Every (prefix, T) pair; heads, head dim, dtype and mode rotate so that each
+# value of each meets many of the others without the full product.
+SWEEP = [
+    (prefix_len, n_tree, HEADS[i % 3], (64, 96)[(i // 3) % 2], DTYPES[(i // 2) % 3], MODES[i % 3])
+    for i, (prefix_len, n_tree) in enumerate(itertools.product((0, 1, 37, 300), (1, 2, 16, 17, 33, 65)))
+]
 
 
-@pytest.mark.parametrize("prefix_len,n_tree", SWEEP)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_sdpa_with_dense_mask(prefix_len, n_tree, dtype):
-    big = prefix_len >= 1000 or n_tree >= 257
-    hq, hkv, d = (4, 2, 16) if big else (4, 2, 32)
-    q, k, v = make_inputs(hq, hkv, n_tree, prefix_len, d, dtype, seed=prefix_len * 7 + n_tree)
-    bits = random_tree_bits(n_tree, n_tree)
-    assert not k.is_contiguous()
+@pytest.mark.parametrize(
+    "prefix_len,n_tree,heads,head_dim,dtype,mode", SWEEP,
+    ids=[f"p{p}-T{t}-{h[0]}x{h[1]}-D{d}-{str(dt)[6:]}-{m}" for p, t, h, d, dt, m in SWEEP],
+)
+def test_matches_reference(prefix_len, n_tree, heads, head_dim, dtype, mode):
+    hq, hkv = heads
+    q, k, v = make_inputs(hq, hkv, n_tree, prefix_len, head_dim, dtype, seed=prefix_len * 7 + n_tree)
+    bits, _ = make_bits(mode, n_tree, seed=n_tree)
+    assert k.untyped_storage().nbytes() > k.numel() * k.element_size()  # a view into a bigger cache
+    assert n_tree == 1 or not q.is_contiguous()
     expected = ref.tree_attention(q, k, v, bits, prefix_len)
     check(dk.tree_attention(q, k, v, bits, prefix_len), expected, dtype)
 
 
-def test_largest_tree():
-    q, k, v = make_inputs(2, 1, 1024, 3, 16, torch.float32, seed=1024)
-    bits = random_tree_bits(1024, 1024)
+WINDOW_CASES = [
+    (window, mode, prefix_len, n_tree, HEADS[i % 3], DTYPES[i % 2])
+    for i, (window, mode, (prefix_len, n_tree)) in enumerate(
+        itertools.product((1, 5, 64), MODES, ((37, 17), (300, 33)))
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "window,mode,prefix_len,n_tree,heads,dtype", WINDOW_CASES,
+    ids=[f"w{w}-{m}-p{p}-T{t}-{h[0]}x{h[1]}-{str(dt)[6:]}" for w, m, p, t, h, dt in WINDOW_CASES],
+)
+def test_sliding_window_matches_reference(window, mode, prefix_len, n_tree, heads, dtype):
+    hq, hkv = heads
+    q, k, v = make_inputs(hq, hkv, n_tree, prefix_len, 64, dtype, seed=window + n_tree)
+    bits, depth = make_bits(mode, n_tree, seed=window)
+    positions = torch.tensor([prefix_len + d for d in depth], dtype=torch.int64, device=DEVICE)
+    expected = ref.tree_attention(q, k, v, bits, prefix_len, positions=positions, window=window)
+    check(dk.tree_attention(q, k, v, bits, prefix_len, positions=positions, window=window), expected, dtype)
+
+
+def test_window_with_default_positions_and_int32_positions():
+    q, k, v = make_inputs(4, 2, 16, 40, 64, torch.float32, seed=11)
+    expected = ref.tree_attention(q, k, v, None, 40, window=7)
+    check(dk.tree_attention(q, k, v, None, 40, window=7), expected, torch.float32)
+    positions = torch.arange(40, 56, dtype=torch.int32, device=DEVICE)
+    check(dk.tree_attention(q, k, v, None, 40, positions=positions, window=7), expected, torch.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_tiles_outside_every_window_are_not_read(mode):
+    # Prefix keys older than the window of every query are NaN: a kernel
+    # that loads and multiplies them (even by a zero probability) returns NaN.
+    prefix_len, n_tree, window = 300, 17, 20
+    q, k, v = make_inputs(4, 2, n_tree, prefix_len, 64, torch.float32, seed=5)
+    bits, depth = make_bits(mode, n_tree, seed=5)
+    positions = torch.tensor([prefix_len + d for d in depth], dtype=torch.int64, device=DEVICE)
+    expected = ref.tree_attention(q, k, v, bits, prefix_len, positions=positions, window=window)
+    block_n = tree_attention_config(64, torch.float32, n_tree * 2)["BLOCK_N"]
+    dead = (prefix_len - window + 1) // block_n * block_n  # keys before the first tile any query needs
+    assert dead >= 2 * block_n
+    k, v = k.clone(), v.clone()
+    k[:, :dead] = float("nan")
+    v[:, :dead] = float("nan")
+    for num_splits in (1, 3):
+        out = tree_attention_triton(q, k, v, bits, prefix_len, positions=positions, window=window,
+                                    num_splits=num_splits)
+        check(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("mode,window", [("tree", None), ("chain", None), ("ones", None), ("tree", 64),
+                                         ("chain", 5)])
+def test_forced_key_splits_merge_exactly(num_splits, mode, window):
+    prefix_len, n_tree = 100, 33
+    q, k, v = make_inputs(4, 2, n_tree, prefix_len, 64, torch.float32, seed=num_splits)
+    bits, depth = make_bits(mode, n_tree, seed=num_splits)
+    positions = torch.tensor([prefix_len + d for d in depth], device=DEVICE) if window else None
+    expected = ref.tree_attention(q, k, v, bits, prefix_len, positions=positions, window=window)
+    out = tree_attention_triton(q, k, v, bits, prefix_len, positions=positions, window=window,
+                                num_splits=num_splits)
+    check(out, expected, torch.float32)
+
+
+def test_more_splits_than_key_tiles_leave_empty_splits():
+    q, k, v = make_inputs(2, 1, 5, 3, 64, torch.float32, seed=2)
+    bits = random_tree_bits(5, 2)
+    check(tree_attention_triton(q, k, v, bits, 3, num_splits=7), ref.tree_attention(q, k, v, bits, 3),
+          torch.float32)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_every_bf16_row_tile(block_m, mode):
+    # Row tiles cut across tokens (G = 4): a tile's last token is partial.
+    cfg = next(c for c in tree_attention_configs(64, torch.bfloat16) if c["BLOCK_M"] == block_m)
+    q, k, v = make_inputs(8, 2, 37, 30, 64, torch.bfloat16, seed=block_m)
+    bits, _ = make_bits(mode, 37, seed=block_m)
+    expected = ref.tree_attention(q, k, v, bits, 30)
+    check(tree_attention_triton(q, k, v, bits, 30, config=cfg, num_splits=2), expected, torch.bfloat16)
+
+
+def test_large_tree_several_bitmask_words():
+    q, k, v = make_inputs(2, 1, 200, 3, 64, torch.float32, seed=200)
+    bits = random_tree_bits(200, 200)
     check(dk.tree_attention(q, k, v, bits, 3), ref.tree_attention(q, k, v, bits, 3), torch.float32)
 
 
-@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 3), (4, 1)])
-def test_gqa_and_plain_heads(hq, hkv):
-    q, k, v = make_inputs(hq, hkv, 33, 40, 16, torch.float32, seed=hq * 10 + hkv)
-    bits = random_tree_bits(33, 5)
-    check(dk.tree_attention(q, k, v, bits, 40), ref.tree_attention(q, k, v, bits, 40), torch.float32)
+def test_chain_equals_the_bits_of_a_chain():
+    n_tree = 40
+    q, k, v = make_inputs(4, 2, n_tree, 9, 64, torch.float32, seed=9)
+    chain_bits = dk.ancestor_bits(torch.arange(-1, n_tree - 1, device=DEVICE))
+    check(dk.tree_attention(q, k, v, None, 9), dk.tree_attention(q, k, v, chain_bits, 9), torch.float32)
 
 
 def test_each_query_head_reads_its_own_kv_head():
     # Only kv head 1 has non-zero values: query heads 2, 3 (group 2) must see
     # them, query heads 0, 1 must output zeros.
-    q, k, v = make_inputs(4, 2, 9, 5, 16, torch.float32, seed=1)
+    q, k, v = make_inputs(4, 2, 9, 5, 64, torch.float32, seed=1)
     v = v.clone()
     v[0].zero_()
     out = dk.tree_attention(q, k, v, random_tree_bits(9, 1), 5)
     assert out[:2].abs().max() == 0 and out[2:].abs().min() > 0
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 7])
-@pytest.mark.parametrize("prefix_len,n_tree", [(0, 17), (100, 40), (150, 1)])
-def test_key_splits_merge_exactly(num_splits, prefix_len, n_tree):
-    q, k, v = make_inputs(4, 2, n_tree, prefix_len, 16, torch.float32, seed=num_splits)
-    bits = random_tree_bits(n_tree, num_splits)
-    expected = ref.tree_attention(q, k, v, bits, prefix_len)
-    check(tree_attention_triton(q, k, v, bits, prefix_len, num_splits=num_splits), expected, torch.float32)
-
-
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_every_query_tile_size(block_m):
-    cfg = next(c for c in tree_attention_configs(32, torch.bfloat16) if c["BLOCK_M"] == block_m)
-    q, k, v = make_inputs(2, 1, 50, 30, 32, torch.bfloat16, seed=block_m)
-    bits = random_tree_bits(50, block_m)
-    expected = ref.tree_attention(q, k, v, bits, 30)
-    check(tree_attention_triton(q, k, v, bits, 30, config=cfg), expected, torch.bfloat16)
-
-
-@pytest.mark.parametrize("head_dim", [16, 24, 64, 80, 128])
-def test_head_dims(head_dim):
-    q, k, v = make_inputs(2, 1, 20, 10, head_dim, torch.float32, seed=head_dim)
-    bits = random_tree_bits(20, head_dim)
-    check(dk.tree_attention(q, k, v, bits, 10), ref.tree_attention(q, k, v, bits, 10), torch.float32)
-
-
 def test_fp16_and_batched_rank_and_scale():
-    q, k, v = make_inputs(4, 2, 17, 20, 16, torch.float16, seed=3)
+    q, k, v = make_inputs(4, 2, 17, 20, 64, torch.float16, seed=3)
     bits = random_tree_bits(17, 3)
     out = dk.tree_attention(q[None], k[None], v[None], bits, 20, scale=0.3)
-    assert out.shape == (1, 4, 17, 16)
+    assert out.shape == (1, 4, 17, 64)
     check(out, ref.tree_attention(q[None], k[None], v[None], bits, 20, scale=0.3), torch.float16)
 
 
@@ -147,13 +248,146 @@ def test_ancestor_only_visibility():
     assert out[0, 2].abs().max() == 0 and out[0, 0].abs().max() == 0
 
 
-def test_launcher_picks_small_query_tiles_for_small_trees():
-    assert tree_attention_config(128, torch.bfloat16, 1)["BLOCK_M"] == 16
-    assert tree_attention_config(128, torch.bfloat16, 30)["BLOCK_M"] == 32
-    assert tree_attention_config(128, torch.bfloat16, 300)["BLOCK_M"] == 64
-    for cfg in tree_attention_configs(256, torch.float32):
-        assert cfg["BLOCK_D"] == 256 and cfg["BLOCK_N"] >= 16
+def test_warmup_runs_every_variant_and_is_a_no_op_on_the_reference_backend():
+    q, k, v = make_inputs(4, 2, 17, 40, 64, torch.bfloat16, seed=4)
+    bits = random_tree_bits(17, 4)
+    assert dk.warmup_tree_attention(q, k, v, bits, 40) is None
+    assert dk.warmup_tree_attention(q, k, v, None, 40, window=8) is None
+    with dk.force_backend("reference"):
+        calls = []
+        real = ref.tree_attention
+        try:
+            ref.tree_attention = lambda *a, **kw: calls.append(1)
+            dk.warmup_tree_attention(q, k, v, bits, 40)
+        finally:
+            ref.tree_attention = real
+        assert calls == []
+        check(dk.tree_attention(q, k, v, bits, 40), real(q, k, v, bits, 40), torch.bfloat16)
 
+
+# ----------------------------------------------------------------------------
+# The reference itself
+# ----------------------------------------------------------------------------
+
+def naive_visible(parents, prefix_len, n_tree, positions, window):
+    """Python loops: query i sees key k (the rule, written out once more)."""
+    pos_q = list(positions) if positions is not None else [prefix_len + i for i in range(n_tree)]
+    pos_k = list(range(prefix_len)) + pos_q
+    seen = torch.zeros(n_tree, prefix_len + n_tree, dtype=torch.bool)
+    for i in range(n_tree):
+        ancestors = set()
+        node = i
+        while parents != "all" and node >= 0:
+            ancestors.add(node)
+            node = parents[node] if parents is not None else node - 1
+        for key in range(prefix_len + n_tree):
+            ok = key < prefix_len or parents == "all" or (key - prefix_len) in ancestors
+            if window is not None and pos_q[i] - pos_k[key] >= window:
+                ok = False
+            seen[i, key] = ok
+    return seen
+
+
+@pytest.mark.parametrize("mode,window", [("tree", None), ("chain", None), ("ones", None), ("tree", 3),
+                                         ("chain", 4), ("ones", 2)])
+def test_reference_equals_naive_per_head_softmax(mode, window):
+    prefix_len, n_tree, hq, hkv, d = 6, 9, 4, 2, 8
+    parents, depth = random_parents(n_tree, 7)
+    bits = {"tree": dk.ancestor_bits(torch.tensor(parents)), "chain": None, "ones": ones_bits(n_tree)}[mode]
+    positions = [prefix_len + x for x in (depth if mode == "tree" else range(n_tree))]
+    pos_t = torch.tensor(positions) if window else None
+    seen = naive_visible({"tree": parents, "chain": None, "ones": "all"}[mode], prefix_len, n_tree,
+                         positions if window else None, window)
+    assert torch.equal(ref.tree_visibility(bits, prefix_len, n_tree, positions=pos_t, window=window), seen)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(hq, n_tree, d, generator=gen)
+    k = torch.randn(hkv, prefix_len + n_tree, d, generator=gen)
+    v = torch.randn(hkv, prefix_len + n_tree, d, generator=gen)
+    scale = 0.7
+    want = torch.empty(hq, n_tree, d)
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        for i in range(n_tree):
+            scores = [float(q[h, i] @ k[kv, j]) * scale if seen[i, j] else float("-inf")
+                      for j in range(prefix_len + n_tree)]
+            p = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+            want[h, i] = (p[:, None] * v[kv].double()).sum(0).float()
+    got = ref.tree_attention(q, k, v, bits, prefix_len, scale, positions=pos_t, window=window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_mask_matches_visibility():
+    bits = random_tree_bits(40, 3)
+    mask = ref.tree_attention_mask(bits, 5, torch.float32)
+    assert torch.equal(mask == 0, ref.tree_visibility(bits, 5, 40))
+
+
+# ----------------------------------------------------------------------------
+# Launch choices: no recompiles, wave-filling splits
+# ----------------------------------------------------------------------------
+
+def test_per_round_ints_are_never_specialized():
+    kwargs = getattr(_tree_attention_kernel, "kwargs", None)  # interpreter
+    dns = kwargs["do_not_specialize"] if kwargs is not None else _tree_attention_kernel.do_not_specialize
+    assert {"n_tree", "prefix_len", "window"} <= set(dns) == set(TREE_ATTENTION_DYNAMIC_INTS)
+    assert set(dns) <= set(_tree_attention_kernel.arg_names)
+    unaligned = kwargs["do_not_specialize_on_alignment"] if kwargs is not None else [
+        p.name for p in _tree_attention_kernel.params if p.do_not_specialize_on_alignment]
+    assert set(unaligned) == {"bits_ptr", "pos_ptr"}
+    # The split count is a grid dim, not an argument.
+    assert not any("split" in name for name in _tree_attention_kernel.arg_names if name != "SPLIT_KEYS")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_config_table_is_small_and_fixed(head_dim, dtype):
+    configs = tree_attention_configs(head_dim, dtype)
+    assert 1 <= len(configs) <= 4
+    for n_rows in range(1, 5000, 7):
+        assert tree_attention_config(head_dim, dtype, n_rows) in configs
+    for cfg in configs:
+        assert cfg["BLOCK_N"] % 32 == 0 and cfg["BLOCK_D"] >= head_dim and cfg["maxnreg"] == 255
+
+
+def test_row_tile_choice_keeps_padding_small():
+    # T = 65 at Qwen3-8B's G = 4: 260 rows -> 5 tiles of 64 (60 padded rows), not 2 x 128 per head.
+    assert tree_attention_config(128, torch.bfloat16, 260)["BLOCK_M"] == 64
+    assert tree_attention_config(128, torch.bfloat16, 8)["BLOCK_M"] == 16
+    assert tree_attention_config(128, torch.bfloat16, 64)["BLOCK_M"] == 64
+    assert tree_attention_config(128, torch.bfloat16, 4100)["BLOCK_M"] == 128
+    for n_rows in range(1, 5000):
+        block_m = tree_attention_config(128, torch.bfloat16, n_rows)["BLOCK_M"]
+        padded = -(-n_rows // block_m) * block_m
+        assert padded - n_rows < 128 and (n_rows < 64 or padded - n_rows <= 0.33 * padded)
+        assert n_rows < 256 or padded - n_rows <= 0.2 * padded
+
+
+@pytest.mark.parametrize("sms", [108, 132])
+def test_split_count_fills_waves(sms):
+    for programs in (1, 2, 8, 24, 40, 72, 100, 140, 200, 264, 600):
+        for key_tiles in (1, 3, 8, 16, 64, 130, 1000):
+            splits = choose_num_splits(programs, key_tiles, sms)
+            assert 1 <= splits <= max(1, key_tiles // MIN_TILES_PER_SPLIT)
+            if splits > 1:
+                assert programs * splits <= MAX_WAVES * sms
+            total = programs * splits
+            waves = -(-total // sms)
+            if total >= WAVE_EFFICIENCY * waves * sms:
+                continue
+            # Not a filled wave: then no allowed split count does better.
+            cap = max(1, min(key_tiles // MIN_TILES_PER_SPLIT, 64, MAX_WAVES * sms // programs))
+            if programs < MAX_WAVES * sms:
+                best = max(wave_efficiency(programs * s, sms) for s in range(1, cap + 1))
+                assert wave_efficiency(total, sms) >= best - 1e-9
+    # Qwen3-8B, T = 65 (5 row tiles x 8 kv heads) on an H100 with a 4k prefix: 3 splits, 120 / 132 SMs.
+    assert choose_num_splits(40, 4096 // 64 + 2, 132) == 3
+    # A decode step (8 programs) over 8k keys: 16 splits fill one wave.
+    assert choose_num_splits(8, 8192 // 64 + 1, 132) == 16
+
+
+# ----------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------
 
 def test_errors_are_clear():
     q, k, v = make_inputs(4, 2, 5, 3, 16, torch.float32, seed=0)
@@ -170,7 +404,20 @@ def test_errors_are_clear():
         dk.tree_attention(q, k, v, bits[:4], 3)
     with pytest.raises(ValueError, match="int32"):
         dk.tree_attention(q, k, v, bits.long(), 3)
+    with pytest.raises(TypeError, match="bits must be a torch.Tensor or None"):
+        dk.tree_attention(q, k, v, [[1]], 3)
     with pytest.raises(ValueError, match="batch size 1"):
         dk.tree_attention(torch.stack([q, q]), k, v, bits, 3)
     with pytest.raises(ValueError, match="value shape"):
         dk.tree_attention(q, k, v[:1], bits, 3)
+    for window in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="window must be None or an int >= 1"):
+            dk.tree_attention(q, k, v, bits, 3, window=window)
+    with pytest.raises(ValueError, match=r"positions must be a 1-D \[T\] = \[5\] int32/int64"):
+        dk.tree_attention(q, k, v, bits, 3, positions=torch.arange(4), window=2)
+    with pytest.raises(ValueError, match="int32/int64"):
+        dk.tree_attention(q, k, v, bits, 3, positions=torch.arange(5.0), window=2)
+    with pytest.raises(TypeError, match="positions must be a torch.Tensor"):
+        dk.tree_attention(q, k, v, bits, 3, positions=[3, 4, 5, 6, 7], window=2)
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_attention_triton(q, k, v, bits, 3, num_splits=0)

@@ -160,6 +160,58 @@ def test_input_dtypes_are_accepted():
     assert_same_tree(dk.build_tree(lp.t().contiguous().t(), ids, 20), expected)
 
 
+def test_inputs_are_read_in_place_in_any_layout():
+    # The C++ op reads float32/float64 and int64/int32 through their strides
+    # (no conversion copies): transposed, sliced and broadcast (stride 0) views.
+    gen = torch.Generator().manual_seed(15)
+    lp, ids = draft(6, 10, gen)
+    wide_lp = torch.cat([lp, lp], dim=1)[:, ::2]
+    wide_ids = torch.cat([ids, ids], dim=1)[:, ::2]
+    row_lp, row_ids = lp[:1].expand(4, 10), ids[:1].expand(4, 10)
+    grad_lp = lp.clone().requires_grad_()
+    for lp_x, ids_x in ((wide_lp, wide_ids), (row_lp, row_ids), (row_lp.double(), row_ids.int()), (grad_lp, ids),
+                        (lp.t().contiguous().t().double(), ids.t().contiguous().t().int())):
+        for budget in (0, 1, 7, 40, 500):
+            assert_same_tree(dk.build_tree(lp_x, ids_x, budget), ref.build_tree(lp_x.detach(), ids_x, budget))
+
+
+def test_signed_zeros_and_neg_inf_tie_like_the_reference():
+    # The C++ queue orders 128-bit integer keys made from the float64 scores:
+    # -0.0 and +0.0 must be one key (equal as doubles, so the insertion order
+    # decides), and -inf sorts below every finite score.
+    rng = random.Random(21)
+    gen = torch.Generator().manual_seed(21)
+    values = torch.tensor([0.0, -0.0, -0.25, -1.0, -math.inf], dtype=torch.float64)
+    for _ in range(300):
+        depth, k = rng.randint(1, 6), rng.randint(1, 6)
+        lp = values[torch.randint(0, 5, (depth, k), generator=gen)].sort(dim=1, descending=True).values
+        ids = torch.rand(depth, 4 * k, generator=gen).argsort(dim=1)[:, :k]
+        budget = rng.choice([1, depth, 16, 64, rng.randint(0, 200)])
+        for lp_x in (lp, lp.float()):
+            assert_same_tree(dk.build_tree(lp_x, ids, budget), ref.build_tree(lp_x, ids, budget))
+
+
+def test_outputs_are_separate_tensors():
+    tokens, depths, parents = dk.build_tree(*draft(4, 3, torch.Generator().manual_seed(16)), 10)
+    assert tokens.is_contiguous() and depths.is_contiguous() and parents.is_contiguous()
+    assert len({t.untyped_storage().data_ptr() for t in (tokens, depths, parents)}) == 3
+    assert tokens._base is None and depths._base is None and parents._base is None
+
+
+def test_huge_budget_stops_at_the_full_tree():
+    lp, ids = draft(3, 4, torch.Generator().manual_seed(17))
+    tree = dk.build_tree(lp, ids, 2**62)
+    assert tree[0].numel() == 4 + 16 + 64
+    assert_same_tree(tree, ref.build_tree(lp, ids, 2**62))
+
+
+def test_too_large_a_tree_is_refused():
+    # 2**40 - 2 nodes: refused up front instead of running out of memory.
+    lp, ids = draft(39, 2, torch.Generator().manual_seed(18))
+    with pytest.raises(RuntimeError, match="at most"):
+        dk.build_tree(lp, ids, 2**40)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_inputs_are_copied_to_host():
     lp, ids = draft(6, 5, torch.Generator().manual_seed(6))

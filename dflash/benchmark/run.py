@@ -281,12 +281,18 @@ class Failure:
     position: int
     expected: Optional[int]
     got: Optional[int]
+    logit_margin: Optional[float] = None  # the target's fp32 logit[expected] - logit[got] there
+    top2_gap: Optional[float] = None
 
     def describe(self) -> str:
         exp = "end of output" if self.expected is None else f"token {self.expected}"
         got = "end of output" if self.got is None else f"token {self.got}"
+        margin = ""
+        if self.logit_margin is not None:
+            margin = (f"; the target's fp32 logit margin there is {self.logit_margin:.4g} (top-2 gap "
+                      f"{self.top2_gap:.4g}: a margin near 0 is a numerical near-tie, a large one a bug)")
         return (f"{self.label} differs from ar on prompt {self.prompt_index} at new token {self.position}: "
-                f"ar gives {exp}, {self.label.split(',')[0]} gives {got}")
+                f"ar gives {exp}, {self.label.split(',')[0]} gives {got}{margin}")
 
 
 def compare_greedy(reference: Run, run: Run) -> Optional[Failure]:
@@ -298,6 +304,19 @@ def compare_greedy(reference: Run, run: Run) -> Optional[Failure]:
         if x != y:
             return Failure(run.label, run.prompt_index, i, x, y)
     return None
+
+
+def add_margin(failure: Failure, target, prompt: torch.Tensor, reference: Sequence[int]) -> None:
+    """Fill ``failure``'s fp32 logit margin at the divergent token (numerics or a bug?)."""
+    from ..decoding.parity import first_divergence
+
+    if failure.expected is None or failure.got is None:
+        return
+    ref = prompt.flatten().tolist() + list(reference)
+    other = ref[: prompt.numel() + failure.position] + [failure.got]
+    div = first_divergence(target, ref, other)
+    if div is not None and div.logit_margin is not None:
+        failure.logit_margin, failure.top2_gap = div.logit_margin, div.top2_gap
 
 
 def _ratio(num: float, den: float) -> Optional[float]:
@@ -602,6 +621,7 @@ def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
         for ref_run, run in zip(reference[0.0], runs[cfg]):
             failure = compare_greedy(ref_run, run)
             if failure is not None:
+                add_margin(failure, pair.target, prompt_tensors[run.prompt_index], ref_run.generated)
                 failures.append(failure)
     rows = [summarize(c, runs[c]) for c in configs]
     add_speedups(rows)

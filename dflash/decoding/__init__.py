@@ -6,6 +6,7 @@ from .ddtree import ddtree_generate, ddtree_generate_result
 from .generate import METHODS, generate, spec_generate
 from .result import GenerationResult
 from .speculation import Speculation, check_pair
+from .warmup import warmup
 
 __all__ = ["GenerationResult", "METHODS", "Speculation", "ar_generate", "check_pair", "ddtree_generate",
-           "ddtree_generate_result", "dflash_generate", "generate", "spec_generate"]
+           "ddtree_generate_result", "dflash_generate", "generate", "spec_generate", "warmup"]

@@ -1,4 +1,9 @@
-"""Plain autoregressive decoding with the same cache and ops: the speedup baseline."""
+"""Plain autoregressive decoding with the same cache and ops: the speedup baseline.
+
+One step: the target runs on the last token at position ``n - 1``; its choice
+is the next token. The token stays on the device between steps; the one host
+read per step brings it back for the stop / length checks.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +13,39 @@ import torch
 
 from ..target import TargetAdapter
 from .result import GenerationResult
-from .speculation import _Clock, _check_common, _generator, _Output, _prefill, _prepare_prompt
+from .speculation import HostReader, SeedSource, StageClock, _check_common, _Output, _prepare_prompt, prefill
 
 
 @torch.inference_mode()
 def ar_generate(target, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None, seed=None,
                 stage_timing=True) -> GenerationResult:
-    """Plain autoregressive decoding with the same cache and ops (the speedup baseline)."""
+    """Plain autoregressive decoding (``acceptance_lengths`` all 1; verify time = decode time)."""
     stop_ids = _check_common(max_new_tokens, temperature, stop_token_ids)
     adapter = TargetAdapter(target)
     try:
-        prompt = _prepare_prompt(input_ids, adapter.vocab_size, adapter.device)
-        gen = _generator(seed, adapter.device)
+        device = adapter.device
+        prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
+        seeds = SeedSource(seed)
         cache = adapter.new_cache(prompt.numel() + max_new_tokens + 1)
         out = _Output(prompt, max_new_tokens, stop_ids)
         result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method="ar")
-        clock = _Clock(adapter.device, stage_timing)
-        start = clock.t
-        token = _prefill(adapter, prompt, cache, temperature, gen)
-        out.extend(token.tolist())
-        result.time_to_first_token = clock.lap()
+        reader = HostReader(device, 1)
+        start = time.perf_counter()
+        token, _ = prefill(adapter, prompt, cache, temperature, seeds)
+        out.extend(reader.read(token))
+        result.time_to_first_token = time.perf_counter() - start
+        clock = StageClock(device, stage_timing)
         while not out.done:
-            pos = torch.tensor([out.committed - 1], device=adapter.device)
-            hidden = adapter.forward(token, pos, cache)
+            n = out.committed
+            hidden = adapter.forward(token, torch.arange(n - 1, n, device=device), cache)
             cache.commit(1)
-            token = adapter.choose(hidden, temperature, generator=gen)
-            out.extend(token.tolist())
+            token = adapter.choose(hidden, temperature, seed=seeds.next())
+            out.extend(reader.read(token))
             result.acceptance_lengths.append(1)
-        result.verify_time = clock.lap()
+            clock.mark("verify")
         result.total_time = time.perf_counter() - start
-        result.output_ids = torch.tensor([out.tokens], device=adapter.device)
+        result.verify_time = clock.totals().get("verify", 0.0)
+        result.output_ids = torch.tensor([out.tokens], device=device)
         return result
     finally:
         adapter.close()

@@ -1,4 +1,4 @@
-"""Decoding loops: plain autoregressive baseline and the DFlash chain (SPEC section 4).
+"""The DFlash chain loop (SPEC section 4).
 
 One DFlash round, with ``n`` committed tokens (the last one, at position
 ``n-1``, not yet in the target's cache):
@@ -13,8 +13,10 @@ One DFlash round, with ``n`` committed tokens (the last one, at position
    keep ``a + 1`` rows of the target cache, and the captured features of
    those rows become the next round's context.
 
-The round needs one host sync (the accepted tokens, to check stop tokens
-and lengths).
+Everything stays on the device until ONE host read per round: the target's
+choices and the accepted count ``a`` (a pinned non-blocking copy on CUDA).
+The next block's anchor ``posterior[a]`` never leaves the device; stage times
+come from CUDA events (:class:`~dflash.decoding.speculation.StageClock`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 import dflash_kernels
 
-from .result import GenerationResult
+from .result import GenerationResult  # noqa: F401  (the loop's return type)
 from .speculation import Speculation
 
 
@@ -34,28 +36,29 @@ def dflash_generate(target, draft, input_ids, *, max_new_tokens, temperature=0.0
     with Speculation(target, draft, input_ids, method="dflash", max_new_tokens=max_new_tokens,
                      temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
                      stage_timing=stage_timing) as s:
-        B, result, clock = s.B, s.result, s.clock
+        B, clock = s.B, s.clock
         block_offsets = torch.arange(B, device=s.device)
         s.prefill()
         while not s.out.done:
             n = s.out.committed
             # draft: B-1 proposals for positions n .. n+B-2
-            proposals = dflash_kernels.lm_head_argmax(s.draft(), s.lm_head, positions=s.draft_rows)
-            result.draft_time += clock.lap()
+            proposals = dflash_kernels.lm_head_argmax(s.draft(), s.lm_head, positions=s.draft_rows,
+                                                      check_bounds=False)
+            clock.mark("draft")
 
-            # verify: the block at positions n-1 .. n-1+B-1
-            block = torch.cat([torch.tensor([s.out.last], device=s.device), proposals])
+            # verify: the block at positions n-1 .. n-1+B-1 (a causal chain after the committed prefix)
+            block = torch.cat([s.last_token, proposals])
             hidden = s.adapter.forward(block, (n - 1) + block_offsets, s.cache)
-            choices = s.adapter.choose(hidden, temperature, generator=s.generator)
-            result.verify_time += clock.lap()
+            choices = s.adapter.choose(hidden, temperature, seed=s.seeds.next())
+            clock.mark("verify")
 
-            # commit: longest matching prefix plus the bonus token (one host sync)
-            matches = torch.cumprod((proposals == choices[:-1]).long(), 0)
-            host = torch.cat([choices, matches]).tolist()
-            accepted = int(sum(host[B:]))
-            s.cache.commit(accepted + 1)
-            s.context = s.adapter.context_features(rows=block_offsets[: accepted + 1], trusted_rows=True)
-            s.out.extend(host[: accepted + 1])
-            result.acceptance_lengths.append(accepted + 1)
-            result.commit_time += clock.lap()
+            # commit: longest matching prefix plus the bonus token; the round's one host read
+            accepted = torch.cumprod((proposals == choices[:-1]).long(), 0).sum()
+            host = s.reader.read(torch.cat([choices, accepted[None]]))
+            a = host[B]
+            s.cache.commit(a + 1)
+            s.context = s.adapter.context_features(rows=block_offsets[: a + 1], trusted_rows=True)
+            s.last_token = choices[a : a + 1]
+            s.commit(host[: a + 1])
+            clock.mark("commit")
         return s.finish()

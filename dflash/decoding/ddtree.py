@@ -1,25 +1,30 @@
 """DDTree: verify a best-first tree of drafts per round (SPEC section 5).
 
 One round, with ``n`` committed tokens (the last, the root, at position
-``start = n - 1`` and not yet in the target's cache):
+``start = n - 1`` and not yet in the target's cache), all on the device until
+one host read at the end:
 
 1. draft:  the DFlash drafter pass; fused lm_head + log-softmax + top-K at
-   block positions 1..B-1 gives ``[B-1, K]`` log-probs and ids;
-2. tree:   :func:`dflash_kernels.build_tree` (C++) pops the ``budget`` most
-   likely paths best-first: tokens ``[N]``, depths ``[N]``, parents ``[N+1]``;
+   block positions 1..B-1 gives ``[D, K]`` log-probs and ids (``D = B - 1``);
+2. tree:   the ``N`` highest-scoring paths (:func:`dflash_kernels.build_tree_device`:
+   per-depth then global top-N, a fixed ``N``): tokens ``[N]``, depths ``[N]``,
+   parents ``[N+1]``;
 3. verify: the target runs on ``[root, nodes...]`` at positions
    ``start + [0, depths]``; each token sees the prefix, itself and its
    ancestors (packed bits from :func:`dflash_kernels.ancestor_bits`, read by
-   the tree-attention kernel, or a dense mask for the fallback backends);
-   ``choice[i]`` = the target's token after node i;
-4. walk:   from the root, follow the child whose token equals the target's
-   choice; commit the walked nodes' tokens plus the choice at the last node;
-   compact the walked rows of every layer's K/V to follow the prefix (one
-   launch) and gather their captured features as the next context.
+   the attention function); ``choice[i]`` = the target's token after node i;
+4. walk:   node i is on the path iff its token is the choice at its parent and
+   its parent is on the path (:func:`dflash_kernels.walk_tree_device`): the
+   path ``[D+1]`` (padded), its length, and the committed tokens (path tokens
+   then the bonus choice);
+5. commit: the path's K/V rows of every layer move to follow the prefix
+   (:func:`dflash_kernels.compact_kv_`, the row count read on the device), the
+   path rows' captured features are gathered, and ONE host read brings the
+   committed tokens and the path length.
 
-Every committed token is the target's own choice, so the output is lossless
-at any temperature. Host syncs per round: the top-K table for the C++ tree
-build, and the choices for the walk.
+On the reference backend with CPU tensors the tree is built and walked by the
+C++ ops (the host is the device there; same tree, same path). Every committed
+token is the target's own choice, so the output is lossless at any temperature.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ def _check_budget(tree_budget) -> int:
     return tree_budget
 
 
+def _host_tree_ops(device: torch.device) -> bool:
+    """True when the tree is built and walked by the C++ ops: the reference backend on CPU tensors."""
+    return device.type == "cpu" and dflash_kernels.get_backend(device) == "reference"
+
+
 @torch.inference_mode()
 def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None,
                            block_size=None, seed=None, tree_budget=None, mask_token_id=None, return_trees=False,
@@ -46,40 +56,50 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
 
     ``tree_budget``: draft nodes per round (default ``2 * (B - 1)``);
     ``return_trees``: keep each round's tree (tokens, depths, parents,
-    accepted node indices) in ``result.trees``.
+    accepted node indices) in ``result.trees`` (costs extra host copies).
     """
     B = block_size if block_size is not None else draft.block_size
     budget = _check_budget(tree_budget if tree_budget is not None else 2 * (int(B) - 1))
     with Speculation(target, draft, input_ids, method="ddtree", max_new_tokens=max_new_tokens,
                      temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
                      tree_size=budget, mask_token_id=mask_token_id, stage_timing=stage_timing) as s:
-        result, clock, device = s.result, s.clock, s.device
+        result, clock = s.result, s.clock
+        D = s.B - 1
         K = min(budget, s.adapter.vocab_size)
+        on_host = _host_tree_ops(s.device)
         s.prefill()
         while not s.out.done:
             start = s.out.committed - 1
-            logprobs, ids = dflash_kernels.lm_head_topk(s.draft(), s.lm_head, K, positions=s.draft_rows)
-            tokens, depths, parents = dflash_kernels.build_tree(logprobs.cpu(), ids.cpu(), budget)
-            result.draft_time += clock.lap()
+            logprobs, ids = dflash_kernels.lm_head_topk(s.draft(), s.lm_head, K, positions=s.draft_rows,
+                                                        check_bounds=False)
+            if on_host:
+                tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, budget)
+            else:
+                tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, budget)
+            clock.mark("draft")
 
-            verify_ids = torch.cat([torch.tensor([s.out.last], device=device), tokens.to(device)])
-            verify_pos = dflash_kernels.tree_positions(depths.to(device), start)
-            bits = dflash_kernels.ancestor_bits(parents.to(device))
-            hidden = s.adapter.forward(verify_ids, verify_pos, s.cache, tree_bits=bits)
-            choices = s.adapter.choose(hidden, temperature, generator=s.generator)
-            result.verify_time += clock.lap()
+            verify_ids = torch.cat([s.last_token, tokens])
+            bits = dflash_kernels.ancestor_bits(parents, check=False)
+            hidden = s.adapter.forward(verify_ids, dflash_kernels.tree_positions(depths, start), s.cache,
+                                       tree_bits=bits)
+            choices = s.adapter.choose(hidden, temperature, seed=s.seeds.next())
+            clock.mark("verify")
 
-            accepted, bonus = dflash_kernels.walk_tree(parents, tokens, choices)
-            committed = tokens[accepted[1:] - 1].tolist() + [int(bonus)]
-            s.cache.commit_rows(accepted)
-            s.context = s.adapter.context_features(rows=accepted.to(device), trusted_rows=True)
-            s.out.extend(committed)
-            result.acceptance_lengths.append(len(committed))
-            result.tree_sizes.append(int(tokens.numel()))
-            result.accepted_depths.append(len(committed) - 1)
+            path, path_len, committed = dflash_kernels.walk_tree_device(parents, tokens, choices, D, bits=bits)
+            s.cache.compact_rows(path, path_len)
+            features = s.adapter.context_features(rows=path, trusted_rows=True)
+            host = s.reader.read(torch.cat([committed, path_len.reshape(1)]))
+            length = host[-1]
+            s.cache.commit(length)
+            s.context = features[:length]
+            s.last_token = committed[length - 1 : length]
+            s.commit(host[:length])
+            result.tree_sizes.append(tokens.numel())
+            result.accepted_depths.append(length - 1)
             if return_trees:
-                result.trees.append(dict(tokens=tokens, depths=depths, parents=parents, accepted=accepted))
-            result.commit_time += clock.lap()
+                result.trees.append(dict(tokens=tokens.cpu(), depths=depths.cpu(), parents=parents.cpu(),
+                                         accepted=path[:length].cpu()))
+            clock.mark("commit")
         return s.finish()
 
 

@@ -4,6 +4,7 @@ state of the DFlash and DDTree loops)."""
 
 from __future__ import annotations
 
+import random
 import time
 from typing import List, Optional, Sequence
 
@@ -15,19 +16,89 @@ from ..target import TargetAdapter
 from .result import GenerationResult
 
 
-class _Clock:
-    """Wall-clock stage timer; synchronizes CUDA only when asked to time stages."""
+class StageClock:
+    """Per-stage times of a generation without a host sync per stage.
 
-    def __init__(self, device: torch.device, sync: bool):
-        self.sync = sync and device.type == "cuda"
-        self.t = time.perf_counter()
+    ``mark(stage)`` closes the interval since the previous mark and charges it
+    to ``stage``. On CUDA each mark records an event on the current stream
+    (nothing waits); :meth:`totals` synchronizes once, at the end, and sums
+    the event intervals. On the CPU the marks read the wall clock. With
+    ``enabled=False`` marks do nothing and every stage total is 0.
+    """
 
-    def lap(self) -> float:
-        if self.sync:
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.enabled = enabled
+        self.cuda = enabled and device.type == "cuda"
+        self._wall = time.perf_counter()
+        self._sums: dict = {}
+        self._intervals: List[tuple] = []  # (stage, start event, end event) on CUDA
+        self._last_event = self._event() if self.cuda else None
+
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, stage: str) -> None:
+        if not self.enabled:
+            return
+        if self.cuda:
+            event = self._event()
+            self._intervals.append((stage, self._last_event, event))
+            self._last_event = event
+        else:
+            now = time.perf_counter()
+            self._sums[stage] = self._sums.get(stage, 0.0) + now - self._wall
+            self._wall = now
+
+    def restart(self) -> None:
+        """Start the next interval now (what happened since the last mark is charged to no stage)."""
+        if self.cuda:
+            self._last_event = self._event()
+        else:
+            self._wall = time.perf_counter()
+
+    def totals(self) -> dict:
+        """Seconds per stage (one synchronize on CUDA)."""
+        sums = dict(self._sums)
+        if self._intervals:
             torch.cuda.synchronize()
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
+            for stage, start, end in self._intervals:
+                sums[stage] = sums.get(stage, 0.0) + start.elapsed_time(end) / 1000.0
+        return sums
+
+
+class HostReader:
+    """The round's one device -> host read: int64 values through a pinned buffer.
+
+    On CUDA the copy is non-blocking into page-locked memory, then the stream
+    is waited on once; on the CPU the values are read directly.
+    """
+
+    def __init__(self, device: torch.device, size: int):
+        self.cuda = device.type == "cuda"
+        self.buffer = torch.empty(size, dtype=torch.long, pin_memory=True) if self.cuda else None
+
+    def read(self, values: torch.Tensor) -> List[int]:
+        if not self.cuda:
+            return values.tolist()
+        staged = self.buffer[: values.numel()]
+        staged.copy_(values, non_blocking=True)
+        torch.cuda.current_stream(values.device).synchronize()
+        return staged.tolist()
+
+
+class SeedSource:
+    """Per-call sampling seeds from a host RNG (no device generator, no read-back).
+
+    ``seed=None`` draws from OS entropy, so unseeded runs differ.
+    """
+
+    def __init__(self, seed: Optional[int]):
+        self.rng = random.Random(seed)
+
+    def next(self) -> int:
+        return self.rng.getrandbits(62)
 
 
 def _prepare_prompt(input_ids, vocab_size: int, device) -> torch.Tensor:
@@ -83,22 +154,11 @@ class _Output:
         return len(self.tokens)
 
 
-def _generator(seed: Optional[int], device) -> Optional[torch.Generator]:
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
-    return gen
-
-
-@torch.inference_mode()
-def _prefill(adapter: TargetAdapter, prompt, cache, temperature, gen):
-    positions = torch.arange(prompt.numel(), device=prompt.device)
-    hidden = adapter.forward(prompt, positions, cache)
-    cache.commit(prompt.numel())
-    last = torch.tensor([prompt.numel() - 1], device=prompt.device)
-    first = adapter.choose(hidden, temperature, positions=last, generator=gen)
-    return first
+def prefill(adapter: TargetAdapter, prompt, cache, temperature, seeds: SeedSource):
+    """Target pass over the prompt (chunked); returns ``(first token [1] on the device, context features)``."""
+    last_hidden, features = adapter.prefill(prompt, cache)
+    first = adapter.choose(last_hidden, temperature, seed=seeds.next())
+    return first, features
 
 
 def check_pair(adapter: TargetAdapter, draft) -> None:
@@ -121,13 +181,13 @@ def check_pair(adapter: TargetAdapter, draft) -> None:
         )
 
 
-def draft_block(draft, adapter: TargetAdapter, last_token: int, context, positions, cache,
-                mask_token_id: Optional[int] = None) -> torch.Tensor:
-    """One drafter pass: final-normed states ``[B, H]`` of ``[last_token, MASK x (B-1)]``."""
-    B = positions.numel() - context.shape[0]
-    mask = draft.mask_token_id if mask_token_id is None else mask_token_id
-    ids = torch.full((B,), mask, dtype=torch.long, device=adapter.device)
-    ids[0] = last_token
+def draft_block(draft, adapter: TargetAdapter, last_token: torch.Tensor, mask_block: torch.Tensor, context,
+                positions, cache) -> torch.Tensor:
+    """One drafter pass: final-normed states ``[B, H]`` of ``[last_token, MASK x (B-1)]``.
+
+    ``last_token [1]`` and ``mask_block [B-1]`` (the mask id repeated) stay on the device.
+    """
+    ids = torch.cat([last_token, mask_block])
     return draft(adapter.embed(ids), context, positions, cache=cache)
 
 
@@ -160,7 +220,7 @@ class Speculation:
             adapter.close()
             raise
         self.draft_model, self.temperature, self.prompt = draft, temperature, prompt
-        self.generator = _generator(seed, device)
+        self.seeds = SeedSource(seed)
         # verify writes B (chain) or tree_size + 1 (tree) rows past the committed length
         max_len = prompt.numel() + max_new_tokens + max(self.B, tree_size + 1) + 1
         self.cache = adapter.new_cache(max_len)
@@ -169,8 +229,11 @@ class Speculation:
         self.result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=method)
         self.lm_head = adapter.lm_head.weight
         self.draft_rows = torch.arange(1, self.B, device=device)  # block positions with a proposal
-        self.clock = _Clock(device, stage_timing)
+        self.mask_block = torch.full((self.B - 1,), self.mask_token_id, dtype=torch.long, device=device)
+        self.clock = StageClock(device, stage_timing)
+        self.reader = HostReader(device, max(self.B, tree_size + 1) + 2)
         self.context = None  # captured features waiting to enter the drafter cache
+        self.last_token = None  # [1] on the device: the last committed token (the next block's anchor)
 
     def __enter__(self):
         return self
@@ -180,20 +243,30 @@ class Speculation:
 
     def prefill(self) -> None:
         """Target pass over the prompt; commits the first token; the prompt features wait for the drafter."""
-        self.start_time = self.clock.t
-        first = _prefill(self.adapter, self.prompt, self.cache, self.temperature, self.generator)
-        self.context = self.adapter.context_features()
-        self.out.extend(first.tolist())
-        self.result.time_to_first_token = self.clock.lap()
+        self.start_time = time.perf_counter()
+        self.last_token, self.context = prefill(self.adapter, self.prompt, self.cache, self.temperature, self.seeds)
+        self.out.extend(self.reader.read(self.last_token))
+        self.result.time_to_first_token = time.perf_counter() - self.start_time
+        self.clock.restart()
 
     def draft(self) -> torch.Tensor:
         """Drafter pass over the waiting context and the block at ``n-1 .. n-2+B``: ``[B, H]``."""
         start = self.out.committed - 1
         positions = torch.arange(self.draft_cache.length, start + self.B, device=self.device)
-        return draft_block(self.draft_model, self.adapter, self.out.last, self.context, positions, self.draft_cache,
-                           self.mask_token_id)
+        return draft_block(self.draft_model, self.adapter, self.last_token, self.mask_block, self.context, positions,
+                           self.draft_cache)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Append a round's committed tokens (host ints) and record its acceptance length."""
+        before = self.out.committed
+        self.out.extend(tokens)
+        self.result.acceptance_lengths.append(self.out.committed - before)
 
     def finish(self) -> GenerationResult:
         self.result.total_time = time.perf_counter() - self.start_time
+        stages = self.clock.totals()
+        self.result.draft_time = stages.get("draft", 0.0)
+        self.result.verify_time = stages.get("verify", 0.0)
+        self.result.commit_time = stages.get("commit", 0.0)
         self.result.output_ids = torch.tensor([self.out.tokens], device=self.device)
         return self.result

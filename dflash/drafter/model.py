@@ -28,6 +28,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+import dflash_kernels
+
 from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
 
 WEIGHTS_NAME = "model.safetensors"
@@ -110,12 +112,19 @@ class DraftAttention(nn.Module):
         sin: torch.Tensor,
         cache=None,
         attn_mask: Optional[torch.Tensor] = None,
+        window: Optional[int] = None,
+        block_positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
         With ``cache``, the context K/V are appended to it and the block attends
-        to all cached context; ``attn_mask`` is an additive float mask
-        ``[B, K_total]`` (None: everything visible).
+        to all cached context. ``attn_mask``: additive float mask ``[B, K_total]``
+        (training; None: everything visible). ``window``/``block_positions``
+        (``[B]`` absolute positions; context row ``i`` of the cache sits at
+        position ``i``): a sliding-window layer hides keys ``window`` or more
+        positions behind a query. K/V are read once per kv head: the Triton
+        path runs :func:`dflash_kernels.tree_attention` with every block key
+        visible (GQA packed), the reference path SDPA with ``enable_gqa``.
         """
         B, C = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
@@ -123,13 +132,31 @@ class DraftAttention(nn.Module):
         k, v = self.project_kv(torch.cat([context, block], 0), cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, num_context=C)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(rep, dim=0)
-            v = v.repeat_interleave(rep, dim=0)
-        mask = attn_mask.to(q.dtype) if attn_mask is not None else None
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling)[0]
+        if cache is not None and attn_mask is None and dflash_kernels.get_backend(q.device) == "triton":
+            out = dflash_kernels.tree_attention(q, k, v, all_visible_bits(B, q.device), k.shape[1] - B,
+                                                scale=self.scaling, positions=block_positions, window=window)
+        else:
+            mask = attn_mask
+            if window is not None and cache is not None:  # (without a cache the caller's mask holds the window)
+                key_pos = torch.cat([torch.arange(k.shape[1] - B, device=q.device), block_positions])
+                win = sliding_window_mask(block_positions, key_pos, window, q.dtype)
+                mask = win if mask is None else mask.to(q.dtype) + win
+            mask = mask.to(q.dtype) if mask is not None else None
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
+
+
+_ALL_VISIBLE: dict = {}
+
+
+def all_visible_bits(n: int, device) -> torch.Tensor:
+    """``[n, ceil(n/32)]`` int32 with every bit set: each block query sees every block key (cached per shape)."""
+    key = (n, str(device))
+    bits = _ALL_VISIBLE.get(key)
+    if bits is None:
+        bits = _ALL_VISIBLE[key] = torch.full((n, (n + 31) // 32), -1, dtype=torch.int32, device=device)
+    return bits
 
 
 class DraftLayer(nn.Module):
@@ -143,9 +170,10 @@ class DraftLayer(nn.Module):
         kind = layer_types[layer_idx] if layer_types else "full_attention"
         self.sliding_window = config.sliding_window if kind == "sliding_attention" else None
 
-    def forward(self, block, context, cos, sin, cache=None, attn_mask=None):
+    def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None):
         h = self.input_layernorm(block)
-        block = block + self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask)
+        block = block + self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,
+                                       window=self.sliding_window, block_positions=block_positions)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
@@ -206,16 +234,14 @@ class DFlashDraftModel(nn.Module):
         block = block_embeds.to(dtype)
         context = self.context_states(context_features)
         cos, sin = self.rope(positions, block)
-        C, B = context.shape[0], block.shape[0]
-        key_pos = positions
-        if cache is not None:
-            key_pos = torch.cat([cache.positions(C), positions[C:]])
+        C = context.shape[0]
+        block_positions = positions[C:]
         for layer in self.layers:
             mask = attn_mask
-            if layer.sliding_window is not None:
-                window = sliding_window_mask(positions[C:], key_pos, layer.sliding_window, dtype)
+            if layer.sliding_window is not None and cache is None:
+                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype)
                 mask = window if mask is None else mask + window
-            block = layer(block, context, cos, sin, cache=cache, attn_mask=mask)
+            block = layer(block, context, cos, sin, cache=cache, attn_mask=mask, block_positions=block_positions)
         if cache is not None:
             cache.advance(C)
         return self.norm(block)

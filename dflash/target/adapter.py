@@ -5,8 +5,9 @@ A usable target has ``model.embed_tokens``, ``model.layers``, ``model.norm``,
 decoders of transformers 5.x). We never fork its modeling file:
 
 * the decoder layers are called in order with our :class:`TargetKVCache`
-  and additive float masks we build (eager attention adds boolean masks
-  to the scores, so masks are always float);
+  and no mask: while the adapter is open the model's attention is our one
+  attention function (:mod:`dflash.target.attention`), told what each pass
+  attends to by an :class:`~dflash.target.attention.AttentionPass`;
 * forward hooks on the mapped layers keep references to their outputs
   ``[T, H]``; :meth:`TargetAdapter.context_features` writes the requested
   rows of all of them into one ``[R, n*H]`` buffer with one
@@ -25,55 +26,14 @@ import torch
 import dflash_kernels
 
 from ..drafter.config import validate_target_layer_ids
+from .attention import PASS_KWARG, AttentionPass, close_attention, open_attention
 from .cache import TargetKVCache
-
-TREE_ATTENTION = "dflash_tree"
 
 # RMSNorm classes computing ``w * normed(x).to(dtype)`` (safe to fuse into the lm_head op).
 _FUSABLE_NORMS = ("Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3MoeRMSNorm", "RMSNorm")
 
-
-def _base_attention(module, name: str):
-    """The attention function ``name`` of transformers' registry, or the model's own eager one."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[name]
-    import sys
-
-    return sys.modules[type(module).__module__].eager_attention_forward
-
-
-def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function registered as ``"dflash_tree"`` in transformers' registry.
-
-    Verify passes of DDTree switch the target to it: layers that got no dense
-    mask run :func:`dflash_kernels.tree_attention` (prefix fully visible, tree
-    keys by ancestor bit; ``query [1, Hq, T, D]``, ``key/value [1, Hkv, S, D]``
-    views of our cache); layers with a dense mask (sliding windows) and every
-    other pass use the model's own attention.
-    """
-    bits = kwargs.pop("dflash_tree_bits", None)
-    prefix_len = kwargs.pop("dflash_prefix_len", None)
-    base = kwargs.pop("dflash_base_attention", "sdpa")
-    if bits is None or attention_mask is not None:
-        return _base_attention(module, base)(module, query, key, value, attention_mask, scaling=scaling,
-                                             dropout=dropout, **kwargs)
-    out = dflash_kernels.tree_attention(query, key, value, bits, prefix_len, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_registered = False
-
-
-def register_tree_attention() -> None:
-    """Add ``"dflash_tree"`` to transformers' attention-function registry (once)."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
-        _registered = True
+#: Rows per prefill pass: long prompts are prefilled in chunks of this many tokens.
+PREFILL_CHUNK = 2048
 
 
 class TargetStructureError(TypeError):
@@ -110,12 +70,6 @@ def _cache_keyword(layer) -> str:
     raise TargetStructureError(f"{type(layer).__name__}.forward takes neither 'cache' nor 'past_key_values'")
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[T, S]`` bool visibility -> ``[1, 1, T, S]`` additive float mask (0 or dtype min)."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
-
-
 class TargetAdapter:
     """Runs a HF causal LM for speculative decoding.
 
@@ -134,6 +88,8 @@ class TargetAdapter:
         types = getattr(self.config, "layer_types", None)
         self.layer_types = list(types) if types else ["full_attention"] * self.num_layers
         self.sliding_window = getattr(self.config, "sliding_window", None)
+        #: sliding window of each layer (None: full attention), read by the attention function
+        self.windows = [int(self.sliding_window) if t == "sliding_attention" else None for t in self.layer_types]
         if self.lm_head.bias is not None:
             raise TargetStructureError("lm_head with a bias is not supported")
         self.fuse_norm = type(self.norm).__name__ in _FUSABLE_NORMS and getattr(self.norm, "weight", None) is not None
@@ -142,6 +98,8 @@ class TargetAdapter:
         self._hooks = [
             self.layers[k].register_forward_hook(self._make_hook(k)) for k in sorted(set(self.capture_layer_ids))
         ]
+        open_attention(self.config)
+        self._open = True
 
     # ----------------------------------------------------------- lifecycle
     def _make_hook(self, k: int):
@@ -152,11 +110,14 @@ class TargetAdapter:
         return hook
 
     def close(self) -> None:
-        """Remove the capture hooks from the model."""
+        """Remove the capture hooks and give the model its own attention implementation back."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self._outputs = {}
+        if getattr(self, "_open", False):
+            close_attention(self.config)
+            self._open = False
 
     def __enter__(self):
         return self
@@ -188,81 +149,72 @@ class TargetAdapter:
         return self.decoder.embed_tokens(ids)
 
     # ------------------------------------------------------------- forward
-    def masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: Optional[torch.Tensor] = None,
-              dense_full: bool = True) -> dict:
-        """Additive masks per layer type; ``visible [T, S]`` defaults to causal (k_pos <= q_pos).
-
-        ``dense_full=False`` leaves the full-attention layers without a mask
-        (the tree-attention kernel reads the ancestor bits instead).
-        """
-        if visible is None:
-            visible = k_pos[None, :] <= q_pos[:, None]
-        masks = {"full_attention": additive_mask(visible, self.dtype) if dense_full else None}
-        if "sliding_attention" in self.layer_types:
-            in_window = (q_pos[:, None] - k_pos[None, :]) < int(self.sliding_window)
-            masks["sliding_attention"] = additive_mask(visible & in_window, self.dtype)
-        return masks
-
-    def tree_kernel_usable(self) -> bool:
-        """True when verify passes run the Triton tree-attention kernel (else dense-mask attention)."""
-        impl = getattr(self.config, "_attn_implementation", None)
-        return impl in ("sdpa", "eager", TREE_ATTENTION) and dflash_kernels.get_backend(self.device) == "triton"
-
     def forward(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
         cache: TargetKVCache,
-        visible: Optional[torch.Tensor] = None,
         tree_bits: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run the decoder on ``ids [T]`` at ``positions [T]``; returns pre-norm hidden ``[T, H]``.
 
         The new K/V go to rows ``[cache.length, cache.length+T)`` (the caller
-        commits what it keeps). ``visible [T, cache.length+T]`` overrides the
-        causal visibility. ``tree_bits [T, words]`` (DDTree verification):
-        the committed prefix is visible to all T tokens, and tree token j to
-        token i iff bit j of ``tree_bits[i]`` is set; served by the
-        tree-attention kernel through the ``"dflash_tree"`` attention function
-        when :meth:`tree_kernel_usable`, else by a dense additive mask.
+        commits what it keeps). Every committed row is visible; among the new
+        rows, row ``i`` sees rows ``j <= i`` (causal: prefill, AR step, DFlash
+        chain) or, with ``tree_bits [T, words]`` (DDTree), the rows whose bit
+        is set in ``tree_bits[i]`` (positions then are ``start + depth``).
+        Sliding-window layers also hide keys ``window`` or more positions back.
+        No mask is built: the attention function reads this description.
         Captured layer outputs are available through :meth:`context_features`
         until the next forward.
         """
-        k_pos = torch.cat([torch.arange(cache.length, device=ids.device), positions])
-        attention_kwargs = {}
-        use_kernel = tree_bits is not None and self.tree_kernel_usable()
-        if tree_bits is not None and (not use_kernel or "sliding_attention" in self.layer_types):
-            visible = dflash_kernels.tree_attention_mask(tree_bits, cache.length, torch.float32) == 0
-        masks = self.masks(positions, k_pos, visible, dense_full=not use_kernel)
-        if use_kernel:
-            register_tree_attention()
-            base = self.config._attn_implementation
-            attention_kwargs = dict(dflash_tree_bits=tree_bits, dflash_prefix_len=cache.length,
-                                    dflash_base_attention=base if base != TREE_ATTENTION else "sdpa")
-            self.config._attn_implementation = TREE_ATTENTION
-            try:
-                return self._run_layers(ids, positions, cache, masks, attention_kwargs)
-            finally:
-                self.config._attn_implementation = base
-        return self._run_layers(ids, positions, cache, masks, attention_kwargs)
-
-    def _run_layers(self, ids, positions, cache, masks, attention_kwargs) -> torch.Tensor:
+        attention_pass = AttentionPass(
+            prefix_len=cache.length,
+            bits=tree_bits,
+            positions=positions if tree_bits is not None else None,
+            windows=self.windows,
+            backend=dflash_kernels.get_backend(self.device),
+        )
         pos = positions[None]
         h = self.embed(ids[None])
         position_embeddings = self.rotary_emb(h, pos)
         self._outputs = {}
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             out = layer(
                 h,
-                attention_mask=masks[self.layer_types[i]],
+                attention_mask=None,
                 position_ids=pos,
                 position_embeddings=position_embeddings,
                 use_cache=True,
-                **{self._cache_kw: cache},
-                **attention_kwargs,
+                **{self._cache_kw: cache, PASS_KWARG: attention_pass},
             )
             h = out[0] if isinstance(out, (tuple, list)) else out
         return h[0]
+
+    def prefill(self, ids: torch.Tensor, cache: TargetKVCache, chunk_size: Optional[int] = None):
+        """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (default :data:`PREFILL_CHUNK`), committing them.
+
+        Returns ``(last_hidden [1, H], features)``: the pre-norm hidden state of
+        the last prompt row and, when the adapter captures layers, the context
+        features ``[P, n*H]`` of every prompt row (gathered chunk by chunk into
+        one buffer), else None.
+        """
+        P = ids.numel()
+        chunk_size = PREFILL_CHUNK if chunk_size is None else int(chunk_size)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        features = None
+        if self.capture_layer_ids:
+            width = len(self.capture_layer_ids) * self.hidden_size
+            features = torch.empty(P, width, dtype=self.dtype, device=self.device)
+        hidden = None
+        for s in range(0, P, chunk_size):
+            e = min(P, s + chunk_size)
+            hidden = self.forward(ids[s:e], torch.arange(s, e, device=ids.device), cache)
+            cache.commit(e - s)
+            if features is not None:
+                self.context_features(out=features[s:e], trusted_rows=True)
+        return hidden[-1:], features
 
     def context_features(self, rows=None, out: Optional[torch.Tensor] = None, trusted_rows: bool = False) -> torch.Tensor:
         """Captured features ``[R, n*H]`` of the last forward at ``rows`` (None: all).
@@ -294,16 +246,21 @@ class TargetAdapter:
         temperature: float = 0.0,
         positions: Optional[torch.Tensor] = None,
         generator: Optional[torch.Generator] = None,
+        seed: Optional[int] = None,
     ) -> torch.Tensor:
         """The target's token after each selected row of pre-norm ``hidden [T, H]``.
 
-        Argmax at temperature 0, else a sample from ``softmax(logits / T)``.
+        Argmax at temperature 0 (of the logits in the lm_head's dtype, lowest id
+        on ties, as transformers' ``generate()``), else a sample from
+        ``softmax(logits / T)`` (``seed`` or ``generator`` make it reproducible).
+        ``positions`` come from our own loops and are not range-checked.
         """
         hidden, kw = self._head_args(hidden)
         W = self.lm_head.weight
         if temperature <= 0:
-            return dflash_kernels.lm_head_argmax(hidden, W, positions=positions, **kw)
-        return dflash_kernels.lm_head_sample(hidden, W, temperature, positions=positions, generator=generator, **kw)
+            return dflash_kernels.lm_head_argmax(hidden, W, positions=positions, check_bounds=False, **kw)
+        return dflash_kernels.lm_head_sample(hidden, W, temperature, positions=positions, generator=generator,
+                                             seed=seed, check_bounds=False, **kw)
 
     def logits(self, hidden: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 logits ``[N, V]`` at the selected rows of pre-norm ``hidden``."""

@@ -42,6 +42,19 @@ class TargetKVCache(KVBuffer):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def compact_rows(self, rows: torch.Tensor, num_rows: torch.Tensor) -> None:
+        """Move written rows ``rows[i]`` (relative to ``length``) to ``length + i`` for ``i < num_rows``.
+
+        ``rows [A]`` int64 and ``num_rows [1]`` live on the cache's device (the
+        DDTree walk's padded path and its length): one
+        :func:`dflash_kernels.compact_kv_` launch over every layer, no host
+        read. The caller then commits the count once it has read it.
+        """
+        import dflash_kernels
+
+        self._check_room(rows.numel())
+        dflash_kernels.compact_kv_(self.kv, rows + self.length, self.length, num_rows=num_rows, check=False)
+
     def commit_rows(self, rows: torch.Tensor) -> None:
         """Keep written rows ``rows`` (int64, increasing, relative to ``length``) and compact them.
 

@@ -199,6 +199,16 @@ def _logits(hidden, weight, norm_weight, eps, positions) -> torch.Tensor:
     return a.float() @ weight.detach().float().T
 
 
+def _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype) -> torch.Tensor:
+    """Logits in ``logit_dtype``: for the model dtype, the GEMM transformers runs (``F.linear`` in that
+    dtype, whose fp32 accumulator the library rounds once), so ties break exactly as in ``generate()``."""
+    a = _normed_rows(hidden, norm_weight, eps, positions)
+    w = weight.detach()
+    if logit_dtype != torch.float32 and a.dtype == w.dtype == logit_dtype:
+        return torch.nn.functional.linear(a, w)
+    return (a.float() @ w.float().T).to(logit_dtype)
+
+
 def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
                    logit_dtype=torch.float32):
     """``[N, V]`` logits of the (normed) rows at ``positions``: fp32, or rounded to ``logit_dtype``."""
@@ -212,7 +222,7 @@ def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     """int64 ``[N]``: ``argmax`` of the logits rounded to ``logit_dtype`` (lowest index on ties)."""
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    return torch.argmax(_logits(hidden, weight, norm_weight, eps, positions).to(logit_dtype), dim=-1)
+    return torch.argmax(_rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype), dim=-1)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None,
@@ -237,7 +247,7 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to lm_head_sample, not both")
-    logits = _logits(hidden, weight, norm_weight, eps, positions).to(logit_dtype).float()
+    logits = _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype).float()
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
     if seed is not None:

@@ -17,7 +17,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-__all__ = ["build_tree", "walk_tree", "ancestor_bits"]
+__all__ = ["build_tree", "build_tree_sorted", "walk_tree", "ancestor_bits", "ancestor_bits_doubling"]
 
 
 def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,6 +79,59 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
             child_score = score + logprobs[depth][0]
             heapq.heappush(queue, (-child_score, counter, depth + 1, 0, node, score))
             counter += 1
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
+
+
+def build_tree_sorted(
+    top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, max_nodes: int = 200_000
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device build's tree (:func:`dflash_kernels.build_tree_device`), by enumerating the whole tree.
+
+    Args and returns as :func:`build_tree`; ``N = min(budget, sum_d K**d)``.
+    Only for small trees: the full tree (``sum_d K**d`` nodes) must not exceed
+    ``max_nodes``.
+
+    Every node of the full tree gets a score (float64, ``score(parent) +
+    logprob``, as in :func:`build_tree`) and, per depth, a position: depth
+    ``d``'s nodes sorted by ``(score desc, parent's position asc, rank asc)``
+    (the root has position 0). All nodes are then sorted by ``(score desc,
+    depth asc, position asc)`` and the first ``N`` become nodes ``1..N``.
+    This is the tie rule spelled out without the device build's pruning (the
+    per-depth top-N and the dominated-pair cut), against which it is tested.
+    With distinct scores it equals :func:`build_tree`.
+    """
+    if top_logprobs.dim() != 2 or top_ids.shape != top_logprobs.shape:
+        raise ValueError(
+            f"build_tree_sorted: top_logprobs must be [D, K] and top_ids the same shape, got "
+            f"{tuple(top_logprobs.shape)} and {tuple(top_ids.shape)}"
+        )
+    if budget < 0:
+        raise ValueError(f"build_tree_sorted: budget must be >= 0, got {budget}")
+    logprobs: List[List[float]] = top_logprobs.detach().to("cpu", torch.float64).tolist()
+    ids: List[List[int]] = top_ids.detach().to("cpu", torch.int64).tolist()
+    max_depth, k = top_logprobs.shape
+    total = sum(k**d for d in range(1, max_depth + 1))
+    if total > max_nodes:
+        raise ValueError(f"build_tree_sorted: the full tree has {total} nodes, more than max_nodes = {max_nodes}")
+    # levels[d] = depth d + 1's nodes in position order: (score, parent position, rank).
+    levels: List[List[Tuple[float, int, int]]] = []
+    parent_scores = [0.0]  # the root, position 0
+    for d in range(max_depth):
+        nodes = [(parent_scores[p] + logprobs[d][r], p, r) for p in range(len(parent_scores)) for r in range(k)]
+        nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
+        levels.append(nodes)
+        parent_scores = [x[0] for x in nodes]
+    everything = [(x[0], d, pos) for d, nodes in enumerate(levels) for pos, x in enumerate(nodes)]
+    everything.sort(key=lambda x: (-x[0], x[1], x[2]))
+    chosen = everything[: min(budget, total)]
+    number = {(d, pos): i + 1 for i, (_, d, pos) in enumerate(chosen)}
+    token_ids, depths, parents = [], [], [-1]
+    for _, d, pos in chosen:
+        _, parent_pos, rank = levels[d][pos]
+        token_ids.append(ids[d][rank])
+        depths.append(d + 1)
+        parents.append(0 if d == 0 else number[(d - 1, parent_pos)])
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
 
@@ -148,3 +201,25 @@ def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
             bits[i] = bits[par[i]]
         bits[i, i // 32] |= np.uint32(1 << (i % 32))
     return torch.from_numpy(bits.view(np.int32)).to(parents.device)
+
+
+def ancestor_bits_doubling(parents: torch.Tensor) -> torch.Tensor:
+    """:func:`ancestor_bits` by pointer doubling: fixed-shape tensor ops, no host read, no value check.
+
+    ``bits`` starts as each node's own bit and ``jump`` as its parent (the
+    root its own); each of ``ceil(log2(N+1))`` rounds ORs in the row
+    ``jump`` points at and doubles the jump (``jump = jump[jump]``), so after
+    round ``r`` a row holds its ancestors up to ``2**r - 1`` levels up: all of
+    them once ``2**r`` exceeds any depth (depths are at most ``N``).
+    """
+    n = parents.numel()
+    words = (n + 31) // 32
+    nodes = torch.arange(n, device=parents.device)
+    bits = torch.zeros(n, words, dtype=torch.int64, device=parents.device)
+    bits.scatter_(1, (nodes // 32)[:, None], (1 << (nodes % 32))[:, None])
+    jump = torch.where(nodes == 0, nodes, parents.to(torch.int64).clamp(min=0))
+    for _ in range(max(1, n.bit_length())):
+        bits = bits | bits[jump]
+        jump = jump[jump]
+    # int64 words hold 32 bits each: wrap the top bit into int32's sign bit
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)

@@ -1,10 +1,23 @@
-"""Pure-torch reference of DDTree verification attention (SPEC section 7.3).
+"""Pure-torch reference of the verification attention (SPEC sections 5 and 7.3).
 
-The tree tokens (root first, then nodes in pop order) attend to the whole
-committed prefix and, among the tree tokens, to themselves and their ancestors
-only. The visibility comes from the packed ancestor bitmask of
-:func:`dflash_kernels.ancestor_bits`; here it is expanded to a dense additive
-mask and fed to ``torch.nn.functional.scaled_dot_product_attention``.
+T query tokens (the "tree": DDTree's root and nodes in pop order, a DFlash
+chain, one AR token, a prefill chunk, or the drafter's block) attend over
+``[prefix ; tree]`` keys, ``S = prefix_len + T``. Query ``i`` and tree key
+``i`` are the same token. Visibility of key ``k`` to query ``i``:
+
+* prefix key ``k < prefix_len``: always (subject to the window);
+* tree key ``j = k - prefix_len``: bit ``j`` of ``bits[i]`` (ancestor-or-self
+  bitmask of :func:`dflash_kernels.ancestor_bits`, or all ones for the
+  drafter's non-causal block), or ``j <= i`` when ``bits is None`` (a causal
+  chain);
+* with a sliding ``window``: additionally hidden when
+  ``pos_q(i) - pos_k(k) >= window``, where ``pos_q(i) = pos_k(prefix_len + i)
+  = positions[i]`` (default ``prefix_len + i``) and prefix key ``k`` sits at
+  position ``k``. A key at a later position than its query is never hidden by
+  the window.
+
+:func:`tree_visibility` is this rule in code; :func:`tree_attention` feeds it
+to ``torch.nn.functional.scaled_dot_product_attention`` with GQA.
 """
 
 from __future__ import annotations
@@ -14,7 +27,59 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention_mask", "tree_attention"]
+__all__ = ["tree_attention_mask", "tree_attention", "tree_visibility"]
+
+
+def _tree_bits_visible(bits: torch.Tensor, n_tree: int) -> torch.Tensor:
+    """``[T, T]`` bool: bit ``j % 32`` of ``bits[i, j // 32]``."""
+    j = torch.arange(n_tree, device=bits.device)
+    words = bits[:n_tree, j // 32].to(torch.int64) & 0xFFFFFFFF
+    return ((words >> (j % 32)) & 1).bool()
+
+
+def tree_visibility(
+    bits: Optional[torch.Tensor],
+    prefix_len: int,
+    n_tree: int,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    device=None,
+) -> torch.Tensor:
+    """Which keys each query sees: the spec of :func:`dflash_kernels.tree_attention`'s mask.
+
+    Args:
+        bits: ``[T, >= ceil(T/32)]`` int32 bitmask (tree key ``j`` visible to
+            query ``i`` iff bit ``j`` of row ``i``), or None for a causal chain
+            (``j <= i``).
+        prefix_len: keys before the tree keys, ``>= 0``; prefix key ``k`` has position ``k``.
+        n_tree: T, the number of query (= tree key) tokens.
+        positions: ``[T]`` int absolute positions of the tree tokens, default
+            ``prefix_len + arange(T)``; only used with ``window``.
+        window: None, or an int ``>= 1``: also hide key ``k`` from query ``i``
+            when ``pos_q(i) - pos_k(k) >= window``.
+        device: where to build the result; default the device of ``bits``,
+            else of ``positions``, else the CPU.
+
+    Returns:
+        ``[T, prefix_len + T]`` bool, True where query ``i`` sees key ``k``.
+    """
+    if device is None:
+        device = bits.device if bits is not None else (positions.device if positions is not None else "cpu")
+    device = torch.device(device)
+    n_keys = prefix_len + n_tree
+    visible = torch.ones(n_tree, n_keys, dtype=torch.bool, device=device)
+    if bits is None:
+        visible[:, prefix_len:] = torch.ones(n_tree, n_tree, dtype=torch.bool, device=device).tril()
+    else:
+        visible[:, prefix_len:] = _tree_bits_visible(bits, n_tree).to(device)
+    if window is not None:
+        if positions is None:
+            pos_q = torch.arange(prefix_len, n_keys, device=device)
+        else:
+            pos_q = positions.to(device=device, dtype=torch.int64).reshape(n_tree)
+        pos_k = torch.cat([torch.arange(prefix_len, device=device), pos_q])
+        visible &= (pos_q[:, None] - pos_k[None, :]) < window
+    return visible
 
 
 def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -32,11 +97,8 @@ def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype 
         ``torch.finfo(dtype).min`` elsewhere (finite, so softmax never sees NaN).
     """
     t = bits.shape[0]
-    j = torch.arange(t, device=bits.device)
-    words = bits[:, j // 32].to(torch.int64) & 0xFFFFFFFF
-    visible = ((words >> (j % 32)) & 1).bool()
     mask = torch.zeros(t, prefix_len + t, dtype=dtype, device=bits.device)
-    mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
+    mask[:, prefix_len:].masked_fill_(~_tree_bits_visible(bits, t), torch.finfo(dtype).min)
     return mask
 
 
@@ -44,34 +106,40 @@ def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bits: torch.Tensor,
+    bits: Optional[torch.Tensor],
     prefix_len: int,
     scale: Optional[float] = None,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Attention of T tree queries over ``[prefix ; tree]`` keys.
+    """Attention of T queries over ``[prefix ; tree]`` keys (SDPA with GQA).
 
     Args:
         query: ``[Hq, T, D]`` or ``[1, Hq, T, D]``.
-        key, value: ``[Hkv, S, D]`` or ``[1, Hkv, S, D]`` with ``S = prefix_len + T``;
-            ``Hq % Hkv == 0`` and query head ``h`` reads kv head ``h // (Hq // Hkv)``.
-        bits: ``[T, W]`` int32 ancestor bitmask.
-        prefix_len: number of committed keys.
+        key, value: ``[Hkv, S, D]`` or ``[1, Hkv, S, D]`` with ``S >= prefix_len + T``
+            (the first ``prefix_len + T`` keys are used); ``Hq % Hkv == 0`` and
+            query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+        bits: ``[T, W]`` int32 bitmask, or None for a causal chain.
+        prefix_len: number of keys before the tree keys.
         scale: softmax scale, default ``D ** -0.5``.
+        positions, window: sliding window, see :func:`tree_visibility`.
 
     Returns:
-        ``softmax(q k^T * scale + mask) v`` with the mask of
-        :func:`tree_attention_mask`, computed in float32 and returned in the
-        query's dtype and rank.
+        ``softmax(q k^T * scale + mask) v`` with the visibility of
+        :func:`tree_visibility`, computed in float32 (``enable_gqa``: K/V are
+        not repeated) and returned in the query's dtype and rank. Every query
+        must see at least one key (itself always does).
     """
     batched = query.dim() == 4
     q = query[0] if batched else query
     k = key[0] if key.dim() == 4 else key
     v = value[0] if value.dim() == 4 else value
     hq, t, d = q.shape
-    group = hq // k.shape[0]
-    k = k[:, : prefix_len + t].float().repeat_interleave(group, dim=0)
-    v = v[:, : prefix_len + t].float().repeat_interleave(group, dim=0)
-    mask = tree_attention_mask(bits, prefix_len, torch.float32)
+    k = k[:, : prefix_len + t].float()
+    v = v[:, : prefix_len + t].float()
+    visible = tree_visibility(bits, prefix_len, t, positions=positions, window=window, device=q.device)
     scale = d**-0.5 if scale is None else scale
-    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale).to(query.dtype)
+    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    out = out.to(query.dtype)
     return out.unsqueeze(0) if batched else out

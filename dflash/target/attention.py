@@ -1,0 +1,148 @@
+"""The one attention function of every target pass (prefill, AR step, chain verify, tree verify).
+
+Registered as ``"dflash"`` in transformers' ``AttentionInterface``. While a
+:class:`~dflash.target.adapter.TargetAdapter` is open, the model's config names
+it (set once when the adapter opens, restored when it closes: never flipped
+during a pass, so a pass can be traced or captured). Our passes hand every
+layer an :class:`AttentionPass` through the layers' attention kwargs; a call
+without one (the user running the model while an adapter is open) goes to the
+implementation the model was loaded with, unchanged.
+
+What a pass attends to. Its ``T`` rows sit after ``prefix_len`` committed keys
+(key ``j < prefix_len`` has position ``j``); the layer's ``key/value`` are
+views ``[1, Hkv, prefix_len + T, D]`` of our cache. Query ``i`` sees
+
+* every committed key (subject to the layer's window),
+* among the pass's own keys: ``j <= i`` (causal: prefill chunks, AR steps,
+  the DFlash chain), or the ancestors-or-self given by ``bits`` (DDTree),
+* with a sliding window ``w``: only keys with ``pos_q - pos_k < w``.
+
+Paths (no layer ever receives a dense mask from us):
+
+* the first prefill chunk (``prefix_len == 0``, causal, no window):
+  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on every
+  backend (flash / cuDNN on a GPU; GQA native, no ``repeat_kv``);
+* every other pass on the Triton backend: :func:`dflash_kernels.tree_attention`
+  (chain mode for causal passes, the ancestor bits for trees, the window
+  applied inside the kernel, the GQA group packed into its query tiles);
+* the reference backend: SDPA with ``enable_gqa=True`` and a boolean mask of
+  this pass only, ``[T, prefix_len + T]``
+  (:func:`dflash_kernels.reference.tree_visibility`), never a ``[T, T]``
+  prefill mask beyond one chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import dflash_kernels
+from dflash_kernels import reference as kernel_reference
+
+ATTENTION_NAME = "dflash"
+PASS_KWARG = "dflash_pass"
+
+# id(config) -> [implementation the model was loaded with, open adapters]; configs are unhashable,
+# and an entry lives only while an adapter on that config is open (close() removes it).
+_opened: dict = {}
+
+
+@dataclass(frozen=True)
+class AttentionPass:
+    """What the ``T`` rows of one target pass attend to (the same object for every layer).
+
+    ``prefix_len``: committed keys before the pass's rows. ``bits``: ``[T, W]``
+    int32 ancestor-or-self bitmask (tree verify) or None (causal).
+    ``positions``: ``[T]`` absolute positions of the rows when they are not
+    ``prefix_len + arange(T)`` (tree verify: ``start + depth``); only read by
+    windowed layers. ``windows[layer_idx]``: that layer's sliding window or
+    None. ``backend``: ``"triton"`` or ``"reference"``.
+    """
+
+    prefix_len: int
+    bits: Optional[torch.Tensor]
+    positions: Optional[torch.Tensor]
+    windows: Sequence[Optional[int]]
+    backend: str
+
+    def window(self, layer_idx) -> Optional[int]:
+        return self.windows[layer_idx] if layer_idx is not None else None
+
+
+def _original_attention(module):
+    """The attention function the model was loaded with (transformers' registry, else eager)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = _opened.get(id(module.config), ["sdpa"])[0]
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def dflash_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface entry: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, S, D]``.
+
+    Returns ``(out [1, T, Hq, D], None)``. Without an :class:`AttentionPass` in
+    the kwargs (not one of our passes) it calls the model's own implementation.
+    """
+    attention_pass: Optional[AttentionPass] = kwargs.pop(PASS_KWARG, None)
+    if attention_pass is None:
+        return _original_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, **kwargs)
+    out = pass_attention(query, key, value, attention_pass, attention_pass.window(getattr(module, "layer_idx", None)),
+                         scaling)
+    return out.transpose(1, 2), None
+
+
+def pass_attention(query, key, value, attention_pass: AttentionPass, window: Optional[int], scaling) -> torch.Tensor:
+    """``[1, Hq, T, D]`` attention of one layer in one pass (see the module docstring for the paths)."""
+    T = query.shape[2]
+    prefix = attention_pass.prefix_len
+    causal = attention_pass.bits is None
+    if causal and prefix == 0 and window is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scaling, enable_gqa=True)
+    if attention_pass.backend == "triton":
+        return dflash_kernels.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
+                                             positions=attention_pass.positions, window=window)
+    mask = None
+    if not (causal and T == 1 and window is None):  # a single causal row sees every key: no mask
+        mask = kernel_reference.tree_visibility(attention_pass.bits, prefix, T, positions=attention_pass.positions,
+                                                window=window, device=query.device)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
+def register_attention() -> None:
+    """Add ``"dflash"`` to transformers' attention-function registry (when it is not there)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ATTENTION_NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(ATTENTION_NAME, dflash_attention_forward)
+
+
+def open_attention(config) -> None:
+    """Point ``config`` at the ``"dflash"`` function for as long as an adapter on it is open (nestable)."""
+    register_attention()
+    entry = _opened.get(id(config))
+    if entry is None:
+        current = getattr(config, "_attn_implementation", None) or "sdpa"
+        _opened[id(config)] = [current if current != ATTENTION_NAME else "sdpa", 1]
+        config._attn_implementation = ATTENTION_NAME
+    else:
+        entry[1] += 1
+
+
+def close_attention(config) -> None:
+    """Undo :func:`open_attention`; the last close restores the model's own implementation."""
+    entry = _opened.get(id(config))
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _opened[id(config)]
+        config._attn_implementation = entry[0]

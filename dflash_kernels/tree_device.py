@@ -1,0 +1,333 @@
+"""DDTree build and walk on the tensors' device, with fixed shapes and no host sync.
+
+The C++ ops of :mod:`dflash_kernels.tree` (``build_tree``, ``walk_tree``) read
+the draft and the verification result on the host: a device-to-host copy, and
+so a synchronization, per round, and copies back. The two functions here do
+the same work with torch ops on the inputs' device. Their output shapes depend
+only on shapes and Python ints (``D``, ``K``, ``budget``, ``max_depth``), they
+never read a tensor value on the host (no ``.item()``, ``.tolist()``,
+``nonzero``, boolean-mask indexing or Python ``if`` on values), so a round can
+be enqueued (or captured in a CUDA graph) without waiting for the GPU. On CPU
+tensors the same ops run on the CPU.
+
+Tree layout as in :mod:`dflash_kernels.tree`: node 0 is the root, nodes 1..N
+are drafted tokens with ``parents[i] < i``; ``token_ids[i - 1]`` and
+``depths[i - 1]`` describe node ``i``.
+
+The public names are exported through :mod:`dflash_kernels.tree` (its
+``__all__``), hence the empty ``__all__`` here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+__all__: list = []  # exported by dflash_kernels.tree: tree_size, build_tree_device, walk_tree_device
+
+
+def _check_int(name: str, fn: str, value, minimum: int = 0) -> int:
+    if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def tree_size(depth: int, k: int, budget: int) -> int:
+    """Node count ``N = min(budget, sum_{d=1..depth} k**d)`` of a DDTree (root not counted).
+
+    Host arithmetic on Python ints (no tensors): the size :func:`build_tree_device`
+    returns and the C++ ``build_tree`` reaches (its queue only runs empty once
+    the whole tree of ``depth`` levels of ``k`` children has been popped).
+    """
+    _check_int("depth", "tree_size", depth)
+    _check_int("k", "tree_size", k)
+    _check_int("budget", "tree_size", budget)
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        if level == 0:
+            break
+        total += level
+        if total >= budget:
+            return budget
+    return min(budget, total)
+
+
+@functools.lru_cache(maxsize=64)
+def _candidate_pairs(n: int, k: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
+    """The candidates (parent slot ``s``, rank ``r``) that can be in a depth's top ``n``.
+
+    Within a depth the kept parents are sorted by score (slot 0 best) and each
+    row of log-probs is sorted, so candidate ``(s, r)`` scores no higher than
+    every ``(s', r')`` with ``s' <= s, r' <= r`` and comes after all of them
+    in the tie order too: ``(s + 1) * (r + 1) - 1`` candidates precede it, and
+    it can be among the first ``n`` only if ``(s + 1) * (r + 1) <= n``.
+
+    Returns ``(slots [C] int64, ranks [C] int64, prefix)`` on ``device``, listed
+    by slot then rank (the tie order), ``C = sum_{s<n} min(k, n // (s + 1))``
+    (about ``n ln n`` at ``k >= n``); ``prefix[m]`` (a host int) is the number
+    of pairs with slot ``< m``, so the pairs of ``m`` parents are the first
+    ``prefix[m]``. Computed once per ``(n, k, device)`` and cached (the one
+    host-to-device copy happens on the first call).
+    """
+    per_slot = [min(k, n // (s + 1)) for s in range(n)]
+    prefix = [0]
+    for c in per_slot:
+        prefix.append(prefix[-1] + c)
+    counts = torch.tensor(per_slot, dtype=torch.int64)
+    slots = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
+    starts = torch.tensor(prefix[:-1], dtype=torch.int64)
+    ranks = torch.arange(prefix[-1], dtype=torch.int64) - torch.repeat_interleave(starts, counts)
+    return slots.to(device), ranks.to(device), tuple(prefix)
+
+
+@functools.lru_cache(maxsize=64)
+def _depth_layout(n: int, k: int, max_depth: int, device: torch.device) -> Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """Static per-depth sizes of the device build for ``N = n``.
+
+    Returns ``(kept, depth_of, parent_base)``: ``kept[d]`` (host int) nodes are
+    kept at depth ``d + 1``, ``min(n, #candidate pairs of kept[d - 1] parents)``
+    (``= min(n, k**(d+1))``); ``depth_of [sum(kept)]`` int64 is the depth of
+    each kept node in the flat list (depth 1's first, then depth 2's, ...);
+    ``parent_base [max_depth + 1]`` int64 maps a depth to the flat start of
+    the previous depth's list (0 for depths 0 and 1, whose parent is the root).
+    Cached per ``(n, k, max_depth, device)``.
+    """
+    _, _, prefix = _candidate_pairs(n, k, torch.device("cpu"))
+    kept, prev = [], 1
+    for _ in range(max_depth):
+        prev = min(n, prefix[prev])
+        kept.append(prev)
+    starts = [0]
+    for m in kept:
+        starts.append(starts[-1] + m)
+    depth_of = torch.repeat_interleave(torch.arange(1, max_depth + 1, dtype=torch.int64), torch.tensor(kept, dtype=torch.int64))
+    parent_base = torch.tensor([0, 0] + starts[: max(0, max_depth - 1)], dtype=torch.int64)
+    return tuple(kept), depth_of.to(device), parent_base.to(device)
+
+
+def _check_draft(top_logprobs, top_ids, fn: str) -> None:
+    if not isinstance(top_logprobs, torch.Tensor) or not isinstance(top_ids, torch.Tensor):
+        raise TypeError(f"{fn}: top_logprobs and top_ids must be torch.Tensor")
+    if top_logprobs.dim() != 2 or top_ids.shape != top_logprobs.shape:
+        raise ValueError(
+            f"{fn}: top_logprobs must be 2-D [D, K] and top_ids the same shape, got "
+            f"{tuple(top_logprobs.shape)} and {tuple(top_ids.shape)}"
+        )
+    if not top_logprobs.dtype.is_floating_point:
+        raise ValueError(f"{fn}: top_logprobs must be floating point, got {top_logprobs.dtype}")
+    if top_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{fn}: top_ids must be int64 or int32, got {top_ids.dtype}")
+    if top_ids.device != top_logprobs.device:
+        raise ValueError(f"{fn}: top_logprobs and top_ids must be on one device, got {top_logprobs.device} and {top_ids.device}")
+
+
+def build_tree_device(
+    top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best-first DDTree of ``N = tree_size(D, K, budget)`` nodes, built on the inputs' device.
+
+    Args:
+        top_logprobs: ``[D, K]`` float (any float dtype); row ``d`` holds the
+            log-probs of depth ``d + 1``'s top-K tokens, sorted best first,
+            all ``<= 0`` (``-inf`` allowed).
+        top_ids: ``[D, K]`` int64/int32 token ids matching ``top_logprobs``,
+            distinct within a row; same device.
+        budget: the most nodes (root not counted), ``>= 0``.
+
+    Returns:
+        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)`` on the
+        inputs' device, the layout of the C++ ``build_tree``; no host sync.
+
+    Scores are float64 path sums, computed as ``score(parent) +
+    top_logprobs[d, rank]`` exactly like the C++ heap. Since scores never rise
+    along a path or along sibling ranks, the heap's first ``N`` pops are the
+    ``N`` highest-scoring nodes; this builds them directly:
+
+    1. Per depth ``d = 1..D``: candidates = (the kept nodes of depth ``d - 1``,
+       by slot; the root alone at depth 0) x (ranks ``0..K-1``), restricted to
+       the pairs ``(s + 1)(r + 1) <= N`` that can reach the top ``N`` (a
+       static, cached index set, ~``N ln N`` pairs instead of ``N * K``);
+       ``score = score(slot s) + logprob[d - 1, r]``; keep the best
+       ``min(N, #candidates)``, sorted, as depth ``d``'s slots.
+    2. Over all kept nodes: the best ``N``, numbered ``1..N`` in that order;
+       each parent's slot maps to its node number.
+
+    Tie rule (both sorts are stable sorts by score, descending, of lists laid
+    out in the order below): nodes are ordered by ``(score desc, depth asc,
+    parent's slot asc, rank asc)``, a node's slot being its position in its
+    depth's order. Consequences (tested): a parent precedes its children
+    (a child's score is ``<=`` its parent's, and on equality its depth is
+    larger), so ``parents[i] < i``; the selected set is the first ``N`` nodes
+    of one total order of the whole tree that sorts by score, hence it is
+    prefix-closed (a node's parent is selected) and a valid best-first tree:
+    every selected node scores ``>=`` every unselected node. With distinct
+    scores this is exactly the C++ heap's tree (tokens, depths, parents bit
+    for bit); on exact score ties the heap breaks ties by insertion order, so
+    the two may number (and, at the budget boundary, select) tied nodes
+    differently.
+
+    Not checked (checking would read values on the host): NaN, positive or
+    unsorted log-probs make the selection unspecified; ``parents`` is still
+    clamped into ``[0, i)`` so the result is always a well-formed tree.
+    """
+    _check_draft(top_logprobs, top_ids, "build_tree_device")
+    _check_int("budget", "build_tree_device", budget)
+    max_depth, k = top_logprobs.shape
+    device = top_logprobs.device
+    n = tree_size(max_depth, k, budget)
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty.clone(), torch.full((1,), -1, dtype=torch.int64, device=device)
+
+    lp = top_logprobs.detach().to(torch.float64)
+    slots_all, ranks_all, prefix = _candidate_pairs(n, k, device)
+    kept, depth_of, parent_base = _depth_layout(n, k, max_depth, device)
+    # Log-prob of every candidate pair's rank, all depths at once: [D, C].
+    lp_pairs = lp[:, ranks_all[: prefix[kept[-2] if max_depth > 1 else 1]]]
+
+    scores, picks = [], []
+    prev_score = torch.zeros(1, dtype=torch.float64, device=device)  # the root
+    prev_kept = 1
+    for d in range(max_depth):
+        c = prefix[prev_kept]
+        cand = prev_score[slots_all[:c]] + lp_pairs[d, :c]
+        pick = torch.sort(cand, descending=True, stable=True).indices[: kept[d]]  # pair index per slot
+        prev_score = cand[pick]
+        scores.append(prev_score)
+        picks.append(pick)
+        prev_kept = kept[d]
+
+    total = depth_of.numel()
+    sel = torch.sort(torch.cat(scores), descending=True, stable=True).indices[:n]
+    node_of = torch.full((total,), n, dtype=torch.int64, device=device)
+    node_of.scatter_(0, sel, torch.arange(1, n + 1, dtype=torch.int64, device=device))
+    sel_pair = torch.cat(picks)[sel]
+    sel_depth = depth_of[sel]
+    # Flat index (over all kept nodes) of the parent: its slot + the start of
+    # the previous depth's kept list (meaningless at depth 1: the root).
+    parent_flat = slots_all[sel_pair] + parent_base[sel_depth]
+    node_index = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+    parent_node = torch.where(sel_depth > 1, node_of[parent_flat.clamp(0, total - 1)], 0)
+    parent_node = torch.minimum(parent_node, node_index - 1)  # a no-op on valid input
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), parent_node])
+    token_ids = top_ids.to(torch.int64)[sel_depth - 1, ranks_all[sel_pair]]
+    return token_ids, sel_depth, parents
+
+
+def _check_walk(parents, token_ids, target_choice, max_depth, bits) -> int:
+    fn = "walk_tree_device"
+    for name, t in (("parents", parents), ("token_ids", token_ids), ("target_choice", target_choice)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{fn}: {name} must be int64 or int32, got {t.dtype}")
+        if t.device != parents.device:
+            raise ValueError(f"{fn}: {name} is on {t.device}, parents on {parents.device}: all must share a device")
+    if parents.dim() != 1 or parents.numel() < 1:
+        raise ValueError(f"{fn}: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
+    n_nodes = parents.numel()
+    if token_ids.shape != (n_nodes - 1,):
+        raise ValueError(f"{fn}: token_ids must be 1-D [N] = [{n_nodes - 1}], got shape {tuple(token_ids.shape)}")
+    if target_choice.shape != (n_nodes,):
+        raise ValueError(f"{fn}: target_choice must be 1-D [N+1] = [{n_nodes}], got shape {tuple(target_choice.shape)}")
+    _check_int("max_depth", fn, max_depth)
+    if bits is not None:
+        words = (n_nodes + 31) // 32
+        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or bits.shape != (n_nodes, words):
+            got = f"{tuple(bits.shape)} {bits.dtype}" if isinstance(bits, torch.Tensor) else type(bits).__name__
+            raise ValueError(f"{fn}: bits must be the int32 [N+1, ceil((N+1)/32)] = [{n_nodes}, {words}] of ancestor_bits, got {got}")
+        if bits.device != parents.device:
+            raise ValueError(f"{fn}: bits is on {bits.device}, parents on {parents.device}")
+    return n_nodes
+
+
+def walk_tree_device(
+    parents: torch.Tensor,
+    token_ids: torch.Tensor,
+    target_choice: torch.Tensor,
+    max_depth: int,
+    bits: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Accepted path of a verified tree, on the inputs' device, fixed shapes, no host sync.
+
+    Args:
+        parents: ``[N+1]`` int64/int32, ``parents[0] == -1``, ``parents[i] in [0, i)``.
+        token_ids: ``[N]`` int64/int32, token of nodes ``1..N``.
+        target_choice: ``[N+1]`` int64/int32, the target's token after each node.
+        max_depth: the tree's depth bound ``D`` (every node's depth ``<= D``).
+        bits: optional ``[N+1, ceil((N+1)/32)]`` int32 from ``ancestor_bits(parents)``
+            (the verification's attention mask already needs it).
+
+    Returns:
+        ``(path [D+1] int64, path_len [1] int64, committed [D+1] int64)`` on the
+        inputs' device. ``path[:path_len]`` = the accepted nodes from the root
+        (0) in depth order; entries past ``path_len`` repeat the last path
+        node. ``committed[:path_len]`` = the round's committed tokens: the
+        tokens of path nodes ``1..`` and then the bonus ``target_choice[last
+        path node]`` at ``committed[path_len - 1]``; entries past it are 0.
+        Same path and bonus as the C++ ``walk_tree``.
+
+    Node ``i >= 1`` matches iff ``token_ids[i - 1] == target_choice[parents[i]]``;
+    should several children of one node match (siblings sharing a token,
+    which ``build_tree`` never produces), only the lowest-numbered counts, as
+    in the C++ walk. A node is on the path iff it and all its ancestors match
+    (the root always does), so the path is a chain and, since parents precede
+    children, its nodes in increasing index order are in depth order. Two ways
+    to test "all ancestors match":
+
+    * with ``bits``: pack the match vector into 32-bit words and test
+      ``(bits[i] & ~match_words) == 0`` over the row's words: one elementwise
+      pass over ``[N+1, W]`` plus a row reduction, free when the mask exists;
+    * without: pointer doubling, ``ok &= ok[anc]; anc = anc[anc]`` for
+      ``ceil(log2(D))`` rounds (4 at ``D = 15``): each round doubles the
+      number of ancestors checked, ``O(N log D)`` work and no ``[N+1, W]``
+      bitmask to build (cheaper than ``D`` rounds of parent propagation).
+
+    A path longer than ``D + 1`` nodes (a node deeper than ``max_depth``) is cut
+    to its first ``D + 1`` nodes; the bonus is then the last kept node's
+    target choice, i.e. the next path node's token, still a valid commit.
+    """
+    n_nodes = _check_walk(parents, token_ids, target_choice, max_depth, bits)
+    device = parents.device
+    par = parents.to(torch.int64).clamp(min=0)  # the root points at itself
+    choice = target_choice.to(torch.int64)
+    idx = torch.arange(n_nodes, dtype=torch.int64, device=device)
+    tok = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), token_ids.to(torch.int64)])
+    match = tok == choice[par]
+    match[0] = True
+    # Only the lowest-numbered matching child of each node counts.
+    first = torch.full((n_nodes,), n_nodes, dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, par[1:], torch.where(match[1:], idx[1:], n_nodes), reduce="amin")
+    match = match & (first[par] == idx)
+    match[0] = True
+
+    if bits is not None:
+        words = bits.shape[1]
+        padded = torch.zeros(words * 32, dtype=torch.int64, device=device)
+        padded[:n_nodes] = match.to(torch.int64)
+        shifts = torch.arange(32, dtype=torch.int64, device=device)
+        match_words = (padded.view(words, 32) << shifts).sum(dim=1)  # in [0, 2**32)
+        on_path = ((bits.to(torch.int64) & ~match_words) & 0xFFFFFFFF).eq(0).all(dim=1)
+    else:
+        on_path, anc = match, par
+        for _ in range(max(0, (max_depth - 1).bit_length())):
+            on_path = on_path & on_path[anc]
+            anc = anc[anc]
+
+    width = max_depth + 1
+    keys = torch.where(on_path, idx, n_nodes)
+    if n_nodes < width:
+        keys = torch.cat([keys, torch.full((width - n_nodes,), n_nodes, dtype=torch.int64, device=device)])
+    ordered = torch.sort(keys).values[:width]
+    path_len = on_path.sum(dim=0, keepdim=True).clamp(max=width).to(torch.int64)
+    last = ordered.gather(0, path_len - 1)
+    slot = torch.arange(width, dtype=torch.int64, device=device)
+    path = torch.where(slot < path_len, ordered, last)
+    following = torch.cat([path[1:], last])  # path[j + 1]; only read where j + 1 < path_len
+    committed = torch.where(slot < path_len - 1, tok[following], torch.where(slot == path_len - 1, choice[last], 0))
+    return path, path_len, committed

@@ -1,0 +1,64 @@
+"""Count the host reads of a piece of code: every call that would make the host wait for a GPU.
+
+:class:`HostReadCounter` is a ``TorchFunctionMode`` that sees every torch call
+made from Python (ours and transformers' alike) and counts the ones that
+bring device data to the host or block on a host-to-device copy, on tensors
+of any device, so that the count taken on CPU tensors is the count the same
+code makes on a GPU:
+
+* value reads: ``tolist``, ``item``, ``__bool__``, ``__int__``, ``__float__``,
+  ``__index__``, ``cpu``, ``numpy``, ``equal``, ``nonzero`` / ``argwhere``,
+  ``unique``, ``masked_select``, ``repeat_interleave`` without ``output_size``,
+  indexing with a boolean tensor (its shape depends on the values);
+* blocking uploads: ``torch.tensor`` / ``as_tensor`` from Python data
+  (a pageable host-to-device copy on a GPU).
+
+``reads`` lists ``(name, stack summary)`` per counted call.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_VALUE_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "equal",
+                "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"}
+_UPLOADS = {"tensor", "as_tensor"}
+
+
+def _is_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class HostReadCounter(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+        self._depth = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self._depth == 0:
+            counted = name in _VALUE_READS or name in _UPLOADS
+            if name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(
+                    args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor):
+                counted = True
+            if name == "__getitem__" and len(args) > 1 and _is_bool_index(args[1]):
+                counted = True
+            if counted:
+                where = [f"{f.filename.rsplit('/', 2)[-2:]}:{f.lineno}" for f in traceback.extract_stack(limit=8)[:-1]]
+                self.reads.append((name, where))
+        # calls made inside a counted op (e.g. tolist's own element reads) are not counted again
+        self._depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._depth -= 1
