@@ -92,7 +92,12 @@ def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: tor
     for name, t in (("parents", parents), ("token_ids", token_ids), ("target_choice", target_choice)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"walk_tree: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return _C.walk_tree(parents.detach().cpu(), token_ids.detach().cpu(), target_choice.detach().cpu())
+    return _C.walk_tree(_on_host(parents), _on_host(token_ids), _on_host(target_choice))
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it already lives on the CPU (no copy, no read); else its host copy (a sync)."""
+    return t if t.device.type == "cpu" else t.detach().cpu()
 
 
 def tree_positions(depths: torch.Tensor, start: int) -> torch.Tensor:

@@ -67,5 +67,5 @@ class TargetKVCache(KVBuffer):
         self._check_room(n)
         # host positions: compact_kv_ validates them without a device->host sync
         src = rows.detach().to(device="cpu", dtype=torch.long) + self.length
-        dflash_kernels.compact_kv_(self.kv, src, self.length)
+        dflash_kernels.compact_kv_(self.kv, src, self.length, check=False)  # rows from our own walk
         self.length += n
