@@ -5,6 +5,7 @@ import torch
 
 from dflash_kernels import force_backend, gather_concat
 from dflash_kernels import reference as ref
+from kernel_stub import KernelStub
 
 BACKENDS = ("triton", "reference")
 
@@ -111,16 +112,6 @@ def test_bad_inputs_raise_clear_errors(backend, make_args, error, match):
         gather_concat(*args)
 
 
-class _KernelStub:
-    """Stands in for the Triton kernel on the meta device: records launches."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-        return launch
 
 
 def test_trusted_rows_read_nothing_on_the_host(monkeypatch):
@@ -132,7 +123,7 @@ def test_trusted_rows_read_nothing_on_the_host(monkeypatch):
     """
     import dflash_kernels.gather as gather_module
 
-    stub = _KernelStub()
+    stub = KernelStub()
     monkeypatch.setattr(gather_module, "_gather_concat_kernel", stub)
     layers = [torch.empty(64, 256, dtype=torch.bfloat16, device="meta") for _ in range(5)]
     rows = torch.empty(7, dtype=torch.int64, device="meta")

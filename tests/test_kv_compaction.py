@@ -21,6 +21,7 @@ import dflash_kernels.kv_compaction as kv_module
 from dflash_kernels import force_backend
 from dflash_kernels import reference as ref
 from dflash_kernels.kv_compaction import KV_COMPACTION_CONFIGS, compact_kv_triton, kv_compaction_config
+from kernel_stub import KernelStub
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,16 +226,6 @@ def test_check_true_validates_only_the_counted_rows():
 # ------------------------------------------------------------------ no host reads with check=False
 
 
-class _KernelStub:
-    """Stands in for the Triton kernel: records launches (meta tensors have no values to copy)."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-        return launch
 
 
 @pytest.mark.parametrize("with_count", [False, True])
@@ -244,7 +235,7 @@ def test_check_false_reads_no_tensor_value_on_the_host(monkeypatch, with_count):
     check=True (the debug path) does read the positions, and so fails there:
     that shows the meta device detects host reads.
     """
-    stub = _KernelStub()
+    stub = KernelStub()
     monkeypatch.setattr(kv_module, "_compact_kv_kernel", stub)
     kv = torch.empty(3, 2, 4, 64, 128, dtype=torch.bfloat16, device="meta")
     src = torch.empty(20, dtype=torch.int64, device="meta")
