@@ -14,8 +14,12 @@ against :mod:`dflash_kernels.reference` on identical inputs, bf16:
   way); ``lm_head_topk``: values within tolerance of the reference log-probs, and the reference
   log-prob of every returned id equal to its value; ``lm_head_sample`` at T = 1: reproducible
   with a seed, ids in range; ``lm_head_cross_entropy``: per-row losses within (2e-2, 1e-2);
+  the same checks (logits, argmax, top-K, cold sampling, CE) with the final-logit softcap
+  (``softcap=2``, Gemma 2 / 3);
 * ``ancestor_bits``, ``tree_attention_mask``, ``compact_kv_``: bit-exact;
-  ``tree_attention``: within (3e-2, 2e-2) of the fp32 reference;
+  ``tree_attention``: within (3e-2, 2e-2) of the fp32 reference, also with an attention
+  softcap and per-head sinks (Gemma 2 / gpt-oss), with and without a sliding window, and
+  with a forced 3-way key split (the sinks added once by the merge);
 * ``build_tree`` / ``walk_tree`` (C++) against the Python reference, ``tree_positions``
   against depths + start: exact.
 
@@ -305,9 +309,44 @@ def check_lm_head(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dic
     t_gemm = time_ms(torch, lambda: hidden @ weight.T, device, **timing)
     ratios[f"lm_head_cross_entropy_N{rows}"] = dict(rows=rows, gemm_ms=t_gemm, cross_entropy_ms=t_ce,
                                                     gemm_fraction=t_gemm / t_ce)
+    check_lm_head_softcap(torch, dk, ref, s, device, check, weight, norm_weight, gen)
+
+
+LOGIT_SOFTCAP = 2.0  # small enough to change logits of a few units (Gemma 2 / 3 use 30)
+
+
+def check_lm_head_softcap(torch, dk, ref, s: Shapes, device, check: Checker, weight, norm_weight, gen) -> None:
+    """Every lm_head op with the final-logit softcap against the reference (capped fp32 logits)."""
+    dt, c = torch.bfloat16, LOGIT_SOFTCAP
+    atol, rtol = LOGIT_TOL
+    rows = s.budget + 1
+    hidden = (3 * torch.randn(rows, s.hidden, device=device, generator=gen)).to(dt)
+    kw = dict(norm_weight=norm_weight, softcap=c)
+    logits = ref.lm_head_logits(hidden, weight, **kw)
+    with dk.force_backend("triton"):
+        got_logits = dk.lm_head_logits(hidden, weight, **kw)
+        got_ids = dk.lm_head_argmax(hidden, weight, **kw)
+        values, top_ids = dk.lm_head_topk(hidden, weight, s.topk, **kw)
+        cold = dk.lm_head_sample(hidden, weight, 1e-4, seed=3, **kw)
+    check.add(f"lm_head_logits softcap={c} N={rows}", *close(torch, got_logits, logits, atol, rtol))
+    check.add(f"lm_head_argmax softcap={c} N={rows}", *_choice_is_a_max(torch, logits, got_ids, atol, rtol))
+    check.add(f"lm_head_sample softcap={c} T=1e-4 N={rows}", *_choice_is_a_max(torch, logits, cold, atol, rtol))
+    logprobs = torch.log_softmax(logits, dim=1)
+    ok_vals, detail_vals = close(torch, values, logprobs.topk(s.topk, dim=1).values, atol, rtol)
+    ok_ids, detail_ids = close(torch, logprobs.gather(1, top_ids), values, atol, rtol)
+    check.add(f"lm_head_topk softcap={c} k={s.topk} N={rows}", ok_vals and ok_ids,
+              f"values: {detail_vals}; ids: {detail_ids}")
+    targets = torch.randint(0, s.vocab, (rows,), device=device, generator=gen)
+    want = ref.lm_head_cross_entropy(hidden, weight, targets, **kw)
+    with dk.force_backend("triton"):
+        got = dk.lm_head_cross_entropy(hidden, weight, targets, **kw)
+    check.add(f"lm_head_cross_entropy softcap={c} N={rows}", *close(torch, got, want, 2e-2, 1e-2))
 
 
 # ---------------------------------------------------------------- tree
+ATTENTION_SOFTCAP = 2.0  # bf16 unit-variance q/k at scale D**-0.5: scores of a few units, capped at 2
+
+
 def check_tree(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, timing: dict) -> None:
     import torch.nn.functional as F
 
@@ -350,6 +389,25 @@ def check_tree(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, 
         got_attn = dk.tree_attention(q, k, v, bits, s.prefix)
         t_tree = time_ms(torch, lambda: dk.tree_attention(q, k, v, bits, s.prefix), device, **timing)
     check.add(f"tree_attention T={T} prefix={s.prefix}", *close(torch, got_attn, want_attn, 3e-2, 2e-2))
+
+    # Gemma 2 / gpt-oss features: attention softcap, per-head sinks (bf16, as the model's parameter),
+    # a sliding window over tree positions, and a forced key split (the merge adds each sink once).
+    from dflash_kernels.tree_attention import tree_attention_triton
+
+    sinks = (torch.randn(s.heads, device=device, generator=gen_d) + math.log(S)).to(dt)
+    tree_pos = positions.to(torch.int64)
+    window = max(2, s.prefix // 3)
+    for label, extra, splits in (("", {}, None), (f" window={window}", dict(positions=tree_pos, window=window), None),
+                                 (f" window={window} split=3", dict(positions=tree_pos, window=window), 3)):
+        kw = dict(softcap=ATTENTION_SOFTCAP, sinks=sinks, **extra)
+        want_feat = ref.tree_attention(q, k, v, bits, s.prefix, **kw)
+        with dk.force_backend("triton"):
+            if splits is None:
+                got_feat = dk.tree_attention(q, k, v, bits, s.prefix, **kw)
+            else:
+                got_feat = tree_attention_triton(q, k, v, bits, s.prefix, num_splits=splits, **kw)
+        check.add(f"tree_attention softcap={ATTENTION_SOFTCAP}+sinks{label} T={T} prefix={s.prefix}",
+                  *close(torch, got_feat, want_feat, 3e-2, 2e-2))
 
     def sdpa(m):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m[None, None], enable_gqa=True)

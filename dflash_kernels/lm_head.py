@@ -37,6 +37,12 @@ Pipeline (Triton backend):
      Top-K merges each chunk into a running top-K with ``torch.topk`` and a
      running logsumexp; cross-entropy runs ``_ce_grad_kernel`` over the chunk.
 
+   Final-logit softcap (``softcap = c``, Gemma 2 / 3): every epilogue first
+   maps the fp32 accumulator to ``c * tanh(acc / c)`` (:func:`tanh_f32`),
+   before the rounding to ``logit_dtype`` (argmax, sample), before the stored
+   logits and their logsumexp partials (top-K, cross-entropy); the
+   cross-entropy gradient gets the factor ``1 - (logit / c)^2``.
+
 3. Cross-entropy (as Liger-Kernel's fused linear cross entropy): row chunks of
    full-vocab logits; per chunk, loss ``= lse - logit[target]`` and
    ``d loss / d a = (softmax - onehot) @ weight`` computed in the forward
@@ -66,7 +72,7 @@ import torch
 
 from ._dispatch import get_backend, triton_interpreting
 from .reference import lm_head as _reference
-from .reference.lm_head import (check_k, check_lm_head_args, check_targets, check_temperature,
+from .reference.lm_head import (check_k, check_lm_head_args, check_softcap, check_targets, check_temperature,
                                 resolve_logit_dtype, rms_norm, seed_from)
 
 __all__ = [
@@ -80,6 +86,9 @@ __all__ = [
 try:  # triton is optional: without it every op runs the reference
     import triton
     import triton.language as tl
+
+    # float32 tanh from exp (a few ulps; the interpreter has no tanh): the final-logit softcap
+    from .tree_attention import tanh_f32
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
@@ -270,15 +279,22 @@ if triton is not None:
         out_ptr, stride_om,  # fp32 logits chunk [N, V_END - V0]
         pmax_ptr, psum_ptr, stride_pm,  # fp32 [N, n_tiles] logsumexp partials
         N, V0, V_END, H,
+        softcap,  # HAS_SOFTCAP only: logits = softcap * tanh(acc / softcap)
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
     ):
-        """out[:, j] = logits[:, V0 + j]; per tile t: pmax = max_j, psum = sum_j exp(logit - pmax)."""
+        """out[:, j] = logits[:, V0 + j]; per tile t: pmax = max_j, psum = sum_j exp(logit - pmax).
+
+        ``logits = acc`` (fp32 ``a @ w.T``), or ``softcap * tanh(acc / softcap)`` with HAS_SOFTCAP.
+        """
         pid_m, pid_n = _tile_coords(N, V_END - V0, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = V0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        if HAS_SOFTCAP:
+            acc = tanh_f32(acc / softcap) * softcap
         m_mask = offs_m < N
         n_mask = offs_n < V_END
         rows64 = offs_m.to(tl.int64)
@@ -299,15 +315,18 @@ if triton is not None:
         N, V, H,
         inv_temperature,  # GUMBEL only
         seed,  # GUMBEL only: Philox key
+        softcap,  # HAS_SOFTCAP only
         GUMBEL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_FP32: tl.constexpr,
         LOGIT_DTYPE: tl.constexpr,  # the logits' dtype: the fp32 accumulator is rounded to it first
         RNE_BF16: tl.constexpr,  # interpreter: round to bf16 by bit arithmetic (see _round_to)
+        HAS_SOFTCAP: tl.constexpr,
     ):
         """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
 
-        logits = round(a @ w.T) to LOGIT_DTYPE (nearest even, as a bf16/fp16
+        With HAS_SOFTCAP the fp32 accumulator first becomes ``softcap *
+        tanh(acc / softcap)``. logits = round(that) to LOGIT_DTYPE (nearest even, as a bf16/fp16
         GEMM writes its output; no rounding for fp32), then s = logits, or
         logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL.
         """
@@ -318,6 +337,8 @@ if triton is not None:
                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
         m_mask = offs_m < N
         n_mask = offs_n < V
+        if HAS_SOFTCAP:
+            acc = tanh_f32(acc / softcap) * softcap
         if LOGIT_DTYPE != tl.float32:
             acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
         if GUMBEL:
@@ -343,10 +364,15 @@ if triton is not None:
         scale_ptr,  # fp32 [row0 + N]: loss weight, 0 for ignored rows (same indexing)
         grad_ptr, stride_g,  # [N, V] in the dot dtype
         N, V, row0,
+        softcap,  # HAS_SOFTCAP only
         BLOCK_R: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
     ):
         """grad[r, j] = scale[row0 + r] * (exp(logits[r, j] - lse[r]) - (j == target[row0 + r])), one tile.
+
+        With HAS_SOFTCAP the logits are the capped ``y = c * tanh(x / c)`` of
+        the raw ``x``, and the gradient wrt ``x`` gets ``dy/dx = 1 - (y / c)^2``.
 
         The tile is [BLOCK_R, BLOCK_V]; ``row0`` is an offset rather than a
         sliced pointer so that the chunk start never changes the pointer
@@ -362,6 +388,9 @@ if triton is not None:
         scale = tl.load(scale_ptr + row0 + rows, mask=r_mask, other=0.0)
         p = tl.exp(x - lse[:, None])
         g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale[:, None]
+        if HAS_SOFTCAP:
+            t = tl.where(mask, x / softcap, 0.0)  # (masked lanes hold -inf)
+            g = g * (1.0 - t * t)
         tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -412,8 +441,9 @@ def _gemm_launch_args(n_rows: int, n_vocab: int, dot_dtype: torch.dtype, gumbel:
 
 
 def _logits_chunk(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, v0: int, v_end: int,
-                  dot_dtype: torch.dtype) -> torch.Tensor:
-    """Write logits[:, v0:v_end] of ``a`` into ``out`` ([N, v_end - v0] fp32, unit last stride).
+                  dot_dtype: torch.dtype, softcap: Optional[float] = None) -> torch.Tensor:
+    """Write logits[:, v0:v_end] of ``a`` into ``out`` ([N, v_end - v0] fp32, unit last stride), soft-capped
+    with ``softcap``.
 
     Returns the rows' logsumexp over ``v0:v_end`` (fp32 [N]), from per-tile
     partials the kernel writes alongside (``2 * N * n_tiles`` floats).
@@ -426,7 +456,7 @@ def _logits_chunk(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, v0: 
     grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
     _logits_kernel[grid](
         a, a.stride(0), weight, weight.stride(0), out, out.stride(0), pmax, psum, pmax.stride(0),
-        N, v0, v_end, H, **meta,
+        N, v0, v_end, H, 1.0 if softcap is None else float(softcap), HAS_SOFTCAP=softcap is not None, **meta,
     )
     return _combine_lse(pmax, psum)
 
@@ -446,7 +476,8 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype, *, gumbel: bool,
-                   logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
+                   logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0,
+                   softcap: Optional[float] = None) -> torch.Tensor:
     N, H = a.shape
     V = weight.shape[0]
     cfg, meta = _gemm_launch_args(N, V, dot_dtype, gumbel)
@@ -456,8 +487,8 @@ def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype
     grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
     _argmax_kernel[grid](
         a, a.stride(0), weight, weight.stride(0), pval, pidx, pval.stride(0), N, V, H,
-        float(inv_temperature), seed, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype),
-        RNE_BF16=triton_interpreting(), **meta,
+        float(inv_temperature), seed, 1.0 if softcap is None else float(softcap), GUMBEL=gumbel,
+        LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=triton_interpreting(), HAS_SOFTCAP=softcap is not None, **meta,
     )
     best_tile = torch.argmax(pval, dim=1, keepdim=True)  # first max = lowest vocab id on ties
     return pidx.gather(1, best_tile).squeeze(1).to(torch.int64)
@@ -480,23 +511,23 @@ def _prepare(hidden, weight, norm_weight, eps, positions):
     return a, weight, dot_dtype
 
 
-def _logits_triton(hidden, weight, norm_weight, eps, positions, logit_dtype=torch.float32):
+def _logits_triton(hidden, weight, norm_weight, eps, positions, logit_dtype=torch.float32, softcap=None):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     N, V = a.shape[0], weight.shape[0]
     out = torch.empty(N, V, dtype=torch.float32, device=hidden.device)
     if N > 0:
-        _logits_chunk(a, weight, out, 0, V, dot_dtype)
+        _logits_chunk(a, weight, out, 0, V, dot_dtype, softcap)
     return out if logit_dtype == torch.float32 else out.to(logit_dtype)  # torch's cast rounds to nearest even
 
 
-def _argmax_triton(hidden, weight, norm_weight, eps, positions, logit_dtype):
+def _argmax_triton(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap=None):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     if a.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
-    return _argmax_launch(a, weight, dot_dtype, gumbel=False, logit_dtype=logit_dtype)
+    return _argmax_launch(a, weight, dot_dtype, gumbel=False, logit_dtype=logit_dtype, softcap=softcap)
 
 
-def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, seed, logit_dtype):
+def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, seed, logit_dtype, softcap=None):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     N, V = a.shape[0], weight.shape[0]
     out = torch.empty(N, dtype=torch.int64, device=hidden.device)
@@ -504,7 +535,7 @@ def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, see
     for chunk, r0 in enumerate(range(0, N, step)):
         out[r0:r0 + step] = _argmax_launch(a[r0:r0 + step], weight, dot_dtype, gumbel=True,
                                            logit_dtype=logit_dtype, inv_temperature=1.0 / temperature,
-                                           seed=_kernel_seed(seed, chunk))
+                                           seed=_kernel_seed(seed, chunk), softcap=softcap)
     return out
 
 
@@ -518,7 +549,7 @@ def topk_chunk_plan(n_rows: int, vocab: int, chunk_elements: Optional[int] = Non
     return rows, vocab_chunk
 
 
-def _topk_triton(hidden, weight, k, norm_weight, eps, positions, chunk_elements):
+def _topk_triton(hidden, weight, k, norm_weight, eps, positions, chunk_elements, softcap=None):
     a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
     N, V = a.shape[0], weight.shape[0]
     values = torch.empty(N, k, dtype=torch.float32, device=hidden.device)
@@ -534,7 +565,7 @@ def _topk_triton(hidden, weight, k, norm_weight, eps, positions, chunk_elements)
         for v0 in range(0, V, vocab_per):
             v_end = min(V, v0 + vocab_per)
             chunk = buf[:nr, :v_end - v0]
-            chunk_lse = _logits_chunk(a_rows, weight, chunk, v0, v_end, dot_dtype)
+            chunk_lse = _logits_chunk(a_rows, weight, chunk, v0, v_end, dot_dtype, softcap)
             lse = chunk_lse if lse is None else torch.logaddexp(lse, chunk_lse)
             c_vals, c_ids = torch.topk(chunk, min(k, v_end - v0), dim=1)
             c_ids += v0
@@ -587,8 +618,9 @@ def _grad_matmul(grad_logits: torch.Tensor, weight: torch.Tensor, out: torch.Ten
     out.copy_(acc)
 
 
-def _cross_entropy_forward(a, weight, targets, scale, dot_dtype, need_grad, chunk_elements):
-    """Per-row losses [N] and (if need_grad) d loss_r / d a_r [N, H], chunk by chunk."""
+def _cross_entropy_forward(a, weight, targets, scale, dot_dtype, need_grad, chunk_elements, softcap=None):
+    """Per-row losses [N] and (if need_grad) d loss_r / d a_r [N, H], chunk by chunk (logits soft-capped
+    with ``softcap``, the gradient through the cap)."""
     N, H = a.shape
     V = weight.shape[0]
     loss = torch.empty(N, dtype=torch.float32, device=a.device)
@@ -607,26 +639,28 @@ def _cross_entropy_forward(a, weight, targets, scale, dot_dtype, need_grad, chun
         r1 = min(N, r0 + rows_per)
         nr = r1 - r0
         chunk = logits[:nr]
-        lse = _logits_chunk(a[r0:r1], weight, chunk, 0, V, dot_dtype)
+        lse = _logits_chunk(a[r0:r1], weight, chunk, 0, V, dot_dtype, softcap)
         picked = chunk.gather(1, safe_targets[r0:r1, None]).squeeze(1)
         loss[r0:r1] = (lse - picked) * scale[r0:r1]
         if need_grad:
             g = grad_logits[:nr]
             _ce_grad_kernel[(triton.cdiv(nr, cfg["BLOCK_R"]), triton.cdiv(V, cfg["BLOCK_V"]))](
                 chunk, chunk.stride(0), lse, targets, scale, g, g.stride(0), nr, V, r0,
-                BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+                1.0 if softcap is None else float(softcap),
+                BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_V"], HAS_SOFTCAP=softcap is not None,
+                num_warps=cfg["num_warps"],
             )
             _grad_matmul(g, weight, grad_a[r0:r1])
     return loss, grad_a
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """loss_r = scale_r * CE(a_r @ W.T, t_r); the gradient wrt ``a`` is computed in the forward."""
+    """loss_r = scale_r * CE(cap(a_r @ W.T), t_r); the gradient wrt ``a`` is computed in the forward."""
 
     @staticmethod
-    def forward(ctx, a, weight, targets, scale, dot_dtype, chunk_elements):
+    def forward(ctx, a, weight, targets, scale, dot_dtype, chunk_elements, softcap):
         loss, grad_a = _cross_entropy_forward(a.detach(), weight, targets, scale, dot_dtype,
-                                              ctx.needs_input_grad[0], chunk_elements)
+                                              ctx.needs_input_grad[0], chunk_elements, softcap)
         if grad_a is not None:
             ctx.save_for_backward(grad_a)
         return loss
@@ -635,11 +669,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (grad_a,) = ctx.saved_tensors
         grad = (grad_a.float() * grad_loss.float()[:, None]).to(grad_a.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def _cross_entropy_triton(hidden, weight, targets, weights, norm_weight, eps, positions, ignore_index,
-                          chunk_elements):
+                          chunk_elements, softcap=None):
     dot_dtype = dot_dtype_for(hidden.dtype, weight.dtype)
     weight = weight.detach()
     if weight.stride(1) != 1:
@@ -658,30 +692,34 @@ def _cross_entropy_triton(hidden, weight, targets, weights, norm_weight, eps, po
     scale = (targets != ignore_index).float()
     if weights is not None:
         scale = scale * weights.detach().float()
-    return _FusedLinearCrossEntropy.apply(a, weight, targets, scale.contiguous(), dot_dtype, chunk_elements)
+    return _FusedLinearCrossEntropy.apply(a, weight, targets, scale.contiguous(), dot_dtype, chunk_elements, softcap)
 
 
 # --------------------------------------------------------------------------- public ops
 
 
 def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                   logit_dtype=torch.float32) -> torch.Tensor:
+                   logit_dtype=torch.float32, softcap=None) -> torch.Tensor:
     """``[N, V]`` logits of ``rms_norm(hidden[positions]) @ weight.T`` (the full output, by request).
 
     Accumulated in fp32; returned as fp32 by default, or rounded (nearest
     even) to ``logit_dtype`` (None: the dtype ``F.linear`` returns, i.e. the
     promotion of hidden's and the weight's dtypes; see :func:`lm_head_argmax`).
+    ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
+    (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
+    on the fp32 accumulator, before the rounding.
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         check_bounds=False, logit_dtype=logit_dtype)
-    return _logits_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype)
+                                         check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+    return _logits_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype, softcap)
 
 
 def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                   logit_dtype=None) -> torch.Tensor:
+                   logit_dtype=None, softcap=None) -> torch.Tensor:
     """int64 ``[N]`` greedy tokens: ``argmax`` of the logits, lowest id on ties. No logits are stored.
 
     ``logit_dtype``: the dtype the logits are compared in, as Hugging Face's
@@ -692,38 +730,50 @@ def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     even, as a bf16/fp16 GEMM writes its output) before the argmax, so logits
     that tie in that dtype pick the lowest id. ``torch.float32``: the argmax
     of the fp32-accumulated logits (no rounding).
-    ``check_bounds=False`` reads no tensor value on the host (no sync).
+    ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
+    (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
+    on the fp32 accumulator, before the rounding (so capped logits that tie once rounded pick the
+    lowest id). ``check_bounds=False`` reads no tensor value on the host (no sync).
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         check_bounds=False, logit_dtype=logit_dtype)
-    return _argmax_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype)
+                                         check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+    return _argmax_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype, softcap)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                 chunk_elements: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 chunk_elements: Optional[int] = None, softcap=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs fp32 [N, k], ids int64 [N, k])``: top-k of the full-vocab log-softmax, best first.
 
     ``chunk_elements`` bounds the fp32 logits held at once (default
     :data:`DEFAULT_CHUNK_ELEMENTS`); ``k > V`` is an error.
+    ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
+    (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
+    on the fp32 accumulator, before the log-softmax.
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     check_k(k, weight.shape[0])
+    softcap = check_softcap(softcap)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=positions,
-                                       check_bounds=False)
-    return _topk_triton(hidden.detach(), weight.detach(), k, norm_weight, eps, positions, chunk_elements)
+                                       check_bounds=False, softcap=softcap)
+    return _topk_triton(hidden.detach(), weight.detach(), k, norm_weight, eps, positions, chunk_elements, softcap)
 
 
 def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True, logit_dtype=None) -> torch.Tensor:
+                   seed=None, check_bounds=True, logit_dtype=None, softcap=None) -> torch.Tensor:
     """int64 ``[N]``: one token per row drawn from ``softmax(logits / temperature)``.
 
     ``logits`` are rounded to ``logit_dtype`` first (default None: the dtype
     ``F.linear`` returns, as in :func:`lm_head_argmax`; transformers samples
     from those rounded logits), then scaled by the temperature.
+    ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
+    (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
+    on the fp32 accumulator, before the rounding: the draw is from
+    ``softmax(round(c * tanh(logits / c)) / temperature)``.
 
     ``temperature > 0`` (use :func:`lm_head_argmax` for greedy). Reproducible:
     the Triton path draws one 62-bit seed from ``generator`` (or takes
@@ -735,31 +785,39 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     t = check_temperature(temperature)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         generator=generator, seed=seed, check_bounds=False, logit_dtype=logit_dtype)
+                                         generator=generator, seed=seed, check_bounds=False, logit_dtype=logit_dtype,
+                                         softcap=softcap)
     key = seed_from(generator, seed)
-    return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key, logit_dtype)
+    return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key, logit_dtype, softcap)
 
 
 def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
-                          ignore_index=-100, check_bounds=True, chunk_elements: Optional[int] = None) -> torch.Tensor:
+                          ignore_index=-100, check_bounds=True, chunk_elements: Optional[int] = None,
+                          softcap=None) -> torch.Tensor:
     """fp32 ``[N]`` losses ``weights * (logsumexp(logits) - logits[target])`` (0 at ``ignore_index``).
 
     Differentiable wrt ``hidden`` only: ``weight`` and ``norm_weight`` are
     treated as frozen (no gradient). The Triton path never holds more than
     one row chunk of the logits (``chunk_elements`` fp32 values, default
     :data:`DEFAULT_CHUNK_ELEMENTS`); see :func:`cross_entropy_chunk_plan`.
+    ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
+    (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
+    on the fp32 accumulator, before the loss; the gradient goes through the tanh
+    (``d/dx = 1 - tanh^2``).
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    softcap = check_softcap(softcap)
     n = hidden.shape[0] if positions is None else positions.numel()
     targets, weights = check_targets(targets, weights, n, weight.shape[0], hidden.device, ignore_index)
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_cross_entropy(hidden, weight, targets, weights=weights, norm_weight=norm_weight,
                                                 eps=eps, positions=positions, ignore_index=ignore_index,
-                                                check_bounds=False)
+                                                check_bounds=False, softcap=softcap)
     return _cross_entropy_triton(hidden, weight, targets.contiguous(), weights, norm_weight, eps, positions,
-                                 ignore_index, chunk_elements)
+                                 ignore_index, chunk_elements, softcap)
 
 
 # --------------------------------------------------------------------------- compile enumeration
@@ -793,7 +851,10 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
     row counts, vocab chunk bounds and row offsets are
     :data:`DO_NOT_SPECIALIZE` (their values here are stand-ins). Argmax /
     sample are listed for both logit dtypes a launcher passes: the model's
-    (the default) and fp32.
+    (the default) and fp32. The final-logit softcap variants (``HAS_SOFTCAP``)
+    are listed for the logits and CE-gradient kernels at every tile, and for
+    the heaviest argmax epilogue only (Gumbel sampling in the model's logit
+    dtype: the greedy one is the same code minus the noise).
     """
     if triton is None:
         return []
@@ -841,29 +902,36 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
                 tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
                 tc = dot != torch.float32
                 n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
-                add(f"logits[{tag}]", _logits_kernel,
-                    {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "out_ptr": "*fp32", "pmax_ptr": "*fp32",
-                     "psum_ptr": "*fp32"},
-                    {"stride_am": H, "stride_wn": H, "stride_om": V, "stride_pm": n_tiles, "N": n, "V0": 0,
-                     "V_END": V, "H": H},
-                    common, cfg["num_warps"], cfg["num_stages"], tc)
-                for logit_dtype in logit_dtypes:
-                    for gumbel in (False, True):
-                        cfg = gemm_config(n, dot, gumbel)
-                        common = dict(common, BLOCK_N=cfg["BLOCK_N"])
-                        n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
-                        tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
-                        add(f"argmax[{tag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}]", _argmax_kernel,
-                            {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pval_ptr": "*fp32", "pidx_ptr": "*i32",
-                             "inv_temperature": "fp32"},
-                            {"stride_am": H, "stride_wn": H, "stride_pm": n_tiles, "N": n, "V": V, "H": H,
-                             "seed": _SEED_MOD},
-                            dict(common, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=False),
-                            cfg["num_warps"], cfg["num_stages"], tc)
+                for softcap in (False, True):
+                    add(f"logits[{tag}{' softcap' if softcap else ''}]", _logits_kernel,
+                        {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "out_ptr": "*fp32", "pmax_ptr": "*fp32",
+                         "psum_ptr": "*fp32", "softcap": "fp32"},
+                        {"stride_am": H, "stride_wn": H, "stride_om": V, "stride_pm": n_tiles, "N": n, "V0": 0,
+                         "V_END": V, "H": H},
+                        dict(common, HAS_SOFTCAP=softcap), cfg["num_warps"], cfg["num_stages"], tc)
+                # (logit dtype, gumbel, softcap): every epilogue without the cap, the heaviest one with it
+                variants = [(ld, g, False) for ld in logit_dtypes for g in (False, True)]
+                variants.append((default_logit, True, True))
+                for logit_dtype, gumbel, softcap in variants:
+                    cfg = gemm_config(n, dot, gumbel)
+                    common = dict(common, BLOCK_N=cfg["BLOCK_N"])
+                    n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
+                    tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
+                    add(f"argmax[{tag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}"
+                        f"{' softcap' if softcap else ''}]", _argmax_kernel,
+                        {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pval_ptr": "*fp32", "pidx_ptr": "*i32",
+                         "inv_temperature": "fp32", "softcap": "fp32"},
+                        {"stride_am": H, "stride_wn": H, "stride_pm": n_tiles, "N": n, "V": V, "H": H,
+                         "seed": _SEED_MOD},
+                        dict(common, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=False,
+                             HAS_SOFTCAP=softcap),
+                        cfg["num_warps"], cfg["num_stages"], tc)
             gcfg = ce_grad_config()
-            add(f"ce_grad[{dt}]", _ce_grad_kernel,
-                {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "target_ptr": "*i64", "scale_ptr": "*fp32",
-                 "grad_ptr": "*" + dt},
-                {"stride_l": V, "stride_g": V, "N": 16, "V": V, "row0": 0},
-                {"BLOCK_R": gcfg["BLOCK_R"], "BLOCK_V": gcfg["BLOCK_V"]}, gcfg["num_warps"], 1)
+            for softcap in (False, True):
+                add(f"ce_grad[{dt}{' softcap' if softcap else ''}]", _ce_grad_kernel,
+                    {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "target_ptr": "*i64", "scale_ptr": "*fp32",
+                     "grad_ptr": "*" + dt, "softcap": "fp32"},
+                    {"stride_l": V, "stride_g": V, "N": 16, "V": V, "row0": 0},
+                    {"BLOCK_R": gcfg["BLOCK_R"], "BLOCK_V": gcfg["BLOCK_V"], "HAS_SOFTCAP": softcap},
+                    gcfg["num_warps"], 1)
     return out

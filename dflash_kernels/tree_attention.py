@@ -9,7 +9,9 @@ tree keys, key ``j`` iff bit ``j`` of ``bits[i]`` (the ancestor-or-self
 bitmask of :func:`dflash_kernels.ancestor_bits`, or all ones), or iff
 ``j <= i`` when ``bits is None`` (a causal chain). A sliding ``window``
 additionally hides key ``k`` when ``pos_q(i) - pos_k(k) >= window`` (see
-:func:`dflash_kernels.reference.tree_visibility`, the spec in code).
+:func:`dflash_kernels.reference.tree_visibility`, the spec in code). Scores
+may be soft-capped (``c * tanh(s / c)``, Gemma 2) and each query head may add
+a sink logit to its softmax denominator (gpt-oss).
 
 * :func:`tree_attention`: FlashAttention-2 style Triton kernel with GQA
   packing. A program owns ``BLOCK_M`` rows of one kv head, the (token, query
@@ -35,6 +37,8 @@ The reference of both is :mod:`dflash_kernels.reference.tree_attention`.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -147,23 +151,51 @@ def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype 
 TREE_ATTENTION_DYNAMIC_INTS = ["n_tree", "prefix_len", "window", "stride_bits_row", "stride_pos"]
 #: The same for :func:`_merge_splits_kernel`.
 MERGE_DYNAMIC_INTS = ["n_tree", "num_splits"]
+MERGE_UNALIGNED_PTRS = ["sinks_ptr"]
 #: Pointers that may be slices at any offset of a bigger buffer (the bits of
-#: a tree, the positions of this pass): not specialized on 16-byte alignment,
+#: a tree, the positions of this pass, one layer's row of stacked sinks): not specialized on 16-byte alignment,
 #: so a new offset never compiles a new binary.
-TREE_ATTENTION_UNALIGNED_PTRS = ["bits_ptr", "pos_ptr"]
+TREE_ATTENTION_UNALIGNED_PTRS = ["bits_ptr", "pos_ptr", "sinks_ptr"]
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
-                         DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def tanh_f32(x):
+    """``tanh(x)`` in float32 from ``exp`` (no ``tanh`` instruction or libdevice call).
+
+    ``|x| < 0.25``: the odd Taylor polynomial through ``x^9`` (truncation error
+    below ``0.0089 |x|^11``, i.e. under 1e-8 relative); else ``(1 - e) / (1 + e)``
+    with ``e = exp(-2|x|) <= exp(-0.5)``, whose cancellation amplifies the
+    error of ``e`` by at most ``e / (1 - e) < 1.6``. Overall a few float32 ulps
+    (relative error under 5e-7), on the GPU and under the interpreter alike;
+    odd, saturates to +-1, ``tanh(+-inf) = +-1``.
+    """
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    far = (1.0 - e) / (1.0 + e)
+    xs = tl.minimum(ax, 0.25)  # the polynomial is only used below 0.25 (and never overflows)
+    x2 = xs * xs
+    near = xs * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))
+    t = tl.where(ax < 0.25, near, far)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scale,
+                         HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Fold one key tile into the running (max, sum, accumulator), base 2.
 
     ``q [M, D]``, ``k [D, N]``, ``v [N, D]``, ``visible [M, N]``. Scores are
-    ``q k * scale * log2(e)``; hidden ones are ``-inf``. A row that has seen
-    no visible key yet keeps ``m = -inf``: the exponent base then falls back
-    to 0 so that no ``-inf - -inf`` appears.
+    ``q k * scale * log2(e)`` (``qk_scale = scale * log2(e)``), or with
+    ``HAS_SOFTCAP`` ``c * tanh(q k * scale / c) * log2(e)`` (``qk_scale =
+    scale / c``, ``softcap_scale = c * log2(e)``), capped before the mask;
+    hidden ones are ``-inf``. A row that has seen no visible key yet keeps
+    ``m = -inf``: the exponent base then falls back to 0 so that no ``-inf -
+    -inf`` appears.
     """
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        qk = tanh_f32(qk) * softcap_scale
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -181,15 +213,16 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
 @triton.jit(do_not_specialize=TREE_ATTENTION_DYNAMIC_INTS,
             do_not_specialize_on_alignment=TREE_ATTENTION_UNALIGNED_PTRS)
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_ks, stride_kd,
     stride_vh, stride_vs, stride_vd,
     stride_bits_row, stride_bits_word, stride_pos,
     stride_oh, stride_ot, stride_od,
-    n_tree, prefix_len, window, group, qk_scale,
+    n_tree, prefix_len, window, group, qk_scale, softcap_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHAIN: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Program (row tile, kv head, key split).
@@ -208,6 +241,12 @@ def _tree_attention_kernel(
     normalized output is stored; otherwise the ``(output, log2-sum-exp)``
     partials go to the workspace ``[S, Hkv, rows, BLOCK_D]`` / ``[S, Hkv,
     rows]``. The split count is a grid dim, never a constexpr.
+
+    ``HAS_SOFTCAP``: scores are capped (see :func:`_online_softmax_step`).
+    ``HAS_SINKS``: query head ``h``'s sink logit ``sinks[h]`` joins the
+    softmax denominator as a key of value 0: unsplit, the running state
+    starts from it (``m = sink * log2(e)``, ``l = 1``); split, the merge
+    kernel adds it once, so the partials here never include it.
     """
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -229,8 +268,13 @@ def _tree_attention_kernel(
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS and not SPLIT_KEYS:
+        # The sink as one more key with value 0: exp(sink - m) in the denominator only.
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     prefix_units = tl.cdiv(prefix_len, BLOCK_N)
@@ -283,7 +327,8 @@ def _tree_attention_kernel(
             visible = n_ok[None, :] & ((pos_q[:, None] - offs_n[None, :]) < window)
         else:
             visible = n_ok[None, :]
-        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32, INPUT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scale,
+                                             HAS_SOFTCAP, DOT_FP32, INPUT_PRECISION)
 
     # Tree keys: node j at key prefix_len + j.
     for unit in range(tl.maximum(lo, prefix_units), tl.minimum(hi, stop)):
@@ -313,7 +358,8 @@ def _tree_attention_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_FP32, INPUT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scale,
+                                             HAS_SOFTCAP, DOT_FP32, INPUT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -328,16 +374,18 @@ def _tree_attention_kernel(
         tl.store(part_out_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=MERGE_DYNAMIC_INTS)
+@triton.jit(do_not_specialize=MERGE_DYNAMIC_INTS, do_not_specialize_on_alignment=MERGE_UNALIGNED_PTRS)
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, n_tree, group, num_splits,
+    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, n_tree, group, num_splits,
     stride_oh, stride_ot, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program (row tile, kv head): ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
 
     Rows and workspace as in :func:`_tree_attention_kernel`; an empty split
-    has ``lse = -inf`` and weighs nothing.
+    has ``lse = -inf`` and weighs nothing. ``HAS_SINKS``: the sink of the
+    row's query head is one more term of the denominator, added here once
+    (``2^(sink * log2(e) - M)``, output 0).
     """
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -346,8 +394,14 @@ def _merge_splits_kernel(
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     offs_d = tl.arange(0, BLOCK_D)
-    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    tok = rows // group
+    head = kv_head * group + rows % group
+    if HAS_SINKS:
+        m_run = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        w_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for split in range(0, num_splits):
         part_row = (split * n_kv_heads + kv_head).to(tl.int64) * n_rows + rows
@@ -362,8 +416,6 @@ def _merge_splits_kernel(
         w_sum = w_sum * alpha + weight
         m_run = m_new
     out = acc / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
-    tok = rows // group
-    head = kv_head * group + rows % group
     tl.store(out_ptr + head[:, None].to(tl.int64) * stride_oh + tok[:, None].to(tl.int64) * stride_ot
              + offs_d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
@@ -515,7 +567,31 @@ def _squeeze_batch(x: torch.Tensor, name: str) -> Tuple[torch.Tensor, bool]:
     return x, False
 
 
-def _check_attention_inputs(query, key, value, bits, prefix_len, positions, window):
+def _check_softcap(softcap, who: str) -> Optional[float]:
+    """``softcap`` as a float (None stays None); a finite real ``> 0`` or a ValueError naming it."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
+            or softcap <= 0:
+        raise ValueError(f"{who}: softcap must be None or a finite float > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def _check_sinks(sinks, n_heads: int, device: torch.device, who: str) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{who}: sinks must be a torch.Tensor [Hq] or None, got {type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point or sinks.dim() != 1 or sinks.shape[0] != n_heads:
+        raise ValueError(
+            f"{who}: sinks must be a 1-D float tensor [Hq] = [{n_heads}] (one logit per query head), "
+            f"got {tuple(sinks.shape)} {sinks.dtype}"
+        )
+    if sinks.device != device:
+        raise ValueError(f"{who}: sinks is on {sinks.device} but query is on {device}")
+
+
+def _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap=None, sinks=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tree_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -563,6 +639,8 @@ def _check_attention_inputs(query, key, value, bits, prefix_len, positions, wind
                 f"tree_attention: positions must be a 1-D [T] = [{n_tree}] int32/int64 tensor, "
                 f"got {tuple(positions.shape)} {positions.dtype}"
             )
+    _check_softcap(softcap, "tree_attention")
+    _check_sinks(sinks, hq, query.device, "tree_attention")
     return q, k, v, batched
 
 
@@ -576,6 +654,8 @@ def tree_attention_triton(
     *,
     positions: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None,
     config: Optional[dict] = None,
 ) -> torch.Tensor:
@@ -585,11 +665,13 @@ def tree_attention_triton(
     empty) and ``config`` (one of :func:`tree_attention_configs`) override the
     launcher's choice; tests use them to run every code path.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window)
-    return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_splits, config)
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
+                                               sinks)
+    return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks, num_splits, config)
 
 
-def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_splits=None, config=None):
+def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap=None, sinks=None,
+            num_splits=None, config=None):
     hq, n_tree, head_dim = q.shape
     hkv = k.shape[0]
     group = hq // hkv
@@ -628,24 +710,36 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_sp
         part_lse = torch.empty(num_splits, hkv, n_rows, dtype=torch.float32, device=device)
     else:
         part_out = part_lse = _placeholder(device, torch.float32)
+    if softcap is None:
+        qk_scale, softcap_scale = scale * _LOG2E, 1.0
+    else:  # c * tanh(s / c) in base 2: tanh(qk * (scale / c)) * (c * log2 e)
+        softcap = float(softcap)
+        qk_scale, softcap_scale = scale / softcap, softcap * _LOG2E
+    has_sinks = sinks is not None
+    if sinks is None:
+        sinks = _placeholder(device, torch.float32)
+    elif sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
     _tree_attention_kernel[(row_tiles, hkv, num_splits)](
-        q, k, v, bits, pos, out, part_out, part_lse,
+        q, k, v, bits, pos, sinks, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         bits.stride(0), bits.stride(-1), pos.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        n_tree, prefix_len, window_arg, group, scale * _LOG2E,
+        n_tree, prefix_len, window_arg, group, qk_scale, softcap_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         CHAIN=chain, WINDOW=window is not None, SPLIT_KEYS=num_splits > 1,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=has_sinks,
         DOT_FP32=triton_interpreting(), INPUT_PRECISION=_input_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:
         _merge_splits_kernel[(triton.cdiv(n_rows, MERGE_BLOCK_M), hkv)](
-            part_out, part_lse, out, n_tree, group, num_splits,
+            part_out, part_lse, sinks, out, n_tree, group, num_splits,
             out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M, BLOCK_D=block_d, num_warps=MERGE_NUM_WARPS,
+            HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M, BLOCK_D=block_d, HAS_SINKS=has_sinks,
+            num_warps=MERGE_NUM_WARPS,
         )
     return out.unsqueeze(0) if batched else out
 
@@ -660,6 +754,8 @@ def tree_attention(
     *,
     positions: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of T query tokens over ``[prefix ; tree]`` keys.
 
@@ -681,17 +777,29 @@ def tree_attention(
         window: None or an int ``>= 1``: also hide key ``k`` from query ``i`` when
             ``pos_q(i) - pos_k(k) >= window`` (later keys are never hidden by it);
             prefix tiles outside every query's window are not read at all.
+        softcap: None or a finite float ``c > 0``: every score ``s = q.k * scale``
+            becomes ``c * tanh(s / c)`` before the mask and the softmax (Gemma 2's
+            ``attn_logit_softcapping``).
+        sinks: None or a ``[Hq]`` float tensor (any float dtype) on the query's
+            device: one extra logit per query head in the softmax denominator
+            only (gpt-oss's ``sinks``): ``out_i = sum_j e^(s_ij - m) v_j /
+            (e^(sink_h - m) + sum_j e^(s_ij - m))``, ``m`` the max over the
+            visible scores and the sink. A row that sees no key outputs 0 (as
+            transformers' eager gpt-oss attention does, its sink taking all the
+            weight).
 
     Returns:
-        ``softmax(q k^T * scale + mask) v`` in the query's dtype and rank,
-        accumulated in float32, with the visibility of
-        :func:`dflash_kernels.reference.tree_visibility`. fp16/bf16/fp32.
-        No host synchronization: only shapes are read on the host.
+        ``softmax(q k^T * scale + mask) v`` (capped / with the sink column as
+        above) in the query's dtype and rank, accumulated in float32, with the
+        visibility of :func:`dflash_kernels.reference.tree_visibility`.
+        fp16/bf16/fp32. No host synchronization: only shapes are read on the host.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window)
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
+                                               sinks)
     if get_backend(query.device) == "triton":
-        return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window)
-    return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window)
+        return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks)
+    return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+                                     softcap=softcap, sinks=sinks)
 
 
 def warmup_tree_attention(
@@ -704,17 +812,21 @@ def warmup_tree_attention(
     *,
     positions: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """Compile (by running) every kernel variant :func:`tree_attention` can pick at these shapes.
 
     The binaries depend on the dtype, head dim, row count bucket (``T * G``),
-    the chain / window flags and whether the key axis is split, never on
-    ``prefix_len``, ``T`` within its bucket, the window size or the split
-    count; so one unsplit and one split launch (plus the merge kernel) cover
-    a generation that keeps these flags and shapes. A no-op on the reference backend.
+    the chain / window / softcap / sinks flags and whether the key axis is
+    split, never on ``prefix_len``, ``T`` within its bucket, the window size,
+    the softcap value, the sinks' values or the split count; so one unsplit
+    and one split launch (plus the merge kernel) cover a generation that
+    keeps these flags and shapes. A no-op on the reference backend.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window)
+    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
+                                               sinks)
     if get_backend(query.device) != "triton":
         return
     for num_splits in (1, 2):
-        _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, num_splits=num_splits)
+        _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks, num_splits=num_splits)

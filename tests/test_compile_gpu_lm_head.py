@@ -10,7 +10,9 @@ of 16 and not ``do_not_specialize`` is ``divisible_by_16``), so the checked
 binary is the one that runs. Each must compile with no local memory (no
 spills), with shared memory under the chip's per-block limit, and, where the
 GEMM runs bf16/fp16 ``tl.dot``, with tensor core instructions (``wgmma`` on
-sm_90 for 128-row tiles, ``mma`` otherwise) in the PTX. Everything is
+sm_90 for 128-row tiles, ``mma`` otherwise) in the PTX. The final-logit
+softcap variants (``HAS_SOFTCAP``: logits, Gumbel sampling, CE gradient) are
+among the configs, with the same checks. Everything is
 compiled once per session (two worker processes), then checked per config.
 """
 
@@ -49,6 +51,15 @@ def test_configs_cover_every_kernel():
                 if cfg["kernel"].__name__ == "_argmax_kernel"}
     assert rounding == {("*bf16", "bf16"), ("*bf16", "fp32"), ("*fp16", "fp16"), ("*fp16", "fp32"),
                         ("*fp32", "fp32")}
+    # the final-logit softcap epilogues: logits (top-K, CE) and Gumbel sampling at every tile, the CE gradient
+    capped = {(cfg["kernel"].__name__, cfg["constexprs"].get("BLOCK_M"), cfg["signature"].get("a_ptr",
+               cfg["signature"].get("grad_ptr"))) for cfg in CONFIGS if cfg["constexprs"].get("HAS_SOFTCAP")}
+    dots = ("*bf16", "*fp16", "*fp32")
+    assert capped == ({("_logits_kernel", m, d) for m in (16, 128) for d in dots}
+                      | {("_argmax_kernel", m, d) for m in (16, 128) for d in dots}
+                      | {("_ce_grad_kernel", None, d) for d in dots})
+    assert all(cfg["constexprs"]["GUMBEL"] for cfg in CONFIGS
+               if cfg["kernel"].__name__ == "_argmax_kernel" and cfg["constexprs"]["HAS_SOFTCAP"])
 
 
 def _declared_do_not_specialize(kernel):

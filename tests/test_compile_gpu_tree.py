@@ -17,6 +17,12 @@ in ``do_not_specialize`` (prefix length, tree size, window, ...) are plain
 are not marked 16-byte aligned. ``group`` (Hq / Hkv) is the constant 1 for MHA and a
 plain ``i32`` for G = 4 or 8 (one binary for both).
 
+Attention softcap and sinks (``HAS_SOFTCAP`` / ``HAS_SINKS``): the heaviest
+variant (bitmask + window + split + softcap + sinks) at every bf16 and fp32
+config of every head dim (fp16 runs the bf16 lines), the unsplit one (the
+sink starts the running softmax) and the chain one at Qwen3-8B's T = 65
+tile, and the bf16 merge kernel with sinks; not the whole cross product.
+
 The attention launches pass ``maxnreg`` (see ``MAX_REGISTERS``), which
 ``compile_for_gpu`` has no argument for, so they compile through
 :func:`_compile_with_options` (the same steps plus the option) on the same
@@ -36,6 +42,7 @@ from dflash_kernels.tree_attention import (
     MERGE_BLOCK_M,
     MERGE_DYNAMIC_INTS,
     MERGE_NUM_WARPS,
+    MERGE_UNALIGNED_PTRS,
     TREE_ATTENTION_DYNAMIC_INTS,
     TREE_ATTENTION_UNALIGNED_PTRS,
     TREE_MASK_CONFIGS,
@@ -164,14 +171,15 @@ ALIGNED = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "str
 UNIT_STRIDES = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "stride_bits_word": 1, "stride_od": 1}
 
 
-def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4):
+def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, softcap=False, sinks=False):
     ptr = f"*{TRITON_TYPE[dtype]}"
     sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "bits_ptr": "*i32", "pos_ptr": "*i64",
-           "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+           "sinks_ptr": ptr if sinks else "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "qk_scale": "fp32", "softcap_scale": "fp32"}
     sig.update({name: "i32" for name in ATTENTION_INTS})
     constexprs = dict(UNIT_STRIDES, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, DOT_FP32=False,
-                      INPUT_PRECISION=_input_precision(dtype))
+                      BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, HAS_SOFTCAP=softcap,
+                      HAS_SINKS=sinks, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype))
     if group == 1:  # the runtime specializes an int equal to 1
         del sig["group"]
         constexprs["group"] = 1
@@ -179,11 +187,12 @@ def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4):
             cfg["num_stages"], tuple(ALIGNED), cfg.get("maxnreg"), tuple(TREE_ATTENTION_UNALIGNED_PTRS))
 
 
-def _flags(chain, window, split, group=4):
-    return f"{'chain' if chain else 'tree'}{'-window' if window else ''}-{'split' if split else 'whole'}-G{group}"
+def _flags(chain, window, split, group=4, softcap=False, sinks=False):
+    return (f"{'chain' if chain else 'tree'}{'-window' if window else ''}-{'split' if split else 'whole'}-G{group}"
+            f"{'-softcap' if softcap else ''}{'-sinks' if sinks else ''}")
 
 
-# (arch, dtype, head_dim, cfg, chain, window, split, group)
+# (arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks)
 ATTENTION_CASES = []
 for _arch in ARCHS:
     for _dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -197,27 +206,35 @@ for _arch in ARCHS:
                 if _dtype == torch.float16:
                     variants = variants[:1]
                 for _chain, _window, _split in variants:
-                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, _chain, _window, _split, 4))
+                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, _chain, _window, _split, 4, False, False))
+                if _dtype != torch.float16:  # the heaviest softcap / sinks variant (fp16: the bf16 code)
+                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, False, True, True, 4, True, True))
     # Every flag combination at Qwen3-8B's T = 65 tile (D 128, bf16, 64 rows), and MHA (G = 1).
     _cfg = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 64)
     for _chain in (False, True):
         for _window in (False, True):
             for _split in (False, True):
-                case = (_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4)
+                case = (_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4, False, False)
                 if case not in ATTENTION_CASES:
                     ATTENTION_CASES.append(case)
     for _chain in (False, True):
-        ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1))
+        ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1, False, False))
+    # softcap + sinks unsplit (sink-initialized softmax, normalized store) and in chain mode, at the T = 65 tile
+    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, False, True, False, 4, True, True))
+    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, True, True, True, 4, True, True))
 
-MERGE_CASES = [(arch, dtype, d) for arch in ARCHS for dtype in (torch.bfloat16, torch.float32) for d in (64, 128, 256)]
+MERGE_CASES = [(arch, dtype, d, sinks) for arch in ARCHS for dtype in (torch.bfloat16, torch.float32)
+               for d in (64, 128, 256) for sinks in (False, True) if not (sinks and dtype == torch.float32)]
 
 
-def merge_call(arch, dtype, head_dim):
-    sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{TRITON_TYPE[dtype]}", "n_tree": "i32",
-           "group": "i32", "num_splits": "i32", "stride_oh": "i32", "stride_ot": "i32"}
-    constexprs = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": MERGE_BLOCK_M, "BLOCK_D": head_dim}
+def merge_call(arch, dtype, head_dim, sinks=False):
+    sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": f"*{TRITON_TYPE[dtype]}",
+           "out_ptr": f"*{TRITON_TYPE[dtype]}", "n_tree": "i32", "group": "i32", "num_splits": "i32",
+           "stride_oh": "i32", "stride_ot": "i32"}
+    constexprs = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": MERGE_BLOCK_M, "BLOCK_D": head_dim,
+                  "HAS_SINKS": sinks}
     return ("dflash_kernels.tree_attention", "_merge_splits_kernel", sig, constexprs, arch, MERGE_NUM_WARPS, 1,
-            ("stride_oh", "stride_ot"), None)
+            ("stride_oh", "stride_ot"), None, tuple(MERGE_UNALIGNED_PTRS))
 
 
 @pytest.fixture(scope="module")
@@ -246,12 +263,13 @@ def test_signatures_match_the_runtime_specialization():
 
 
 @pytest.mark.parametrize(
-    "arch,dtype,head_dim,cfg,chain,window,split,group", ATTENTION_CASES,
-    ids=[f"sm{a}-{TRITON_TYPE[dt]}-D{d}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{_flags(ch, w, s, g)}"
-         for a, dt, d, c, ch, w, s, g in ATTENTION_CASES],
+    "arch,dtype,head_dim,cfg,chain,window,split,group,softcap,sinks", ATTENTION_CASES,
+    ids=[f"sm{a}-{TRITON_TYPE[dt]}-D{d}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{_flags(ch, w, s, g, sc, sk)}"
+         for a, dt, d, c, ch, w, s, g, sc, sk in ATTENTION_CASES],
 )
-def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, window, split, group):
-    result = _result(compiled, ("attn", arch, dtype, head_dim, cfg["BLOCK_M"], chain, window, split, group))
+def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks):
+    result = _result(compiled, ("attn", arch, dtype, head_dim, cfg["BLOCK_M"], chain, window, split, group, softcap,
+                                sinks))
     check_resources(result, arch)
     ptx = result["ptx"]
     if cfg["num_stages"] > 1:
@@ -267,7 +285,7 @@ def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, wind
             assert "mma.sync" in ptx, "bf16/fp16 attention must run on tensor cores"
 
 
-@pytest.mark.parametrize("arch,dtype,head_dim", MERGE_CASES,
-                         ids=[f"sm{a}-{TRITON_TYPE[d]}-D{h}" for a, d, h in MERGE_CASES])
-def test_merge_splits_kernel(compiled, arch, dtype, head_dim):
-    check_resources(_result(compiled, ("merge", arch, dtype, head_dim)), arch)
+@pytest.mark.parametrize("arch,dtype,head_dim,sinks", MERGE_CASES,
+                         ids=[f"sm{a}-{TRITON_TYPE[d]}-D{h}{'-sinks' if s else ''}" for a, d, h, s in MERGE_CASES])
+def test_merge_splits_kernel(compiled, arch, dtype, head_dim, sinks):
+    check_resources(_result(compiled, ("merge", arch, dtype, head_dim, sinks)), arch)

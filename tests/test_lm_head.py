@@ -10,6 +10,9 @@ choice is made in the logits' dtype (``logit_dtype``, default the model's):
 exact ties after rounding, kernel == reference on every row, and equality with
 transformers' recipe ``argmax(F.linear(normed, W))`` in bf16. Decode calls
 with ``check_bounds=False`` read no tensor value on the host (meta device).
+The final-logit softcap (``softcap=c``: ``c * tanh(logits / c)`` on the fp32
+logits) in every op against the reference, the CE gradient through the tanh,
+ties it creates, and a chi-square test of sampling from the capped softmax.
 """
 
 import math
@@ -22,6 +25,7 @@ import dflash_kernels.lm_head as lm_head_module
 from dflash_kernels import (force_backend, lm_head_argmax, lm_head_cross_entropy, lm_head_logits, lm_head_sample,
                             lm_head_topk)
 from dflash_kernels import reference as ref
+from kernel_stub import KernelStub
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ("triton", "reference")
@@ -449,6 +453,13 @@ ERROR_CASES = [
      "logit_dtype must be None, torch.float32, torch.bfloat16 or torch.float16"),
     ("logit dtype str", lambda h, w: (lm_head_sample, (h, w, 1.0), {"logit_dtype": "bf16"}), TypeError,
      "logit_dtype must be None"),
+] + [
+    (f"softcap {name} {fn.__name__}", lambda h, w, fn=fn, extra=extra, value=value: (fn, (h, w) + extra,
+                                                                                       {"softcap": value}),
+     ValueError, "softcap must be None or a finite float > 0")
+    for fn, extra in ((lm_head_logits, ()), (lm_head_argmax, ()), (lm_head_topk, (3,)), (lm_head_sample, (1.0,)),
+                      (lm_head_cross_entropy, (torch.zeros(5, dtype=torch.long, device=DEVICE),)))
+    for name, value in (("0", 0.0), ("negative", -30.0), ("bool", True), ("nan", float("nan")), ("str", "30"))
 ]
 
 
@@ -582,16 +593,6 @@ def test_default_logit_dtype_is_what_f_linear_returns():
 # ------------------------------------------------------------------ no host reads in the decode loop
 
 
-class _KernelStub:
-    """Stands in for a Triton kernel on the meta device: records launches."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-        return launch
 
 
 def test_argmax_with_trusted_positions_reads_nothing_on_the_host(monkeypatch):
@@ -599,7 +600,7 @@ def test_argmax_with_trusted_positions_reads_nothing_on_the_host(monkeypatch):
 
     With ``check_bounds=True`` the same call does read the positions, and fails: the meta device detects reads.
     """
-    norm_stub, argmax_stub = _KernelStub(), _KernelStub()
+    norm_stub, argmax_stub = KernelStub(), KernelStub()
     monkeypatch.setattr(lm_head_module, "_norm_rows_kernel", norm_stub)
     monkeypatch.setattr(lm_head_module, "_argmax_kernel", argmax_stub)
     hidden = torch.empty(40, 256, dtype=torch.bfloat16, device="meta")
@@ -613,3 +614,131 @@ def test_argmax_with_trusted_positions_reads_nothing_on_the_host(monkeypatch):
         assert str(argmax_stub.launches[0][2]["LOGIT_DTYPE"]) == "bf16"
         with pytest.raises(RuntimeError, match="meta"):
             lm_head_argmax(hidden, weight, norm_weight=norm_weight, positions=positions, check_bounds=True)
+
+
+# ------------------------------------------------------------------ final-logit softcap
+
+SOFTCAP = 3.0  # logits here are a few units (boosted winners ~5): capped at 3 they change a lot, without saturating
+SOFTCAP_SHAPES = [SHAPES[1], SHAPES[2], SHAPES[4]]
+SOFTCAP_SHAPE_IDS = [SHAPE_IDS[1], SHAPE_IDS[2], SHAPE_IDS[4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,H,V,positions,norm", SOFTCAP_SHAPES, ids=SOFTCAP_SHAPE_IDS)
+def test_softcap_logits_argmax_topk_match_reference(T, H, V, positions, norm, dtype):
+    hidden, weight, kw = make_inputs(T, H, V, dtype, norm=norm, positions=positions, seed=31, boost=True)
+    kw["softcap"] = SOFTCAP
+    expected = ref.lm_head_logits(hidden, weight, **kw)
+    raw = ref.lm_head_logits(hidden, weight, norm_weight=kw["norm_weight"], positions=positions)
+    torch.testing.assert_close(expected, SOFTCAP * torch.tanh(raw / SOFTCAP))
+    assert (expected - raw).abs().max() > 1.0 and expected.abs().max() < SOFTCAP
+    with force_backend("triton"):
+        logits = lm_head_logits(hidden, weight, **kw)
+        rounded = lm_head_logits(hidden, weight, logit_dtype=None, **kw)
+        ids = lm_head_argmax(hidden, weight, **kw)
+        values, top_ids = lm_head_topk(hidden, weight, 8, chunk_elements=expected.shape[0] * 256, **kw)
+    atol, rtol = LOGIT_TOL[dtype]
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=rtol)
+    assert rounded.dtype == dtype
+    torch.testing.assert_close(rounded.float(), expected.to(dtype).float(), atol=atol, rtol=rtol)
+    assert torch.equal(ids, ref.lm_head_argmax(hidden, weight, **kw))  # every row, in the model's dtype
+    ref_vals, ref_ids = ref.lm_head_topk(hidden, weight, 8, **kw)
+    torch.testing.assert_close(values, ref_vals, atol=atol, rtol=rtol)
+    torch.testing.assert_close(torch.log_softmax(expected, 1).gather(1, top_ids), values, atol=atol, rtol=rtol)
+    clear = clear_rows(expected, dtype, k=8)
+    assert torch.equal(top_ids[clear], ref_ids[clear])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,H,V,positions,norm", [CE_SHAPES[1], CE_SHAPES[3]], ids=["P7-dup", "T257"])
+def test_softcap_cross_entropy_value_and_grad(T, H, V, positions, norm, dtype):
+    """Loss and d loss / d hidden against autograd through the reference's tanh."""
+    hidden, weight, kw, targets, weights = ce_case(dtype, T, H, V, positions, norm, seed=T + 1)
+    hidden = hidden * 2  # larger logits: the cap's derivative 1 - tanh^2 is far from 1
+    kw["softcap"] = 2.0
+    n = targets.numel()
+    grad_out = torch.linspace(0.5, 2.0, n, device=DEVICE)
+    h_ref = hidden.clone().requires_grad_(True)
+    loss_ref = ref.lm_head_cross_entropy(h_ref, weight, targets, weights=weights, **kw)
+    (loss_ref * grad_out).sum().backward()
+    h = hidden.clone().requires_grad_(True)
+    with force_backend("triton"):
+        loss = lm_head_cross_entropy(h, weight, targets, weights=weights, chunk_elements=(128 if n > 16 else 3) * V,
+                                     **kw)
+        no_grad = lm_head_cross_entropy(hidden, weight, targets, weights=weights, **kw)
+    (loss * grad_out).sum().backward()
+    atol, rtol = CE_TOL[dtype]
+    torch.testing.assert_close(loss.detach(), loss_ref.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(no_grad, loss_ref.detach(), atol=atol, rtol=rtol)
+    gatol, grtol = GRAD_TOL[dtype]
+    torch.testing.assert_close(h.grad.float(), h_ref.grad.float(), atol=gatol, rtol=grtol)
+    # the cap matters for the gradient: the uncapped one is far off
+    h_raw = hidden.clone().requires_grad_(True)
+    kw_raw = dict(kw, softcap=None)
+    (ref.lm_head_cross_entropy(h_raw, weight, targets, weights=weights, **kw_raw) * grad_out).sum().backward()
+    assert (h_raw.grad.float() - h_ref.grad.float()).norm() > 0.1 * h_ref.grad.float().norm()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_saturation_ties_pick_the_lowest_id(backend, dtype):
+    """Logits 128 (id 9) and 256 (id 2, 600) all cap to exactly 1.0 at softcap 1: the lowest of them wins."""
+    hidden, weight = integer_inputs(3, 48, 1000, dtype, seed=4)
+    hidden[:, :] = 0
+    hidden[:, 0] = 1
+    weight[:, 0] = 0
+    weight[9, 0], weight[2, 0], weight[600, 0] = 128, 256, 256  # every other logit is 0
+    with force_backend(backend):
+        capped = lm_head_argmax(hidden, weight, softcap=1.0, logit_dtype=torch.float32)
+        plain = lm_head_argmax(hidden, weight, logit_dtype=torch.float32)
+        logits = lm_head_logits(hidden, weight, softcap=1.0)
+    assert plain.tolist() == [2, 2, 2] and capped.tolist() == [2, 2, 2]
+    assert logits[0, 9] == logits[0, 2] == logits[0, 600] == 1.0
+    weight[2, 0] = 0  # now 9 and 600 tie once capped; 600 wins uncapped
+    with force_backend(backend):
+        capped = lm_head_argmax(hidden, weight, softcap=1.0)
+        plain = lm_head_argmax(hidden, weight)
+    assert capped.tolist() == [9, 9, 9] and plain.tolist() == [600, 600, 600]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_then_bf16_rounding_ties_pick_the_lowest_id(backend):
+    """Logits 8 (id 3) and 8.125 (id 7) cap at 4 to 3.8561 and 3.8651, which round to the same bf16 (3.859):
+    the argmax in bf16 is id 3 (capped before the rounding), in fp32 id 7."""
+    hidden = torch.zeros(2, 48)
+    hidden[:, :2] = 1.0
+    weight = torch.zeros(1000, 48)
+    weight[:, 0] = torch.linspace(-4, 4, 1000)
+    weight[3, :2] = torch.tensor([8.0, 0.0])
+    weight[7, :2] = torch.tensor([8.0, 0.125])
+    hidden, weight = hidden.to(torch.bfloat16).to(DEVICE), weight.to(torch.bfloat16).to(DEVICE)
+    capped = 4.0 * torch.tanh(torch.tensor([8.0, 8.125]) / 4.0)
+    assert capped[0] < capped[1] and capped.to(torch.bfloat16)[0] == capped.to(torch.bfloat16)[1]
+    with force_backend(backend):
+        ids = lm_head_argmax(hidden, weight, softcap=4.0)
+        exact = lm_head_argmax(hidden, weight, softcap=4.0, logit_dtype=torch.float32)
+        uncapped = lm_head_argmax(hidden, weight)  # 8 and 8.125 are apart in bf16
+        rows = lm_head_sample(hidden, weight, 0.01, softcap=4.0, positions=torch.zeros(300, dtype=torch.long,
+                                                                                       device=DEVICE), seed=2)
+    assert ids.tolist() == [3, 3] and exact.tolist() == [7, 7] and uncapped.tolist() == [7, 7]
+    counts = torch.bincount(rows.cpu(), minlength=8)
+    assert counts[3] + counts[7] == 300 and 80 < counts[3] < 220  # a tie: drawn about evenly
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_softcap_sample_matches_capped_softmax_distribution(backend, temperature):
+    """``lm_head_sample(..., softcap=c)`` draws from ``softmax(c * tanh(logits / c) / T)``; the same test
+    rejects the uncapped distribution (so it fails on an op that ignores the cap)."""
+    V, n, c = 8, 4000, 1.0
+    hidden, weight, kw = make_inputs(3, 16, V, torch.float32, norm=True, seed=5)
+    positions = torch.full((n,), 1, dtype=torch.int64, device=DEVICE)
+    logits = ref.lm_head_logits(hidden, weight, norm_weight=kw["norm_weight"], positions=positions[:1])[0]
+    probs = torch.softmax(c * torch.tanh(logits / c) / temperature, dim=0)
+    uncapped = torch.softmax(logits / temperature, dim=0)
+    assert probs.min() > 0.02, "every token must be likely enough for a chi-square test"
+    with force_backend(backend):
+        samples = lm_head_sample(hidden, weight, temperature, norm_weight=kw["norm_weight"], positions=positions,
+                                 seed=4321, softcap=c)
+    assert chi_square(samples, probs) < CHI2_CRITICAL_DF7_P001
+    assert chi_square(samples, uncapped) > 10 * CHI2_CRITICAL_DF7_P001

@@ -7,14 +7,20 @@ strided views into a ``[L, 2, Hkv, Smax, D]`` cache and the query a
 transposed view, as the model layer passes them. Visibility modes: random
 DDTree-like ancestor bits, ``bits=None`` (causal chain), all-ones bits (the
 drafter's block), each with and without a sliding window (positions
-``prefix_len + depth``).
+``prefix_len + depth``). Attention softcap (Gemma 2) and sinks (gpt-oss):
+kernel vs reference over windows, modes, GQA layouts and split counts, the
+reference vs a naive loop and vs transformers' own eager attention of those
+families, and the float32 tanh the kernels use.
 """
 
 import itertools
+import math
 import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
@@ -25,6 +31,7 @@ from dflash_kernels.tree_attention import (
     WAVE_EFFICIENCY,
     _tree_attention_kernel,
     choose_num_splits,
+    tanh_f32,
     tree_attention_config,
     tree_attention_configs,
     tree_attention_triton,
@@ -266,6 +273,124 @@ def test_warmup_runs_every_variant_and_is_a_no_op_on_the_reference_backend():
 
 
 # ----------------------------------------------------------------------------
+# Attention softcap and sinks
+# ----------------------------------------------------------------------------
+
+def make_sinks(kind, hq, n_keys, seed):
+    """``[Hq]`` sink logits: random (about the log of the key count, so that they weigh about as much as
+    the keys together), or a mix of a dominating one, -inf-like, -inf and ordinary ones."""
+    if kind is None:
+        return None
+    if kind == "random":
+        noise = torch.randn(hq, generator=torch.Generator().manual_seed(seed))
+        return (math.log(n_keys) + noise).to(DEVICE)
+    mixed = [12.0, -1e30, float("-inf"), 1.5, -0.5, 30.0, -3.0, 0.0]
+    return torch.tensor([mixed[h % len(mixed)] for h in range(hq)], device=DEVICE)
+
+
+# (softcap, sinks kind, mode, window, prefix_len, T, heads, head_dim, dtype, splits): every softcap x
+# sinks pair meets every mode, with and without a window; the rest rotates.
+SOFTCAP_SINK_CASES = [
+    (softcap, sinks, MODES[i % 3], (None, 5)[(i // 3) % 2], (0, 37, 100)[i % 3], (1, 17, 33, 65)[i % 4],
+     HEADS[i % 3], (64, 96)[(i // 2) % 2], DTYPES[i % 3], (1, 2, 3)[(i // 4) % 3])
+    for i, (softcap, sinks, _repeat) in enumerate(
+        itertools.product((None, 0.5, 5.0), (None, "random", "mixed"), (0, 1))
+    ) if (softcap, sinks) != (None, None)
+]
+
+
+@pytest.mark.parametrize(
+    "softcap,sinks,mode,window,prefix_len,n_tree,heads,head_dim,dtype,num_splits", SOFTCAP_SINK_CASES,
+    ids=[f"c{c}-s{s}-{m}-w{w}-p{p}-T{t}-{h[0]}x{h[1]}-D{d}-{str(dt)[6:]}-split{n}"
+         for c, s, m, w, p, t, h, d, dt, n in SOFTCAP_SINK_CASES],
+)
+def test_softcap_and_sinks_match_reference(softcap, sinks, mode, window, prefix_len, n_tree, heads, head_dim,
+                                           dtype, num_splits):
+    hq, hkv = heads
+    q, k, v = make_inputs(hq, hkv, n_tree, prefix_len, head_dim, dtype, seed=prefix_len + 3 * n_tree)
+    q = q * 2  # scores of a few units: a softcap of 0.5 or 5 changes them
+    bits, depth = make_bits(mode, n_tree, seed=n_tree)
+    positions = torch.tensor([prefix_len + d for d in depth], dtype=torch.int64, device=DEVICE) if window else None
+    sink_logits = make_sinks(sinks, hq, prefix_len + n_tree, seed=n_tree)
+    if sink_logits is not None and dtype != torch.float32 and sinks == "random":
+        sink_logits = sink_logits.to(dtype)  # any float dtype
+    kw = dict(positions=positions, window=window, softcap=softcap, sinks=sink_logits)
+    expected = ref.tree_attention(q, k, v, bits, prefix_len, **kw)
+    plain = ref.tree_attention(q, k, v, bits, prefix_len, positions=positions, window=window)
+    if prefix_len + n_tree > 1 or sinks is not None:  # (one key: softmax weight 1, whatever its score)
+        assert (expected.float() - plain.float()).abs().max() > 0.05, "the feature must change the result"
+    check(tree_attention_triton(q, k, v, bits, prefix_len, num_splits=num_splits, **kw), expected, dtype)
+    if num_splits == 1:
+        check(dk.tree_attention(q, k, v, bits, prefix_len, **kw), expected, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_sinks_are_added_once_across_splits(num_splits):
+    # A sink equal to the log-sum-exp of the visible scores takes exactly half of every row's weight.
+    prefix_len, n_tree = 100, 33
+    q, k, v = make_inputs(4, 2, n_tree, prefix_len, 64, torch.float32, seed=4)
+    sinks = torch.zeros(4, device=DEVICE)  # with all-zero queries of head 1, every score is 0 ...
+    q = q.clone()
+    q[1] = 0
+    sinks[1] = torch.log(torch.tensor(float(prefix_len + n_tree)))  # ... and the last row sees S keys
+    out = tree_attention_triton(q, k, v, None, prefix_len, sinks=sinks, num_splits=num_splits)
+    check(out, ref.tree_attention(q, k, v, None, prefix_len, sinks=sinks), torch.float32)
+    torch.testing.assert_close(out[1, -1], 0.5 * ref.tree_attention(q, k, v, None, prefix_len)[1, -1],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_row_that_sees_no_key_outputs_zero(num_splits, with_sinks):
+    # bits are any int32 rows: row 2 sees no tree key, and there is no prefix.
+    n_tree = 5
+    q, k, v = make_inputs(2, 1, n_tree, 0, 16, torch.float32, seed=6)
+    bits = ones_bits(n_tree)
+    bits[2] = 0
+    sinks = torch.tensor([0.3, float("-inf")], device=DEVICE) if with_sinks else None
+    out = tree_attention_triton(q, k, v, bits, 0, softcap=2.0, sinks=sinks, num_splits=num_splits)
+    expected = ref.tree_attention(q, k, v, bits, 0, softcap=2.0, sinks=sinks)
+    assert out[:, 2].abs().max() == 0 and expected[:, 2].abs().max() == 0
+    check(out, expected, torch.float32)
+
+
+def test_softcap_saturates_huge_scores():
+    # Scores of +-1e4 with softcap 1: every visible score becomes +-1 (no overflow, no NaN).
+    q, k, v = make_inputs(2, 2, 9, 20, 32, torch.float32, seed=8)
+    q = q * 1e3
+    bits = random_tree_bits(9, 8)
+    out = dk.tree_attention(q, k, v, bits, 20, softcap=1.0, sinks=torch.tensor([40.0, -40.0], device=DEVICE))
+    assert torch.isfinite(out).all()
+    check(out, ref.tree_attention(q, k, v, bits, 20, softcap=1.0, sinks=torch.tensor([40.0, -40.0])),
+          torch.float32)
+
+
+def test_warmup_with_softcap_and_sinks():
+    q, k, v = make_inputs(4, 2, 17, 40, 64, torch.bfloat16, seed=4)
+    sinks = torch.randn(4, device=DEVICE)
+    assert dk.warmup_tree_attention(q, k, v, None, 40, window=8, softcap=3.0, sinks=sinks) is None
+
+
+@triton.jit
+def _tanh_probe_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, tanh_f32(x), mask=offs < n)
+
+
+def test_tanh_f32_is_accurate_to_a_few_ulps():
+    x = torch.cat([torch.linspace(-20, 20, 4001), torch.logspace(-30, 1.5, 600), -torch.logspace(-30, 1.5, 600),
+                   torch.tensor([0.0, 0.25, -0.25, 0.2499999, 0.2500001, float("inf"), float("-inf"), 1e30])])
+    x = x.float().to(DEVICE)
+    out = torch.empty_like(x)
+    _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    want = torch.tanh(x.double())
+    rel = ((out.double() - want).abs() / want.abs().clamp_min(1e-300))[want != 0]
+    assert float(rel.max()) < 5e-7
+    assert torch.equal(out[x == 0], x[x == 0]) and bool((out.abs() <= 1).all())
+
+
+# ----------------------------------------------------------------------------
 # The reference itself
 # ----------------------------------------------------------------------------
 
@@ -288,9 +413,10 @@ def naive_visible(parents, prefix_len, n_tree, positions, window):
     return seen
 
 
+@pytest.mark.parametrize("softcap,sinks", [(None, False), (0.5, False), (None, True), (3.0, True)])
 @pytest.mark.parametrize("mode,window", [("tree", None), ("chain", None), ("ones", None), ("tree", 3),
                                          ("chain", 4), ("ones", 2)])
-def test_reference_equals_naive_per_head_softmax(mode, window):
+def test_reference_equals_naive_per_head_softmax(mode, window, softcap, sinks):
     prefix_len, n_tree, hq, hkv, d = 6, 9, 4, 2, 8
     parents, depth = random_parents(n_tree, 7)
     bits = {"tree": dk.ancestor_bits(torch.tensor(parents)), "chain": None, "ones": ones_bits(n_tree)}[mode]
@@ -304,15 +430,23 @@ def test_reference_equals_naive_per_head_softmax(mode, window):
     k = torch.randn(hkv, prefix_len + n_tree, d, generator=gen)
     v = torch.randn(hkv, prefix_len + n_tree, d, generator=gen)
     scale = 0.7
+    sink_logits = torch.tensor([1.0, -2.0, 0.5, 3.0]) if sinks else None
     want = torch.empty(hq, n_tree, d)
     for h in range(hq):
         kv = h // (hq // hkv)
         for i in range(n_tree):
-            scores = [float(q[h, i] @ k[kv, j]) * scale if seen[i, j] else float("-inf")
-                      for j in range(prefix_len + n_tree)]
-            p = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+            scores = []
+            for j in range(prefix_len + n_tree):
+                s = float(q[h, i] @ k[kv, j]) * scale
+                if softcap is not None:
+                    s = softcap * math.tanh(s / softcap)
+                scores.append(s if seen[i, j] else float("-inf"))
+            if sinks:
+                scores.append(float(sink_logits[h]))
+            p = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)[: prefix_len + n_tree]
             want[h, i] = (p[:, None] * v[kv].double()).sum(0).float()
-    got = ref.tree_attention(q, k, v, bits, prefix_len, scale, positions=pos_t, window=window)
+    got = ref.tree_attention(q, k, v, bits, prefix_len, scale, positions=pos_t, window=window, softcap=softcap,
+                             sinks=sink_logits)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -320,6 +454,46 @@ def test_reference_mask_matches_visibility():
     bits = random_tree_bits(40, 3)
     mask = ref.tree_attention_mask(bits, 5, torch.float32)
     assert torch.equal(mask == 0, ref.tree_visibility(bits, 5, 40))
+
+
+class _FamilyAttention(torch.nn.Module):
+    """The attributes transformers' eager attention functions read from the attention module."""
+
+    def __init__(self, hq, hkv, d, sinks=None):
+        super().__init__()
+        self.num_key_value_groups = hq // hkv
+        self.head_dim = d
+        if sinks is not None:
+            self.sinks = torch.nn.Parameter(sinks)
+        self.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_reference_equals_transformers_eager_attention(family):
+    """gpt-oss's sinks and Gemma 2's softcap as transformers' eager attention applies them (additive
+    ``finfo.min`` mask), incl. a row that sees no key (bits row 3 empty, no prefix): gpt-oss gives 0 there."""
+    import importlib
+
+    eager = importlib.import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
+    hq, hkv, n_tree, d, scale = 4, 2, 9, 16, 0.4
+    q, k, v = make_inputs(hq, hkv, n_tree, 0, d, torch.float32, seed=12)
+    q, k, v = q.cpu() * 3, k.cpu(), v.cpu()
+    bits = random_tree_bits(n_tree, 12).cpu()
+    if family == "gpt_oss":
+        bits[3] = 0
+    hidden = ~ref.tree_visibility(bits, 0, n_tree)
+    mask = torch.zeros(n_tree, n_tree).masked_fill(hidden, torch.finfo(torch.float32).min)
+    if family == "gpt_oss":
+        sinks = torch.tensor([0.5, -1.0, 2.0, -30.0])
+        module = _FamilyAttention(hq, hkv, d, sinks)
+        want, _ = eager(module, q[None], k[None], v[None], mask[None, None], scaling=scale)
+        got = ref.tree_attention(q, k, v, bits, 0, scale, sinks=sinks)
+        assert got[:, 3].abs().max() == 0
+    else:
+        module = _FamilyAttention(hq, hkv, d)
+        want, _ = eager(module, q[None], k[None], v[None], mask[None, None], scaling=scale, softcap=0.8)
+        got = ref.tree_attention(q, k, v, bits, 0, scale, softcap=0.8)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -333,7 +507,7 @@ def test_per_round_ints_are_never_specialized():
     assert set(dns) <= set(_tree_attention_kernel.arg_names)
     unaligned = kwargs["do_not_specialize_on_alignment"] if kwargs is not None else [
         p.name for p in _tree_attention_kernel.params if p.do_not_specialize_on_alignment]
-    assert set(unaligned) == {"bits_ptr", "pos_ptr"}
+    assert set(unaligned) == {"bits_ptr", "pos_ptr", "sinks_ptr"}
     # The split count is a grid dim, not an argument.
     assert not any("split" in name for name in _tree_attention_kernel.arg_names if name != "SPLIT_KEYS")
 
@@ -421,3 +595,15 @@ def test_errors_are_clear():
         dk.tree_attention(q, k, v, bits, 3, positions=[3, 4, 5, 6, 7], window=2)
     with pytest.raises(ValueError, match="num_splits"):
         tree_attention_triton(q, k, v, bits, 3, num_splits=0)
+    for softcap in (0, 0.0, -1.0, True, float("nan"), float("inf"), "5"):
+        with pytest.raises(ValueError, match=r"softcap must be None or a finite float > 0"):
+            dk.tree_attention(q, k, v, bits, 3, softcap=softcap)
+    for sinks in (torch.zeros(3), torch.zeros(1, 4), torch.zeros(4, dtype=torch.int64), torch.zeros(())):
+        with pytest.raises(ValueError, match=r"sinks must be a 1-D float tensor \[Hq\] = \[4\]"):
+            dk.tree_attention(q, k, v, bits, 3, sinks=sinks.to(DEVICE))
+    with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
+        dk.tree_attention(q, k, v, bits, 3, sinks=[0.0] * 4)
+    with pytest.raises(ValueError, match="sinks is on meta"):
+        dk.tree_attention(q, k, v, bits, 3, sinks=torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match="softcap"):
+        dk.warmup_tree_attention(q, k, v, bits, 3, softcap=-2.0)

@@ -12,6 +12,11 @@ Math, exactly as Hugging Face's ``Qwen3RMSNorm`` / ``LlamaRMSNorm`` then
     a        = (norm_weight * x_normed.to(x.dtype)).to(x.dtype)     [N, H]  (a = x without norm)
     logits   = a.float() @ weight.float().T                        fp32 [N, V]
 
+optionally soft-capped (``softcap = c``, Gemma 2 / 3's final-logit softcap)
+on the fp32 logits, before anything else touches them::
+
+    logits   = c * tanh(logits / c)                                 fp32 [N, V]
+
 and the consumers of ``logits``:
 
 * ``lm_head_logits``: ``logits`` (fp32 by default, or ``logits.to(logit_dtype)``).
@@ -37,6 +42,7 @@ and fail with the same messages.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -109,6 +115,16 @@ def resolve_logit_dtype(hidden: torch.Tensor, weight: torch.Tensor, logit_dtype)
         raise TypeError(f"logit_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; "
                         f"got {logit_dtype!r}")
     return logit_dtype
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``softcap`` as a float (None stays None): a finite real ``> 0``, else a ValueError naming it."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
+            or softcap <= 0:
+        raise ValueError(f"softcap must be None or a finite float > 0 (the final-logit softcap), got {softcap!r}")
+    return float(softcap)
 
 
 def check_k(k, vocab: int) -> int:
@@ -194,50 +210,64 @@ def _normed_rows(hidden, norm_weight, eps, positions) -> torch.Tensor:
     return rms_norm(rows, norm_weight.detach(), eps)
 
 
-def _logits(hidden, weight, norm_weight, eps, positions) -> torch.Tensor:
+def soft_cap(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` (None: ``logits`` unchanged); differentiable."""
+    if softcap is None:
+        return logits
+    return softcap * torch.tanh(logits / softcap)
+
+
+def _logits(hidden, weight, norm_weight, eps, positions, softcap=None) -> torch.Tensor:
     a = _normed_rows(hidden, norm_weight, eps, positions)
-    return a.float() @ weight.detach().float().T
+    return soft_cap(a.float() @ weight.detach().float().T, softcap)
 
 
-def _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype) -> torch.Tensor:
+def _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap=None) -> torch.Tensor:
     """Logits in ``logit_dtype``: for the model dtype, the GEMM transformers runs (``F.linear`` in that
-    dtype, whose fp32 accumulator the library rounds once), so ties break exactly as in ``generate()``."""
+    dtype, whose fp32 accumulator the library rounds once), so ties break exactly as in ``generate()``.
+    With ``softcap`` the fp32 logits are capped, then rounded once."""
     a = _normed_rows(hidden, norm_weight, eps, positions)
     w = weight.detach()
-    if logit_dtype != torch.float32 and a.dtype == w.dtype == logit_dtype:
+    if softcap is None and logit_dtype != torch.float32 and a.dtype == w.dtype == logit_dtype:
         return torch.nn.functional.linear(a, w)
-    return (a.float() @ w.float().T).to(logit_dtype)
+    return soft_cap(a.float() @ w.float().T, softcap).to(logit_dtype)
 
 
 def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                   logit_dtype=torch.float32):
-    """``[N, V]`` logits of the (normed) rows at ``positions``: fp32, or rounded to ``logit_dtype``."""
+                   logit_dtype=torch.float32, softcap=None):
+    """``[N, V]`` logits of the (normed) rows at ``positions``, soft-capped with ``softcap``: fp32, or
+    rounded to ``logit_dtype``."""
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    return _logits(hidden, weight, norm_weight, eps, positions).to(logit_dtype)
+    softcap = check_softcap(softcap)
+    return _logits(hidden, weight, norm_weight, eps, positions, softcap).to(logit_dtype)
 
 
 def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                   logit_dtype=None):
-    """int64 ``[N]``: ``argmax`` of the logits rounded to ``logit_dtype`` (lowest index on ties)."""
+                   logit_dtype=None, softcap=None):
+    """int64 ``[N]``: ``argmax`` of the (capped) logits rounded to ``logit_dtype`` (lowest index on ties)."""
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    return torch.argmax(_rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype), dim=-1)
+    softcap = check_softcap(softcap)
+    return torch.argmax(_rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap), dim=-1)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None,
-                 check_bounds=True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs fp32 [N, k], ids int64 [N, k])``: top-k of the full-vocab log-softmax, best first."""
+                 check_bounds=True, softcap=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs fp32 [N, k], ids int64 [N, k])``: top-k of the full-vocab log-softmax of the (capped)
+    logits, best first."""
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     check_k(k, weight.shape[0])
-    logprobs = torch.log_softmax(_logits(hidden, weight, norm_weight, eps, positions), dim=-1)
+    softcap = check_softcap(softcap)
+    logprobs = torch.log_softmax(_logits(hidden, weight, norm_weight, eps, positions, softcap), dim=-1)
     values, ids = torch.topk(logprobs, k, dim=-1, largest=True, sorted=True)
     return values, ids
 
 
 def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True, logit_dtype=None) -> torch.Tensor:
-    """int64 ``[N]``: one draw per row from ``softmax(logits.to(logit_dtype).float() / temperature)``.
+                   seed=None, check_bounds=True, logit_dtype=None, softcap=None) -> torch.Tensor:
+    """int64 ``[N]``: one draw per row from ``softmax(logits.to(logit_dtype).float() / temperature)``
+    (``logits`` soft-capped first with ``softcap``).
 
     Reproducible: with ``seed`` a private generator seeded with it is used;
     otherwise ``generator`` (or torch's default generator).
@@ -245,9 +275,10 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     t = check_temperature(temperature)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to lm_head_sample, not both")
-    logits = _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype).float()
+    logits = _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap).float()
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
     if seed is not None:
@@ -258,16 +289,18 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
 
 
 def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
-                          ignore_index=-100, check_bounds=True) -> torch.Tensor:
+                          ignore_index=-100, check_bounds=True, softcap=None) -> torch.Tensor:
     """fp32 ``[N]`` per-row losses ``weights * (logsumexp(logits) - logits[target])``; 0 at ``ignore_index``.
 
     Differentiable wrt ``hidden`` only (``weight``, ``norm_weight`` and the loss
-    ``weights`` are detached).
+    ``weights`` are detached); with ``softcap`` the logits are capped first
+    and autograd goes through the tanh.
     """
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    softcap = check_softcap(softcap)
     n = hidden.shape[0] if positions is None else positions.numel()
     targets, weights = check_targets(targets, weights, n, weight.shape[0], hidden.device, ignore_index)
-    logits = _logits(hidden, weight, norm_weight, eps, positions)
+    logits = _logits(hidden, weight, norm_weight, eps, positions, softcap)
     loss = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
     if weights is not None:
         loss = loss * weights.detach().float()

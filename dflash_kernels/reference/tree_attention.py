@@ -17,7 +17,9 @@ chain, one AR token, a prefill chunk, or the drafter's block) attend over
   the window.
 
 :func:`tree_visibility` is this rule in code; :func:`tree_attention` feeds it
-to ``torch.nn.functional.scaled_dot_product_attention`` with GQA.
+to ``torch.nn.functional.scaled_dot_product_attention`` with GQA, or, with an
+attention softcap or sinks (which SDPA cannot apply), computes the softmax
+explicitly in float32 (:func:`_explicit_attention`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,36 @@ def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype 
     return mask
 
 
+def _explicit_attention(q, k, v, visible, scale, softcap, sinks):
+    """Grouped-head attention with softcap and sinks, float32; ``[Hq, T, D]``.
+
+    ``q [Hq, T, D]``, ``k, v [Hkv, S, D]``, ``visible [T, S]`` bool. Query head
+    ``h = kv * G + g`` reads kv head ``kv``: the queries are viewed as ``[Hkv,
+    G * T, D]`` so K/V are never repeated per query head. Scores ``s = q.k *
+    scale``; with ``softcap`` ``c``: ``c * tanh(s / c)``; hidden keys ``-inf``;
+    with ``sinks``: one more column ``sinks[h]``; softmax over the row (a row
+    of only ``-inf`` gives zeros); the sink column dropped; times V.
+    """
+    hq, t, d = q.shape
+    hkv, s, _ = k.shape
+    g = hq // hkv
+    scores = torch.matmul(q.float().reshape(hkv, g * t, d), k.float().transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.view(hkv, g, t, s).masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(device=scores.device, dtype=torch.float32).view(hkv, g, 1, 1).expand(hkv, g, t, 1)
+        scores = torch.cat([scores, column], dim=-1)
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(total == 0, torch.ones_like(total), total)
+    if sinks is not None:
+        probs = probs[..., :s]
+    return torch.matmul(probs.reshape(hkv, g * t, s), v.float()).view(hq, t, d)
+
+
 def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -112,8 +144,10 @@ def tree_attention(
     *,
     positions: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of T queries over ``[prefix ; tree]`` keys (SDPA with GQA).
+    """Attention of T queries over ``[prefix ; tree]`` keys (SDPA with GQA, or explicit).
 
     Args:
         query: ``[Hq, T, D]`` or ``[1, Hq, T, D]``.
@@ -124,12 +158,19 @@ def tree_attention(
         prefix_len: number of keys before the tree keys.
         scale: softmax scale, default ``D ** -0.5``.
         positions, window: sliding window, see :func:`tree_visibility`.
+        softcap: None or ``c > 0``: scores ``s = q.k * scale`` become
+            ``c * tanh(s / c)`` before the mask (Gemma 2).
+        sinks: None or ``[Hq]`` floats: query head ``h``'s softmax gets one
+            more logit ``sinks[h]`` whose probability is dropped (gpt-oss, as
+            transformers' eager attention applies it: a row that sees no key
+            gives 0).
 
     Returns:
         ``softmax(q k^T * scale + mask) v`` with the visibility of
-        :func:`tree_visibility`, computed in float32 (``enable_gqa``: K/V are
-        not repeated) and returned in the query's dtype and rank. Every query
-        must see at least one key (itself always does).
+        :func:`tree_visibility`, computed in float32 (K/V are not repeated
+        per query head) and returned in the query's dtype and rank. Without
+        softcap and sinks (SDPA) every query must see at least one key
+        (itself always does); with either, a row that sees none gives 0.
     """
     batched = query.dim() == 4
     q = query[0] if batched else query
@@ -140,6 +181,9 @@ def tree_attention(
     v = v[:, : prefix_len + t].float()
     visible = tree_visibility(bits, prefix_len, t, positions=positions, window=window, device=q.device)
     scale = d**-0.5 if scale is None else scale
-    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    if softcap is not None or sinks is not None:
+        out = _explicit_attention(q, k, v, visible, scale, softcap, sinks)
+    else:
+        out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale, enable_gqa=True)
     out = out.to(query.dtype)
     return out.unsqueeze(0) if batched else out
