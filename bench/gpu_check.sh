@@ -20,10 +20,14 @@
 #               shapes (4 layers), by torch.cuda.set_sync_debug_mode and by the host-read counter
 #      stress:  bench/gpu_compaction_stress.py: thousands of adversarial accepted paths through
 #               compact_kv_ at Qwen3-8B cache shapes against the reference (the race fix)
+#      families: bench/gpu_family_check.py: gpt-oss-20b- (sinks, alternating 128-token windows,
+#               MoE), Gemma3- (5:1 local/global windows, rope per layer type) and Gemma2-shaped
+#               (softcaps) layer stacks, random bf16 weights: prefill + chain verify + tree verify
+#               through our adapter vs the model's own forward (relative error bound)
 #   6. e2e:     python -m dflash bench on the embedded tiny pair, fp32, T = 0: every method's
 #               output must equal plain decoding's token for token
 # Exit status: 0 when every step passed; 1 when any failed (a kernel result differing from its
-# reference fails step 3, 5 or 2), timed out, or had no time left; JSON and logs go to $OUT
+# reference fails step 3, 5 or 2; a family stack off its model's forward fails families), timed out, or had no time left; JSON and logs go to $OUT
 # when set, else bench/results/gpu_check/.
 set -uo pipefail
 
@@ -161,6 +165,7 @@ step round 120 "$PY" bench/gpu_round_latency.py --layers 8 --prefix 4096 --budge
 
 step syncs 90 "$PY" bench/gpu_round_syncs.py --layers 4 --json "$OUT_DIR/gpu_round_syncs.json"
 step stress 60 "$PY" bench/gpu_compaction_stress.py --cases 3000
+step families 60 "$PY" bench/gpu_family_check.py --json "$OUT_DIR/gpu_family_check.json"
 
 # ---------------------------------------------------------------- 6. end to end, lossless on the GPU
 step e2e 90 "$PY" -m dflash bench --device cuda --dtype float32 --num-prompts 2 --max-new-tokens 48 \

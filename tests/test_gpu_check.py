@@ -1,9 +1,9 @@
 """The one-shot GPU check on a CPU machine: syntax, the early failure without a GPU, and its Python parts at tiny shapes.
 
 ``bench/gpu_check.sh`` must stop before building anything, with a non-zero
-status and a message saying what is missing. ``bench/gpu_kernel_check.py``
-and ``bench/gpu_round_latency.py`` run here at tiny shapes (``--device cpu
---tiny``), and must fail when a kernel result is wrong.
+status and a message saying what is missing. ``bench/gpu_kernel_check.py``,
+``bench/gpu_round_latency.py`` and ``bench/gpu_family_check.py`` run here at
+tiny shapes (``--device cpu --tiny``), and must fail when a result is wrong.
 """
 
 import importlib.util
@@ -103,7 +103,7 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None):
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "cuda-ext", "tests", "kernels", "micro", "round", "syncs", "stress", "e2e"]
+STEPS = ["build", "cuda-ext", "tests", "kernels", "micro", "round", "syncs", "stress", "families", "e2e"]
 
 
 def summary_states(stdout):
@@ -148,7 +148,7 @@ def test_script_installs_offline_for_this_gpu_within_the_budget():
     assert "--no-build-isolation --no-deps --no-index -e ." in text
     assert 'TORCH_CUDA_ARCH_LIST="$ARCH"' in text
     assert "GPU_CHECK_BUDGET_S:-560" in text  # 560 s < 10 minutes (one device call), whatever each step takes
-    for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py"):
+    for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py", "gpu_family_check.py"):
         assert f"bench/{script}" in text
 
 
@@ -234,3 +234,29 @@ def test_round_syncs_runs_at_tiny_shapes(tmp_path, capsys):
     assert [r["method"] for r in report["rows"]] == ["ar", "dflash", "ddtree"]
     assert all(r["host_reads_max"] == 1 and r["rounds"] >= 3 for r in report["rows"])
     assert "host syncs per round" in capsys.readouterr().out
+
+
+def test_family_check_runs_at_tiny_shapes(tmp_path, capsys):
+    family = load_script("gpu_family_check")
+    out = tmp_path / "families.json"
+    with dflash_kernels.force_backend("reference"):
+        assert family.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {r["stack"] for r in report["rows"]} == {"gpt-oss-20b", "gemma3-12b", "gemma2-9b"}
+    assert all(r["ok"] and r["rel_err_logits"] < 1e-4 and r["argmax_agree"] == 1.0 for r in report["rows"])
+    assert {r["experts"] for r in report["rows"] if r["stack"] == "gpt-oss-20b"} == {"grouped_mm"}
+    assert "every stack matches the model's own forward" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stack,broken", [("gpt-oss-20b", "sinks"), ("gemma2-9b", "softcap")])
+def test_family_check_fails_when_a_feature_is_dropped(monkeypatch, capsys, stack, broken):
+    """Our attention without the sinks (or the softcap) is caught against the model's own forward."""
+    from dflash.target import attention
+
+    real = attention._features
+    monkeypatch.setattr(attention, "_features", lambda softcap, sinks: {
+        k: v for k, v in real(softcap, sinks).items() if k != broken})
+    family = load_script("gpu_family_check")
+    with dflash_kernels.force_backend("reference"):
+        assert family.main(["--device", "cpu", "--tiny", "--only", stack]) == 1
+    assert f"FAIL {stack}" in capsys.readouterr().err

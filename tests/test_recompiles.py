@@ -83,3 +83,16 @@ def test_recorder_sees_a_specialized_int():
     with LaunchKeys() as second:
         copy_rows[(1,)](x, 16, BLOCK=triton.next_power_of_2(16))
     assert second.keys - first.keys
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sink_variants_are_warmed(family):
+    """Gemma 2 (attention softcap, windows on every other layer) and gpt-oss (sinks, windows): the warm-up
+    launches their attention variants too."""
+    from tiny_models import tiny_family_target
+
+    target = tiny_family_target(family, layers=2, hidden=32)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
+    kw = dict(method="ddtree", max_new_tokens=24, block_size=4, tree_budget=5)
+    new, _ = new_keys_after_warmup(target, draft, kw, dict(method="ddtree", block_size=4, tree_budget=5))
+    assert not new, f"launches the warm-up did not compile: {sorted(new)}"

@@ -98,3 +98,103 @@ class RiggedDraft(DFlashDraftModel):
         else:
             h = torch.stack([steer(W, [r] if ok else [w]) for r, w, ok in zip(ref, wrong, right)])
         return h.to(block_embeds.dtype).to(block_embeds.device)
+
+
+# ------------------------------------------------------------------ every family (tests/test_families.py)
+#: The families :func:`tiny_family_target` builds, by transformers class.
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
+
+#: Small enough to matter at these weight scales: scores and logits of a few units get bent by tanh.
+ATTN_SOFTCAP = 1.5
+FINAL_SOFTCAP = 3.0
+
+
+def _family_config(family, *, layers, hidden, vocab, heads, kv_heads, head_dim, window):
+    """``(config class name, model class name, config kwargs)`` of a tiny ``family`` target."""
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    # Gemma3's 5:1 local/global pattern, cut to the layer count (the last layer global)
+    gemma3_types = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention"
+                    for i in range(layers)]
+    if family == "llama":
+        return "LlamaConfig", "LlamaForCausalLM", dict(common, head_dim=head_dim)
+    if family == "qwen2":
+        return "Qwen2Config", "Qwen2ForCausalLM", dict(common, use_sliding_window=True, sliding_window=window,
+                                                       max_window_layers=0, layer_types=alternating)
+    if family == "qwen3":
+        return "Qwen3Config", "Qwen3ForCausalLM", dict(common, head_dim=head_dim, use_sliding_window=True,
+                                                       sliding_window=window, layer_types=alternating)
+    if family == "mistral":
+        return "MistralConfig", "MistralForCausalLM", dict(common, head_dim=head_dim, sliding_window=window)
+    if family == "phi3":
+        return "Phi3Config", "Phi3ForCausalLM", dict(common, sliding_window=window,
+                                                     original_max_position_embeddings=256)
+    if family == "gemma2":
+        return "Gemma2Config", "Gemma2ForCausalLM", dict(
+            common, head_dim=head_dim, sliding_window=window, layer_types=alternating,
+            query_pre_attn_scalar=3 * head_dim, attn_logit_softcapping=ATTN_SOFTCAP,
+            final_logit_softcapping=FINAL_SOFTCAP)
+    if family == "gemma3":
+        return "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+            common, head_dim=head_dim, sliding_window=window, layer_types=gemma3_types,
+            query_pre_attn_scalar=3 * head_dim, final_logit_softcapping=FINAL_SOFTCAP)
+    if family == "qwen3_moe":
+        return "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+            common, head_dim=head_dim, use_sliding_window=True, sliding_window=window, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=hidden, norm_topk_prob=True)
+    if family == "gpt_oss":
+        return "GptOssConfig", "GptOssForCausalLM", dict(
+            common, head_dim=head_dim, sliding_window=window, layer_types=alternating, num_local_experts=4,
+            num_experts_per_tok=2, intermediate_size=hidden,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=64,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False))
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILY_NAMES)}")
+
+
+def tiny_family_target(family: str, *, layers: int = 2, hidden: int = 32, vocab: int = 64, heads: int = 4,
+                       kv_heads: int = 2, head_dim=None, window: int = 5, seed: int = 0, dtype=torch.float32,
+                       attn=None, experts=None, **overrides):
+    """A tiny random target of ``family``'s own transformers class (fp32, no eos).
+
+    Windows of ``window`` positions (every layer for Mistral / Phi-3 / Qwen3-MoE,
+    alternating for Qwen2/3, Gemma2, gpt-oss, 5:1 for Gemma3), Gemma softcaps of
+    :data:`ATTN_SOFTCAP` / :data:`FINAL_SOFTCAP`, a query scale that is not
+    ``head_dim ** -0.5`` for Gemma, gpt-oss sinks of a few units. ``attn``: the
+    attn_implementation (None: transformers' default for the class; eager for
+    Gemma2, whose SDPA path in transformers 5.17 ignores the attention softcap);
+    ``experts``: the MoE experts_implementation; ``overrides`` go to the config.
+    """
+    import transformers
+
+    head_dim = head_dim or hidden // heads
+    config_name, model_name, kwargs = _family_config(family, layers=layers, hidden=hidden, vocab=vocab, heads=heads,
+                                                     kv_heads=kv_heads, head_dim=head_dim, window=window)
+    kwargs.update(overrides)
+    if attn is None and family == "gemma2":
+        attn = "eager"  # transformers 5.17 would load SDPA, which drops the attention softcap (5.24 refuses it)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    if experts is not None:
+        kwargs["experts_implementation"] = experts
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**kwargs)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and family in ("gemma2", "gemma3"):
+                p.normal_(0.0, 0.1)  # (1 + w) norms: zeros would be the identity scale
+            elif name.endswith("sinks"):
+                p.normal_(1.0, 1.0)  # sink logits of the order of the scores: they take real mass
+            elif name.endswith("router.weight") or name.endswith("gate.weight") or "experts" in name:
+                p.normal_(0.0, 0.3)  # routes and experts that differ
+            elif any(k in name for k in ("q_proj", "k_proj", "qkv_proj")):
+                p.normal_(0.0, 0.5)  # scores of several units: the softcap bends them, windows matter
+            elif p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.normal_(0.0, 0.3 / p.shape[1] ** 0.25)
+        # logits of several units (Gemma: well past the final softcap, which then bends them)
+        model.lm_head.weight.mul_(4.0 if family not in ("gemma2", "gemma3") else 12.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype).eval()

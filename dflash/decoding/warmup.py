@@ -35,15 +35,27 @@ def _attention_shapes(model_config, head_dim):
     return hq, hkv, head_dim
 
 
-def _warm_attention(hq, hkv, d, dtype, device, rows, bits_for, windows, scale):
+def _warm_attention(hq, hkv, d, dtype, device, rows, bits_for, variants, scale):
+    """``variants``: the distinct ``(window, softcap, sinks)`` of the layers (sinks a ``[Hq]`` tensor or None)."""
     prefix = 64  # any length: prefix lengths are not part of the key
     for T in rows:
         q = torch.zeros(1, hq, T, d, dtype=dtype, device=device)
         kv = torch.zeros(1, hkv, prefix + T, d, dtype=dtype, device=device)
         positions = torch.arange(prefix, prefix + T, device=device)
-        for window in windows:
+        for window, softcap, sinks in variants:
             dflash_kernels.warmup_tree_attention(q, kv, kv, bits_for(T), prefix, scale=scale,
-                                                 positions=positions if window else None, window=window)
+                                                 positions=positions if window else None, window=window,
+                                                 softcap=softcap, sinks=sinks)
+
+
+def _layer_variants(windows, softcaps=(), sinks=()):
+    """One representative per distinct (window, softcap, has-sinks) over the layers: what picks a kernel variant."""
+    seen = {}
+    for i, window in enumerate(windows):
+        softcap = softcaps[i] if softcaps else None
+        sink = sinks[i] if sinks else None
+        seen.setdefault((window, softcap, sink is not None), (window, softcap, sink))
+    return list(seen.values())
 
 
 @torch.inference_mode()
@@ -70,19 +82,21 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
         cfg = adapter.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         hq, hkv, d = _attention_shapes(cfg, head_dim)
-        windows = sorted({w for w in adapter.windows}, key=lambda w: (w is not None, w or 0))
+        spec = getattr(adapter, "spec", None)
+        variants = _layer_variants(adapter.windows, getattr(spec, "attn_softcaps", ()) or (),
+                                   getattr(spec, "sinks", ()) or ())
         scale = head_dim ** -0.5
         budget = tree_budget if tree_budget is not None else 2 * (B - 1)
         rows = {1} if method == "ar" else ({B} if method == "dflash" else {budget + 1})
         if max_prompt_len > PREFILL_CHUNK:
             rows.add(PREFILL_CHUNK)
         chain_rows = rows - ({budget + 1} if method == "ddtree" else set())
-        _warm_attention(hq, hkv, d, adapter.dtype, device, sorted(chain_rows), lambda T: None, windows, scale)
+        _warm_attention(hq, hkv, d, adapter.dtype, device, sorted(chain_rows), lambda T: None, variants, scale)
         if method == "ddtree":
             tree_bits = lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device)  # noqa: E731
-            _warm_attention(hq, hkv, d, adapter.dtype, device, [budget + 1], tree_bits, windows, scale)
+            _warm_attention(hq, hkv, d, adapter.dtype, device, [budget + 1], tree_bits, variants, scale)
     if draft is not None and method != "ar":
         dc = draft.config
-        draft_windows = sorted({layer.sliding_window for layer in draft.layers}, key=lambda w: (w is not None, w or 0))
+        draft_variants = _layer_variants([layer.sliding_window for layer in draft.layers])
         _warm_attention(dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, draft.fc.weight.dtype, device,
-                        [B], lambda T: all_visible_bits(T, device), draft_windows, dc.head_dim ** -0.5)
+                        [B], lambda T: all_visible_bits(T, device), draft_variants, dc.head_dim ** -0.5)

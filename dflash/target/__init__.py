@@ -1,8 +1,11 @@
-"""The target side: the adapter that drives a Hugging Face decoder, its capture hooks, and its cache."""
+"""The target side: the adapter that drives a Hugging Face decoder, its capture hooks, its cache, and the
+per-family capability table (:mod:`.families`)."""
 
 from .adapter import PREFILL_CHUNK, TargetAdapter, TargetStructureError, decoder_parts
 from .attention import ATTENTION_NAME, AttentionPass, register_attention
 from .cache import CacheFullError, TargetKVCache
+from .families import FAMILIES, Family, TargetSpec, UnsupportedTargetFeature, resolve_target
 
-__all__ = ["ATTENTION_NAME", "AttentionPass", "CacheFullError", "PREFILL_CHUNK", "TargetAdapter", "TargetKVCache",
-           "TargetStructureError", "decoder_parts", "register_attention"]
+__all__ = ["ATTENTION_NAME", "AttentionPass", "CacheFullError", "FAMILIES", "Family", "PREFILL_CHUNK", "TargetAdapter",
+           "TargetKVCache", "TargetSpec", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts",
+           "register_attention", "resolve_target"]

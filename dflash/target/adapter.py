@@ -1,8 +1,12 @@
 """Target adapter: drive a Hugging Face decoder with our cache, capture its layers, pick tokens.
 
 A usable target has ``model.embed_tokens``, ``model.layers``, ``model.norm``,
-``model.rotary_emb`` and ``lm_head`` (Qwen3, Llama, Mistral, Qwen2 and most
-decoders of transformers 5.x). We never fork its modeling file:
+``model.rotary_emb`` and ``lm_head`` (Llama, Qwen2/3, Mistral, Phi-3, Gemma2/3,
+Qwen3-MoE, gpt-oss and most decoders of transformers 5.x). What its family does
+beyond the generic shape (which layers slide, rope per layer type, softcaps,
+sinks, query and embedding scales, MoE experts) comes from the capability table
+(:mod:`dflash.target.families`); a feature it cannot vouch for is refused here,
+at construction, with an error naming it. We never fork its modeling file:
 
 * the decoder layers are called in order with our :class:`TargetKVCache`
   and no mask: while the adapter is open the model's attention is our one
@@ -13,7 +17,10 @@ decoders of transformers 5.x). We never fork its modeling file:
   rows of all of them into one ``[R, n*H]`` buffer with one
   :func:`dflash_kernels.gather_concat` launch;
 * the final norm and the lm_head run only at the positions whose token is
-  needed, fused with the argmax / sampling (:mod:`dflash_kernels.lm_head`).
+  needed, fused with the argmax / sampling (:mod:`dflash_kernels.lm_head`),
+  with the family's final-logit softcap ``c * tanh(z / c)`` on the logits;
+* MoE experts run an implementation without a host read while the adapter is
+  open (:func:`dflash.target.families.open_experts`), restored on close.
 """
 
 from __future__ import annotations
@@ -28,16 +35,13 @@ import dflash_kernels
 from ..drafter.config import validate_target_layer_ids
 from .attention import PASS_KWARG, AttentionPass, close_attention, open_attention
 from .cache import TargetKVCache
+from .families import (TargetStructureError, UnsupportedTargetFeature, close_experts, experts_modules, open_experts,
+                       resolve_target)
 
-# RMSNorm classes computing ``w * normed(x).to(dtype)`` (safe to fuse into the lm_head op).
-_FUSABLE_NORMS = ("Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3MoeRMSNorm", "RMSNorm")
+__all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts"]
 
 #: Rows per prefill pass: long prompts are prefilled in chunks of this many tokens.
 PREFILL_CHUNK = 2048
-
-
-class TargetStructureError(TypeError):
-    """The model does not expose the parts the adapter drives."""
 
 
 def decoder_parts(model):
@@ -85,20 +89,26 @@ class TargetAdapter:
         self.num_layers = len(self.layers)
         self.capture_layer_ids = validate_target_layer_ids(capture_layer_ids, self.num_layers, warn_repeats=False) if capture_layer_ids else []
         self._cache_kw = _cache_keyword(self.layers[0])
-        types = getattr(self.config, "layer_types", None)
-        self.layer_types = list(types) if types else ["full_attention"] * self.num_layers
+        #: what this model's passes must do (windows, rope, softcaps, sinks, experts): the family table, resolved
+        self.spec = spec = resolve_target(model, self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb)
+        self.family = spec.family.name
+        self.layer_types = spec.layer_types
         self.sliding_window = getattr(self.config, "sliding_window", None)
         #: sliding window of each layer (None: full attention), read by the attention function
-        self.windows = [int(self.sliding_window) if t == "sliding_attention" else None for t in self.layer_types]
-        if self.lm_head.bias is not None:
-            raise TargetStructureError("lm_head with a bias is not supported")
-        self.fuse_norm = type(self.norm).__name__ in _FUSABLE_NORMS and getattr(self.norm, "weight", None) is not None
+        self.windows = spec.windows
+        #: final-logit softcap of the target's head (None: none); the drafter's logits do not get it
+        self.final_softcap = spec.final_softcap
+        self.fuse_norm = spec.fuse_norm
         self.norm_eps = float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6)))
+        self._has_attn_features = any(c is not None for c in spec.attn_softcaps) or any(
+            s is not None for s in spec.sinks)
         self._outputs: Dict[int, torch.Tensor] = {}
+        self._experts_configs = list({id(m.config): m.config for m in experts_modules(model)}.values())
         self._hooks = [
             self.layers[k].register_forward_hook(self._make_hook(k)) for k in sorted(set(self.capture_layer_ids))
         ]
         open_attention(self.config)
+        open_experts(self._experts_configs, spec.experts)
         self._open = True
 
     # ----------------------------------------------------------- lifecycle
@@ -110,13 +120,14 @@ class TargetAdapter:
         return hook
 
     def close(self) -> None:
-        """Remove the capture hooks and give the model its own attention implementation back."""
+        """Remove the capture hooks; give the model its own attention and experts implementations back."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self._outputs = {}
         if getattr(self, "_open", False):
             close_attention(self.config)
+            close_experts(self._experts_configs, self.spec.experts)
             self._open = False
 
     def __enter__(self):
@@ -174,12 +185,14 @@ class TargetAdapter:
             positions=positions if tree_bits is not None else None,
             windows=self.windows,
             backend=dflash_kernels.get_backend(self.device),
+            softcaps=self.spec.attn_softcaps if self._has_attn_features else (),
+            sinks=self.spec.sinks if self._has_attn_features else (),
         )
         pos = positions[None]
         h = self.embed(ids[None])
-        position_embeddings = self.rotary_emb(h, pos)
+        rope = self._position_embeddings(h, pos)
         self._outputs = {}
-        for layer in self.layers:
+        for layer, position_embeddings in zip(self.layers, rope):
             out = layer(
                 h,
                 attention_mask=None,
@@ -190,6 +203,13 @@ class TargetAdapter:
             )
             h = out[0] if isinstance(out, (tuple, list)) else out
         return h[0]
+
+    def _position_embeddings(self, h: torch.Tensor, pos: torch.Tensor) -> list:
+        """Each layer's rotary ``(cos, sin)``: one table for all layers, or one per layer type (Gemma3)."""
+        if self.spec.rope_types is None:
+            return [self.rotary_emb(h, pos)] * self.num_layers
+        tables = {t: self.rotary_emb(h, pos, t) for t in self.spec.rope_types}
+        return [tables[t] for t in self.layer_types]
 
     def prefill(self, ids: torch.Tensor, cache: TargetKVCache, chunk_size: Optional[int] = None):
         """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (default :data:`PREFILL_CHUNK`), committing them.
@@ -234,11 +254,14 @@ class TargetAdapter:
         return self._outputs[k]
 
     # --------------------------------------------------- tokens from hidden
-    def _head_args(self, hidden: torch.Tensor):
-        """Returns (hidden, kwargs) for the lm_head ops: fused norm when the norm is a plain RMSNorm."""
+    def head_inputs(self, hidden: torch.Tensor):
+        """``(hidden, kwargs)`` for any :mod:`dflash_kernels` lm_head op on the target's rows: the final norm
+        (fused as ``norm_weight``/``eps`` when it is a plain RMSNorm, else applied here) and the family's
+        final-logit softcap (``softcap``). Every choice of a target token goes through this."""
+        kw = {} if self.final_softcap is None else dict(softcap=self.final_softcap)
         if self.fuse_norm:
-            return hidden, dict(norm_weight=self.norm.weight, eps=self.norm_eps)
-        return self.norm(hidden), {}
+            return hidden, dict(norm_weight=self.norm.weight, eps=self.norm_eps, **kw)
+        return self.norm(hidden), kw
 
     def choose(
         self,
@@ -250,12 +273,14 @@ class TargetAdapter:
     ) -> torch.Tensor:
         """The target's token after each selected row of pre-norm ``hidden [T, H]``.
 
-        Argmax at temperature 0 (of the logits in the lm_head's dtype, lowest id
+        With logits ``z = W norm(h)`` (softcapped to ``c * tanh(z / c)`` when the
+        family has a final-logit softcap ``c``, as its CausalLM head does):
+        argmax at temperature 0 (of the logits in the lm_head's dtype, lowest id
         on ties, as transformers' ``generate()``), else a sample from
-        ``softmax(logits / T)`` (``seed`` or ``generator`` make it reproducible).
+        ``softmax(z / T)`` (``seed`` or ``generator`` make it reproducible).
         ``positions`` come from our own loops and are not range-checked.
         """
-        hidden, kw = self._head_args(hidden)
+        hidden, kw = self.head_inputs(hidden)
         W = self.lm_head.weight
         if temperature <= 0:
             return dflash_kernels.lm_head_argmax(hidden, W, positions=positions, check_bounds=False, **kw)
@@ -263,6 +288,6 @@ class TargetAdapter:
                                              seed=seed, check_bounds=False, **kw)
 
     def logits(self, hidden: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """fp32 logits ``[N, V]`` at the selected rows of pre-norm ``hidden``."""
-        hidden, kw = self._head_args(hidden)
+        """fp32 logits ``[N, V]`` at the selected rows of pre-norm ``hidden`` (final-logit softcap applied)."""
+        hidden, kw = self.head_inputs(hidden)
         return dflash_kernels.lm_head_logits(hidden, self.lm_head.weight, positions=positions, **kw)

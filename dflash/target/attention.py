@@ -17,18 +17,32 @@ views ``[1, Hkv, prefix_len + T, D]`` of our cache. Query ``i`` sees
   the DFlash chain), or the ancestors-or-self given by ``bits`` (DDTree),
 * with a sliding window ``w``: only keys with ``pos_q - pos_k < w``.
 
+Scores are ``s = q.k * scale`` (the module's own ``scaling``: Gemma's
+``query_pre_attn_scalar ** -0.5``), then, per the family table
+(:mod:`dflash.target.families`), ``c * tanh(s / c)`` with an attention
+softcap ``c`` (Gemma2), and with sink logits ``b_h`` (gpt-oss) the softmax
+over the visible keys gains one value-less term:
+``p_ij = exp(s_ij) / (exp(b_h) + sum_k exp(s_ik))``. Each layer's window,
+softcap and sinks come from the pass, and are checked against what the
+module hands its attention function (``sliding_window``, ``softcap``,
+``s_aux``): a disagreement raises
+:class:`~dflash.target.families.UnsupportedTargetFeature`.
+
 Paths (no layer ever receives a dense mask from us):
 
-* the first prefill chunk (``prefix_len == 0``, causal, no window):
-  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on every
-  backend (flash / cuDNN on a GPU; GQA native, no ``repeat_kv``);
+* the first prefill chunk (``prefix_len == 0``, causal, no window, no
+  softcap, no sinks): ``F.scaled_dot_product_attention(is_causal=True,
+  enable_gqa=True)`` on every backend (flash / cuDNN on a GPU; GQA native, no
+  ``repeat_kv``);
 * every other pass on the Triton backend: :func:`dflash_kernels.tree_attention`
-  (chain mode for causal passes, the ancestor bits for trees, the window
-  applied inside the kernel, the GQA group packed into its query tiles);
+  (chain mode for causal passes, the ancestor bits for trees, the window,
+  softcap and sinks applied inside the kernel, the GQA group packed into its
+  query tiles);
 * the reference backend: SDPA with ``enable_gqa=True`` and a boolean mask of
   this pass only, ``[T, prefix_len + T]``
   (:func:`dflash_kernels.reference.tree_visibility`), never a ``[T, T]``
-  prefill mask beyond one chunk.
+  prefill mask beyond one chunk; layers with a softcap or sinks (which SDPA
+  cannot express) go to :func:`dflash_kernels.reference.tree_attention`.
 """
 
 from __future__ import annotations
@@ -41,6 +55,8 @@ import torch.nn.functional as F
 
 import dflash_kernels
 from dflash_kernels import reference as kernel_reference
+
+from .families import UnsupportedTargetFeature
 
 ATTENTION_NAME = "dflash"
 PASS_KWARG = "dflash_pass"
@@ -58,8 +74,10 @@ class AttentionPass:
     int32 ancestor-or-self bitmask (tree verify) or None (causal).
     ``positions``: ``[T]`` absolute positions of the rows when they are not
     ``prefix_len + arange(T)`` (tree verify: ``start + depth``); only read by
-    windowed layers. ``windows[layer_idx]``: that layer's sliding window or
-    None. ``backend``: ``"triton"`` or ``"reference"``.
+    windowed layers. ``windows[l]``, ``softcaps[l]``, ``sinks[l]``: layer
+    ``l``'s sliding window, attention softcap and sink logits ``[Hq]``, or
+    None (empty sequences: none on any layer). ``backend``: ``"triton"`` or
+    ``"reference"``.
     """
 
     prefix_len: int
@@ -67,9 +85,17 @@ class AttentionPass:
     positions: Optional[torch.Tensor]
     windows: Sequence[Optional[int]]
     backend: str
+    softcaps: Sequence[Optional[float]] = ()
+    sinks: Sequence[Optional[torch.Tensor]] = ()
 
     def window(self, layer_idx) -> Optional[int]:
         return self.windows[layer_idx] if layer_idx is not None else None
+
+    def softcap(self, layer_idx) -> Optional[float]:
+        return self.softcaps[layer_idx] if layer_idx is not None and self.softcaps else None
+
+    def sink(self, layer_idx) -> Optional[torch.Tensor]:
+        return self.sinks[layer_idx] if layer_idx is not None and self.sinks else None
 
 
 def _original_attention(module):
@@ -84,6 +110,23 @@ def _original_attention(module):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+def _check_module_kwargs(module, kwargs, window, softcap, sinks) -> None:
+    """The module's own attention arguments must agree with the family table's (never a silent difference)."""
+    layer = getattr(module, "layer_idx", None)
+    name = type(module).__name__
+    if "sliding_window" in kwargs and kwargs["sliding_window"] != window:
+        raise UnsupportedTargetFeature(name, "sliding window",
+                                       f"layer {layer} passes sliding_window={kwargs['sliding_window']}, the family "
+                                       f"table says {window}")
+    if "softcap" in kwargs and kwargs["softcap"] != softcap:
+        raise UnsupportedTargetFeature(name, "attention softcap",
+                                       f"layer {layer} passes softcap={kwargs['softcap']}, the family table says "
+                                       f"{softcap}")
+    if "s_aux" in kwargs and kwargs["s_aux"] is not sinks:
+        raise UnsupportedTargetFeature(name, "attention sinks",
+                                       f"layer {layer} passes sink logits (s_aux) the family table does not know")
+
+
 def dflash_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface entry: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, S, D]``.
 
@@ -94,21 +137,40 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     if attention_pass is None:
         return _original_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
                                            dropout=dropout, **kwargs)
-    out = pass_attention(query, key, value, attention_pass, attention_pass.window(getattr(module, "layer_idx", None)),
-                         scaling)
+    layer = getattr(module, "layer_idx", None)
+    window, softcap, sinks = attention_pass.window(layer), attention_pass.softcap(layer), attention_pass.sink(layer)
+    _check_module_kwargs(module, kwargs, window, softcap, sinks)
+    out = pass_attention(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2), None
 
 
-def pass_attention(query, key, value, attention_pass: AttentionPass, window: Optional[int], scaling) -> torch.Tensor:
+def _features(softcap, sinks) -> dict:
+    """The kernels' softcap / sinks keywords, only when set (plain layers call the kernels as before)."""
+    kw = {}
+    if softcap is not None:
+        kw["softcap"] = softcap
+    if sinks is not None:
+        kw["sinks"] = sinks
+    return kw
+
+
+def pass_attention(query, key, value, attention_pass: AttentionPass, window: Optional[int], scaling,
+                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[1, Hq, T, D]`` attention of one layer in one pass (see the module docstring for the paths)."""
     T = query.shape[2]
     prefix = attention_pass.prefix_len
     causal = attention_pass.bits is None
-    if causal and prefix == 0 and window is None:
+    plain = softcap is None and sinks is None
+    if causal and prefix == 0 and window is None and plain:
         return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scaling, enable_gqa=True)
     if attention_pass.backend == "triton":
         return dflash_kernels.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
-                                             positions=attention_pass.positions, window=window)
+                                             positions=attention_pass.positions, window=window,
+                                             **_features(softcap, sinks))
+    if not plain:
+        return kernel_reference.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
+                                               positions=attention_pass.positions, window=window,
+                                               **_features(softcap, sinks))
     mask = None
     if not (causal and T == 1 and window is None):  # a single causal row sees every key: no mask
         mask = kernel_reference.tree_visibility(attention_pass.bits, prefix, T, positions=attention_pass.positions,

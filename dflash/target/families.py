@@ -1,0 +1,369 @@
+"""What each decoder family does differently: the one capability table the adapter and attention read.
+
+The adapter drives ``model.layers`` by hand (embed, rotary embedding, the
+layers with our cache and attention function, the final norm and lm_head at
+the rows we need), so everything a family's own ``forward`` does beyond the
+generic Llama shape must be known here, or refused. The facts below are read
+from transformers' modeling files (5.17 and 5.24 agree on all of them).
+
+Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
+
+* **windows**: which layers slide. ``"layer_types"``: layer ``l`` sees keys
+  with ``pos_q - pos_k < w`` (``w = config.sliding_window``) iff
+  ``config.layer_types[l] == "sliding_attention"`` (Qwen2/3, Gemma2/3,
+  gpt-oss). ``"all"``: Mistral, Phi-3 and Qwen3-MoE have no ``layer_types``;
+  their attention passes ``sliding_window=config.sliding_window`` on every
+  layer, so every layer slides when it is set (Qwen3-MoE: with
+  ``use_sliding_window``).
+* **rope per layer type**: Gemma3's ``rotary_emb(x, pos, layer_type)`` keeps
+  one frequency table per layer type (local layers theta 1e4, global 1e6);
+  layer ``l`` gets the ``(cos, sin)`` of its own type.
+* **attention softcap** (config key): scores ``s = q.k * scale`` become
+  ``c * tanh(s / c)`` before the mask and the softmax (Gemma2,
+  ``attn_logit_softcapping``; transformers 5.17 loads Gemma2 with SDPA, which
+  ignores it: we apply it and warn, see :data:`SOFTCAP_BLIND_IMPLEMENTATIONS`). Gemma3's config has the key too but its
+  attention never passes it on (the model ignores it; so do we).
+* **final-logit softcap** (config key): the CausalLM head returns
+  ``c * tanh(W h / c)`` (Gemma2/3, ``final_logit_softcapping``). The target's
+  choices (argmax, samples, logits) use it; the drafter's proposals and
+  DDTree's top-K do not (the drafter borrows the bare lm_head, as it was
+  trained: see :attr:`TargetSpec.final_softcap`).
+* **sinks** (attribute of ``self_attn``): one logit ``b_h`` per query head
+  joins each softmax denominator and no value:
+  ``p_ij = exp(s_ij) / (exp(b_h) + sum_k exp(s_ik))`` (gpt-oss ``sinks``,
+  passed to the attention function as ``s_aux``).
+* **query scale**: ``scale = query_pre_attn_scalar ** -0.5`` (Gemma2/3) or
+  ``head_dim ** -0.5``; the attention module's ``scaling`` attribute holds it
+  and is what the attention function receives; checked at construction.
+* **embedding scale**: Gemma multiplies the token embeddings by
+  ``sqrt(hidden_size)`` inside ``embed_tokens`` (a ``*ScaledWordEmbedding``,
+  rounded to the weight dtype), so ``TargetAdapter.embed`` -- the target's
+  forward input and the drafter's block input alike -- carries it; checked.
+* **fused norm**: the final norm class computes ``w * normed(x).to(dtype)``
+  (Llama style) and may be fused into the lm_head ops; Gemma's ``(1 + w)``
+  norm and gpt-oss' ``(w * normed(x)).to(dtype)`` run as modules instead.
+* **MoE**: the experts dispatch on ``config._experts_implementation``
+  (transformers' ``@use_experts_implementation``). The ``"eager"`` loop reads
+  the hit experts back to the host once per MoE layer per forward; while an
+  adapter is open the experts run ``"grouped_mm"`` (one grouped GEMM over
+  expert-sorted rows, offsets from ``histc`` on the device) where torch has
+  it for the device, else ``"batched_mm"`` (per-row gathered expert weights,
+  no host read, more memory), restored on close (:func:`open_experts`).
+
+Unknown ``model_type``: the generic entry (Llama shape; windows from the
+attention modules' ``sliding_window`` attributes, else ``layer_types``, else
+every layer; rope per layer type when ``rotary_emb.forward`` takes a
+``layer_type``; MoE when experts dispatch on the config). A feature the table
+cannot vouch for is refused at construction with an
+:class:`UnsupportedTargetFeature` naming it (:func:`resolve_target`); and
+every pass cross-checks what each attention module passes its attention
+function (``sliding_window``, ``softcap``, ``s_aux``) against the table, so a
+disagreement is an error, never a silently different answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+#: transformers attention implementations that silently drop a ``softcap`` argument (SDPA has no such input;
+#: transformers 5.17 still loads Gemma2 with it, 5.24 refuses).
+SOFTCAP_BLIND_IMPLEMENTATIONS = ("sdpa",)
+
+#: The two layer types the attention function implements.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class TargetStructureError(TypeError):
+    """The model does not expose the parts the adapter drives."""
+
+
+class UnsupportedTargetFeature(TargetStructureError):
+    """The target uses a feature the adapter does not implement (named in the message)."""
+
+    def __init__(self, model_name: str, feature: str, detail: str = ""):
+        self.feature = feature
+        super().__init__(f"{model_name} cannot be used as a target: unsupported feature: {feature}"
+                         + (f" ({detail})" if detail else ""))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the capability table (see the module docstring for each field's meaning)."""
+
+    name: str
+    windows: str = "layer_types"  # "layer_types" | "all" | "auto" (generic)
+    rope_per_layer_type: bool = False
+    attn_softcap: Optional[str] = None  # config key of the score softcap the attention module passes on
+    final_softcap: Optional[str] = None  # config key of the final-logit softcap of the CausalLM head
+    sinks: Optional[str] = None  # attribute of self_attn: per-query-head sink logits [Hq]
+    query_scale: str = "head_dim"  # "head_dim" | "query_pre_attn_scalar" | "module" (generic: not checked)
+    embed_scale: bool = False  # embed_tokens scales by sqrt(hidden_size) itself
+    fused_norm: Optional[str] = None  # the final norm's class when it is Llama-style (fusable)
+    moe: bool = False
+    known: bool = True
+
+
+#: The capability table, keyed by ``config.model_type``.
+FAMILIES: Dict[str, Family] = {
+    "llama": Family("Llama", fused_norm="LlamaRMSNorm"),
+    "qwen2": Family("Qwen2", fused_norm="Qwen2RMSNorm"),
+    "qwen3": Family("Qwen3", fused_norm="Qwen3RMSNorm"),
+    "mistral": Family("Mistral", windows="all", fused_norm="MistralRMSNorm"),
+    "phi3": Family("Phi-3", windows="all", fused_norm="Phi3RMSNorm"),
+    "gemma2": Family("Gemma2", attn_softcap="attn_logit_softcapping", final_softcap="final_logit_softcapping",
+                     query_scale="query_pre_attn_scalar", embed_scale=True),
+    "gemma3_text": Family("Gemma3", rope_per_layer_type=True, final_softcap="final_logit_softcapping",
+                          query_scale="query_pre_attn_scalar", embed_scale=True),
+    "qwen3_moe": Family("Qwen3-MoE", windows="all", fused_norm="Qwen3MoeRMSNorm", moe=True),
+    "gpt_oss": Family("gpt-oss", sinks="sinks", moe=True),
+}
+
+#: Unknown families: the generic decoder shape, features probed from the modules.
+GENERIC = Family("generic decoder", windows="auto", query_scale="module", known=False,
+                 fused_norm=None)
+
+#: Final-norm classes known to compute ``w * normed(x).to(dtype)`` (fusable for any family).
+LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm",
+                     "Qwen3MoeRMSNorm", "RMSNorm")
+
+
+def _truthy(config, key) -> bool:
+    return bool(getattr(config, key, None))
+
+
+#: Config features no family implements here: (config predicate, feature name).
+REFUSED = (
+    (lambda c: _truthy(c, "use_bidirectional_attention"), "bidirectional attention (use_bidirectional_attention)"),
+    (lambda c: getattr(c, "attention_chunk_size", None) is not None, "chunked attention (attention_chunk_size)"),
+    (lambda c: getattr(c, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
+)
+
+
+@dataclass
+class TargetSpec:
+    """What one model's passes must do, resolved from its family row, its config and its modules.
+
+    ``windows[l]``, ``attn_softcaps[l]``, ``sinks[l]`` (the module's own
+    parameter, not a copy): layer ``l``'s sliding window, score softcap and
+    sink logits, or None. ``rope_types``: the layer types to compute rotary
+    tables for (None: one table for every layer). ``final_softcap``: applied
+    to the target's logits in every choice (not to the drafter's).
+    ``experts``: the experts implementation to run while an adapter is open
+    (None: not an MoE model, or its implementation already has no host read).
+    """
+
+    family: Family
+    layer_types: List[str]
+    windows: List[Optional[int]]
+    attn_softcaps: List[Optional[float]]
+    sinks: List[Optional[torch.Tensor]]
+    rope_types: Optional[Tuple[str, ...]]
+    final_softcap: Optional[float]
+    fuse_norm: bool
+    experts: Optional[str]
+
+
+def _float_or_none(value) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def _family_of(config) -> Family:
+    return FAMILIES.get(getattr(config, "model_type", None), GENERIC)
+
+
+def _takes_layer_type(rotary_emb) -> bool:
+    try:
+        return "layer_type" in inspect.signature(rotary_emb.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def experts_modules(model) -> list:
+    """Modules dispatching on ``config._experts_implementation`` (transformers' ``@use_experts_implementation``)."""
+    return [m for m in model.modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(getattr(m, "config", None),
+                                                                                  "_experts_implementation")]
+
+
+def grouped_mm_runs_on(device: torch.device) -> bool:
+    """Whether transformers' ``grouped_mm`` experts reach torch's grouped GEMM (no host read) on ``device``.
+
+    Its fallback loops over ``offsets.tolist()``: CUDA needs sm_80+ and a torch
+    with ``grouped_mm``; CPU needs torch > 2.10 (older CPU kernels need
+    16-byte-aligned tensors or do not exist).
+    """
+    has = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    if not has:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        return (major, minor) > (2, 10)
+    return False
+
+
+def choose_experts_implementation(current: Optional[str], device: torch.device) -> Optional[str]:
+    """The implementation to switch to while open, or None to keep ``current``.
+
+    ``"eager"`` (a host read per MoE layer) becomes ``"grouped_mm"`` where it
+    runs on the device, else ``"batched_mm"``; ``"grouped_mm"`` that would fall
+    back to its host loop becomes ``"batched_mm"``; anything else is kept.
+    """
+    grouped = grouped_mm_runs_on(device)
+    if current in (None, "eager"):
+        return "grouped_mm" if grouped else "batched_mm"
+    if current == "grouped_mm" and not grouped:
+        return "batched_mm"
+    return None
+
+
+def _layer_windows(family: Family, config, layers, layer_types) -> List[Optional[int]]:
+    """Window of each layer (None: full attention), by the family's rule."""
+    w = getattr(config, "sliding_window", None)
+    w = None if w is None else int(w)
+    if family.windows == "all":
+        return [w] * len(layers)
+    if family.windows == "auto":
+        if all(hasattr(layer.self_attn, "sliding_window") for layer in layers):
+            return [None if layer.self_attn.sliding_window is None else int(layer.self_attn.sliding_window)
+                    for layer in layers]
+        if not getattr(config, "layer_types", None):
+            return [w] * len(layers)  # transformers' convention without layer_types: every layer slides
+    return [w if t == "sliding_attention" else None for t in layer_types]
+
+
+def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetSpec:
+    """The :class:`TargetSpec` of ``model``, or :class:`UnsupportedTargetFeature` naming what we cannot do."""
+    config = model.config
+    name = type(model).__name__
+    family = _family_of(config)
+
+    def refuse(feature, detail=""):
+        raise UnsupportedTargetFeature(name, feature, detail)
+
+    for predicate, feature in REFUSED:
+        if predicate(config):
+            refuse(feature)
+    if getattr(lm_head, "bias", None) is not None:
+        refuse("lm_head bias")
+    types = getattr(config, "layer_types", None)
+    layer_types = list(types) if types else ["full_attention"] * len(layers)
+    if len(layer_types) != len(layers):
+        refuse("layer_types", f"{len(layer_types)} entries for {len(layers)} layers")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        refuse(f"layer type {unknown[0]!r}", f"implemented: {', '.join(LAYER_TYPES)}")
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or getattr(attn, "layer_idx", None) != i:
+            refuse("decoder layer without a self_attn whose layer_idx is its index", f"layer {i}")
+
+    # softcaps and sinks: a known family names its keys; an unknown one that has them is refused
+    attn_key = family.attn_softcap
+    final_key = family.final_softcap
+    if not family.known:
+        for key, feature in (("attn_logit_softcapping", "attention softcap"),
+                             ("final_logit_softcapping", "final-logit softcap")):
+            if getattr(config, key, None) is not None:
+                refuse(f"{feature} ({key}) on an unknown family", f"model_type {config.model_type!r}")
+        if any(isinstance(getattr(l.self_attn, "sinks", None), torch.Tensor) for l in layers):
+            refuse("attention sinks on an unknown family", f"model_type {config.model_type!r}")
+    attn_cap = _float_or_none(getattr(config, attn_key, None)) if attn_key else None
+    if attn_cap is not None and getattr(config, "_attn_implementation", None) in SOFTCAP_BLIND_IMPLEMENTATIONS:
+        warnings.warn(f"{name} was loaded with attn_implementation={config._attn_implementation!r}, which ignores "
+                      f"the attention softcap ({attn_key}={attn_cap}): the model's own forward drops it, our passes "
+                      "apply it (as eager and flash attention do, and the checkpoint was trained with). Load it with "
+                      "attn_implementation='eager' to compare outputs.", stacklevel=3)
+    final_cap = _float_or_none(getattr(config, final_key, None)) if final_key else None
+    sinks: List[Optional[torch.Tensor]] = [None] * len(layers)
+    if family.sinks:
+        sinks = [getattr(l.self_attn, family.sinks, None) for l in layers]
+        if any(not isinstance(s, torch.Tensor) for s in sinks):
+            refuse("attention sinks", f"{family.name} attention modules without a {family.sinks!r} parameter")
+
+    # query scale: the module's scaling attribute is what its attention function receives
+    if family.query_scale != "module":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = config.query_pre_attn_scalar if family.query_scale == "query_pre_attn_scalar" else head_dim
+        want = float(base) ** -0.5
+        for i, layer in enumerate(layers):
+            got = getattr(layer.self_attn, "scaling", None)
+            if got is None or abs(float(got) - want) > 1e-12 * want:
+                refuse("query scaling",
+                       f"layer {i} scales by {got}, {family.name} by {family.query_scale}**-0.5 = {want}")
+
+    # embedding scale: the forward's input and the drafter's block input are both embed_tokens(ids)
+    if family.embed_scale:
+        scale = getattr(decoder.embed_tokens, "embed_scale", None)
+        if scale is None:
+            refuse("embedding scale", f"{family.name} scales embeddings by sqrt(hidden_size), but "
+                   f"{type(decoder.embed_tokens).__name__} does not")
+
+    takes_type = _takes_layer_type(rotary_emb)
+    if family.rope_per_layer_type != takes_type and family.known:
+        refuse("rotary embedding per layer type",
+               f"{family.name} expects {'a' if family.rope_per_layer_type else 'no'} layer_type argument")
+    rope_types = tuple(sorted(set(layer_types))) if takes_type else None
+
+    moe = experts_modules(model)
+    experts = None
+    if moe:
+        if family.known and not family.moe:
+            refuse("mixture of experts", f"{family.name} is a dense family")
+        experts = choose_experts_implementation(moe[0].config._experts_implementation, lm_head.weight.device)
+
+    fused = family.fused_norm or (type(norm).__name__ if type(norm).__name__ in LLAMA_STYLE_NORMS else None)
+    fuse_norm = type(norm).__name__ == fused and getattr(norm, "weight", None) is not None
+    return TargetSpec(
+        family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),
+        attn_softcaps=[attn_cap] * len(layers), sinks=sinks, rope_types=rope_types, final_softcap=final_cap,
+        fuse_norm=fuse_norm, experts=experts,
+    )
+
+
+# id(config) -> [implementation before the first open, open adapters]
+_experts_opened: dict = {}
+
+
+def open_experts(configs: Sequence, implementation: Optional[str]) -> None:
+    """Run the experts of ``configs`` with ``implementation`` while an adapter is open (nestable)."""
+    if implementation is None:
+        return
+    for config in configs:
+        entry = _experts_opened.get(id(config))
+        if entry is None:
+            _experts_opened[id(config)] = [config._experts_implementation, 1]
+            config._experts_implementation = implementation
+        else:
+            entry[1] += 1
+
+
+def close_experts(configs: Sequence, implementation: Optional[str]) -> None:
+    """Undo :func:`open_experts`; the last close restores the implementation the model was loaded with."""
+    if implementation is None:
+        return
+    for config in configs:
+        entry = _experts_opened.get(id(config))
+        if entry is None:
+            continue
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _experts_opened[id(config)]
+            config._experts_implementation = entry[0]
+
+
+def family_table() -> List[Dict[str, object]]:
+    """The table as rows (README / docs / tests print it)."""
+    rows = []
+    for model_type, f in FAMILIES.items():
+        rows.append(dict(model_type=model_type, family=f.name, windows=f.windows,
+                         rope_per_layer_type=f.rope_per_layer_type, attn_softcap=f.attn_softcap,
+                         final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
+                         embed_scale=f.embed_scale, fused_norm=f.fused_norm, moe=f.moe))
+    return rows
