@@ -1,0 +1,328 @@
+"""torch.library registrations (dflash_kernels/ops.py): opcheck, equality with the public ops, fakes,
+the cross-entropy backward, and graph-break-free torch.compile of the static-shape ops.
+
+Every check runs on both backends: the reference, and Triton under the CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1 when there is no GPU). The compile smoke tests use the ``aot_eager`` backend: Dynamo,
+the fakes and functionalization of the mutations run as under Inductor, without a C++ compile per graph.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import dflash_kernels as dk
+from dflash_kernels import available_backends, force_backend
+
+BACKENDS = available_backends(torch.device("cpu"))
+OPS = torch.ops.dflash
+
+
+def _draft(depth=3, k=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logprobs = torch.log_softmax(torch.randn(depth, 16, generator=g), dim=-1).topk(k, dim=-1).values
+    ids = torch.stack([torch.randperm(50, generator=g)[:k] for _ in range(depth)])
+    return logprobs, ids
+
+
+def _tree_inputs():
+    """A device-built tree and a target choice that accepts a path of two nodes below the root."""
+    logprobs, ids = _draft()
+    token_ids, depths, parents = dk.build_tree_device(logprobs, ids, 9)
+    choice = torch.full((parents.numel(),), 49, dtype=torch.int64)
+    first = 1  # node 1 is the best depth-1 child; accept it, then its best child if any
+    choice[0] = token_ids[first - 1]
+    kids = (parents[1:] == first).nonzero().flatten() + 1
+    if kids.numel():
+        choice[first] = token_ids[kids[0] - 1]
+    return logprobs, ids, token_ids, depths, parents, choice
+
+
+def _lm_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 16, generator=g).to(dtype)
+    weight = (torch.randn(40, 16, generator=g) * 0.5).to(dtype)
+    norm_weight = (torch.rand(16, generator=g) + 0.5).to(dtype)
+    positions = torch.tensor([4, 1, 1, 3])
+    return hidden, weight, norm_weight, positions
+
+
+def _attention_inputs():
+    g = torch.Generator().manual_seed(2)
+    prefix, t = 3, 5
+    query = torch.randn(4, t, 8, generator=g)
+    cache = torch.randn(2, 2, 2, 12, 8, generator=g)  # [L, 2, Hkv, Smax, D]: K/V are strided views
+    key, value = cache[1, 0, :, :prefix + t], cache[1, 1, :, :prefix + t]
+    bits = dk.ancestor_bits(torch.tensor([-1, 0, 0, 1, 2]))
+    positions = torch.tensor([3, 4, 4, 5, 5])
+    sinks = torch.randn(4, generator=g)
+    return query, key, value, bits, prefix, positions, sinks
+
+
+def _kv_inputs():
+    kv = torch.randn(2, 2, 2, 10, 4, generator=torch.Generator().manual_seed(3))
+    return kv, torch.tensor([3, 5, 6]), 3
+
+
+def cases():
+    """``(id, op, args, kwargs, public)``: ``public(*args, **kwargs)`` is the public call the op stands for."""
+    g = torch.Generator().manual_seed(4)
+    layers = [torch.randn(6, 8, generator=g) for _ in range(2)] + [torch.randn(6, 16, generator=g)[:, :8]]
+    rows = torch.tensor([4, 0, 2])
+    hidden, weight, norm_weight, positions = _lm_inputs()
+    targets = torch.tensor([3, -100, 7, 39])
+    loss_weights = torch.rand(4, generator=g)
+    logprobs, ids, token_ids, depths, parents, choice = _tree_inputs()
+    tree_bits = dk.ancestor_bits(parents)
+    query, key, value, bits, prefix, att_pos, sinks = _attention_inputs()
+    kv, src, dst = _kv_inputs()
+    lm = dict(norm_weight=norm_weight, positions=positions)
+
+    def walk_public(p, t, c):
+        accepted, bonus = dk.walk_tree(p, t, c)
+        return accepted, torch.tensor(bonus)
+
+    return [
+        ("gather_concat", OPS.gather_concat, (layers, rows), {}, lambda l, r: dk.gather_concat(l, r)),
+        ("gather_concat_all_rows", OPS.gather_concat, (layers,), {}, lambda l: dk.gather_concat(l)),
+        ("gather_concat_out", OPS.gather_concat_out, (layers, rows), {"out": torch.empty(3, 24)},
+         lambda l, r, out: dk.gather_concat(l, r, out=out)),
+        ("lm_head_logits", OPS.lm_head_logits, (hidden, weight), dict(lm, softcap=5.0),
+         lambda h, w, **kw: dk.lm_head_logits(h, w, **kw)),
+        ("lm_head_logits_bf16", OPS.lm_head_logits, (hidden, weight), {"logit_dtype": torch.bfloat16},
+         lambda h, w, **kw: dk.lm_head_logits(h, w, **kw)),
+        ("lm_head_argmax", OPS.lm_head_argmax, (hidden, weight), lm,
+         lambda h, w, **kw: dk.lm_head_argmax(h, w, **kw)),
+        ("lm_head_topk", OPS.lm_head_topk, (hidden, weight, 3), lm,
+         lambda h, w, k, **kw: dk.lm_head_topk(h, w, k, **kw)),
+        ("lm_head_sample", OPS.lm_head_sample, (hidden, weight, 0.8, 1234), lm,
+         lambda h, w, t, s, **kw: dk.lm_head_sample(h, w, t, seed=s, **kw)),
+        ("lm_head_cross_entropy", OPS.lm_head_cross_entropy,
+         (hidden.clone().requires_grad_(True), weight, targets, loss_weights), dict(lm, softcap=4.0),
+         lambda h, w, t, lw, **kw: dk.lm_head_cross_entropy(h, w, t, weights=lw, **kw)),
+        ("ancestor_bits", OPS.ancestor_bits, (parents,), {}, lambda p: dk.ancestor_bits(p)),
+        ("ancestor_bits_nocheck", OPS.ancestor_bits, (parents,), {"check": False},
+         lambda p, check: dk.ancestor_bits(p, check=check)),
+        ("tree_positions", OPS.tree_positions, (depths, 10), {}, dk.tree_positions),
+        ("build_tree", OPS.build_tree, (logprobs, ids, 9), {}, dk.build_tree),
+        ("walk_tree", OPS.walk_tree, (parents, token_ids, choice), {}, walk_public),
+        ("build_tree_device", OPS.build_tree_device, (logprobs, ids, 9), {}, dk.build_tree_device),
+        ("walk_tree_device", OPS.walk_tree_device, (parents, token_ids, choice, 3), {},
+         dk.walk_tree_device),
+        ("walk_tree_device_bits", OPS.walk_tree_device, (parents, token_ids, choice, 3, tree_bits), {},
+         dk.walk_tree_device),
+        ("tree_attention", OPS.tree_attention, (query, key, value, bits, prefix), {},
+         lambda *a: dk.tree_attention(*a)),
+        ("tree_attention_chain", OPS.tree_attention, (query[None], key[None], value[None], None, prefix), {},
+         lambda *a: dk.tree_attention(*a)),
+        ("tree_attention_window", OPS.tree_attention, (query, key, value, bits, prefix, 0.3),
+         dict(positions=att_pos, window=2, softcap=3.0, sinks=sinks),
+         lambda *a, **kw: dk.tree_attention(*a, **kw)),
+        ("tree_attention_mask", OPS.tree_attention_mask, (bits, prefix, torch.bfloat16), {},
+         dk.tree_attention_mask),
+        ("compact_kv_", OPS.compact_kv_, (kv, src, dst), {}, lambda *a: dk.compact_kv_(*a)),
+        ("compact_kv_count", OPS.compact_kv_, (kv, src, dst, torch.tensor([2])), {},
+         lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+    ]
+
+
+CASES = cases()
+IDS = [c[0] for c in CASES]
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def test_every_public_op_is_registered():
+    names = {"gather_concat", "gather_concat_out", "lm_head_logits", "lm_head_argmax", "lm_head_topk",
+             "lm_head_sample", "lm_head_cross_entropy", "lm_head_cross_entropy_backward", "ancestor_bits",
+             "tree_positions", "build_tree", "walk_tree", "build_tree_device", "walk_tree_device",
+             "tree_attention", "tree_attention_mask", "compact_kv_"}
+    for name in names:
+        assert hasattr(OPS, name), name
+    schema = str(OPS.compact_kv_.default._schema)
+    assert "Tensor(a0!) kv" in schema and schema.endswith("-> Tensor(a0!)")
+    assert "*, Tensor(a3!) out) -> Tensor(a3!)" in str(OPS.gather_concat_out.default._schema)
+    assert "Tensor[] layers" in str(OPS.gather_concat.default._schema)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_opcheck(case, backend):
+    _, op, args, kwargs, _ = case
+    with force_backend(backend):
+        torch.library.opcheck(op, _clone(args), _clone(kwargs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_op_equals_public_and_fake_shapes(case, backend):
+    name, op, args, kwargs, public = case
+    with force_backend(backend):
+        got_args, got_kwargs = _clone(args), _clone(kwargs)
+        got = _flat(op(*got_args, **got_kwargs))
+        want_args, want_kwargs = _clone(args), _clone(kwargs)
+        want = _flat(public(*want_args, **want_kwargs))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.device == w.device, name
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
+    for g, w in zip(_flat(got_args) + list(got_kwargs.values()), _flat(want_args) + list(want_kwargs.values())):
+        if isinstance(g, torch.Tensor):  # mutated inputs (kv, out) end equal too
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    if name in ("compact_kv_", "compact_kv_count"):
+        assert got[0] is got_args[0]
+    if name == "gather_concat_out":
+        assert got[0] is got_kwargs["out"]
+
+    real_args, real_kwargs = _clone(args), _clone(kwargs)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    to_fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    fake_args = [[to_fake(y) for y in a] if isinstance(a, list) else to_fake(a) for a in real_args]
+    fake_kwargs = {k: to_fake(v) for k, v in real_kwargs.items()}
+    with mode:
+        fake = _flat(op(*fake_args, **fake_kwargs))
+    for f, g in zip(fake, got):
+        assert f.dtype == g.dtype and f.device == g.device, name
+        if name == "walk_tree" and f.dim() == 1:  # the accepted path's length is data-dependent
+            assert isinstance(f.shape[0], torch.SymInt)
+            continue
+        assert tuple(f.shape) == tuple(g.shape), name
+
+
+def test_build_tree_size_is_static():
+    """The C++ heap always reaches tree_size(D, K, budget) nodes, even with -inf log-probs and at K = 1."""
+    for depth, k, budget in ((3, 4, 9), (2, 2, 50), (4, 1, 3), (1, 3, 0), (3, 3, 39)):
+        logprobs, ids = _draft(depth, k, seed=depth * 10 + k)
+        logprobs[:, 1:] = float("-inf")
+        token_ids, depths, parents = OPS.build_tree(logprobs, ids, budget)
+        n = dk.tree_size(depth, k, budget)
+        assert token_ids.shape == (n,) and depths.shape == (n,) and parents.shape == (n + 1,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["plain", "norm_positions", "softcap_weights_bf16"])
+def test_cross_entropy_gradient_matches_public(variant, backend):
+    hidden, weight, norm_weight, positions = _lm_inputs(torch.bfloat16 if "bf16" in variant else torch.float32)
+    n = hidden.shape[0]
+    kw = {}
+    targets = torch.tensor([3, -100, 7, 39, 0])
+    if variant != "plain":
+        kw = dict(norm_weight=norm_weight, positions=positions)
+        targets = targets[:4]
+    if "softcap" in variant:
+        kw["softcap"] = 4.0
+        kw["weights"] = torch.rand(targets.numel())
+    grad_out = torch.randn(targets.numel())
+    with force_backend(backend):
+        h_op = hidden.clone().requires_grad_(True)
+        loss_op = OPS.lm_head_cross_entropy(h_op, weight, targets, **kw)
+        (grad_op,) = torch.autograd.grad(loss_op, h_op, grad_out)
+        h_pub = hidden.clone().requires_grad_(True)
+        loss_pub = dk.lm_head_cross_entropy(h_pub, weight, targets, **kw)
+        (grad_pub,) = torch.autograd.grad(loss_pub, h_pub, grad_out)
+    assert grad_op.shape == (n, 16) and grad_op.dtype == hidden.dtype
+    torch.testing.assert_close(loss_op, loss_pub)
+    tol = dict(rtol=2e-2, atol=2e-2) if hidden.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_op.float(), grad_pub.float(), **tol)
+    if variant == "norm_positions":  # row 1 is selected twice, rows 0 and 2 never
+        assert grad_op[0].abs().sum() == 0 and grad_op[2].abs().sum() == 0 and grad_op[1].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _compiled_breaks(fn, *args):
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    return out, sum(counters["graph_break"].values())
+
+
+def _gather_step(layers, rows, out):
+    OPS.gather_concat_out(layers, rows, False, out=out[1:])
+    return OPS.gather_concat(layers, rows, False) * 2
+
+
+def _argmax_step(hidden, weight, norm_weight, positions):
+    return OPS.lm_head_argmax(hidden + 1, weight, norm_weight, positions, 1e-6, False) + 1
+
+
+def _attention_step(query, key, value, bits, prefix):
+    return OPS.tree_attention(query * 0.5, key, value, bits, prefix).sum(0)
+
+
+def _compact_step(kv, src, dst):
+    OPS.compact_kv_(kv, src, dst, None, False)
+    return kv[:, :, :, :dst + src.numel()].sum()
+
+
+def _tree_step(logprobs, ids, choice):
+    token_ids, depths, parents = OPS.build_tree_device(logprobs, ids, 9)
+    bits = OPS.ancestor_bits(parents, False)
+    path, path_len, committed = OPS.walk_tree_device(parents, token_ids, choice, logprobs.shape[0], bits)
+    return path, path_len, committed, OPS.tree_positions(depths, 7)
+
+
+def _compile_cases():
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randn(6, 8, generator=g) for _ in range(3)]
+    hidden, weight, norm_weight, positions = _lm_inputs()
+    query, key, value, bits, prefix, _, _ = _attention_inputs()
+    logprobs, ids, _, _, _, choice = _tree_inputs()
+    return [
+        ("gather", _gather_step, (layers, torch.tensor([5, 1]), torch.zeros(3, 24))),
+        ("lm_head_argmax", _argmax_step, (hidden, weight, norm_weight, positions)),
+        ("tree_attention", _attention_step, (query, key, value, bits, prefix)),
+        ("compact_kv_", _compact_step, _kv_inputs()),
+        ("build_tree_device", _tree_step, (logprobs, ids, choice)),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", _compile_cases(), ids=lambda c: c[0])
+def test_compile_fullgraph_no_graph_breaks(case, backend):
+    name, fn, args = case
+    with force_backend(backend):
+        eager_args = _clone(args)
+        want = _flat(fn(*eager_args))
+        compiled_args = _clone(args)
+        got, breaks = _compiled_breaks(fn, *compiled_args)
+    assert breaks == 0, dict(counters["graph_break"])
+    for g, w in zip(_flat(got), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
+    for g, w in zip(_flat(compiled_args), _flat(eager_args)):  # the mutations happened in place
+        if isinstance(g, torch.Tensor):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_explain_counts_one_graph():
+    """torch._dynamo.explain sees the tree round's four ops as one graph, no break."""
+    logprobs, ids, _, _, _, choice = _tree_inputs()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_tree_step)(logprobs, ids, choice)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    targets = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes}
+    for op in ("build_tree_device", "ancestor_bits", "walk_tree_device", "tree_positions"):
+        assert f"dflash.{op}" in targets
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_cross_entropy_backward(backend):
+    """The backward op on its own (the forward's opcheck reaches it through autograd)."""
+    hidden, weight, norm_weight, positions = _lm_inputs()
+    args = (torch.randn(4), hidden, weight, torch.tensor([3, -100, 7, 39]), torch.rand(4), norm_weight, positions)
+    with force_backend(backend):
+        torch.library.opcheck(OPS.lm_head_cross_entropy_backward, args, {"softcap": 4.0})
