@@ -1,14 +1,18 @@
 """dflash: DFlash and DDTree speculative decoding on Hugging Face transformers.
 
-``dflash.generate(target, draft, input_ids, method="ar"|"dflash"|"ddtree", ...)``
-is the entry point; :class:`DFlashDraftModel` is the drafter.
+``dflash.apply(target, draft)`` makes an unchanged ``target.generate(...)`` speculative
+(undone by ``dflash.unapply(target)``); ``dflash.generate(target, draft, input_ids,
+method="ar"|"dflash"|"ddtree", ...)`` is the direct entry point (transformers' generate
+keywords, a :class:`GenerationResult` with the statistics); ``dflash.stream(...)`` yields each
+round's tokens; :class:`DFlashDraftModel` is the drafter.
 
 Subpackages, each importing only the ones listed after it: ``benchmark``,
 ``training``, ``tiny``, ``decoding``, ``target``, ``drafter`` (and the bottom
 module ``kv_buffer``). See docs/ARCHITECTURE.md.
 """
 
-from .decoding import GenerationResult, generate, spec_generate, warmup
+from .decoding import (GenerationResult, SamplingSettings, UnsupportedGeneration, apply, generate, spec_generate,
+                       stream, unapply, warmup)
 from .drafter import DFlashDraftModel, DraftConfigError, default_target_layer_ids, make_draft_config
 from .target import TargetAdapter, TargetStructureError
 
@@ -20,10 +24,15 @@ __all__ = [
     "DFlashDraftModel",
     "DraftConfigError",
     "GenerationResult",
+    "SamplingSettings",
     "TargetAdapter",
     "TargetStructureError",
+    "UnsupportedGeneration",
+    "apply",
     "default_target_layer_ids",
     "generate",
     "make_draft_config",
+    "stream",
+    "unapply",
     "warmup",
 ]

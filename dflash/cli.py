@@ -2,14 +2,20 @@
 
 ``demo`` and ``generate`` live here; the other commands belong to their
 modules (each exposes ``main(argv)``) and are dispatched by name.
+
+A bad argument (a block size below 2, a tree budget below 1, a missing
+directory, a drafter that does not fit the target, an unknown method, a
+refused generate keyword) prints ONE line, ``python -m dflash <cmd>: error:
+<what is wrong and what is allowed>``, and exits with status 2; ``--debug``
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-import time
 from typing import List, Optional
 
 # command -> (module, one-line help); each module has main(argv) -> int
@@ -17,7 +23,45 @@ DELEGATED = {
     "bench": ("dflash.benchmark.run", "end-to-end benchmark: methods, budgets, temperatures, peers, plots"),
     "train": ("dflash.training.train", "train a DFlash drafter for a target"),
     "train-target": ("dflash.tiny.pretrain", "train the tiny byte-level target on the standard library"),
+    "convert": ("dflash.drafter.convert", "convert a drafter checkpoint between the z-lab and transformers formats"),
 }
+
+METHOD_CHOICES = ("ar", "dflash", "ddtree")
+
+
+class UsageError(Exception):
+    """A bad command-line argument: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit status 2."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _int_at_least(low: int, what: str):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int; {what}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small; {what}")
+        return value
+    return parse
+
+
+def _float_at_least(low: float, what: str):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; {what}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small; {what}")
+        return value
+    return parse
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split a "Key: value" header line."""\n'
 
@@ -29,7 +73,12 @@ def _load_pair(target_dir: Optional[str], draft_dir: Optional[str], dtype):
     if target_dir is None and draft_dir is None:
         return load_default_pair(dtype=dtype)
     if target_dir is None or draft_dir is None:
-        raise SystemExit("give both --target and --draft, or neither (the embedded default pair)")
+        raise UsageError("give both --target and --draft, or neither (the embedded default pair)")
+    for flag, path, marker in (("--target", target_dir, "config.json"), ("--draft", draft_dir, "config.json")):
+        if not os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: no such directory (a local model directory with {marker})")
+        if not os.path.isfile(os.path.join(path, marker)):
+            raise UsageError(f"{flag} {path}: not a model directory (no {marker} in it)")
     return load_pair(target_dir, draft_dir, dtype=dtype)
 
 
@@ -54,9 +103,10 @@ def cmd_demo(args) -> int:
     prompt = _encode(tokenizer, args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0,
               stop_token_ids=[tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else None)
-    generate(target, draft, prompt, method=args.method, max_new_tokens=8, tree_budget=args.tree_budget)  # warm-up
+    tree = dict(tree_budget=args.tree_budget) if args.method == "ddtree" else {}
+    generate(target, draft, prompt, method=args.method, max_new_tokens=8, **tree)  # warm-up
     baseline = generate(target, None, prompt, method="ar", **kw)
-    result = generate(target, draft, prompt, method=args.method, tree_budget=args.tree_budget, **kw)
+    result = generate(target, draft, prompt, method=args.method, **tree, **kw)
     same = torch.equal(result.output_ids, baseline.output_ids)
     text = tokenizer.decode(result.generated_ids[0].tolist())
     print("=" * 72)
@@ -74,56 +124,146 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _read_prompt(args) -> str:
+    """The prompt: --prompt, else --prompt-file, else stdin (when it is not a terminal)."""
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        if not os.path.isfile(args.prompt_file):
+            raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    if sys.stdin is not None and not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text:
+            return text
+    raise UsageError("no prompt: give --prompt TEXT, --prompt-file FILE, or pipe the prompt on stdin")
+
+
+def _chat_ids(tokenizer, text: str, chat: Optional[bool]):
+    """Token ids of the prompt, through the tokenizer's chat template when it has one (``--chat`` / ``--no-chat``)."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has_template:
+        raise UsageError("--chat: the target's tokenizer has no chat template (drop --chat for a raw prompt)")
+    if has_template and chat is not False:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        import torch
+
+        return torch.tensor([list(ids)], dtype=torch.long)
+    return _encode(tokenizer, text)
+
+
 def cmd_generate(args) -> int:
+    """Stream the continuation of a prompt as text; statistics on stderr."""
     import torch
 
-    from . import generate
+    from . import stream
 
+    text = _read_prompt(args)
     torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr carries only the statistics (or the one error line)
     target, draft, tokenizer = _load_pair(args.target, args.draft, getattr(torch, args.dtype))
-    prompt = _encode(tokenizer, args.prompt)
-    result = generate(target, draft, prompt, method=args.method, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, seed=args.seed, tree_budget=args.tree_budget,
-                      block_size=args.block_size)
-    print(tokenizer.decode(result.generated_ids[0].tolist()))
-    s = result.summary()
+    prompt = _chat_ids(tokenizer, text, args.chat)
+    kw = dict(method=args.method, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.temperature is not None:
+        kw["temperature"] = args.temperature
+    for name in ("do_sample", "top_k", "top_p", "min_p"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.method != "ar" and args.block_size is not None:
+        kw["block_size"] = args.block_size
+    if args.method == "ddtree" and args.tree_budget is not None:
+        kw["tree_budget"] = args.tree_budget
+    it = stream(target, draft if args.method != "ar" else None, prompt, tokenizer=tokenizer, **kw)
+    for piece in it:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = it.result.summary()
     print(f"[{s['method']}] tau {s['tau']:.2f}, {s['tokens_per_second']:.1f} tokens/s, "
           f"ttft {s['time_to_first_token'] * 1e3:.1f} ms, tpot {s['time_per_output_token'] * 1e3:.2f} ms",
           file=sys.stderr)
     return 0
 
 
-def _add_pair_args(p: argparse.ArgumentParser) -> None:
+def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--target", help="local HF target directory (default: the embedded tiny pair)")
     p.add_argument("--draft", help="local DFlash drafter directory (default: the embedded tiny pair)")
-    p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="dflash")
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--tree-budget", type=int, default=None)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--method", choices=METHOD_CHOICES, default="dflash")
+    if generate:
+        p.add_argument("--prompt", default=None, help="the prompt (default: --prompt-file, else stdin)")
+        p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+        p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                       help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
+    else:
+        p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1, "--max-new-tokens must be >= 1"), default=256)
+    p.add_argument("--temperature", type=_float_at_least(0.0, "--temperature must be >= 0 (0 = greedy)"),
+                   default=None if generate else 0.0)
+    p.add_argument("--tree-budget", type=_int_at_least(1, "--tree-budget must be >= 1 (draft nodes per round)"),
+                   default=None)
+    p.add_argument("--threads", type=_int_at_least(1, "--threads must be >= 1"), default=1,
                    help="torch CPU threads (default 1: small models decode fastest single-threaded)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dflash", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="python -m dflash", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="generate with the embedded default pair and show tau and speedup")
     _add_pair_args(demo)
-    gen = sub.add_parser("generate", help="generate text with a target and a drafter")
-    _add_pair_args(gen)
-    gen.add_argument("--block-size", type=int, default=None)
+    gen = sub.add_parser("generate", help="generate text with a target and a drafter (streamed)")
+    _add_pair_args(gen, generate=True)
+    gen.add_argument("--block-size", type=_int_at_least(2, "--block-size must be >= 2 (anchor + at least one "
+                                                           "draft)"), default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                     help="sample (default: the target's generation_config; --temperature > 0 alone samples)")
+    gen.add_argument("--top-k", type=_int_at_least(0, "--top-k must be >= 0 (0 = off)"), default=None)
+    gen.add_argument("--top-p", type=_float_at_least(0.0, "--top-p must be in [0, 1]"), default=None)
+    gen.add_argument("--min-p", type=_float_at_least(0.0, "--min-p must be in [0, 1]"), default=None)
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
+def _target_structure_error():
+    from .target import TargetStructureError
+
+    return TargetStructureError
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run a command; returns its exit status (2 for a bad argument, with one line on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         module = importlib.import_module(DELEGATED[argv[0]][0])
         return int(module.main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
-    return {"demo": cmd_demo, "generate": cmd_generate}[args.command](args)
+    debug = "--debug" in argv
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    prog = "python -m dflash" + (f" {command}" if command in ("demo", "generate") else "")
+    try:
+        args = build_parser().parse_args(argv)
+        return {"demo": cmd_demo, "generate": cmd_generate}[args.command](args)
+    except UsageError as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (ValueError, NotImplementedError, OSError, _target_structure_error()) as exc:
+        # DraftConfigError, UnsupportedGeneration and the loops' argument checks are ValueErrors
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2

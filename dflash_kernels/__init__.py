@@ -22,6 +22,7 @@ from .lm_head import *  # noqa: F401,F403
 from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
+from .sampling import *  # noqa: F401,F403
 from . import ops  # noqa: F401  (torch.library registrations)
 
 __version__ = "0.1.0"

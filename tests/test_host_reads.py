@@ -51,12 +51,14 @@ def _backend(name):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("dflash", 0.0), ("ddtree", 0.0), ("dflash", 0.8),
-                                                ("ddtree", 0.8)])
-def test_one_host_read_per_round(backend, method, temperature):
+@pytest.mark.parametrize("method,temperature,filters", [
+    ("ar", 0.0, {}), ("dflash", 0.0, {}), ("ddtree", 0.0, {}), ("dflash", 0.8, {}), ("ddtree", 0.8, {}),
+    ("dflash", 0.8, {"top_k": 20, "top_p": 0.9, "min_p": 0.05}),  # the processed-distribution sampler
+])
+def test_one_host_read_per_round(backend, method, temperature, filters):
     target = tiny_target("qwen3", layers=3, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
-    kw = dict(method=method, max_new_tokens=14, temperature=temperature, seed=1, stage_timing=True)
+    kw = dict(method=method, max_new_tokens=14, temperature=temperature, seed=1, stage_timing=True, **filters)
     if method == "ddtree":
         kw["tree_budget"] = 6
     result = {}

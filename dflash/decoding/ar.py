@@ -13,25 +13,33 @@ import torch
 
 from ..target import TargetAdapter
 from .result import GenerationResult
-from .speculation import HostReader, SeedSource, StageClock, _check_common, _Output, _prepare_prompt, prefill
+from .speculation import (HostReader, SeedSource, StageClock, _check_common, _Output, _prepare_prompt, as_sampling,
+                          choose_tokens, prefill)
 
 
 @torch.inference_mode()
 def ar_generate(target, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None, seed=None,
-                stage_timing=True) -> GenerationResult:
-    """Plain autoregressive decoding (``acceptance_lengths`` all 1; verify time = decode time)."""
-    stop_ids = _check_common(max_new_tokens, temperature, stop_token_ids)
+                stage_timing=True, sampling=None, stopping_criteria=None, streamer=None) -> GenerationResult:
+    """Plain autoregressive decoding (``acceptance_lengths`` all 1; verify time = decode time).
+
+    ``sampling`` replaces ``temperature`` when given; ``stopping_criteria`` and
+    ``streamer`` as in :func:`~dflash.decoding.chain.dflash_generate` (one
+    token per put).
+    """
+    sampling = as_sampling(sampling, temperature)
+    stop_ids = _check_common(max_new_tokens, sampling.temperature, stop_token_ids)
     adapter = TargetAdapter(target)
+    out = None
     try:
         device = adapter.device
         prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
         seeds = SeedSource(seed)
         cache = adapter.new_cache(prompt.numel() + max_new_tokens + 1)
-        out = _Output(prompt, max_new_tokens, stop_ids)
+        out = _Output(prompt, max_new_tokens, stop_ids, stopping_criteria=stopping_criteria, streamer=streamer)
         result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method="ar")
         reader = HostReader(device, 1)
         start = time.perf_counter()
-        token, _ = prefill(adapter, prompt, cache, temperature, seeds)
+        token, _ = prefill(adapter, prompt, cache, sampling, seeds)
         out.extend(reader.read(token))
         result.time_to_first_token = time.perf_counter() - start
         clock = StageClock(device, stage_timing)
@@ -39,7 +47,7 @@ def ar_generate(target, input_ids, *, max_new_tokens, temperature=0.0, stop_toke
             n = out.committed
             hidden = adapter.forward(token, torch.arange(n - 1, n, device=device), cache)
             cache.commit(1)
-            token = adapter.choose(hidden, temperature, seed=seeds.next())
+            token = choose_tokens(adapter, hidden, sampling, seeds.next())
             out.extend(reader.read(token))
             result.acceptance_lengths.append(1)
             clock.mark("verify")
@@ -48,4 +56,8 @@ def ar_generate(target, input_ids, *, max_new_tokens, temperature=0.0, stop_toke
         result.output_ids = torch.tensor([out.tokens], device=device)
         return result
     finally:
-        adapter.close()
+        try:
+            if out is not None:
+                out.close()
+        finally:
+            adapter.close()

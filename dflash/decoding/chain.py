@@ -31,11 +31,19 @@ from .speculation import Speculation
 
 @torch.inference_mode()
 def dflash_generate(target, draft, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None,
-                    block_size=None, seed=None, stage_timing=True) -> GenerationResult:
-    """DFlash speculative decoding (one chain of ``block_size - 1`` drafts per round)."""
+                    block_size=None, seed=None, stage_timing=True, sampling=None, stopping_criteria=None,
+                    streamer=None) -> GenerationResult:
+    """DFlash speculative decoding (one chain of ``block_size - 1`` drafts per round).
+
+    ``sampling`` (a :class:`~dflash.decoding.generation_config.SamplingSettings`)
+    replaces ``temperature`` when given; ``stopping_criteria`` and ``streamer``
+    as in :class:`~dflash.decoding.speculation._Output` (the streamer gets each
+    round's committed tokens as the round commits them).
+    """
     with Speculation(target, draft, input_ids, method="dflash", max_new_tokens=max_new_tokens,
                      temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                     stage_timing=stage_timing) as s:
+                     stage_timing=stage_timing, sampling=sampling, stopping_criteria=stopping_criteria,
+                     streamer=streamer) as s:
         B, clock = s.B, s.clock
         block_offsets = torch.arange(B, device=s.device)
         s.prefill()
@@ -49,7 +57,7 @@ def dflash_generate(target, draft, input_ids, *, max_new_tokens, temperature=0.0
             # verify: the block at positions n-1 .. n-1+B-1 (a causal chain after the committed prefix)
             block = torch.cat([s.last_token, proposals])
             hidden = s.adapter.forward(block, (n - 1) + block_offsets, s.cache)
-            choices = s.adapter.choose(hidden, temperature, seed=s.seeds.next())
+            choices = s.choose(hidden)
             clock.mark("verify")
 
             # commit: longest matching prefix plus the bonus token; the round's one host read

@@ -53,18 +53,22 @@ def _host_tree_ops(device: torch.device) -> bool:
 @torch.inference_mode()
 def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperature=0.0, stop_token_ids=None,
                            block_size=None, seed=None, tree_budget=None, mask_token_id=None, return_trees=False,
-                           stage_timing=True) -> GenerationResult:
+                           stage_timing=True, sampling=None, stopping_criteria=None,
+                           streamer=None) -> GenerationResult:
     """DDTree generation; returns a :class:`GenerationResult` with per-round tree statistics.
 
     ``tree_budget``: draft nodes per round (default ``2 * (B - 1)``);
     ``return_trees``: keep each round's tree (tokens, depths, parents,
-    accepted node indices) in ``result.trees`` (costs extra host copies).
+    accepted node indices) in ``result.trees`` (costs extra host copies);
+    ``sampling`` replaces ``temperature`` when given; ``stopping_criteria``
+    and ``streamer`` as in :func:`~dflash.decoding.chain.dflash_generate`.
     """
     B = block_size if block_size is not None else draft.block_size
     budget = _check_budget(tree_budget if tree_budget is not None else 2 * (int(B) - 1))
     with Speculation(target, draft, input_ids, method="ddtree", max_new_tokens=max_new_tokens,
                      temperature=temperature, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                     tree_size=budget, mask_token_id=mask_token_id, stage_timing=stage_timing) as s:
+                     tree_size=budget, mask_token_id=mask_token_id, stage_timing=stage_timing, sampling=sampling,
+                     stopping_criteria=stopping_criteria, streamer=streamer) as s:
         result, clock = s.result, s.clock
         D = s.B - 1
         K = min(budget, s.adapter.vocab_size)
@@ -84,7 +88,7 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
             bits = dflash_kernels.ancestor_bits(parents, check=False)
             hidden = s.adapter.forward(verify_ids, dflash_kernels.tree_positions(depths, start), s.cache,
                                        tree_bits=bits)
-            choices = s.adapter.choose(hidden, temperature, seed=s.seeds.next())
+            choices = s.choose(hidden)
             clock.mark("verify")
 
             if on_host:  # C++ walk on host tensors, host compaction indices

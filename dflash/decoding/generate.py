@@ -1,40 +1,96 @@
-"""``generate()``: one entry point for the AR baseline, the DFlash chain and the DDTree loop."""
+"""``generate()``: one entry point for the AR baseline, the DFlash chain and the DDTree loop.
+
+The call's keywords are resolved against ``target.generation_config`` as
+transformers resolves them (:mod:`dflash.decoding.generation_config`), then
+the method's loop runs with the resolved settings.
+"""
 
 from __future__ import annotations
 
 from .ar import ar_generate
 from .chain import dflash_generate
 from .ddtree import ddtree_generate_result
+from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
 from .result import GenerationResult
+from .speculation import unsupported_sampling
 
 METHODS = ("ar", "dflash", "ddtree")
 
+# loop keywords each method takes besides the common ones
+_METHOD_KEYWORDS = {
+    "ar": {"seed", "stage_timing"},
+    "dflash": {"seed", "stage_timing", "block_size"},
+    "ddtree": {"seed", "stage_timing", "block_size", "tree_budget", "mask_token_id", "return_trees"},
+}
 
-def generate(target, draft=None, input_ids=None, *, method: str = "dflash", max_new_tokens: int,
-             temperature: float = 0.0, stop_token_ids=None, block_size=None, seed=None, tree_budget=None,
-             **kwargs) -> GenerationResult:
-    """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``.
 
-    ``target``: a HF causal LM (Qwen3, Llama, ...); ``draft``: a
-    :class:`dflash.DFlashDraftModel` (unused by ``ar``); ``input_ids``:
-    ``[T]`` or ``[1, T]`` (batch 1). Temperature 0 is greedy and the output is
-    exactly the target's own greedy decoding; at T > 0 the target samples
-    (reproducible with ``seed``). Generation stops after ``max_new_tokens``
-    new tokens or right after a token of ``stop_token_ids``.
+def prepare_generation(target, draft, input_ids, *, method: str = "dflash", generation_config=None,
+                       **kwargs) -> GenerationPlan:
+    """Check the method and resolve the keywords into a :class:`GenerationPlan`, before any model runs.
+
+    Raises ``ValueError`` (an :class:`UnsupportedGeneration` for a keyword our
+    loops cannot serve) or ``NotImplementedError`` (a sampling setting the
+    sampler cannot apply yet), naming the keyword and what is allowed.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
-    if method == "ar":
-        return ar_generate(target, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                           stop_token_ids=stop_token_ids, seed=seed, **kwargs)
-    if draft is None:
+    if method != "ar" and draft is None:
         raise ValueError(f"method {method!r} needs a drafter (draft=DFlashDraftModel)")
+    plan = resolve_generation(target, input_ids, generation_config, **kwargs)
+    for name, value in plan.loop_kwargs.items():
+        if name not in _METHOD_KEYWORDS[method] and value is not None:
+            allowed = ", ".join(sorted(_METHOD_KEYWORDS[method]))
+            raise UnsupportedGeneration(name, f"{name} does not apply to method {method!r} (its own keywords: "
+                                              f"{allowed})")
+    missing = unsupported_sampling(plan.sampling)
+    if missing is not None:
+        raise NotImplementedError(f"{missing}={getattr(plan.sampling, missing)!r}: top-k / top-p / min-p sampling "
+                                  "is not implemented yet; pass only a temperature (top_k=0, top_p=1.0, "
+                                  "min_p=None), or do_sample=False")
+    return plan
+
+
+def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: str = "dflash") -> GenerationResult:
+    """Run ``method``'s loop with a resolved plan (see :func:`prepare_generation`)."""
+    kw = dict(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling, stop_token_ids=plan.stop_token_ids,
+              stopping_criteria=plan.stopping_criteria, streamer=plan.streamer)
+    kw.update({k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
+    if method == "ar":
+        return ar_generate(target, input_ids, **kw)
     if method == "dflash":
-        return dflash_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                               stop_token_ids=stop_token_ids, block_size=block_size, seed=seed, **kwargs)
-    return ddtree_generate_result(target, draft, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-                                  tree_budget=tree_budget, **kwargs)
+        return dflash_generate(target, draft, input_ids, **kw)
+    return ddtree_generate_result(target, draft, input_ids, **kw)
+
+
+def generate(target, draft=None, input_ids=None, *, method: str = "dflash", generation_config=None,
+             **kwargs) -> GenerationResult:
+    """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``; returns a :class:`GenerationResult`.
+
+    ``target``: a HF causal LM (Qwen3, Llama, ...); ``draft``: a
+    :class:`dflash.DFlashDraftModel` (unused by ``ar``); ``input_ids``:
+    ``[T]`` or ``[1, T]`` (batch 1).
+
+    Keywords are transformers' generate keywords, resolved exactly as
+    ``target.generate()`` resolves them (defaults from
+    ``target.generation_config``, then transformers' global defaults):
+    ``generation_config``, ``max_new_tokens`` / ``max_length`` (default: 20 new
+    tokens), ``do_sample`` (False: greedy whatever the temperature),
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id`` (int or
+    list: stop right after one), ``pad_token_id``, ``stopping_criteria``,
+    ``streamer``; plus our own ``stop_token_ids``, ``seed`` (reproducible
+    samples), ``block_size``, ``tree_budget``, ``mask_token_id``,
+    ``return_trees``, ``stage_timing``. A ``temperature > 0`` given with no
+    ``do_sample`` anywhere samples at that temperature (this package's
+    convention before the transformers semantics). Anything our loops cannot
+    serve (``num_beams > 1``, ``repetition_penalty != 1``, logits processors,
+    ...) raises a ``ValueError`` naming it; nothing is silently ignored.
+
+    Greedy output is exactly the target's own greedy decoding; sampled output
+    has the distribution of ``target.generate(do_sample=True)`` with the same
+    settings.
+    """
+    plan = prepare_generation(target, draft, input_ids, method=method, generation_config=generation_config, **kwargs)
+    return run_generation(target, draft, input_ids, plan, method=method)
 
 
 def spec_generate(draft, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):

@@ -30,6 +30,11 @@ class GenerationResult:
     trees: List[dict] = field(default_factory=list)
 
     @property
+    def sequences(self) -> torch.Tensor:
+        """``output_ids`` under transformers' name (``GenerateDecoderOnlyOutput.sequences``)."""
+        return self.output_ids
+
+    @property
     def generated_ids(self) -> torch.Tensor:
         """The new tokens only, ``[1, new]``."""
         return self.output_ids[:, self.num_prompt_tokens :]

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import random
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
+
+import dflash_kernels
 
 from ..drafter.cache import DraftKVCache
 from ..drafter.config import DraftConfigError, validate_target_layer_ids
 from ..target import TargetAdapter
+from .generation_config import SamplingSettings
 from .result import GenerationResult
 
 
@@ -121,29 +124,108 @@ def _prepare_prompt(input_ids, vocab_size: int, device) -> torch.Tensor:
 
 
 def _check_common(max_new_tokens, temperature, stop_token_ids):
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if temperature is None or temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     return set(int(t) for t in (stop_token_ids or ()))
 
 
-class _Output:
-    """Committed tokens with the max_new_tokens / stop-token rules applied."""
+def as_sampling(sampling: Optional[SamplingSettings], temperature: float) -> SamplingSettings:
+    """The loops' sampling settings: ``sampling`` if given, else temperature-only sampling (0 = greedy)."""
+    if sampling is not None:
+        if not isinstance(sampling, SamplingSettings):
+            raise TypeError(f"sampling must be a SamplingSettings, got {type(sampling).__name__}")
+        return sampling
+    if temperature is None or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    return SamplingSettings(float(temperature))
 
-    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set):
+
+# ---------------------------------------------------------------- the target's token choice (sampling engineer)
+# Every loop picks the target's tokens through choose_tokens(); unsupported_sampling() says, before a generation
+# starts, which setting choose_tokens cannot apply (the drop-in then falls back to transformers). The top-k / top-p /
+# min-p sampler replaces the bodies of both functions.
+
+def unsupported_sampling(sampling: SamplingSettings) -> Optional[str]:
+    """The name of the first sampling setting :func:`choose_tokens` cannot apply, or None (today: none)."""
+    return None
+
+
+def choose_tokens(adapter: TargetAdapter, hidden: torch.Tensor, sampling: SamplingSettings,
+                  seed: Optional[int]) -> torch.Tensor:
+    """The target's token after each row of pre-norm ``hidden [T, H]`` under ``sampling``.
+
+    Greedy: the argmax of the logits in the lm_head's dtype (lowest id on
+    ties). Sampling: a sample from the processed distribution (temperature,
+    then top-k, top-p, min-p, exactly as transformers' warpers), reproducible
+    with ``seed``: :func:`dflash_kernels.lm_head_sample_processed` when a
+    filter is on, the plain fused sampler otherwise. Both get the family's
+    final norm and final-logit softcap from ``adapter.head_inputs``.
+    """
+    if sampling.greedy or not sampling.active():
+        return adapter.choose(hidden, sampling.temperature, seed=seed)
+    rows, kw = adapter.head_inputs(hidden)
+    return dflash_kernels.lm_head_sample_processed(rows, adapter.lm_head.weight, sampling.temperature,
+                                                   top_k=sampling.top_k, top_p=sampling.top_p,
+                                                   min_p=sampling.min_p, seed=seed, check_bounds=False, **kw)
+
+
+class _Output:
+    """Committed tokens with the stop rules applied, and the streamer fed as they commit.
+
+    Stops right after ``max_new_tokens`` new tokens, a token of ``stop_ids``,
+    or a token after which ``stopping_criteria(input_ids [1, n], None)`` is
+    true (asked after every committed token, on a CPU copy of the sequence,
+    as transformers asks after every token). ``streamer``: ``put(prompt
+    [1, T])`` at construction (as transformers' generate puts its input ids
+    first), then ``put(tokens [k])`` with each :meth:`extend`'s committed
+    tokens, and ``end()`` once from :meth:`close`. Built only from the host
+    values the round already read: no device read of its own.
+    """
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set, *,
+                 stopping_criteria: Optional[Callable] = None, streamer=None):
         self.tokens: List[int] = prompt.tolist()
         self.num_prompt = len(self.tokens)
         self.max_new = max_new_tokens
         self.stop_ids = stop_ids
         self.done = False
+        self.criteria = stopping_criteria
+        self.streamer = streamer
+        self._ended = False
+        self.host = None  # CPU copy of the sequence, for the streamer and the stopping criteria
+        if streamer is not None or stopping_criteria is not None:
+            self.host = torch.empty(self.num_prompt + max_new_tokens, dtype=torch.long)
+            self.host[: self.num_prompt].copy_(prompt)
+        if streamer is not None:
+            streamer.put(self.host[None, : self.num_prompt].clone())
+
+    def _criteria_say_stop(self) -> bool:
+        verdict = self.criteria(self.host[None, : len(self.tokens)], None)
+        if isinstance(verdict, torch.Tensor):
+            return bool(verdict.any())
+        return bool(verdict)
 
     def extend(self, new: Sequence[int]) -> None:
+        start = len(self.tokens)
         for t in new:
-            self.tokens.append(int(t))
-            if int(t) in self.stop_ids or len(self.tokens) - self.num_prompt >= self.max_new:
+            t = int(t)
+            self.tokens.append(t)
+            if self.host is not None:
+                self.host[len(self.tokens) - 1] = t
+            if (t in self.stop_ids or len(self.tokens) - self.num_prompt >= self.max_new
+                    or (self.criteria is not None and self._criteria_say_stop())):
                 self.done = True
-                return
+                break
+        if self.streamer is not None and len(self.tokens) > start:
+            self.streamer.put(self.host[start : len(self.tokens)].clone())
+
+    def close(self) -> None:
+        """Tell the streamer the generation ended (once)."""
+        if self.streamer is not None and not self._ended:
+            self._ended = True
+            self.streamer.end()
 
     @property
     def last(self) -> int:
@@ -154,10 +236,10 @@ class _Output:
         return len(self.tokens)
 
 
-def prefill(adapter: TargetAdapter, prompt, cache, temperature, seeds: SeedSource):
+def prefill(adapter: TargetAdapter, prompt, cache, sampling: SamplingSettings, seeds: SeedSource):
     """Target pass over the prompt (chunked); returns ``(first token [1] on the device, context features)``."""
     last_hidden, features = adapter.prefill(prompt, cache)
-    first = adapter.choose(last_hidden, temperature, seed=seeds.next())
+    first = choose_tokens(adapter, last_hidden, sampling, seeds.next())
     return first, features
 
 
@@ -200,9 +282,11 @@ class Speculation:
     (removes the hooks).
     """
 
-    def __init__(self, target, draft, input_ids, *, method, max_new_tokens, temperature, stop_token_ids, block_size,
-                 seed, tree_size: int = 0, mask_token_id=None, stage_timing=True):
-        stop_ids = _check_common(max_new_tokens, temperature, stop_token_ids)
+    def __init__(self, target, draft, input_ids, *, method, max_new_tokens, temperature=0.0, stop_token_ids=None,
+                 block_size=None, seed=None, tree_size: int = 0, mask_token_id=None, stage_timing=True,
+                 sampling: Optional[SamplingSettings] = None, stopping_criteria=None, streamer=None):
+        self.sampling = sampling = as_sampling(sampling, temperature)
+        stop_ids = _check_common(max_new_tokens, sampling.temperature, stop_token_ids)
         self.B = int(block_size if block_size is not None else draft.block_size)
         if self.B < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.B}")
@@ -219,13 +303,19 @@ class Speculation:
         except BaseException:
             adapter.close()
             raise
-        self.draft_model, self.temperature, self.prompt = draft, temperature, prompt
+        self.draft_model, self.temperature, self.prompt = draft, sampling.temperature, prompt
         self.seeds = SeedSource(seed)
         # verify writes B (chain) or tree_size + 1 (tree) rows past the committed length
         max_len = prompt.numel() + max_new_tokens + max(self.B, tree_size + 1) + 1
         self.cache = adapter.new_cache(max_len)
         self.draft_cache = DraftKVCache(draft.config, max_len, dtype=draft.fc.weight.dtype, device=device)
-        self.out = _Output(prompt, max_new_tokens, stop_ids)
+        self.out = None
+        try:
+            self.out = _Output(prompt, max_new_tokens, stop_ids, stopping_criteria=stopping_criteria,
+                               streamer=streamer)
+        except BaseException:
+            adapter.close()
+            raise
         self.result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=method)
         self.lm_head = adapter.lm_head.weight
         self.draft_rows = torch.arange(1, self.B, device=device)  # block positions with a proposal
@@ -239,12 +329,19 @@ class Speculation:
         return self
 
     def __exit__(self, *exc):
-        self.adapter.close()
+        try:
+            self.out.close()
+        finally:
+            self.adapter.close()
+
+    def choose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's tokens after the rows of ``hidden`` (:func:`choose_tokens`, the next seed)."""
+        return choose_tokens(self.adapter, hidden, self.sampling, self.seeds.next())
 
     def prefill(self) -> None:
         """Target pass over the prompt; commits the first token; the prompt features wait for the drafter."""
         self.start_time = time.perf_counter()
-        self.last_token, self.context = prefill(self.adapter, self.prompt, self.cache, self.temperature, self.seeds)
+        self.last_token, self.context = prefill(self.adapter, self.prompt, self.cache, self.sampling, self.seeds)
         self.out.extend(self.reader.read(self.last_token))
         self.result.time_to_first_token = time.perf_counter() - self.start_time
         self.clock.restart()

@@ -31,6 +31,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 import dflash_kernels
 
 from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
+from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
+                      write_weights, zlab_config_from_native)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -247,33 +249,50 @@ class DFlashDraftModel(nn.Module):
         return self.norm(block)
 
     # --------------------------------------------------------- checkpoints
-    def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None) -> None:
-        """Write ``config.json`` and ``model.safetensors`` in the published format."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None, format: str = "zlab",
+                        max_shard_bytes: Optional[int] = None) -> None:
+        """Write ``config.json`` and the safetensors weights in ``format``.
 
+        ``format``: ``"zlab"`` (the published format, SPEC section 3) or
+        ``"transformers"`` (transformers' native DFlash assistant, loadable by
+        ``MuseGlimmerAssistantModel.from_pretrained``); see
+        :mod:`dflash.drafter.formats` for the name mapping. ``max_shard_bytes``:
+        write shards of at most that size plus ``model.safetensors.index.json``.
+        """
+        if format not in FORMATS:
+            raise DraftConfigError(f"unknown drafter format {format!r}; allowed: {', '.join(FORMATS)}")
         os.makedirs(save_directory, exist_ok=True)
         state = {
             k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
             for k, v in self.state_dict().items()
             if "rotary_emb" not in k
         }
-        save_file(state, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
-        config = self.config.to_dict()
-        config["architectures"] = ["DFlashDraftModel"]
-        if dtype is not None:
-            config["dtype"] = str(dtype).replace("torch.", "")
+        if format == "zlab":
+            config = self.config.to_dict()
+            config["architectures"] = ["DFlashDraftModel"]
+        else:
+            config = native_config_from_zlab(self.config)
+            state = to_native_names(state)
+        config["dtype"] = str(dtype if dtype is not None else next(iter(state.values())).dtype).replace("torch.", "")
+        write_weights(state, save_directory, max_shard_bytes)
         with open(os.path.join(save_directory, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
 
     @classmethod
-    def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None, device=None) -> "DFlashDraftModel":
-        """Load a drafter from a local directory (offline): ``config.json`` + safetensors.
+    def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None, device=None,
+                        target_config=None) -> "DFlashDraftModel":
+        """Load a drafter from a local directory (offline): ``config.json`` + safetensors, either format.
+
+        The format (z-lab or transformers' native assistant) is detected from
+        ``config.json`` and the weight names (:func:`dflash.drafter.formats.detect_format`);
+        sharded weights (``model.safetensors.index.json``) are read shard by
+        shard. ``target_config``: the target's config, needed only for a native
+        checkpoint whose config lacks ``num_target_layers`` / ``vocab_size``.
 
         Raises :class:`DraftConfigError` naming the missing file, missing or
-        unexpected weight names, or the weight whose shape does not match.
+        unexpected weight names (as named in the checkpoint), or the weight whose
+        shape does not match.
         """
-        from safetensors.torch import load_file
-
         if not os.path.isdir(directory):
             raise DraftConfigError(f"drafter directory {directory!r} does not exist (loading is local only)")
         config_path = os.path.join(directory, CONFIG_NAME)
@@ -281,19 +300,20 @@ class DFlashDraftModel(nn.Module):
             raise DraftConfigError(f"no {CONFIG_NAME} in drafter directory {directory!r}")
         with open(config_path) as f:
             raw = json.load(f)
+        state, _ = read_weights(directory)
+        fmt = detect_format(raw, state.keys())
+        if fmt == "transformers":
+            raw = zlab_config_from_native(raw, target_config)
+            state = from_native_names(state)
         raw.pop("architectures", None)
         raw.pop("auto_map", None)
+        raw.pop("model_type", None)
         config = qwen3_config(raw)
         model = cls(config)
-        files = sorted(fn for fn in os.listdir(directory) if fn.endswith(".safetensors"))
-        if not files:
-            raise DraftConfigError(f"no .safetensors weight file in drafter directory {directory!r}")
-        state = {}
-        for fn in files:
-            state.update(load_file(os.path.join(directory, fn)))
         expected = {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
+        shown = to_native_names if fmt == "transformers" else (lambda d: d)
+        missing = sorted(shown({k: None for k in set(expected) - set(state)}))
+        unexpected = sorted(shown({k: None for k in set(state) - set(expected)}))
         if missing:
             raise DraftConfigError(f"drafter checkpoint {directory!r} is missing weights: {', '.join(missing[:8])}"
                                    + (" ..." if len(missing) > 8 else ""))
@@ -302,8 +322,9 @@ class DFlashDraftModel(nn.Module):
                                    + (" ..." if len(unexpected) > 8 else ""))
         for name, tensor in state.items():
             if tuple(tensor.shape) != tuple(expected[name].shape):
+                shown_name = next(iter(shown({name: None})))
                 raise DraftConfigError(
-                    f"weight {name} has shape {tuple(tensor.shape)} in {directory!r}, but the config implies "
+                    f"weight {shown_name} has shape {tuple(tensor.shape)} in {directory!r}, but the config implies "
                     f"{tuple(expected[name].shape)}"
                 )
         model.load_state_dict(state, strict=False)

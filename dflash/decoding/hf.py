@@ -1,0 +1,202 @@
+"""The transformers drop-in: ``dflash.apply(target, draft)`` makes ``target.generate(...)`` speculative.
+
+After ``dflash.apply(target, draft, method="ddtree", tree_budget=64)`` an
+unchanged ``target.generate(**inputs, max_new_tokens=..., do_sample=...,
+streamer=..., return_dict_in_generate=...)`` runs our loop, with the keywords
+resolved exactly as transformers resolves them
+(:mod:`dflash.decoding.generation_config`), and returns what transformers
+returns: the ``LongTensor`` of sequences ``[1, prompt + new]``, or with
+``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` whose
+``sequences`` is that tensor (scores, logits, attentions, hidden states and
+the cache are None: requests for them fall back, below).
+
+- **Fallback**: a call our loop cannot serve (batch > 1, beams, an
+  attention_mask with padding, logits processors, output_scores / logits /
+  attentions / hidden states, a sampling setting the sampler cannot apply
+  yet, any refused keyword) runs transformers' own ``generate`` unchanged,
+  with a warning the first time each reason occurs on that target: never a
+  wrong answer.
+- **assistant_model**: ``target.generate(assistant_model=draft)`` with our
+  :class:`~dflash.drafter.model.DFlashDraftModel` runs our loop (method
+  ``dflash``, or the method given to ``apply``); any other assistant model goes
+  to transformers' assisted generation. This needs ``apply`` (``draft`` may be
+  None then: calls without an assistant go to transformers).
+- **Sampling seeds**: drawn from torch's global generator, so
+  ``torch.manual_seed(s)`` before the call reproduces a sampled output, as
+  with transformers (the stream of samples differs from transformers' own).
+
+Implemented by setting ``generate`` on the instance (the class is never
+touched); :func:`unapply` restores the instance exactly as it was (its own
+``generate`` attribute if it had one, else none, so the class's method shows
+through again). ``apply`` returns a handle usable as a ``with`` block.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Optional
+
+import torch
+
+from ..drafter.model import DFlashDraftModel
+from ..target import TargetAdapter
+from .ddtree import _check_budget
+from .generate import METHODS, prepare_generation, run_generation
+from .speculation import check_pair
+
+_STATE = "_dflash_dropin"
+_MISSING = object()
+
+
+class DropIn:
+    """The state of one ``apply``: the settings, the instance's previous ``generate``; a context manager."""
+
+    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict, previous):
+        self.target = target
+        self.draft = draft
+        self.method = method
+        self.method_given = method_given
+        self.loop_kwargs = loop_kwargs
+        self.previous = previous  # the instance's own `generate` attribute before apply, or _MISSING
+        self.warned = set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        unapply(self.target)
+
+    def __repr__(self):
+        return f"DropIn(method={self.method!r}, draft={type(self.draft).__name__ if self.draft else None})"
+
+
+def is_applied(target) -> bool:
+    return isinstance(target.__dict__.get(_STATE), DropIn)
+
+
+def apply(target, draft=None, *, method: Optional[str] = None, tree_budget: int = 64, block_size=None,
+          mask_token_id=None, stage_timing: bool = False) -> DropIn:
+    """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
+
+    ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
+    (our plain decoding); with neither a drafter nor a method only
+    ``assistant_model=<DFlashDraftModel>`` calls run our loop;
+    ``tree_budget`` (ddtree), ``block_size``, ``mask_token_id``: as in
+    :func:`dflash.generate`. The drafter is checked against the target now
+    (a mismatch raises ``DraftConfigError``). Applying again replaces the
+    settings (``unapply`` still restores the original).
+    """
+    if method is not None and method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+    if draft is not None and not isinstance(draft, DFlashDraftModel):
+        raise TypeError(f"draft must be a DFlashDraftModel, got {type(draft).__name__}")
+    chosen = method or ("ddtree" if draft is not None else None)  # None: only assistant_model calls are ours
+    if chosen != "ar" and draft is None and method is not None:
+        raise ValueError(f"method {chosen!r} needs a drafter: apply(target, draft, ...)")
+    if draft is not None:
+        adapter = TargetAdapter(target, draft.target_layer_ids)
+        try:
+            check_pair(adapter, draft)
+        finally:
+            adapter.close()
+    loop_kwargs = dict(stage_timing=stage_timing)
+    if block_size is not None:
+        loop_kwargs["block_size"] = block_size
+    if chosen == "ddtree":
+        loop_kwargs["tree_budget"] = _check_budget(tree_budget)
+        if mask_token_id is not None:
+            loop_kwargs["mask_token_id"] = mask_token_id
+    previous = target.__dict__.get(_STATE).previous if is_applied(target) else target.__dict__.get("generate",
+                                                                                                    _MISSING)
+    state = DropIn(target, draft, chosen, method is not None, loop_kwargs, previous)
+    original = previous if previous is not _MISSING else type(target).generate.__get__(target, type(target))
+
+    @functools.wraps(type(target).generate)
+    def generate(*args, **kwargs):
+        return _dropin_generate(state, original, args, kwargs)
+
+    target.__dict__["generate"] = generate
+    target.__dict__[_STATE] = state
+    return state
+
+
+def unapply(target) -> None:
+    """Undo :func:`apply`: ``target.generate`` is again exactly what it was before (no-op if not applied)."""
+    state = target.__dict__.pop(_STATE, None)
+    if not isinstance(state, DropIn):
+        return
+    if state.previous is _MISSING:
+        target.__dict__.pop("generate", None)
+    else:
+        target.__dict__["generate"] = state.previous
+
+
+def _warn_once(state: DropIn, key: str, reason: str) -> None:
+    if key in state.warned:
+        return
+    state.warned.add(key)
+    warnings.warn(f"dflash: this target.generate() call runs transformers' own generate ({reason})", UserWarning,
+                  stacklevel=4)
+
+
+def _torch_seed() -> int:
+    return int(torch.randint(0, 2 ** 62, (1,)).item())
+
+
+def _dropin_generate(state: DropIn, original, args, kwargs):
+    target = state.target
+    try:
+        bound = inspect.signature(type(target).generate).bind(target, *args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)  # transformers says what is wrong
+    call = dict(bound.arguments)
+    call.pop("self", None)
+    extra = dict(call.pop("kwargs", {}))
+    inputs = call.pop("inputs", None)
+    if inputs is None:
+        inputs = extra.pop("input_ids", None)
+    assistant = call.pop("assistant_model", None)
+    generation_config = call.pop("generation_config", None)
+
+    if assistant is not None:
+        if not isinstance(assistant, DFlashDraftModel):
+            return original(*args, **kwargs)  # transformers' assisted generation
+        draft = assistant
+        method = state.method if state.method_given and state.method != "ar" else "dflash"
+        if state.draft is not assistant:
+            adapter = TargetAdapter(target, draft.target_layer_ids)
+            try:
+                check_pair(adapter, draft)
+            finally:
+                adapter.close()
+    elif state.method is None:
+        return original(*args, **kwargs)
+    else:
+        draft, method = state.draft, state.method
+
+    loop_kwargs = {k: v for k, v in state.loop_kwargs.items() if not (method != "ddtree" and k in
+                                                                         ("tree_budget", "mask_token_id"))}
+    request = {**loop_kwargs, **{k: v for k, v in call.items() if v is not None}, **extra}
+    if inputs is None:
+        _warn_once(state, "inputs", "no input_ids: our loop needs the prompt's token ids")
+        return original(*args, **kwargs)
+    try:
+        plan = prepare_generation(target, draft, inputs, method=method, generation_config=generation_config,
+                                  **request)
+    except (ValueError, NotImplementedError) as exc:
+        key = getattr(exc, "keyword", None) or str(exc)
+        _warn_once(state, key, str(exc))
+        return original(*args, **kwargs)
+    if "seed" not in plan.loop_kwargs or plan.loop_kwargs["seed"] is None:
+        plan.loop_kwargs["seed"] = None if plan.sampling.greedy else _torch_seed()
+    result = run_generation(target, draft, inputs, plan, method=method)
+    sequences = result.output_ids.clone()  # a normal tensor (the loop's is an inference-mode tensor)
+    if isinstance(inputs, torch.Tensor):
+        sequences = sequences.to(inputs.device)
+    if plan.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences

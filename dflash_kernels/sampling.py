@@ -1,0 +1,258 @@
+"""Sampling from transformers' processed distribution (temperature, top-k, top-p, min-p), chunked.
+
+The math is :mod:`dflash_kernels.reference.sampling` (the warpers exactly as
+transformers applies them, then one draw from the softmax). This module draws
+from the same distribution without ever holding the ``[N, V]`` logits.
+
+Shapes: ``hidden [T, H]``, ``weight [V, H]``, ``norm_weight [H]``, ``positions [N]``;
+result int64 ``[N]``. Logits: :func:`dflash_kernels.lm_head_logits` of vocab
+chunks (``weight[v0:v1]``, fp32 accumulation, rounded to ``logit_dtype``,
+optional softcap before the rounding), so a chunk's logits are bit-equal to
+those :func:`dflash_kernels.lm_head_argmax` compares.
+
+Why a histogram, not a top-K buffer. Top-p's kept set is a prefix of the
+vocabulary in (score desc, id desc) order whose length is unbounded (a flat
+distribution keeps about ``p * V`` tokens), and bf16 ties at the k-th value
+make even top-k's set larger than k. But a 16-bit logit has at most 2**16
+distinct values, and the processed score ``x / T`` depends on that value
+only. So for ``logit_dtype`` bf16 / fp16 (every half-precision model):
+
+1. pass 1 (vocab chunks): per row, the count of tokens at each of the 65536
+   values (``counts [R, 65536]`` int32; the 16-bit pattern mapped to an
+   order-preserving key, -0 merged with +0);
+2. selection, exact in integers and the bins' masses ``count * exp(s_b - max)``
+   (cumulative masses in fp64): top-k = the bins down to the one where the
+   cumulative count reaches k (ties all kept); top-p = per bin the number of
+   tokens whose preceding mass is ``< p`` (ties at the cut: the highest ids,
+   see the reference); min-p = bins with ``P_b >= min_p * P_max``. The result
+   per row is a boundary value ``key*`` and a count ``r``: the support is every
+   token above ``key*`` plus the ``r`` highest ids at ``key*``;
+3. pass 2 (vocab chunks, logits recomputed): Gumbel-max restricted to the
+   support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
+   the call's generator (``seed`` seeds a private one): an exact draw from
+   ``softmax(s)`` over the support. The rank of a tied token at ``key*`` is a
+   running per-row count over the chunks (fixed shapes).
+
+Memory: one ``[R, Vc]`` logits chunk (``R * Vc <= chunk_elements``, default
+:data:`DEFAULT_CHUNK_ELEMENTS`, plus the same of noise in pass 2) and the
+``[R, 65536]`` histogram with its selection temporaries (about 2 MiB per row),
+R <= :data:`HISTOGRAM_ROWS` rows at a time: independent of V and of k / p.
+Cost: two passes over the lm_head weight.
+
+fp32 logits (``logit_dtype=torch.float32``; fp32 models) have 2**32 values:
+there the op takes row chunks of the full-vocabulary fp32 logits (``R * V <=
+chunk_elements``, R >= 1) and applies the reference warpers to each chunk on
+the device (sort included), then Gumbel-max: the dense path, whose chunk is
+bounded by the same budget.
+
+No host synchronization anywhere in the op (no ``.item()``, ``nonzero``,
+boolean indexing, data-dependent shapes): every shape follows from N, V and
+the budget, so the loops can call it inside a captured round. Reproducible for
+a given ``seed`` and call shape. Float note: the cumulative masses are summed
+in a different order than transformers' fp32 ``cumsum`` over the sorted
+vocabulary, so a token whose preceding mass equals ``p`` to within rounding may
+fall on the other side of the cut; everything else is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._dispatch import get_backend
+from .lm_head import lm_head_logits
+from .reference import sampling as _reference
+from .reference.lm_head import check_lm_head_args, check_softcap, check_temperature, resolve_logit_dtype
+from .reference.sampling import check_sampling_args, processed_scores
+
+__all__ = ["lm_head_sample_processed"]  # sample_processed_plan: a planning helper, imported from this module
+
+#: fp32 values per logits chunk (and per noise chunk): 2**25 = 128 MiB.
+DEFAULT_CHUNK_ELEMENTS = 1 << 25
+#: Rows whose 65536-bin histograms are built at once.
+HISTOGRAM_ROWS = 64
+NUM_BINS = 1 << 16
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def sample_processed_plan(n_rows: int, vocab: int, logit_dtype: torch.dtype,
+                          chunk_elements: Optional[int] = None) -> dict:
+    """How the op chunks ``n_rows`` rows: ``method`` ('histogram' or 'dense'), ``rows`` per chunk, ``vocab``
+    ids per chunk, and ``logits_elements`` (the largest logits chunk, ``rows * vocab <= chunk_elements``)."""
+    budget = max(1, int(chunk_elements or DEFAULT_CHUNK_ELEMENTS))
+    n_rows = max(1, int(n_rows))
+    if logit_dtype in _HALF_DTYPES:
+        rows = min(n_rows, HISTOGRAM_ROWS)
+        vc = vocab if rows * vocab <= budget else min(vocab, max(256, budget // rows // 256 * 256))
+        return dict(method="histogram", rows=rows, vocab=vc, logits_elements=rows * vc)
+    rows = max(1, min(n_rows, budget // vocab))
+    return dict(method="dense", rows=rows, vocab=vocab, logits_elements=rows * vocab)
+
+
+# --------------------------------------------------------------------------- 16-bit keys
+
+
+def _keys(logits: torch.Tensor) -> torch.Tensor:
+    """int64 order-preserving key in [0, 65536) of bf16 / fp16 ``logits`` (-0 and +0 share 0x8000)."""
+    bits = logits.view(torch.int16).to(torch.int32) & 0xFFFF
+    bits = torch.where(bits == 0x8000, torch.zeros_like(bits), bits)
+    return torch.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000).to(torch.int64)
+
+
+def _bin_scores(logit_dtype: torch.dtype, temperature: float, device) -> torch.Tensor:
+    """fp32 ``[65536]``: the processed score ``value(key).float() / T`` of every key (as transformers divides)."""
+    key = torch.arange(NUM_BINS, dtype=torch.int32, device=device)
+    bits = torch.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)
+    bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+    return bits.view(logit_dtype).float() / temperature
+
+
+def _select(counts: torch.Tensor, scores: torch.Tensor, vocab: int, top_k, top_p, min_p):
+    """From per-row value counts ``[R, 65536]`` (ascending keys) the support: ``(key* [R], r [R], count at key* [R])``.
+
+    Works in descending key order: ``cnt[j]`` tokens of score ``val[j]``,
+    weight ``w[j] = exp(val[j] - max)``. top-k keeps bins up to the first
+    whose cumulative count reaches ``min(k, V)``; top-p keeps in bin ``j``
+    ``clamp(ceil((p - E_j / Z) / (w_j / Z)), 0, cnt_j)`` tokens (``E_j`` the
+    mass before bin j, Z the top-k mass): the tokens whose preceding mass is
+    ``< p``; min-p drops bins with ``w_j / Z' < min_p / Z'`` (Z' the top-p
+    mass). The kept set is a prefix of bins with only its last bin partial.
+    """
+    cnt = counts.flip(1).to(torch.int64)
+    val = scores.flip(0)
+    nonempty = cnt > 0
+    first = torch.argmax(nonempty.to(torch.int8), dim=1)
+    top = val[first]
+    w = torch.where(nonempty, torch.exp((val[None, :] - top[:, None]).double()), torch.zeros((), dtype=torch.float64,
+                                                                                             device=cnt.device))
+    keep = cnt
+    j = torch.arange(NUM_BINS, device=cnt.device)
+    if top_k is not None:
+        reached = cnt.cumsum(1) >= min(top_k, vocab)
+        jk = torch.argmax(reached.to(torch.int8), dim=1)
+        keep = torch.where(j[None, :] <= jk[:, None], keep, torch.zeros_like(keep))
+    if top_p is not None:
+        mass = keep.double() * w
+        total = mass.sum(1, keepdim=True)
+        before = (mass.cumsum(1) - mass) / total
+        per_token = w / total
+        n = torch.ceil((top_p - before) / per_token)
+        n = torch.nan_to_num(n, nan=0.0, posinf=float(vocab), neginf=0.0)
+        keep = torch.minimum(n.clamp(min=0.0), keep.double()).to(torch.int64)
+    if min_p is not None:
+        total = (keep.double() * w).sum(1, keepdim=True)
+        drop = (w / total) < min_p * (1.0 / total)
+        keep = torch.where(drop, torch.zeros_like(keep), keep)
+    last = NUM_BINS - 1 - torch.argmax((keep > 0).flip(1).to(torch.int8), dim=1)
+    r = keep.gather(1, last[:, None]).squeeze(1)
+    c = cnt.gather(1, last[:, None]).squeeze(1)
+    return NUM_BINS - 1 - last, r, c
+
+
+def _chunk_logits(hidden, weight, v0, v1, norm_weight, eps, positions, logit_dtype, softcap):
+    return lm_head_logits(hidden, weight[v0:v1], norm_weight=norm_weight, eps=eps, positions=positions,
+                          check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+
+
+def _gumbel(shape, generator, device) -> torch.Tensor:
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    return -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
+
+
+def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, positions, logit_dtype, softcap,
+                    generator, plan, bin_scores):
+    """Tokens ``[R]`` of one row chunk by the histogram method (module docstring, steps 1-3)."""
+    V = weight.shape[0]
+    R = hidden.shape[0] if positions is None else positions.numel()
+    device = hidden.device
+    vc = plan["vocab"]
+    counts = torch.zeros(R, NUM_BINS, dtype=torch.int32, device=device)
+    for v0 in range(0, V, vc):
+        v1 = min(V, v0 + vc)
+        keys = _keys(_chunk_logits(hidden, weight, v0, v1, norm_weight, eps, positions, logit_dtype, softcap))
+        counts.scatter_add_(1, keys, torch.ones(keys.shape, dtype=torch.int32, device=device))
+    key_star, r, c_star = _select(counts, bin_scores, V, top_k, top_p, min_p)
+    del counts
+    seen = torch.zeros(R, dtype=torch.int64, device=device)
+    best = torch.full((R,), float("-inf"), dtype=torch.float32, device=device)
+    best_id = torch.zeros(R, dtype=torch.int64, device=device)
+    for v0 in range(0, V, vc):
+        v1 = min(V, v0 + vc)
+        logits = _chunk_logits(hidden, weight, v0, v1, norm_weight, eps, positions, logit_dtype, softcap)
+        keys = _keys(logits)
+        s = logits.float() / t
+        tie = keys == key_star[:, None]
+        greater = c_star[:, None] - (seen[:, None] + tie.to(torch.int64).cumsum(1))  # tied tokens with a larger id
+        support = (keys > key_star[:, None]) | (tie & (greater < r[:, None]))
+        seen = seen + tie.sum(1)
+        score = torch.where(support, s + _gumbel(s.shape, generator, device), float("-inf"))
+        val, idx = score.max(dim=1)
+        better = val > best
+        best = torch.where(better, val, best)
+        best_id = torch.where(better, idx + v0, best_id)
+    return best_id
+
+
+def _dense_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, positions, logit_dtype, softcap,
+                generator):
+    """Tokens ``[R]`` of one row chunk from its full-vocabulary logits (the fp32-logit path)."""
+    logits = lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                            check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+    s = processed_scores(logits, t, top_k, top_p, min_p)
+    return torch.argmax(s + _gumbel(s.shape, generator, hidden.device), dim=1)
+
+
+def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
+                             eps=1e-6, positions=None, seed=None, generator=None, logit_dtype=None, softcap=None,
+                             check_bounds=True, chunk_elements: Optional[int] = None) -> torch.Tensor:
+    """int64 ``[N]``: one token per row from transformers' processed distribution of the logits.
+
+    ``logits = rms_norm(hidden[positions]) @ weight.T`` (fp32 accumulation;
+    ``softcap`` c: ``c * tanh(logits / c)``), rounded to ``logit_dtype``
+    (default: the promotion of hidden's and the weight's dtypes, as
+    :func:`lm_head_argmax`), then temperature ``T > 0``, top-k (``top_k``
+    None/0: off; ties at the k-th value kept), top-p (``top_p`` in (0, 1],
+    None/1: off), min-p (``min_p`` in [0, 1], None: off), exactly as
+    transformers' warpers (:mod:`dflash_kernels.reference.sampling`), then one
+    draw from the softmax. ``seed`` (int) or ``generator`` (a torch.Generator
+    on hidden's device) make it reproducible; neither: the device's default
+    generator. ``check_bounds=False`` reads nothing on the host. The reference
+    backend runs the reference (dense logits, ``torch.multinomial``); the
+    Triton backend the chunked method of the module docstring.
+    ``chunk_elements`` bounds one logits chunk (default :data:`DEFAULT_CHUNK_ELEMENTS`).
+    """
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    t = check_temperature(temperature)
+    top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_sample_processed(
+            hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
+            positions=positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=softcap,
+            check_bounds=False)
+    hidden, weight = hidden.detach(), weight.detach()
+    N = hidden.shape[0] if positions is None else positions.numel()
+    out = torch.empty(N, dtype=torch.int64, device=hidden.device)
+    if N == 0:
+        return out
+    if seed is not None:
+        generator = torch.Generator(device=hidden.device)
+        generator.manual_seed(seed % (2 ** 63))
+    plan = sample_processed_plan(N, weight.shape[0], logit_dtype, chunk_elements)
+    bin_scores = _bin_scores(logit_dtype, t, hidden.device) if plan["method"] == "histogram" else None
+    for r0 in range(0, N, plan["rows"]):
+        r1 = min(N, r0 + plan["rows"])
+        h, pos = (hidden[r0:r1], None) if positions is None else (hidden, positions[r0:r1])
+        if plan["method"] == "histogram":
+            out[r0:r1] = _histogram_rows(h, weight, t, top_k, top_p, min_p, norm_weight, eps, pos, logit_dtype,
+                                         softcap, generator, plan, bin_scores)
+        else:
+            out[r0:r1] = _dense_rows(h, weight, t, top_k, top_p, min_p, norm_weight, eps, pos, logit_dtype, softcap,
+                                     generator)
+    return out
