@@ -40,28 +40,28 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _int_at_least(low: int, what: str):
+def _number_at_least(kind, low, what: str):
+    """An argparse type: ``kind(text)`` (int or float), at least ``low``; else a message ending in ``what``."""
+    noun = "an int" if kind is int else "a number"
+
     def parse(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int; {what}") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}; {what}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is too small; {what}")
         return value
     return parse
+
+
+def _int_at_least(low: int, what: str):
+    return _number_at_least(int, low, what)
 
 
 def _float_at_least(low: float, what: str):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; {what}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is too small; {what}")
-        return value
-    return parse
+    return _number_at_least(float, low, what)
+
 
 DEMO_PROMPT = 'def parse_header(line):\n    """Split a "Key: value" header line."""\n'
 
