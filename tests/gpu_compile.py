@@ -17,6 +17,7 @@ Stable API (other test modules import it)::
     gpu_compile_unavailable_reason() -> Optional[str]
     require_gpu_compiler()          # pytest.skip(reason) when compiling is impossible here
     SHARED_MEMORY_LIMIT_BYTES       # {80: ..., 90: ...} per-block opt-in maximum
+    assert_fits(result, arch)       # no spills (local or stack), shared memory in bounds
 
 ``kernel`` is a module-level ``@triton.jit`` function (it is looked up again by
 module and name, see below). ``signature`` maps every non-constexpr argument
@@ -347,3 +348,14 @@ def compile_many_for_gpu(jobs: Sequence[dict], workers: int = 2) -> list:
     for t in threads:
         t.join()
     return results
+
+
+def assert_fits(result: dict, arch: int, name: Optional[str] = None) -> None:
+    """No spills (ptxas 13 reports them as a stack frame, older ones as local memory: both must be 0) and
+    shared memory within ``sm_{arch}``'s per-block limit. Every compile test holds its kernels to this."""
+    name = name or result["name"]
+    local = result.get("local_bytes", result.get("spill_bytes", 0))
+    assert local == 0, f"{name} on sm_{arch} uses {local} B of local memory (spills)"
+    assert result["stack_bytes"] == 0, f"{name} on sm_{arch} has a {result['stack_bytes']} B stack frame (spills)"
+    assert result["shared_bytes"] <= SHARED_MEMORY_LIMIT_BYTES[arch], (
+        f"{name} on sm_{arch} needs {result['shared_bytes']} B of shared memory, limit {SHARED_MEMORY_LIMIT_BYTES[arch]}")

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import gpu_compile
-from gpu_compile import SHARED_MEMORY_LIMIT_BYTES, compile_for_gpu, require_gpu_compiler
+from gpu_compile import assert_fits, compile_for_gpu, require_gpu_compiler
 from dflash_kernels.tree import ANCESTOR_BITS_CONFIGS, _ancestor_bits_kernel
 from dflash_kernels.tree_attention import (
     MERGE_BLOCK_M,
@@ -63,14 +63,7 @@ def gpu_compiler():
 
 
 def check_resources(result, arch):
-    assert result["spill_bytes"] == 0, f"{result['name']} spills {result['spill_bytes']} bytes on sm_{arch}"
-    assert result["stack_bytes"] == 0, (
-        f"{result['name']} has a {result['stack_bytes']} B stack frame (ptxas spills) on sm_{arch}"
-    )
-    assert result["shared_bytes"] <= SHARED_MEMORY_LIMIT_BYTES[arch], (
-        f"{result['name']} needs {result['shared_bytes']} B of shared memory, sm_{arch} allows "
-        f"{SHARED_MEMORY_LIMIT_BYTES[arch]}"
-    )
+    assert_fits(result, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
