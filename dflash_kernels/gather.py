@@ -17,6 +17,11 @@ a ``[BLOCK_R, BLOCK_H]`` tile of one layer. The copy is pure data movement (no
 arithmetic), so it is exact in every dtype. The row count ``R`` (``a + 1``
 accepted rows per DFlash round) is ``do_not_specialize``: no recompiles as it
 varies.
+
+Loads and stores never overlap: the kernel reads the layers and ``rows``,
+writes only ``out``, and the launcher refuses an ``out`` that shares memory
+with a layer (``check_gather_args``); each output element is written by the
+one program owning its (row tile, layer, column tile), once.
 """
 
 from __future__ import annotations

@@ -26,6 +26,14 @@ a sink logit to its softmax denominator (gpt-oss).
   exists anywhere. When the grid does not fill whole waves of the GPU, the
   key axis is split across programs that write partial ``(output, log2-sum-
   exp)`` pairs, merged by a second small kernel (flash-decoding style).
+* Loads and stores never overlap, so no program can race another: the
+  attention kernel only reads ``q``, ``k``, ``v``, ``bits``, ``positions``
+  and ``sinks`` (the launcher's outputs are fresh allocations, never views
+  of them), and each output row (unsplit) or partial row ``(split, row)``
+  (split) is written by exactly one program, once, at its end. The merge
+  kernel reads the partials the attention launch wrote; the two launches are
+  ordered on one stream, so every partial is complete before it is read, and
+  the merge writes each output row from one program.
 * :func:`warmup_tree_attention`: compiles every variant a generation at
   given shapes can hit, so none compiles mid-generation.
 * :func:`tree_attention_mask`: the dense additive mask, for attention backends

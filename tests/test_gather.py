@@ -144,3 +144,13 @@ def test_row_count_is_not_specialized():
     if declared is None:  # interpreter object
         declared = kernel.kwargs["do_not_specialize"]
     assert "R" in {kernel.arg_names[n] if isinstance(n, int) else n for n in declared}
+
+
+def test_out_sharing_memory_with_a_layer_is_refused():
+    """The kernel's race freedom assumes ``out`` never overlaps an input: the launcher enforces it."""
+    buf = torch.zeros(8, 32)
+    layers = [buf[:, :16], buf[:, 16:]]
+    with pytest.raises(ValueError, match="shares memory with layers"):
+        gather_concat(layers, out=buf)
+    separate = torch.empty(8, 32)
+    assert torch.equal(gather_concat(layers, out=separate), torch.cat(layers, -1))

@@ -65,6 +65,25 @@ def check_rows(rows: RowsLike, num_rows: int, device: torch.device, *, what: str
     return rows.contiguous()
 
 
+def _byte_ranges_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the memory spans of ``a`` and ``b`` (first to last element, same storage) intersect.
+
+    Metadata only (storage pointers, offsets, strides): no tensor value is read.
+    """
+    if a.device != b.device or a.device.type == "meta":  # meta tensors have no memory to share
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        last = start + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size()
+        return start, last + t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_gather_args(layers, rows: RowsLike, out: Optional[torch.Tensor], *,
                       check_bounds: bool = True) -> Tuple[list, Optional[torch.Tensor], int]:
     """Validate the arguments of :func:`gather_concat`.
@@ -111,6 +130,10 @@ def check_gather_args(layers, rows: RowsLike, out: Optional[torch.Tensor], *,
         if R > 0 and out.stride(1) != 1:
             raise ValueError(f"out must have unit stride in its last dim (a row slice of a buffer is fine); "
                              f"got strides {tuple(out.stride())}")
+        for i, layer in enumerate(layers):
+            if R > 0 and _byte_ranges_meet(out, layer):
+                raise ValueError(f"out shares memory with layers[{i}]: the gather would read what it writes; "
+                                 "pass an out buffer of its own")
     return layers, rows, R
 
 
