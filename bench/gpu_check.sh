@@ -12,6 +12,9 @@
 #   3. kernels: bench/gpu_kernel_check.py: every op at Qwen3-8B shapes vs its reference (exact
 #               or within bf16 tolerance), plus gather's fraction of copy bandwidth, the fused
 #               lm_head ops against the bare GEMM, tree attention against dense-mask SDPA
+#      compiled: bench/gpu_compiled_round.py: one draft and one verify round and end-to-end tokens/s at
+#               Qwen3-8B shapes (8 layers), eager vs generate(compile=True) (torch.compile + CUDA
+#               graphs, set up before the clock); the greedy tokens of both must be equal
 #   4. micro:   the pytest-benchmark suite in bench/ at real model shapes, random weights
 #   5. round:   bench/gpu_round_latency.py: one DFlash / DDTree verify round at Qwen3-8B shapes
 #               (target cut to 8 of 36 layers): our path, our path with the pre-redesign dense-mask
@@ -154,6 +157,10 @@ step tests 180 env DFLASH_TEST_REAL_TRITON=1 "$PY" -m pytest -q -p no:cacheprovi
 
 # ---------------------------------------------------------------- 3. every op vs reference at real shapes
 step kernels 120 "$PY" bench/gpu_kernel_check.py --model qwen3-8b --json "$OUT_DIR/gpu_kernel_check.json"
+
+# ---------------------------------------------------------------- 3b. compiled rounds: eager vs CUDA graphs
+step compiled 150 "$PY" bench/gpu_compiled_round.py --layers 8 --prompt-len 512 --max-new-tokens 64 \
+    --json "$OUT_DIR/gpu_compiled_round.json"
 
 # ---------------------------------------------------------------- 4. microbenchmarks, real shapes
 step micro 100 "$PY" -m pytest bench -q -p no:cacheprovider --benchmark-json="$OUT_DIR/micro.json" \

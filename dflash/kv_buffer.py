@@ -19,6 +19,9 @@ class CacheFullError(RuntimeError):
 
 
 class KVBuffer:
+    #: True once a fixed-shape (compiled-round) cache has moved its length to the device
+    static = False
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device):
         self.kv = torch.zeros(num_layers, 2, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.max_len = max_len

@@ -11,6 +11,8 @@ Public ops (each family's module defines ``__all__``):
   sampling / cross-entropy: :mod:`.lm_head`
 * DDTree: tree build and walk (C++), ancestor bitmask, tree attention,
   KV compaction: :mod:`.tree`, :mod:`.tree_attention`, :mod:`.kv_compaction`
+* hybrid targets' Gated-DeltaNet layers: tree scan, path replay, tree conv,
+  conv window: :mod:`.gated_delta`
 """
 
 import torch  # noqa: F401  (loads libtorch before the C++ extension)
@@ -23,6 +25,8 @@ from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
+from .gated_delta import *  # noqa: F401,F403
 from . import ops  # noqa: F401  (torch.library registrations)
+from . import ops_gated_delta  # noqa: F401  (torch.library registrations of the Gated-DeltaNet ops)
 
 __version__ = "0.1.0"

@@ -65,6 +65,16 @@ The launch uses ``num_stages=1`` (no software pipelining: no asynchronous
 copies of a later chunk in flight across the barrier; hoisting a later
 chunk's plain loads would be harmless anyway, by case 2).
 
+Device-side destination (``dst_start`` an int tensor ``[1]``; the op
+``torch.ops.dflash.compact_kv_static_``, for a compiled / CUDA-graph step):
+the kernel loads ``d0 = dst_start[0]`` (and the count) at its start, before
+its first store, and every destination address is ``d0 + i``: the value is
+fixed for the whole launch, so the argument above holds with ``d(i) = d0 + i``
+unchanged. ``dst_start``, ``num_rows`` and ``src_positions`` are int tensors
+the kernel only reads; the launcher refuses a ``dst_start`` / ``num_rows``
+that shares storage with ``kv`` (metadata only), so no store of the launch
+can change them while other programs still read them.
+
 Triton's CPU interpreter runs a program as whole-block numpy (all loads of a
 chunk before all stores), so it cannot show the race the barrier prevents;
 the GPU compile test checks the barrier's position in the PTX instead.
@@ -85,7 +95,7 @@ import triton.language as tl
 from . import reference as _reference
 from ._dispatch import get_backend
 
-__all__ = ["compact_kv_"]
+__all__ = ["compact_kv_", "compact_kv_static_"]
 
 #: Rows per chunk: fixed, so that the path length never picks a new binary.
 BLOCK_A = 16
@@ -99,6 +109,8 @@ KV_COMPACTION_CONFIGS: List[dict] = [
 
 #: Integer kernel arguments that vary per round: never specialized (no recompiles).
 DO_NOT_SPECIALIZE = ("n_rows", "dst_start")
+#: The device count and destination may be slices at any offset of a state buffer: no alignment specialization.
+UNALIGNED_PTRS = ("count_ptr", "dst_ptr")
 
 #: ``(L, Hkv, Smax, D)`` of real target caches: Qwen3-8B (36 layers, 8 kv
 #: heads, head dim 128) and Llama-3.2-1B (16 layers, 8 kv heads, head dim 64).
@@ -114,21 +126,24 @@ def kv_compaction_config(n_rows: int, head_dim: int) -> dict:
     return {"BLOCK_A": BLOCK_A, "BLOCK_D": block_d, "num_warps": 4, "num_stages": 1}
 
 
-@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=UNALIGNED_PTRS)
 def _compact_kv_kernel(
     kv_ptr,  # [L, 2, Hkv, Smax, D]
     src_ptr,  # int64 / int32 [A] source positions
     count_ptr,  # int64 / int32 [1] device row count (read only with HAS_COUNT)
+    dst_ptr,  # int64 / int32 [1] device first destination row (read only with DST_IN_MEMORY)
     n_rows,  # A
-    dst_start,
+    dst_start,  # the first destination row (0 and unused with DST_IN_MEMORY)
     n_heads, head_dim,
     stride_layer, stride_kv, stride_head, stride_pos, stride_dim,
-    HAS_COUNT: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_COUNT: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, DST_IN_MEMORY: tl.constexpr = False,
 ):
     """Program (slice = (layer, k/v, head), head-dim tile): rows in order, chunk by chunk.
 
     Per chunk of BLOCK_A rows: load every source row, CTA barrier, store every
     destination row (see the module docstring for why that is race free).
+    ``DST_IN_MEMORY``: the first destination row is ``dst_ptr[0]``, loaded
+    before the first store (every store address depends on it).
     """
     slice_id = tl.program_id(0)
     head = slice_id % n_heads
@@ -142,6 +157,10 @@ def _compact_kv_kernel(
         n = tl.minimum(tl.maximum(tl.load(count_ptr).to(tl.int64), 0), n_rows).to(tl.int32)
     else:
         n = n_rows
+    if DST_IN_MEMORY:
+        dst0 = tl.load(dst_ptr).to(tl.int64)
+    else:
+        dst0 = dst_start.to(tl.int64)
     for first in range(0, n, BLOCK_A):
         rows = first + tl.arange(0, BLOCK_A)
         row_ok = rows < n
@@ -152,7 +171,7 @@ def _compact_kv_kernel(
         # this chunk or a later one: an earlier row's source may be a later
         # row's destination.
         tl.debug_barrier()
-        dst = (dst_start + rows).to(tl.int64)
+        dst = dst0 + rows.to(tl.int64)
         tl.store(base + dst[:, None] * stride_pos + offs_d[None, :] * stride_dim, chunk, mask=ok)
 
 
@@ -166,7 +185,9 @@ def launch_configs(shapes=REAL_CACHE_SHAPES, dtypes=(torch.bfloat16, torch.float
     are specialized as the Triton runtime does at a contiguous cache of that
     shape (``stride_dim == 1`` becomes a constexpr; head dim and the other
     strides are multiples of 16); the row count and ``dst_start`` are
-    ``do_not_specialize``. Both count modes (host ``A``, device ``num_rows``).
+    ``do_not_specialize``. Both count modes (host ``A``, device ``num_rows``)
+    and both destination modes (host int, device ``dst_start``: only with a
+    device count, the static op's form).
     """
     from .gather import runtime_int_specialization
 
@@ -179,18 +200,20 @@ def launch_configs(shapes=REAL_CACHE_SHAPES, dtypes=(torch.bfloat16, torch.float
         types, divisible, ones = runtime_int_specialization(ints, DO_NOT_SPECIALIZE)
         for dtype in dtypes:
             for src_dtype in src_dtypes:
-                for has_count in (False, True):
+                for has_count, dst_mem in ((False, False), (True, False), (True, True)):
                     count_type = "*i64" if has_count else "*" + _TRITON_TYPE[src_dtype]
+                    dst_type = "*i64" if dst_mem else "*" + _TRITON_TYPE[src_dtype]
                     signature = dict({"kv_ptr": "*" + _TRITON_TYPE[dtype], "src_ptr": "*" + _TRITON_TYPE[src_dtype],
-                                      "count_ptr": count_type}, **types)
+                                      "count_ptr": count_type, "dst_ptr": dst_type}, **types)
                     constexprs = dict({"HAS_COUNT": has_count, "BLOCK_A": cfg["BLOCK_A"],
-                                       "BLOCK_D": cfg["BLOCK_D"]}, **ones)
+                                       "BLOCK_D": cfg["BLOCK_D"], "DST_IN_MEMORY": dst_mem}, **ones)
                     key = (tuple(sorted(signature.items())), tuple(sorted(constexprs.items())), tuple(divisible))
                     if key in seen:
                         continue
                     seen.add(key)
                     out.append(dict(
                         name=(f"compact_kv[{_TRITON_TYPE[dtype]} src={_TRITON_TYPE[src_dtype]} count={has_count} "
+                              f"dst_in_memory={dst_mem} "
                               f"A{cfg['BLOCK_A']}xD{cfg['BLOCK_D']} div16={','.join(divisible) or 'none'}]"),
                         kernel=_compact_kv_kernel, signature=signature, constexprs=constexprs,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=divisible,
@@ -210,8 +233,23 @@ def _check_metadata(kv, src_positions, dst_start, num_rows) -> None:
         raise ValueError(f"compact_kv_: src_positions must be 1-D [A], got shape {tuple(src_positions.shape)}")
     if src_positions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"compact_kv_: src_positions must be int64 or int32, got {src_positions.dtype}")
-    if not isinstance(dst_start, int) or isinstance(dst_start, bool) or dst_start < 0:
-        raise ValueError(f"compact_kv_: dst_start must be an int >= 0, got {dst_start!r}")
+    if isinstance(dst_start, torch.Tensor):
+        if dst_start.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"compact_kv_: a tensor dst_start must be int64 (or int32), got {dst_start.dtype}")
+        if dst_start.numel() != 1 or dst_start.dim() > 1:
+            raise ValueError(f"compact_kv_: a tensor dst_start must have shape [1] or [], got {tuple(dst_start.shape)}")
+        if dst_start.device != kv.device:
+            raise ValueError(f"compact_kv_: a tensor dst_start must be on kv's device {kv.device}, "
+                             f"got {dst_start.device}")
+        if src_positions.device != kv.device:
+            raise ValueError(f"compact_kv_: with a tensor dst_start, src_positions must be on kv's device "
+                             f"{kv.device} (absolute rows), got {src_positions.device}")
+    elif not isinstance(dst_start, int) or isinstance(dst_start, bool) or dst_start < 0:
+        raise ValueError(f"compact_kv_: dst_start must be an int >= 0 or an int64 tensor [1], got {dst_start!r}")
+    for name, t in (("dst_start", dst_start), ("num_rows", num_rows)):
+        if isinstance(t, torch.Tensor) and kv.numel() > 0 and kv.device.type != "meta" and \
+                t.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr():
+            raise ValueError(f"compact_kv_: {name} must not share storage with kv (the kernel writes kv)")
     if src_positions.device.type != "cpu" and src_positions.device != kv.device:
         raise ValueError(
             f"compact_kv_: src_positions must be on the CPU or on kv's device {kv.device}, got {src_positions.device}"
@@ -233,6 +271,10 @@ def _check_values(kv, src_positions, dst_start, num_rows) -> None:
     # Host copy: A small ints (a sync when they live on a GPU; pass CPU positions to avoid it).
     src = src_positions.detach().to("cpu", torch.int64)
     a, smax = src.numel(), kv.shape[3]
+    if isinstance(dst_start, torch.Tensor):
+        dst_start = int(dst_start.reshape(()).item())
+        if dst_start < 0:
+            raise ValueError(f"compact_kv_: dst_start = {dst_start} must be >= 0")
     if num_rows is not None:
         n = int(num_rows.reshape(()).item())
         if not 0 <= n <= a:
@@ -261,7 +303,7 @@ def _check_values(kv, src_positions, dst_start, num_rows) -> None:
                          f"Smax = {smax}")
 
 
-def _launch(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int,
+def _launch(kv: torch.Tensor, src_positions: torch.Tensor, dst_start,
             num_rows: Optional[torch.Tensor]) -> torch.Tensor:
     n_layers, _, n_heads, _, head_dim = kv.shape
     a = src_positions.numel()
@@ -270,12 +312,14 @@ def _launch(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int,
     # CPU positions: one host->device copy (no sync); device ones are used as they are.
     src_dev = src_positions.to(kv.device, non_blocking=True).contiguous()
     count = num_rows.reshape(1) if num_rows is not None else src_dev  # never read without HAS_COUNT
+    dst_mem = isinstance(dst_start, torch.Tensor)
+    dst_ptr, dst_arg = (dst_start.reshape(1), 0) if dst_mem else (src_dev, dst_start)  # never read if not dst_mem
     cfg = kv_compaction_config(a, head_dim)
     grid = (n_layers * 2 * n_heads, triton.cdiv(head_dim, cfg["BLOCK_D"]))
     _compact_kv_kernel[grid](
-        kv, src_dev, count, a, dst_start, n_heads, head_dim,
+        kv, src_dev, count, dst_ptr, a, dst_arg, n_heads, head_dim,
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
-        HAS_COUNT=num_rows is not None, BLOCK_A=cfg["BLOCK_A"], BLOCK_D=cfg["BLOCK_D"],
+        HAS_COUNT=num_rows is not None, BLOCK_A=cfg["BLOCK_A"], BLOCK_D=cfg["BLOCK_D"], DST_IN_MEMORY=dst_mem,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return kv
@@ -301,7 +345,10 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
             over the moved rows: strictly increasing, ``src_positions[i] >=
             dst_start + i``, ``< Smax``. Entries ``i >= n`` are never read.
         dst_start: first destination position (typically the position of
-            the first row to keep after the committed prefix).
+            the first row to keep after the committed prefix): an int, or an
+            int64/int32 tensor ``[1]`` / ``[]`` on ``kv.device`` read in-kernel
+            (then ``src_positions`` must be on ``kv.device`` too): see
+            :func:`compact_kv_static_`.
         num_rows: optional int64/int32 tensor ``[1]`` or ``[]`` on
             ``kv.device``: only rows ``i < n = min(num_rows, A)`` move (the
             count stays on the device; values below 0 move nothing). None:
@@ -320,3 +367,21 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
     if get_backend(kv.device) == "triton":
         return _launch(kv, src_positions, dst_start, num_rows)
     return _reference.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows)
+
+
+def compact_kv_static_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
+                       num_rows: Optional[torch.Tensor] = None, *, check: bool = False) -> torch.Tensor:
+    """:func:`compact_kv_` with every per-round value a device tensor, for a compiled / CUDA-graph step.
+
+    ``src_positions [A]`` (absolute cache rows), ``dst_start [1]`` and
+    ``num_rows [1]`` (optional) are int tensors on ``kv.device``; the Triton
+    kernel reads ``dst_start`` and ``num_rows`` from memory (its launch depends
+    on ``A`` and the cache shape only), the reference
+    (:func:`dflash_kernels.reference.compact_kv_static_`) is index math.
+    ``check`` defaults to False here (True reads the values on the host, a
+    sync). Rows ``i >= n`` are untouched. Returns ``kv``.
+    """
+    if not isinstance(dst_start, torch.Tensor):
+        raise TypeError(f"compact_kv_static_: dst_start must be an int64 tensor [1], got {type(dst_start).__name__} "
+                        "(use compact_kv_ for an int)")
+    return compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)

@@ -32,6 +32,13 @@ Pipeline (Triton backend):
      -log(-log(U))``, ``U`` from Philox keyed by a seed and counted by
      ``row * V + vocab_id``, generated in-kernel (no ``[N, V]`` noise tensor).
      Reproducible for a given seed whatever the tiling.
+     Device seed (``seed`` an int64 tensor ``[1]``, :func:`lm_head_sample_static`,
+     for a compiled / CUDA-graph step): every program loads the seed from
+     memory and draws ``G[n, j] = -log(E)``, ``E = -log(1 - e)``, ``e`` from
+     Philox-4x32-10 with key = the seed's 64 bits and counter ``(j, n, 0, 0)``
+     (:func:`_philox_gumbel`): the same noise as
+     :func:`dflash_kernels.reference.gumbel_noise`, a pure function of
+     (seed value, output row, vocab id), one launch for all rows.
    * logits: stores one chunk of fp32 logits, plus per-tile row max and
      ``sum(exp(x - max))`` partials from which the chunk's logsumexp follows.
      Top-K merges each chunk into a running top-K with ``torch.topk`` and a
@@ -72,15 +79,17 @@ import torch
 
 from ._dispatch import get_backend, triton_interpreting
 from .reference import lm_head as _reference
-from .reference.lm_head import (check_k, check_lm_head_args, check_softcap, check_targets, check_temperature,
-                                resolve_logit_dtype, rms_norm, seed_from)
+from .reference.lm_head import (check_k, check_lm_head_args, check_seed_tensor, check_softcap,
+                                check_targets, check_temperature, resolve_logit_dtype, rms_norm, seed_from)
 
 __all__ = [
     "lm_head_logits",
     "lm_head_argmax",
     "lm_head_topk",
     "lm_head_sample",
+    "lm_head_sample_static",
     "lm_head_cross_entropy",
+    "gumbel_noise_block",
 ]
 
 try:  # triton is optional: without it every op runs the reference
@@ -165,7 +174,13 @@ DO_NOT_SPECIALIZE = {
     "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
     "_argmax_kernel": ("N", "seed"),
     "_ce_grad_kernel": ("N", "row0"),
+    "_gumbel_noise_kernel": ("n_rows", "n_cols", "row0", "col0"),
 }
+
+
+#: Pointer arguments that may be slices at any offset (a seed inside a bigger state buffer): never specialized
+#: on 16-byte alignment, so a new offset never picks a new binary (they are read by one scalar load).
+UNALIGNED_PTRS = {"_argmax_kernel": ("seed_ptr",), "_gumbel_noise_kernel": ("seed_ptr",)}
 
 
 def _dot_fp32(dot_dtype: torch.dtype) -> bool:
@@ -189,6 +204,47 @@ if triton is not None:
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
         return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _philox_gumbel(seed, rows, cols):
+        """fp32 Gumbel noise ``[R, C]`` of output rows ``rows [R, 1]`` and vocab ids ``cols [1, C]`` (int32).
+
+        ``seed``: an int64 scalar (loaded from memory), the Philox key (low,
+        high 32 bits). Counter ``(col, row, 0, 0)``, 10 rounds (``tl.philox``,
+        the Random123 Philox-4x32), word 0 ``x``; ``e = (fp32(x) + 0.5) *
+        2**-32``; ``E = e (1 + e (1/2 + e (1/3 + e/4)))`` below
+        ``NOISE_SERIES_BELOW``, else ``-log(1 - e)``; ``G = -log(E)``. Bit for bit
+        the integer steps of :func:`dflash_kernels.reference.gumbel_noise`
+        (the logs may differ by an ulp).
+        """
+        c0 = tl.broadcast_to(cols, (rows.shape[0], cols.shape[1]))
+        c1 = tl.broadcast_to(rows, (rows.shape[0], cols.shape[1]))
+        zero = tl.zeros(c0.shape, dtype=tl.int32)
+        x, _, _, _ = tl.philox(seed, c0, c1, zero, zero)
+        e = (x.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        series = e * (1.0 + e * (0.5 + e * (0.3333333432674408 + e * 0.25)))
+        expo = tl.where(e < 0.03125, series, -tl.log(1.0 - e))  # 0.03125 = NOISE_SERIES_BELOW
+        return -tl.log(expo)
+
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_gumbel_noise_kernel"],
+                do_not_specialize_on_alignment=UNALIGNED_PTRS["_gumbel_noise_kernel"])
+    def _gumbel_noise_kernel(
+        seed_ptr,  # int64 [1]: the seed, read in-kernel
+        out_ptr, stride_o,  # fp32 [n_rows, n_cols]
+        n_rows, n_cols,
+        row0, col0,  # out[r, c] is the noise of output row row0 + r and vocab id col0 + c
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """``out[r, c] = G(seed, row0 + r, col0 + c)`` (:func:`_philox_gumbel`); one [BLOCK_R, BLOCK_C] tile.
+
+        Loads ``seed_ptr`` (never written) and stores only its own tile of the fresh ``out``.
+        """
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        seed = tl.load(seed_ptr)
+        g = _philox_gumbel(seed, (row0 + rows)[:, None], (col0 + cols)[None, :])
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], g, mask=mask)
 
     @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_norm_rows_kernel"])
     def _norm_rows_kernel(
@@ -307,7 +363,8 @@ if triton is not None:
         tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
 
     # a fresh seed per call and the row count (it varies per decoding round) must not recompile
-    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"])
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"],
+                do_not_specialize_on_alignment=UNALIGNED_PTRS["_argmax_kernel"])
     def _argmax_kernel(
         a_ptr, stride_am,  # a [N, H] (dot dtype)
         w_ptr, stride_wn,  # weight [V, H]
@@ -316,19 +373,26 @@ if triton is not None:
         inv_temperature,  # GUMBEL only
         seed,  # GUMBEL only: Philox key
         softcap,  # HAS_SOFTCAP only
+        seed_ptr,  # GUMBEL and DEVICE_SEED only: int64 [1], the seed read from memory
         GUMBEL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_FP32: tl.constexpr,
         LOGIT_DTYPE: tl.constexpr,  # the logits' dtype: the fp32 accumulator is rounded to it first
         RNE_BF16: tl.constexpr,  # interpreter: round to bf16 by bit arithmetic (see _round_to)
         HAS_SOFTCAP: tl.constexpr,
+        DEVICE_SEED: tl.constexpr = False,
     ):
         """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
 
         With HAS_SOFTCAP the fp32 accumulator first becomes ``softcap *
         tanh(acc / softcap)``. logits = round(that) to LOGIT_DTYPE (nearest even, as a bf16/fp16
         GEMM writes its output; no rounding for fp32), then s = logits, or
-        logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL.
+        logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL (U = tl.rand keyed by ``seed``),
+        or with GUMBEL and DEVICE_SEED logits * inv_temperature + G(seed_ptr[0], row, j)
+        (:func:`_philox_gumbel`, the seed loaded once per program before any store).
+
+        Overlap: the program reads ``a``, ``w`` (and ``seed_ptr``) and writes
+        only its own ``(rows, tile)`` entries of the fresh ``pval`` / ``pidx``.
         """
         pid_m, pid_n = _tile_coords(N, V, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -342,10 +406,13 @@ if triton is not None:
         if LOGIT_DTYPE != tl.float32:
             acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
         if GUMBEL:
-            # int32 counters: the launcher keeps N * V < 2**31 per launch.
-            counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
-            u = tl.rand(seed, counter)
-            acc = acc * inv_temperature - tl.log(-tl.log(u))
+            if DEVICE_SEED:
+                acc = acc * inv_temperature + _philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
+            else:
+                # int32 counters: the launcher keeps N * V < 2**31 per launch.
+                counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
+                u = tl.rand(seed, counter)
+                acc = acc * inv_temperature - tl.log(-tl.log(u))
         score = tl.where(n_mask[None, :], acc, float("-inf"))
         best = tl.max(score, axis=1)
         cand = tl.where((score == best[:, None]) & n_mask[None, :], offs_n[None, :], V)
@@ -477,7 +544,7 @@ def _tl_dtype(dtype: torch.dtype):
 
 def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype, *, gumbel: bool,
                    logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0,
-                   softcap: Optional[float] = None) -> torch.Tensor:
+                   softcap: Optional[float] = None, seed_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
     N, H = a.shape
     V = weight.shape[0]
     cfg, meta = _gemm_launch_args(N, V, dot_dtype, gumbel)
@@ -485,13 +552,63 @@ def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype
     pval = torch.empty(N, n_tiles, dtype=torch.float32, device=a.device)
     pidx = torch.empty(N, n_tiles, dtype=torch.int32, device=a.device)
     grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
+    device_seed = seed_tensor is not None
+    if device_seed:
+        seed = _SEED_MOD  # (unused: the seed is read from seed_tensor; an int64 stand-in keeps one signature)
+    seed_ptr = seed_tensor.reshape(1) if device_seed else _seed_placeholder(a.device)
     _argmax_kernel[grid](
         a, a.stride(0), weight, weight.stride(0), pval, pidx, pval.stride(0), N, V, H,
-        float(inv_temperature), seed, 1.0 if softcap is None else float(softcap), GUMBEL=gumbel,
-        LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=triton_interpreting(), HAS_SOFTCAP=softcap is not None, **meta,
+        float(inv_temperature), seed, 1.0 if softcap is None else float(softcap), seed_ptr, GUMBEL=gumbel,
+        LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=triton_interpreting(), HAS_SOFTCAP=softcap is not None,
+        DEVICE_SEED=device_seed, **meta,
     )
     best_tile = torch.argmax(pval, dim=1, keepdim=True)  # first max = lowest vocab id on ties
     return pidx.gather(1, best_tile).squeeze(1).to(torch.int64)
+
+
+_seed_placeholders: Dict[torch.device, torch.Tensor] = {}
+
+
+def _seed_placeholder(device: torch.device) -> torch.Tensor:
+    """An int64 ``[1]`` passed as ``seed_ptr`` when the kernel variant does not read it."""
+    if device not in _seed_placeholders:
+        _seed_placeholders[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _seed_placeholders[device]
+
+
+#: Tile of :func:`_gumbel_noise_kernel` (compiled; the interpreter takes wider column tiles).
+NOISE_BLOCK_R = 16
+NOISE_BLOCK_C = 128
+NOISE_NUM_WARPS = 4
+
+
+def gumbel_noise_block(seed: torch.Tensor, row0: int, n_rows: int, col0: int, n_cols: int) -> torch.Tensor:
+    """fp32 ``[n_rows, n_cols]`` Gumbel noise of output rows ``row0 + r`` and vocab ids ``col0 + c``.
+
+    ``seed``: int64 tensor ``[1]`` / ``[]`` (read on the device, never on the
+    host). The values are :func:`dflash_kernels.reference.gumbel_noise`'s:
+    ``reference.gumbel_noise(seed, row0 + arange(n_rows), col0 + arange(n_cols))``
+    (Philox-4x32-10; the integer steps bit for bit, the logs to an ulp). The
+    Triton backend computes them in one launch (:func:`_gumbel_noise_kernel`),
+    the reference backend in int64 tensor ops.
+    """
+    if not isinstance(seed, torch.Tensor):
+        raise TypeError(f"gumbel_noise_block: seed must be an int64 tensor [1], got {type(seed).__name__}")
+    seed = check_seed_tensor(seed, seed.device, "gumbel_noise_block")
+    device = seed.device
+    if get_backend(device) == "reference" or triton is None:
+        return _reference.gumbel_noise(seed, torch.arange(row0, row0 + n_rows, device=device),
+                                       torch.arange(col0, col0 + n_cols, device=device))
+    out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=device)
+    if n_rows == 0 or n_cols == 0:
+        return out
+    block_c = NOISE_BLOCK_C
+    if triton_interpreting():
+        block_c = max(block_c, min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(n_cols)))
+    grid = (triton.cdiv(n_rows, NOISE_BLOCK_R), triton.cdiv(n_cols, block_c))
+    _gumbel_noise_kernel[grid](seed.reshape(1), out, out.stride(0), n_rows, n_cols, row0, col0,
+                               BLOCK_R=NOISE_BLOCK_R, BLOCK_C=block_c, num_warps=NOISE_NUM_WARPS)
+    return out
 
 
 def _kernel_seed(seed: int, chunk: int) -> int:
@@ -537,6 +654,15 @@ def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, see
                                            logit_dtype=logit_dtype, inv_temperature=1.0 / temperature,
                                            seed=_kernel_seed(seed, chunk), softcap=softcap)
     return out
+
+
+def _sample_static_triton(hidden, weight, temperature, norm_weight, eps, positions, seed, logit_dtype, softcap=None):
+    """One launch over every row: the noise is keyed by (seed, row, vocab id), with no int32 counter bound."""
+    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+    if a.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=hidden.device)
+    return _argmax_launch(a, weight, dot_dtype, gumbel=True, logit_dtype=logit_dtype,
+                          inv_temperature=1.0 / temperature, softcap=softcap, seed_tensor=seed)
 
 
 def topk_chunk_plan(n_rows: int, vocab: int, chunk_elements: Optional[int] = None) -> Tuple[int, int]:
@@ -780,8 +906,15 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     ``seed``; neither: torch's default generator) and generates Gumbel noise
     in-kernel from it, so equal seeds give equal samples. The reference path
     uses ``torch.multinomial`` with the same generator/seed (same
-    distribution, different draws).
+    distribution, different draws). ``seed`` an int64 tensor ``[1]``:
+    :func:`lm_head_sample_static` (both backends draw the same Gumbel noise).
     """
+    if isinstance(seed, torch.Tensor):
+        if generator is not None:
+            raise ValueError("pass either generator or seed to lm_head_sample, not both")
+        return lm_head_sample_static(hidden, weight, temperature, seed, norm_weight=norm_weight, eps=eps,
+                                     positions=positions, check_bounds=check_bounds, logit_dtype=logit_dtype,
+                                     softcap=softcap)
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     t = check_temperature(temperature)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
@@ -792,6 +925,34 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
                                          softcap=softcap)
     key = seed_from(generator, seed)
     return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key, logit_dtype, softcap)
+
+
+def lm_head_sample_static(hidden, weight, temperature, seed, *, norm_weight=None, eps=1e-6, positions=None,
+                          check_bounds=False, logit_dtype=None, softcap=None) -> torch.Tensor:
+    """int64 ``[N]``: one draw per row from ``softmax(logits / temperature)``, keyed by a device seed tensor.
+
+    ``seed``: int64 (int32) tensor ``[1]`` / ``[]`` on hidden's device, read
+    in-kernel (never on the host): ``token[n] = argmax_j(logits[n, j] * inv_t
+    + G(seed, n, j))``, ``inv_t`` = fp32 ``1 / T``, ``G`` the counter-based
+    Gumbel noise of :func:`dflash_kernels.reference.gumbel_noise` (Philox-4x32
+    of (vocab id, output row), keyed by the seed's value). So a CUDA graph of
+    this call replays new noise when the caller changes the seed tensor;
+    equal values give equal samples, on both backends the same noise.
+    Logits, ``logit_dtype`` and ``softcap`` as :func:`lm_head_sample`.
+    ``check_bounds`` defaults to False (the positions' range check reads them
+    on the host); with it off nothing is read on the host.
+    """
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    t = check_temperature(temperature)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
+    seed = check_seed_tensor(seed, hidden.device)
+    if get_backend(hidden.device) == "reference":
+        return _reference.lm_head_sample_static(hidden, weight, t, seed, norm_weight=norm_weight, eps=eps,
+                                                positions=positions, check_bounds=False, logit_dtype=logit_dtype,
+                                                softcap=softcap)
+    return _sample_static_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, seed, logit_dtype,
+                                 softcap)
 
 
 def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
@@ -854,7 +1015,10 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
     (the default) and fp32. The final-logit softcap variants (``HAS_SOFTCAP``)
     are listed for the logits and CE-gradient kernels at every tile, and for
     the heaviest argmax epilogue only (Gumbel sampling in the model's logit
-    dtype: the greedy one is the same code minus the noise).
+    dtype: the greedy one is the same code minus the noise). The device-seed
+    sampling epilogue (``DEVICE_SEED``: the seed loaded from memory, Philox of
+    (vocab id, row)) is listed with and without the cap, and the
+    :func:`gumbel_noise_block` kernel once per distinct row stride.
     """
     if triton is None:
         return []
@@ -909,23 +1073,30 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
                         {"stride_am": H, "stride_wn": H, "stride_om": V, "stride_pm": n_tiles, "N": n, "V0": 0,
                          "V_END": V, "H": H},
                         dict(common, HAS_SOFTCAP=softcap), cfg["num_warps"], cfg["num_stages"], tc)
-                # (logit dtype, gumbel, softcap): every epilogue without the cap, the heaviest one with it
-                variants = [(ld, g, False) for ld in logit_dtypes for g in (False, True)]
-                variants.append((default_logit, True, True))
-                for logit_dtype, gumbel, softcap in variants:
+                # (logit dtype, gumbel, softcap, device seed): every epilogue without the cap, the heaviest
+                # one with it; the device-seed Gumbel epilogue (Philox of (vocab id, row)) with and without it
+                variants = [(ld, g, False, False) for ld in logit_dtypes for g in (False, True)]
+                variants.append((default_logit, True, True, False))
+                variants += [(default_logit, True, False, True), (default_logit, True, True, True)]
+                for logit_dtype, gumbel, softcap, device_seed in variants:
                     cfg = gemm_config(n, dot, gumbel)
                     common = dict(common, BLOCK_N=cfg["BLOCK_N"])
                     n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
                     tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
                     add(f"argmax[{tag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}"
-                        f"{' softcap' if softcap else ''}]", _argmax_kernel,
+                        f"{' softcap' if softcap else ''}{' device_seed' if device_seed else ''}]", _argmax_kernel,
                         {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pval_ptr": "*fp32", "pidx_ptr": "*i32",
-                         "inv_temperature": "fp32", "softcap": "fp32"},
+                         "inv_temperature": "fp32", "softcap": "fp32", "seed_ptr": "*i64"},
                         {"stride_am": H, "stride_wn": H, "stride_pm": n_tiles, "N": n, "V": V, "H": H,
                          "seed": _SEED_MOD},
                         dict(common, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=False,
-                             HAS_SOFTCAP=softcap),
+                             HAS_SOFTCAP=softcap, DEVICE_SEED=device_seed),
                         cfg["num_warps"], cfg["num_stages"], tc)
+            for V_noise in (V, 4096):  # a whole vocabulary row (processed sampling's dense path), a chunk
+                add(f"gumbel_noise[R{NOISE_BLOCK_R}xC{NOISE_BLOCK_C}]", _gumbel_noise_kernel,
+                    {"seed_ptr": "*i64", "out_ptr": "*fp32"},
+                    {"stride_o": V_noise, "n_rows": 16, "n_cols": V_noise, "row0": 0, "col0": 0},
+                    {"BLOCK_R": NOISE_BLOCK_R, "BLOCK_C": NOISE_BLOCK_C}, NOISE_NUM_WARPS, 1)
             gcfg = ce_grad_config()
             for softcap in (False, True):
                 add(f"ce_grad[{dt}{' softcap' if softcap else ''}]", _ce_grad_kernel,

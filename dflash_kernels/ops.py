@@ -34,6 +34,15 @@ sampler takes an int ``seed`` (no ``torch.Generator`` in a schema);
 Python int; ``gather_concat(out=...)`` is the separate op
 ``gather_concat_out``.
 
+Static forms (a compiled / CUDA-graph decoding step, where no Python value
+may change from round to round): ``tree_attention_static`` (the committed
+length a device tensor, K/V the whole cache views), ``lm_head_sample_static``
+and ``lm_head_sample_processed_static`` (the seed a device tensor, the noise
+a pure function of its value), ``compact_kv_static_`` (the first destination
+row a device tensor). Their inputs are never read on the host (no range
+checks: ``check_bounds`` / ``check`` are off), and their launches depend on
+shapes only.
+
 Output sizes: every op's output shape follows from input shapes and ints,
 including the C++ ``build_tree`` (its heap pops the whole tree before it runs
 dry, so ``N = tree_size(D, K, budget)`` always), except ``walk_tree`` (the C++
@@ -54,11 +63,13 @@ from torch import Tensor
 from . import gather as _gather
 from . import kv_compaction as _kv
 from . import lm_head as _lm
+from . import sampling as _sampling
 from . import tree as _tree
 from . import tree_device as _tree_device
 from .reference.lm_head import resolve_logit_dtype
 # (not ``from . import tree_attention``: the package attribute of that name is the function)
-from .tree_attention import tree_attention as _tree_attention, tree_attention_mask as _tree_attention_mask
+from .tree_attention import (tree_attention as _tree_attention, tree_attention_mask as _tree_attention_mask,
+                             tree_attention_static as _tree_attention_static)
 
 __all__: list = []  # the ops live in torch.ops.dflash
 
@@ -158,6 +169,42 @@ def lm_head_sample(hidden: Tensor, weight: Tensor, temperature: float, seed: int
 @lm_head_sample.register_fake
 def _lm_head_sample_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
                          check_bounds=True, logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_NS}::lm_head_sample_static", mutates_args=())
+def lm_head_sample_static(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
+                          norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
+                          logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
+    """:func:`dflash_kernels.lm_head_sample_static`: int64 ``[N]`` draws keyed by the device tensor ``seed``
+    (int64 ``[1]``, read in-kernel); ``positions`` are not range-checked (no host read)."""
+    return _lm.lm_head_sample_static(hidden, weight, temperature, seed, norm_weight=norm_weight, eps=eps,
+                                     positions=positions, check_bounds=False, logit_dtype=logit_dtype,
+                                     softcap=softcap)
+
+
+@lm_head_sample_static.register_fake
+def _lm_head_sample_static_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
+                                logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_NS}::lm_head_sample_processed_static", mutates_args=())
+def lm_head_sample_processed_static(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
+                                    top_p: Optional[float], min_p: Optional[float], seed: Tensor,
+                                    norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                                    eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
+                                    softcap: Optional[float] = None) -> Tensor:
+    """:func:`dflash_kernels.lm_head_sample_processed_static`: int64 ``[N]`` draws from the processed
+    distribution (temperature, top-k, top-p, min-p), keyed by the device tensor ``seed``."""
+    return _sampling.lm_head_sample_processed_static(hidden, weight, temperature, seed, top_k=top_k, top_p=top_p,
+                                                     min_p=min_p, norm_weight=norm_weight, eps=eps,
+                                                     positions=positions, logit_dtype=logit_dtype, softcap=softcap)
+
+
+@lm_head_sample_processed_static.register_fake
+def _lm_head_sample_processed_static_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
+                                          positions=None, eps=1e-6, logit_dtype=None, softcap=None):
     return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
 
 
@@ -378,6 +425,23 @@ def _tree_attention_fake(query, key, value, bits, prefix_len, scale=None, positi
     return query.new_empty(query.shape)
 
 
+@torch.library.custom_op(f"{_NS}::tree_attention_static", mutates_args=())
+def tree_attention_static(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: Tensor,
+                          scale: Optional[float] = None, positions: Optional[Tensor] = None,
+                          window: Optional[int] = None, softcap: Optional[float] = None,
+                          sinks: Optional[Tensor] = None) -> Tensor:
+    """:func:`dflash_kernels.tree_attention_static`: the committed length ``prefix_len`` an int64 device tensor
+    ``[1]`` (read in-kernel), K/V the whole cache views ``[.., Hkv, S_max, D]``; query-shaped output."""
+    return _tree_attention_static(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+                                  softcap=softcap, sinks=sinks)
+
+
+@tree_attention_static.register_fake
+def _tree_attention_static_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None,
+                                softcap=None, sinks=None):
+    return query.new_empty(query.shape)
+
+
 @torch.library.custom_op(f"{_NS}::tree_attention_mask", mutates_args=())
 def tree_attention_mask(bits: Tensor, prefix_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """:func:`dflash_kernels.tree_attention_mask`: the additive ``[T, prefix_len + T]`` mask of ``dtype``."""
@@ -399,3 +463,12 @@ def compact_kv_(kv: Tensor, src_positions: Tensor, dst_start: int, num_rows: Opt
     """:func:`dflash_kernels.compact_kv_`: moves the accepted rows of ``kv`` in place and returns ``kv``
     (``torch.Tag.inplace``; its generated fake returns the input)."""
     return _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
+
+
+@torch.library.custom_op(f"{_NS}::compact_kv_static_", mutates_args={"kv"}, tags=torch.Tag.inplace)
+def compact_kv_static_(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
+                       num_rows: Optional[Tensor] = None) -> Tensor:
+    """:func:`dflash_kernels.compact_kv_static_`: ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute
+    ``src_positions`` device tensors, read in-kernel, unchecked (no host read); moves the rows in place and
+    returns ``kv`` (``torch.Tag.inplace``)."""
+    return _kv.compact_kv_static_(kv, src_positions, dst_start, num_rows, check=False)

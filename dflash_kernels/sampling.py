@@ -30,7 +30,12 @@ only. So for ``logit_dtype`` bf16 / fp16 (every half-precision model):
 3. pass 2 (vocab chunks, logits recomputed): Gumbel-max restricted to the
    support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
    the call's generator (``seed`` seeds a private one): an exact draw from
-   ``softmax(s)`` over the support. The rank of a tied token at ``key*`` is a
+   ``softmax(s)`` over the support. With a device seed tensor
+   (:func:`lm_head_sample_processed_static`) ``G`` is instead the counter-based
+   noise :func:`dflash_kernels.gumbel_noise_block` of (seed value, output row, vocab
+   id), generated on the device by a Triton launch that reads the seed from
+   memory: the same noise as the reference's, so both backends draw the same
+   token from bit-equal logits. The rank of a tied token at ``key*`` is a
    running per-row count over the chunks (fixed shapes).
 
 Memory: one ``[R, Vc]`` logits chunk (``R * Vc <= chunk_elements``, default
@@ -61,12 +66,14 @@ from typing import Optional
 import torch
 
 from ._dispatch import get_backend
-from .lm_head import lm_head_logits
+from .lm_head import gumbel_noise_block, lm_head_logits
 from .reference import sampling as _reference
-from .reference.lm_head import check_lm_head_args, check_softcap, check_temperature, resolve_logit_dtype
+from .reference.lm_head import (check_lm_head_args, check_seed_tensor, check_softcap, check_temperature,
+                                resolve_logit_dtype)
 from .reference.sampling import check_sampling_args, processed_scores
 
-__all__ = ["lm_head_sample_processed"]  # sample_processed_plan: a planning helper, imported from this module
+# (sample_processed_plan: a planning helper, imported from this module)
+__all__ = ["lm_head_sample_processed", "lm_head_sample_processed_static"]
 
 #: fp32 values per logits chunk (and per noise chunk): 2**25 = 128 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
@@ -160,8 +167,17 @@ def _gumbel(shape, generator, device) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
 
 
+def _noise_source(generator, seed: Optional[torch.Tensor], device):
+    """``noise(row0, n_rows, v0, v1)`` -> fp32 ``[n_rows, v1 - v0]`` Gumbel noise: from ``generator``
+    (``torch.rand``, consumed in call order), or keyed by the device ``seed`` tensor (a pure function of
+    (seed, output row, vocab id))."""
+    if seed is not None:
+        return lambda row0, n_rows, v0, v1: gumbel_noise_block(seed, row0, n_rows, v0, v1 - v0)
+    return lambda row0, n_rows, v0, v1: _gumbel((n_rows, v1 - v0), generator, device)
+
+
 def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, positions, logit_dtype, softcap,
-                    generator, plan, bin_scores):
+                    noise, row0, plan, bin_scores):
     """Tokens ``[R]`` of one row chunk by the histogram method (module docstring, steps 1-3)."""
     V = weight.shape[0]
     R = hidden.shape[0] if positions is None else positions.numel()
@@ -186,7 +202,7 @@ def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, po
         greater = c_star[:, None] - (seen[:, None] + tie.to(torch.int64).cumsum(1))  # tied tokens with a larger id
         support = (keys > key_star[:, None]) | (tie & (greater < r[:, None]))
         seen = seen + tie.sum(1)
-        score = torch.where(support, s + _gumbel(s.shape, generator, device), float("-inf"))
+        score = torch.where(support, s + noise(row0, R, v0, v1), float("-inf"))
         val, idx = score.max(dim=1)
         better = val > best
         best = torch.where(better, val, best)
@@ -195,12 +211,12 @@ def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, po
 
 
 def _dense_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, positions, logit_dtype, softcap,
-                generator):
+                noise, row0):
     """Tokens ``[R]`` of one row chunk from its full-vocabulary logits (the fp32-logit path)."""
     logits = lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
                             check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
     s = processed_scores(logits, t, top_k, top_p, min_p)
-    return torch.argmax(s + _gumbel(s.shape, generator, hidden.device), dim=1)
+    return torch.argmax(s + noise(row0, s.shape[0], 0, s.shape[1]), dim=1)
 
 
 def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
@@ -217,7 +233,9 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     transformers' warpers (:mod:`dflash_kernels.reference.sampling`), then one
     draw from the softmax. ``seed`` (int) or ``generator`` (a torch.Generator
     on hidden's device) make it reproducible; neither: the device's default
-    generator. ``check_bounds=False`` reads nothing on the host. The reference
+    generator. ``seed`` an int64 tensor ``[1]`` on hidden's device: the
+    noise is keyed by its value on the device (:func:`lm_head_sample_processed_static`).
+    ``check_bounds=False`` reads nothing on the host. The reference
     backend runs the reference (dense logits, ``torch.multinomial``); the
     Triton backend the chunked method of the module docstring.
     ``chunk_elements`` bounds one logits chunk (default :data:`DEFAULT_CHUNK_ELEMENTS`).
@@ -229,8 +247,11 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     softcap = check_softcap(softcap)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    device_seed = isinstance(seed, torch.Tensor)
+    if device_seed:
+        seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
+    elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or an int64 tensor [1], got {type(seed).__name__}")
     if get_backend(hidden.device) == "reference":
         return _reference.lm_head_sample_processed(
             hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
@@ -241,9 +262,10 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     out = torch.empty(N, dtype=torch.int64, device=hidden.device)
     if N == 0:
         return out
-    if seed is not None:
+    if seed is not None and not device_seed:
         generator = torch.Generator(device=hidden.device)
         generator.manual_seed(seed % (2 ** 63))
+    noise = _noise_source(generator, seed if device_seed else None, hidden.device)
     plan = sample_processed_plan(N, weight.shape[0], logit_dtype, chunk_elements)
     bin_scores = _bin_scores(logit_dtype, t, hidden.device) if plan["method"] == "histogram" else None
     for r0 in range(0, N, plan["rows"]):
@@ -251,8 +273,30 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
         h, pos = (hidden[r0:r1], None) if positions is None else (hidden, positions[r0:r1])
         if plan["method"] == "histogram":
             out[r0:r1] = _histogram_rows(h, weight, t, top_k, top_p, min_p, norm_weight, eps, pos, logit_dtype,
-                                         softcap, generator, plan, bin_scores)
+                                         softcap, noise, r0, plan, bin_scores)
         else:
             out[r0:r1] = _dense_rows(h, weight, t, top_k, top_p, min_p, norm_weight, eps, pos, logit_dtype, softcap,
-                                     generator)
+                                     noise, r0)
     return out
+
+
+def lm_head_sample_processed_static(hidden, weight, temperature, seed, *, top_k=None, top_p=None, min_p=None,
+                                    norm_weight=None, eps=1e-6, positions=None, logit_dtype=None, softcap=None,
+                                    check_bounds=False, chunk_elements: Optional[int] = None) -> torch.Tensor:
+    """:func:`lm_head_sample_processed` with the seed an int64 tensor ``[1]`` / ``[]`` on hidden's device.
+
+    ``token[n] = argmax_j(s[n, j] + G(seed, n, j))`` over the processed support
+    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.gumbel_noise_block`:
+    a pure function of the seed's value, the output row and the vocab id, made
+    on the device (the seed is never read on the host; ``check_bounds``
+    defaults to False for the same reason), so a captured graph replays new
+    noise when the caller changes the seed tensor. Same noise as the reference
+    (:func:`dflash_kernels.reference.lm_head_sample_processed_static`).
+    """
+    if not isinstance(seed, torch.Tensor):
+        raise TypeError(f"lm_head_sample_processed_static: seed must be an int64 tensor [1], got "
+                        f"{type(seed).__name__} (use lm_head_sample_processed for an int)")
+    return lm_head_sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                    norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
+                                    logit_dtype=logit_dtype, softcap=softcap, check_bounds=check_bounds,
+                                    chunk_elements=chunk_elements)

@@ -34,6 +34,20 @@ a sink logit to its softmax denominator (gpt-oss).
   kernel reads the partials the attention launch wrote; the two launches are
   ordered on one stream, so every partial is complete before it is read, and
   the merge writes each output row from one program.
+* Device-side prefix (``prefix_len`` an int64 tensor ``[1]`` / ``[]``, for
+  a compiled / CUDA-graph step; op ``torch.ops.dflash.tree_attention_static``):
+  K/V are the whole cache views ``[Hkv, S_max, D]``, the pass's rows are
+  ``[p, p + T)``. The grid (row tiles, kv heads, splits) depends only on
+  ``T`` and ``S_max`` (the split count from ``S_max - T`` prefix keys); every
+  program loads ``p`` from memory first (``PREFIX_IN_MEMORY``) and derives
+  its key range from it, so a split whose share of ``[0, p + T)`` is empty
+  runs no loop and writes the neutral partial ``(0, -inf)``, which the merge
+  weighs 0. Overlap argument, additionally: ``p`` is read-only for both
+  launches (the launcher's outputs are fresh allocations, never ``p``'s
+  storage), and is loaded before any address that depends on it is formed,
+  so no store of this launch can change it; K/V rows ``>= p + T`` are never
+  loaded (every key load is masked by ``key < p`` or ``node < T``), so
+  whatever they hold (NaN, inf) cannot reach the output.
 * :func:`warmup_tree_attention`: compiles every variant a generation at
   given shapes can hit, so none compiles mid-generation.
 * :func:`tree_attention_mask`: the dense additive mask, for attention backends
@@ -56,7 +70,7 @@ import triton.language as tl
 from . import reference as _reference
 from ._dispatch import get_backend, triton_interpreting
 
-__all__ = ["tree_attention", "tree_attention_mask", "warmup_tree_attention"]
+__all__ = ["tree_attention", "tree_attention_static", "tree_attention_mask", "warmup_tree_attention"]
 
 _LOG2E = 1.4426950408889634
 _MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -106,6 +120,17 @@ def _check_bits(bits: torch.Tensor, n_tree: int, who: str) -> None:
 def _check_prefix_len(prefix_len: int, who: str) -> None:
     if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or prefix_len < 0:
         raise ValueError(f"{who}: prefix_len must be an int >= 0, got {prefix_len!r}")
+
+
+def _check_prefix_tensor(prefix_len: torch.Tensor, device: torch.device, who: str) -> None:
+    """A device prefix: an int64 / int32 tensor with one element (``[1]`` or ``[]``) on ``device``; its value
+    is not read (that would be a host sync)."""
+    if prefix_len.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{who}: a tensor prefix_len must be int64 (or int32), got {prefix_len.dtype}")
+    if prefix_len.numel() != 1 or prefix_len.dim() > 1:
+        raise ValueError(f"{who}: a tensor prefix_len must have shape [1] or [], got {tuple(prefix_len.shape)}")
+    if prefix_len.device != device:
+        raise ValueError(f"{who}: prefix_len is on {prefix_len.device} but query is on {device}")
 
 
 def tree_attention_mask_triton(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +188,7 @@ MERGE_UNALIGNED_PTRS = ["sinks_ptr"]
 #: Pointers that may be slices at any offset of a bigger buffer (the bits of
 #: a tree, the positions of this pass, one layer's row of stacked sinks): not specialized on 16-byte alignment,
 #: so a new offset never compiles a new binary.
-TREE_ATTENTION_UNALIGNED_PTRS = ["bits_ptr", "pos_ptr", "sinks_ptr"]
+TREE_ATTENTION_UNALIGNED_PTRS = ["bits_ptr", "pos_ptr", "sinks_ptr", "prefix_ptr"]
 
 
 @triton.jit
@@ -221,7 +246,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scal
 @triton.jit(do_not_specialize=TREE_ATTENTION_DYNAMIC_INTS,
             do_not_specialize_on_alignment=TREE_ATTENTION_UNALIGNED_PTRS)
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, sinks_ptr, prefix_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_ks, stride_kd,
     stride_vh, stride_vs, stride_vd,
@@ -231,7 +256,7 @@ def _tree_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHAIN: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFIX_IN_MEMORY: tl.constexpr = False,
 ):
     """Program (row tile, kv head, key split).
 
@@ -255,7 +280,16 @@ def _tree_attention_kernel(
     softmax denominator as a key of value 0: unsplit, the running state
     starts from it (``m = sink * log2(e)``, ``l = 1``); split, the merge
     kernel adds it once, so the partials here never include it.
+
+    ``PREFIX_IN_MEMORY``: ``prefix_len`` (the argument, then 0) is replaced
+    by ``prefix_ptr[0]`` before anything uses it: the key range, the masks and
+    the tree keys' rows all follow the value in memory (a captured graph
+    replays with a new committed length without a new launch configuration).
     """
+    if PREFIX_IN_MEMORY:
+        # Read once, first: every later address and bound derives from it (no store of this
+        # launch can write it: it is an input, the outputs are fresh buffers).
+        prefix_len = tl.load(prefix_ptr).to(tl.int32)
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -607,7 +641,10 @@ def _check_attention_inputs(query, key, value, bits, prefix_len, positions, wind
         raise TypeError(
             f"tree_attention: bits must be a torch.Tensor or None (causal chain), got {type(bits).__name__}"
         )
-    _check_prefix_len(prefix_len, "tree_attention")
+    if isinstance(prefix_len, torch.Tensor):
+        _check_prefix_tensor(prefix_len, query.device, "tree_attention")
+    else:
+        _check_prefix_len(prefix_len, "tree_attention")
     q, batched = _squeeze_batch(query, "query")
     k, _ = _squeeze_batch(key, "key")
     v, _ = _squeeze_batch(value, "value")
@@ -621,10 +658,17 @@ def _check_attention_inputs(query, key, value, bits, prefix_len, positions, wind
         raise ValueError(f"tree_attention: head dim must be in 1..256, got {d}")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"tree_attention: query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    if s != prefix_len + n_tree:
+    if isinstance(prefix_len, torch.Tensor):
+        if s < n_tree:
+            raise ValueError(
+                f"tree_attention: with a tensor prefix_len, key/value are the whole cache views and need "
+                f"S_max >= T rows, got S_max = {s} < T = {n_tree}"
+            )
+    elif s != prefix_len + n_tree:
         raise ValueError(
             f"tree_attention: key/value length {s} must be prefix_len + T = {prefix_len} + {n_tree}; "
-            "slice the cache view to the live positions"
+            "slice the cache view to the live positions (or pass prefix_len as a device tensor with the "
+            "whole cache views)"
         )
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _ATTENTION_DTYPES:
         raise ValueError(
@@ -694,9 +738,12 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softca
     if n_tree == 0:
         return out.unsqueeze(0) if batched else out
     row_tiles = triton.cdiv(n_rows, block_m)
+    in_memory = isinstance(prefix_len, torch.Tensor)
+    # The static form sizes the split count for the largest prefix the cache holds (S_max - T).
+    host_prefix = k.shape[1] - n_tree if in_memory else prefix_len
     if num_splits is None:
         if device.type == "cuda":
-            visible_prefix = prefix_len if window is None else min(prefix_len, window + n_tree)
+            visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
             key_tiles = triton.cdiv(visible_prefix, block_n) + triton.cdiv(n_tree, block_n)
             sms = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
             num_splits = choose_num_splits(row_tiles * hkv, key_tiles, sms)
@@ -708,11 +755,15 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softca
     chain = bits is None
     if chain:
         bits = _placeholder(device, torch.int32)
+    window_arg = 1 if window is None else min(window, 2**30)  # an i32 argument; wider windows hide nothing more
     if window is None:
-        pos, window_arg = _placeholder(device, torch.int64), 1
+        pos = _placeholder(device, torch.int64)
+    elif positions is not None:
+        pos = positions
+    elif in_memory:  # default positions p + arange(T), formed on the device (no host read)
+        pos = prefix_len.reshape(1).to(torch.int64) + torch.arange(n_tree, device=device)
     else:
-        pos = positions if positions is not None else torch.arange(prefix_len, prefix_len + n_tree, device=device)
-        window_arg = min(window, 2**30)  # an i32 argument; wider windows hide nothing more
+        pos = torch.arange(prefix_len, prefix_len + n_tree, device=device)
     if num_splits > 1:
         part_out = torch.empty(num_splits, hkv, n_rows, block_d, dtype=torch.float32, device=device)
         part_lse = torch.empty(num_splits, hkv, n_rows, dtype=torch.float32, device=device)
@@ -728,18 +779,22 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softca
         sinks = _placeholder(device, torch.float32)
     elif sinks.stride(0) != 1:
         sinks = sinks.contiguous()
+    if in_memory:
+        prefix_ptr, prefix_arg = prefix_len.reshape(1), 0
+    else:
+        prefix_ptr, prefix_arg = _placeholder(device, torch.int64), prefix_len
     _tree_attention_kernel[(row_tiles, hkv, num_splits)](
-        q, k, v, bits, pos, sinks, out, part_out, part_lse,
+        q, k, v, bits, pos, sinks, prefix_ptr, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         bits.stride(0), bits.stride(-1), pos.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        n_tree, prefix_len, window_arg, group, qk_scale, softcap_scale,
+        n_tree, prefix_arg, window_arg, group, qk_scale, softcap_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         CHAIN=chain, WINDOW=window is not None, SPLIT_KEYS=num_splits > 1,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=has_sinks,
-        DOT_FP32=triton_interpreting(), INPUT_PRECISION=_input_precision(q.dtype),
+        DOT_FP32=triton_interpreting(), INPUT_PRECISION=_input_precision(q.dtype), PREFIX_IN_MEMORY=in_memory,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:
@@ -778,6 +833,11 @@ def tree_attention(
             ones for a non-causal block), or None for a causal chain (``j <= i``;
             no bitmask is read).
         prefix_len: keys before the tree keys, visible to every query (subject to the window).
+            Or an int64 (int32) tensor ``[1]`` / ``[]`` on the query's device
+            (the static form, :func:`tree_attention_static`): then key/value
+            are the whole cache views ``[Hkv, S_max, D]``, ``S_max >= p + T``
+            (not checked: that would read ``p``), the pass's rows at
+            ``[p, p + T)``, rows ``>= p + T`` never read.
         scale: softmax scale, default ``D ** -0.5``.
         positions: ``[T]`` int32/int64 absolute positions of the tree tokens on
             the query's device (default ``prefix_len + arange(T)``); prefix key
@@ -808,6 +868,36 @@ def tree_attention(
         return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks)
     return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                      softcap=softcap, sinks=sinks)
+
+
+def tree_attention_static(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bits: Optional[torch.Tensor],
+    prefix_len: torch.Tensor,
+    scale: Optional[float] = None,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`tree_attention` with the committed length a device tensor, over the whole cache views.
+
+    ``prefix_len``: int64 (or int32) tensor ``[1]`` / ``[]`` on the query's
+    device, ``p``; ``key, value``: ``[Hkv, S_max, D]`` (or with a batch dim of
+    1), the pass's T rows at ``[p, p + T)``, ``S_max >= p + T``; rows ``>= p + T``
+    are never read. The launch (grid, split count, binary) depends on
+    ``T`` and ``S_max`` only, and ``p`` is read in-kernel, so a CUDA graph of
+    it replays for any ``p``. Everything else as :func:`tree_attention`; the
+    reference is :func:`dflash_kernels.reference.tree_attention_static`.
+    """
+    if not isinstance(prefix_len, torch.Tensor):
+        raise TypeError(f"tree_attention_static: prefix_len must be an int64 tensor [1], got "
+                        f"{type(prefix_len).__name__} (use tree_attention for an int)")
+    return tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+                          softcap=softcap, sinks=sinks)
 
 
 def warmup_tree_attention(

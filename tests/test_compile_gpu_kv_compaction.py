@@ -2,7 +2,8 @@
 
 ``dflash_kernels.kv_compaction.launch_configs`` enumerates every binary the
 launcher picks for real caches (head dim 128 / 64, bf16 / fp16 / fp32,
-int64 / int32 positions, host or device row count), with the integer
+int64 / int32 positions, host or device row count, host or device first
+destination row), with the integer
 specializations the Triton runtime applies at those shapes (``stride_dim ==
 1`` is a constexpr, head dim and strides ``divisible_by_16``; the row count
 and ``dst_start`` are ``do_not_specialize``). Each must compile with no local
@@ -83,6 +84,12 @@ def test_configs_cover_real_shapes():
     assert {cfg["head_dim"] for cfg in CONFIGS} == {64, 128}
     assert {cfg["signature"]["kv_ptr"] for cfg in CONFIGS} == {"*bf16", "*fp16", "*fp32"}
     assert {cfg["constexprs"]["HAS_COUNT"] for cfg in CONFIGS} == {False, True}
+    # the static op's form (first destination row read from memory, device count) at every shape and dtype
+    static = {(cfg["head_dim"], cfg["signature"]["kv_ptr"], cfg["signature"]["src_ptr"]) for cfg in CONFIGS
+              if cfg["constexprs"]["DST_IN_MEMORY"]}
+    assert static == {(d, t, s) for d in (64, 128) for t in ("*bf16", "*fp16", "*fp32") for s in ("*i64", "*i32")}
+    assert all(cfg["constexprs"]["HAS_COUNT"] and cfg["signature"]["dst_ptr"] == "*i64" for cfg in CONFIGS
+               if cfg["constexprs"]["DST_IN_MEMORY"])
     for cfg in CONFIGS:
         assert cfg["constexprs"]["BLOCK_A"] == 16
         assert cfg["constexprs"]["stride_dim"] == 1  # the runtime turns a unit int argument into a constexpr

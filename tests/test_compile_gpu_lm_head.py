@@ -12,7 +12,10 @@ spills), with shared memory under the chip's per-block limit, and, where the
 GEMM runs bf16/fp16 ``tl.dot``, with tensor core instructions (``wgmma`` on
 sm_90 for 128-row tiles, ``mma`` otherwise) in the PTX. The final-logit
 softcap variants (``HAS_SOFTCAP``: logits, Gumbel sampling, CE gradient) are
-among the configs, with the same checks. Everything is
+among the configs, with the same checks, and so are the device-seed
+sampling epilogues (``DEVICE_SEED``: the seed loaded from memory, Philox of
+(vocab id, row), at every tile, capped or not) and the Gumbel noise kernel of
+processed sampling with a device seed. Everything is
 compiled once per session (two worker processes), then checked per config.
 """
 
@@ -41,7 +44,13 @@ def compiled():
 def test_configs_cover_every_kernel():
     names = {cfg["kernel"].__name__ for cfg in CONFIGS}
     assert names == {"_gather_concat_kernel", "_norm_rows_kernel", "_logits_kernel", "_argmax_kernel",
-                     "_ce_grad_kernel"}
+                     "_ce_grad_kernel", "_gumbel_noise_kernel"}
+    # the device-seed Gumbel epilogue at every tile and dot dtype, with and without the final softcap
+    seeded = {(cfg["constexprs"]["BLOCK_M"], cfg["signature"]["a_ptr"], cfg["constexprs"]["HAS_SOFTCAP"])
+              for cfg in CONFIGS if cfg["constexprs"].get("DEVICE_SEED")}
+    assert seeded == {(m, d, c) for m in (16, 128) for d in ("*bf16", "*fp16", "*fp32") for c in (False, True)}
+    assert all(cfg["constexprs"]["GUMBEL"] and cfg["signature"]["seed_ptr"] == "*i64" for cfg in CONFIGS
+               if cfg["constexprs"].get("DEVICE_SEED"))
     # decode-sized and large position counts pick different GEMM tiles; both are listed
     tiles = {(cfg["constexprs"]["BLOCK_M"], cfg["signature"]["a_ptr"]) for cfg in CONFIGS
              if cfg["kernel"].__name__ == "_argmax_kernel"}
@@ -91,7 +100,8 @@ def test_divisibility_hints_are_the_runtime_ones():
 def test_varying_int_arguments_are_not_specialized():
     """Row counts (they change every decoding round), vocab chunk bounds and row offsets never pick a new binary."""
     expected = {"_gather_concat_kernel": {"R"}, "_norm_rows_kernel": {"N"}, "_logits_kernel": {"N", "V0", "V_END"},
-                "_argmax_kernel": {"N", "seed"}, "_ce_grad_kernel": {"N", "row0"}}
+                "_argmax_kernel": {"N", "seed"}, "_ce_grad_kernel": {"N", "row0"},
+                "_gumbel_noise_kernel": {"n_rows", "n_cols", "row0", "col0"}}
     for name, wanted in expected.items():
         kernel = getattr(gather if name == "_gather_concat_kernel" else lm_head, name)
         assert wanted <= _declared_do_not_specialize(kernel), name

@@ -23,6 +23,11 @@ config of every head dim (fp16 runs the bf16 lines), the unsplit one (the
 sink starts the running softmax) and the chain one at Qwen3-8B's T = 65
 tile, and the bf16 merge kernel with sinks; not the whole cross product.
 
+Device-side prefix (``PREFIX_IN_MEMORY``: the committed length loaded from
+``prefix_ptr``, the static op of a compiled / CUDA-graph step): the heaviest
+variant at every bf16 and fp32 config of every head dim, and every
+chain / window / split combination at the T = 65 tile, with the same checks.
+
 The attention launches pass ``maxnreg`` (see ``MAX_REGISTERS``), which
 ``compile_for_gpu`` has no argument for, so they compile through
 :func:`_compile_with_options` (the same steps plus the option) on the same
@@ -164,15 +169,18 @@ ALIGNED = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "str
 UNIT_STRIDES = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "stride_bits_word": 1, "stride_od": 1}
 
 
-def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, softcap=False, sinks=False):
+def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, softcap=False, sinks=False,
+                   prefix_in_memory=False):
     ptr = f"*{TRITON_TYPE[dtype]}"
     sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "bits_ptr": "*i32", "pos_ptr": "*i64",
+           "prefix_ptr": "*i64",
            "sinks_ptr": ptr if sinks else "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "qk_scale": "fp32", "softcap_scale": "fp32"}
     sig.update({name: "i32" for name in ATTENTION_INTS})
     constexprs = dict(UNIT_STRIDES, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, HAS_SOFTCAP=softcap,
-                      HAS_SINKS=sinks, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype))
+                      HAS_SINKS=sinks, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype),
+                      PREFIX_IN_MEMORY=prefix_in_memory)
     if group == 1:  # the runtime specializes an int equal to 1
         del sig["group"]
         constexprs["group"] = 1
@@ -180,12 +188,12 @@ def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, so
             cfg["num_stages"], tuple(ALIGNED), cfg.get("maxnreg"), tuple(TREE_ATTENTION_UNALIGNED_PTRS))
 
 
-def _flags(chain, window, split, group=4, softcap=False, sinks=False):
+def _flags(chain, window, split, group=4, softcap=False, sinks=False, prefix_in_memory=False):
     return (f"{'chain' if chain else 'tree'}{'-window' if window else ''}-{'split' if split else 'whole'}-G{group}"
-            f"{'-softcap' if softcap else ''}{'-sinks' if sinks else ''}")
+            f"{'-softcap' if softcap else ''}{'-sinks' if sinks else ''}{'-prefixmem' if prefix_in_memory else ''}")
 
 
-# (arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks)
+# (arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks, prefix_in_memory)
 ATTENTION_CASES = []
 for _arch in ARCHS:
     for _dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -199,22 +207,25 @@ for _arch in ARCHS:
                 if _dtype == torch.float16:
                     variants = variants[:1]
                 for _chain, _window, _split in variants:
-                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, _chain, _window, _split, 4, False, False))
+                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, _chain, _window, _split, 4, False, False, False))
                 if _dtype != torch.float16:  # the heaviest softcap / sinks variant (fp16: the bf16 code)
-                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, False, True, True, 4, True, True))
+                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, False))
+                    # ... and with the committed length read from memory (the static op)
+                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, True))
     # Every flag combination at Qwen3-8B's T = 65 tile (D 128, bf16, 64 rows), and MHA (G = 1).
     _cfg = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 64)
     for _chain in (False, True):
         for _window in (False, True):
             for _split in (False, True):
-                case = (_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4, False, False)
-                if case not in ATTENTION_CASES:
-                    ATTENTION_CASES.append(case)
+                for _mem in (False, True):
+                    case = (_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4, False, False, _mem)
+                    if case not in ATTENTION_CASES:
+                        ATTENTION_CASES.append(case)
     for _chain in (False, True):
-        ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1, False, False))
+        ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1, False, False, False))
     # softcap + sinks unsplit (sink-initialized softmax, normalized store) and in chain mode, at the T = 65 tile
-    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, False, True, False, 4, True, True))
-    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, True, True, True, 4, True, True))
+    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, False, True, False, 4, True, True, False))
+    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, True, True, True, 4, True, True, False))
 
 MERGE_CASES = [(arch, dtype, d, sinks) for arch in ARCHS for dtype in (torch.bfloat16, torch.float32)
                for d in (64, 128, 256) for sinks in (False, True) if not (sinks and dtype == torch.float32)]
@@ -251,18 +262,22 @@ def test_signatures_match_the_runtime_specialization():
     assert set(MERGE_DYNAMIC_INTS) <= {"n_tree", "group", "num_splits"}
     call = attention_call(90, torch.bfloat16, 128, tree_attention_configs(128, torch.bfloat16)[0], False, False, False)
     assert set(_tree_attention_kernel.arg_names) == set(call[2]) | set(call[3])
+    # the static op's variant (prefix read from memory) is compiled at every head dim of both float widths
+    assert {(c[1], c[2]) for c in ATTENTION_CASES if c[-1]} == {(dt, d) for dt in (torch.bfloat16, torch.float32)
+                                                                for d in (64, 128, 256)}
     call = merge_call(90, torch.bfloat16, 128)
     assert set(_merge_splits_kernel.arg_names) == set(call[2]) | set(call[3])
 
 
 @pytest.mark.parametrize(
-    "arch,dtype,head_dim,cfg,chain,window,split,group,softcap,sinks", ATTENTION_CASES,
-    ids=[f"sm{a}-{TRITON_TYPE[dt]}-D{d}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{_flags(ch, w, s, g, sc, sk)}"
-         for a, dt, d, c, ch, w, s, g, sc, sk in ATTENTION_CASES],
+    "arch,dtype,head_dim,cfg,chain,window,split,group,softcap,sinks,prefix_in_memory", ATTENTION_CASES,
+    ids=[f"sm{a}-{TRITON_TYPE[dt]}-D{d}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{_flags(ch, w, s, g, sc, sk, pm)}"
+         for a, dt, d, c, ch, w, s, g, sc, sk, pm in ATTENTION_CASES],
 )
-def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks):
+def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks,
+                               prefix_in_memory):
     result = _result(compiled, ("attn", arch, dtype, head_dim, cfg["BLOCK_M"], chain, window, split, group, softcap,
-                                sinks))
+                                sinks, prefix_in_memory))
     check_resources(result, arch)
     ptx = result["ptx"]
     if cfg["num_stages"] > 1:

@@ -103,7 +103,7 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None):
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "cuda-ext", "tests", "kernels", "micro", "round", "syncs", "stress", "families", "e2e"]
+STEPS = ["build", "cuda-ext", "tests", "kernels", "compiled", "micro", "round", "syncs", "stress", "families", "e2e"]
 
 
 def summary_states(stdout):
@@ -148,7 +148,8 @@ def test_script_installs_offline_for_this_gpu_within_the_budget():
     assert "--no-build-isolation --no-deps --no-index -e ." in text
     assert 'TORCH_CUDA_ARCH_LIST="$ARCH"' in text
     assert "GPU_CHECK_BUDGET_S:-560" in text  # 560 s < 10 minutes (one device call), whatever each step takes
-    for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py", "gpu_family_check.py"):
+    for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py", "gpu_family_check.py",
+                   "gpu_compiled_round.py"):
         assert f"bench/{script}" in text
 
 
@@ -260,3 +261,14 @@ def test_family_check_fails_when_a_feature_is_dropped(monkeypatch, capsys, stack
     with dflash_kernels.force_backend("reference"):
         assert family.main(["--device", "cpu", "--tiny", "--only", stack]) == 1
     assert f"FAIL {stack}" in capsys.readouterr().err
+
+
+def test_compiled_round_runs_at_tiny_shapes(tmp_path, capsys):
+    """The compiled-round GPU script at tiny shapes on the CPU (fixed-shape steps run eagerly): it runs,
+    writes its JSON, and finds the two paths' tokens equal."""
+    script = load_script("gpu_compiled_round")
+    out = tmp_path / "c.json"
+    assert script.main(["--device", "cpu", "--tiny", "--mode", "static", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ar", "dflash", "ddtree"] and all(r["same_tokens"] for r in rows)
+    assert "| dflash |" in capsys.readouterr().out

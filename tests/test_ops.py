@@ -60,6 +60,16 @@ def _attention_inputs():
     return query, key, value, bits, prefix, positions, sinks
 
 
+def _static_attention_inputs():
+    """The static form: the whole cache views [Hkv, Smax, D] (garbage past prefix + T) and a device prefix."""
+    query, key, value, bits, prefix, positions, sinks = _attention_inputs()
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(2, 2, 2, 12, 8, generator=g)
+    cache[:, :, :, :prefix + 5] = torch.stack([key, value])[None]
+    cache[:, :, :, prefix + 5:] = 1e30  # never read
+    return query, cache[1, 0], cache[1, 1], bits, torch.tensor([prefix]), positions, sinks
+
+
 def _kv_inputs():
     kv = torch.randn(2, 2, 2, 10, 4, generator=torch.Generator().manual_seed(3))
     return kv, torch.tensor([3, 5, 6]), 3
@@ -78,6 +88,7 @@ def cases():
     query, key, value, bits, prefix, att_pos, sinks = _attention_inputs()
     kv, src, dst = _kv_inputs()
     lm = dict(norm_weight=norm_weight, positions=positions)
+    s_query, s_key, s_value, s_bits, s_prefix, s_pos, s_sinks = _static_attention_inputs()
 
     def walk_public(p, t, c):
         accepted, bonus = dk.walk_tree(p, t, c)
@@ -124,6 +135,24 @@ def cases():
         ("compact_kv_", OPS.compact_kv_, (kv, src, dst), {}, lambda *a: dk.compact_kv_(*a)),
         ("compact_kv_count", OPS.compact_kv_, (kv, src, dst, torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+        # the static forms: device prefix / seed / destination
+        ("tree_attention_static", OPS.tree_attention_static, (s_query, s_key, s_value, s_bits, s_prefix), {},
+         lambda *a: dk.tree_attention(*a)),
+        ("tree_attention_static_chain", OPS.tree_attention_static,
+         (s_query[None], s_key[None], s_value[None], None, s_prefix.reshape(())), {}, lambda *a: dk.tree_attention(*a)),
+        ("tree_attention_static_window", OPS.tree_attention_static, (s_query, s_key, s_value, s_bits, s_prefix, 0.3),
+         dict(positions=s_pos, window=2, softcap=3.0, sinks=s_sinks), lambda *a, **kw: dk.tree_attention(*a, **kw)),
+        ("lm_head_sample_static", OPS.lm_head_sample_static, (hidden, weight, 0.8, torch.tensor([1234])),
+         dict(lm, softcap=5.0), lambda h, w, t, s, **kw: dk.lm_head_sample(h, w, t, seed=s, **kw)),
+        ("lm_head_sample_processed_static", OPS.lm_head_sample_processed_static,
+         (hidden, weight, 0.8, 5, 0.9, 0.05, torch.tensor([7])), lm,
+         lambda h, w, t, k, p, m, s, **kw: dk.lm_head_sample_processed(h, w, t, top_k=k, top_p=p, min_p=m, seed=s,
+                                                                        **kw)),
+        ("lm_head_sample_processed_static_bf16", OPS.lm_head_sample_processed_static,
+         (hidden.bfloat16(), weight.bfloat16(), 1.1, None, 0.8, None, torch.tensor([8])), {},
+         lambda h, w, t, k, p, m, s: dk.lm_head_sample_processed(h, w, t, top_k=k, top_p=p, min_p=m, seed=s)),
+        ("compact_kv_static_", OPS.compact_kv_static_, (kv, src, torch.tensor([dst]), torch.tensor([2])), {},
+         lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
     ]
 
 
@@ -149,11 +178,18 @@ def test_every_public_op_is_registered():
     names = {"gather_concat", "gather_concat_out", "lm_head_logits", "lm_head_argmax", "lm_head_topk",
              "lm_head_sample", "lm_head_cross_entropy", "lm_head_cross_entropy_backward", "ancestor_bits",
              "tree_positions", "build_tree", "walk_tree", "build_tree_device", "walk_tree_device",
-             "tree_attention", "tree_attention_mask", "compact_kv_"}
+             "tree_attention", "tree_attention_mask", "compact_kv_", "tree_attention_static",
+             "lm_head_sample_static", "lm_head_sample_processed_static", "compact_kv_static_"}
     for name in names:
         assert hasattr(OPS, name), name
-    schema = str(OPS.compact_kv_.default._schema)
-    assert "Tensor(a0!) kv" in schema and schema.endswith("-> Tensor(a0!)")
+    for name in ("compact_kv_", "compact_kv_static_"):
+        schema = str(getattr(OPS, name).default._schema)
+        assert "Tensor(a0!) kv" in schema and schema.endswith("-> Tensor(a0!)")
+    # the per-round values of the static forms are tensors (a compiled step never specializes on them)
+    assert "Tensor prefix_len" in str(OPS.tree_attention_static.default._schema)
+    assert "Tensor seed" in str(OPS.lm_head_sample_static.default._schema)
+    assert "Tensor seed" in str(OPS.lm_head_sample_processed_static.default._schema)
+    assert "Tensor dst_start" in str(OPS.compact_kv_static_.default._schema)
     assert "*, Tensor(a3!) out) -> Tensor(a3!)" in str(OPS.gather_concat_out.default._schema)
     assert "Tensor[] layers" in str(OPS.gather_concat.default._schema)
 
@@ -182,7 +218,7 @@ def test_op_equals_public_and_fake_shapes(case, backend):
     for g, w in zip(_flat(got_args) + list(got_kwargs.values()), _flat(want_args) + list(want_kwargs.values())):
         if isinstance(g, torch.Tensor):  # mutated inputs (kv, out) end equal too
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-    if name in ("compact_kv_", "compact_kv_count"):
+    if name in ("compact_kv_", "compact_kv_count", "compact_kv_static_"):
         assert got[0] is got_args[0]
     if name == "gather_concat_out":
         assert got[0] is got_kwargs["out"]
@@ -269,6 +305,14 @@ def _compact_step(kv, src, dst):
     return kv[:, :, :, :dst + src.numel()].sum()
 
 
+def _static_step(query, key, value, bits, prefix, hidden, weight, seed, kv, src, dst, count):
+    """One static round's kernel ops: attention at a device prefix, a seeded sample, a device-destination compaction."""
+    out = OPS.tree_attention_static(query, key, value, bits, prefix, None, None, None, None, None)
+    tokens = OPS.lm_head_sample_static(hidden, weight, 0.7, seed + 1, None, None, 1e-6, None, None)
+    OPS.compact_kv_static_(kv, src, dst, count)
+    return out.sum(0), tokens, kv.sum()
+
+
 def _tree_step(logprobs, ids, choice):
     token_ids, depths, parents = OPS.build_tree_device(logprobs, ids, 9)
     bits = OPS.ancestor_bits(parents, False)
@@ -287,6 +331,8 @@ def _compile_cases():
         ("lm_head_argmax", _argmax_step, (hidden, weight, norm_weight, positions)),
         ("tree_attention", _attention_step, (query, key, value, bits, prefix)),
         ("compact_kv_", _compact_step, _kv_inputs()),
+        ("static_step", _static_step, _static_attention_inputs()[:5] + (hidden, weight, torch.tensor([3]))
+         + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
         ("build_tree_device", _tree_step, (logprobs, ids, choice)),
     ]
 

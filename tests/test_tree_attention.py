@@ -507,7 +507,7 @@ def test_per_round_ints_are_never_specialized():
     assert set(dns) <= set(_tree_attention_kernel.arg_names)
     unaligned = kwargs["do_not_specialize_on_alignment"] if kwargs is not None else [
         p.name for p in _tree_attention_kernel.params if p.do_not_specialize_on_alignment]
-    assert set(unaligned) == {"bits_ptr", "pos_ptr", "sinks_ptr"}
+    assert set(unaligned) == {"bits_ptr", "pos_ptr", "sinks_ptr", "prefix_ptr"}
     # The split count is a grid dim, not an argument.
     assert not any("split" in name for name in _tree_attention_kernel.arg_names if name != "SPLIT_KEYS")
 

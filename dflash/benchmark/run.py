@@ -177,6 +177,8 @@ class RunSettings:
     stop_token_ids: List[int]
     pad_token_id: int
     seed: int
+    #: our methods run as compiled rounds (generate(compile=True)); set-up time is never in a timed run
+    compile: bool = False
 
 
 def run_ours(cfg: BenchConfig, pair: Pair, prompt: torch.Tensor, settings: RunSettings, seed: int,
@@ -190,6 +192,8 @@ def run_ours(cfg: BenchConfig, pair: Pair, prompt: torch.Tensor, settings: RunSe
         kw["block_size"] = cfg.block_size
     if cfg.method == "ddtree":
         kw["tree_budget"] = cfg.budget
+    if settings.compile:
+        kw["compile"] = True
     result = generate(pair.target, pair.draft if cfg.method != "ar" else None, prompt, **kw)
     stages = (result.draft_time, result.verify_time, result.commit_time)
     return Run(cfg.label, -1, result.generated_ids[0].tolist(), result.total_time, result.time_to_first_token, 1,
@@ -515,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
     p.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and the plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--compile", action="store_true",
+                   help="run ar / dflash / ddtree as compiled rounds (generate(compile=True)); the compile happens "
+                        "in the warm-up and is never timed")
     return p
 
 
@@ -593,7 +600,7 @@ def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
             notes.append(f"{method} was asked for but {why}: not run.")
     eos = stop_ids_for(pair, args.ignore_eos)
     pad = eos[0] if eos else 0
-    settings = RunSettings(args.max_new_tokens, eos, pad, args.seed)
+    settings = RunSettings(args.max_new_tokens, eos, pad, args.seed, compile=args.compile)
     memory = PeakMemory(device)
 
     bar = _progress(len(configs) * (len(prompts) + 1), disable=args.no_progress)
@@ -638,7 +645,7 @@ def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
         max_new_tokens=args.max_new_tokens, stop_token_ids=eos, seed=args.seed,
         methods=list(args.methods), budgets=list(args.budgets), temperatures=list(args.temperatures),
         block_sizes=block_sizes, memory=memory.what, memory_note=memory_note(device.type == "cuda"),
-        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
+        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS, compiled_rounds=bool(args.compile),
     )
     return dict(meta=meta, rows=rows, failures=[asdict(f) | {"message": f.describe()} for f in failures],
                 runs=[asdict(r) | {"new_tokens": r.new_tokens} for c in configs for r in runs[c]], notes=notes,

@@ -8,6 +8,7 @@ the method's loop runs with the resolved settings.
 from __future__ import annotations
 
 from .ar import ar_generate
+from .compiled import compiled_generate
 from .chain import dflash_generate
 from .ddtree import ddtree_generate_result
 from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
@@ -50,11 +51,22 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
     return plan
 
 
-def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: str = "dflash") -> GenerationResult:
-    """Run ``method``'s loop with a resolved plan (see :func:`prepare_generation`)."""
+def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: str = "dflash",
+                   compile=False) -> GenerationResult:
+    """Run ``method``'s loop with a resolved plan (see :func:`prepare_generation`).
+
+    ``compile``: False (the eager loops, the reference), True (compiled
+    fixed-shape rounds, CUDA graphs on CUDA: :mod:`dflash.decoding.compiled`)
+    or ``"static"`` (those fixed-shape steps run eagerly).
+    """
     kw = dict(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling, stop_token_ids=plan.stop_token_ids,
               stopping_criteria=plan.stopping_criteria, streamer=plan.streamer)
     kw.update({k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
+    if compile is not False and compile is not None:
+        if kw.pop("return_trees", False):
+            raise ValueError("return_trees=True keeps each round's tree on the host, which compiled rounds do not "
+                             "do; use compile=False to get the trees")
+        return compiled_generate(target, draft, input_ids, method=method, compile=compile, **kw)
     if method == "ar":
         return ar_generate(target, input_ids, **kw)
     if method == "dflash":
@@ -63,7 +75,7 @@ def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: st
 
 
 def generate(target, draft=None, input_ids=None, *, method: str = "dflash", generation_config=None,
-             **kwargs) -> GenerationResult:
+             compile=False, **kwargs) -> GenerationResult:
     """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``; returns a :class:`GenerationResult`.
 
     ``target``: a HF causal LM (Qwen3, Llama, ...); ``draft``: a
@@ -88,9 +100,16 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     Greedy output is exactly the target's own greedy decoding; sampled output
     has the distribution of ``target.generate(do_sample=True)`` with the same
     settings.
+
+    ``compile=True`` runs the rounds as compiled fixed-shape steps
+    (``torch.compile(fullgraph=True)``; captured as CUDA graphs on CUDA), set
+    up before the clock starts (``result.compile_time``); the same greedy
+    tokens, and the target's distribution when sampling (its own noise).
+    Targets that cannot be traced raise
+    :class:`~dflash.decoding.compiled.CompileUnsupported`.
     """
     plan = prepare_generation(target, draft, input_ids, method=method, generation_config=generation_config, **kwargs)
-    return run_generation(target, draft, input_ids, plan, method=method)
+    return run_generation(target, draft, input_ids, plan, method=method, compile=compile)
 
 
 def spec_generate(draft, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):

@@ -25,6 +25,8 @@ class GenerationResult:
     draft_time: float = 0.0
     verify_time: float = 0.0
     commit_time: float = 0.0
+    #: seconds spent compiling / capturing the steps before this generation (not in total_time); 0 when eager
+    compile_time: float = 0.0
     tree_sizes: List[int] = field(default_factory=list)
     accepted_depths: List[int] = field(default_factory=list)
     trees: List[dict] = field(default_factory=list)
@@ -78,4 +80,5 @@ class GenerationResult:
             draft_time=self.draft_time,
             verify_time=self.verify_time,
             commit_time=self.commit_time,
+            compile_time=self.compile_time,
         )

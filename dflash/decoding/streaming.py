@@ -144,7 +144,7 @@ def _accepts_skip(tokenizer) -> bool:
 
 
 def stream(target, draft=None, input_ids=None, *, method: str = "dflash", tokenizer=None,
-           skip_special_tokens: bool = True, **kwargs) -> TokenStream:
+           skip_special_tokens: bool = True, compile=False, **kwargs) -> TokenStream:
     """Generate like :func:`dflash.generate`, yielding each round's new tokens as the round commits them.
 
     Yields lists of token ids (one list per round; the first holds the token
@@ -152,7 +152,8 @@ def stream(target, draft=None, input_ids=None, *, method: str = "dflash", tokeni
     continuation each round, holding back an incomplete character). Settings
     are resolved and checked before the iterator is returned (bad keywords
     raise here); ``.result`` holds the :class:`GenerationResult` afterwards.
-    ``streamer=`` is not accepted (this is the streamer).
+    ``streamer=`` is not accepted (this is the streamer). ``compile``: as
+    :func:`dflash.generate` (the compiled rounds stream the same way).
     """
     from .generate import prepare_generation, run_generation
 
@@ -162,6 +163,6 @@ def stream(target, draft=None, input_ids=None, *, method: str = "dflash", tokeni
 
     def run(streamer):
         plan.streamer = streamer
-        return run_generation(target, draft, input_ids, plan, method=method)
+        return run_generation(target, draft, input_ids, plan, method=method, compile=compile)
 
     return TokenStream(run, tokenizer=tokenizer, skip_special_tokens=skip_special_tokens)

@@ -29,6 +29,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import dflash_kernels
+from dflash_kernels import static_ops
 
 from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
 from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
@@ -116,8 +117,13 @@ class DraftAttention(nn.Module):
         attn_mask: Optional[torch.Tensor] = None,
         window: Optional[int] = None,
         block_positions: Optional[torch.Tensor] = None,
+        context_count: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
+
+        With a frozen :class:`~dflash.drafter.static_cache.StaticDraftKVCache`
+        (compiled rounds) only the first ``context_count [1]`` (device) of the
+        ``C`` context rows are real; nothing is read on the host.
 
         With ``cache``, the context K/V are appended to it and the block attends
         to all cached context. ``attn_mask``: additive float mask ``[B, K_total]``
@@ -132,6 +138,15 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos[C:], sin[C:])
         k, v = self.project_kv(torch.cat([context, block], 0), cos, sin)
+        if cache is not None and cache.static:  # fixed-shape pass: device-side lengths (compiled rounds)
+            k_all, v_all, prefix = cache.write_static(self.layer_idx, k, v, C, context_count)
+            if cache.visible is not None:  # reference backend: the pass's mask, made once in forward_static
+                out = static_ops.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
+            else:
+                out = static_ops.tree_attention_static(q, k_all, v_all, all_visible_bits(B, q.device), prefix,
+                                                       scale=self.scaling, positions=block_positions, window=window,
+                                                       backend="triton")
+            return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, num_context=C)
         if cache is not None and attn_mask is None and dflash_kernels.get_backend(q.device) == "triton":
@@ -172,10 +187,12 @@ class DraftLayer(nn.Module):
         kind = layer_types[layer_idx] if layer_types else "full_attention"
         self.sliding_window = config.sliding_window if kind == "sliding_attention" else None
 
-    def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None):
+    def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
+                context_count=None):
         h = self.input_layernorm(block)
         block = block + self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,
-                                       window=self.sliding_window, block_positions=block_positions)
+                                       window=self.sliding_window, block_positions=block_positions,
+                                       context_count=context_count)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
@@ -247,6 +264,55 @@ class DFlashDraftModel(nn.Module):
         if cache is not None:
             cache.advance(C)
         return self.norm(block)
+
+    def forward_static(self, block_embeds: torch.Tensor, context_features: torch.Tensor,
+                       context_count: torch.Tensor, cache) -> torch.Tensor:
+        """One drafter pass of fixed shape (compiled rounds): nothing read on the host.
+
+        ``block_embeds [B, H]``; ``context_features [C, n*H]`` of which the
+        first ``context_count [1]`` (device int64) rows are the new context;
+        ``cache`` a frozen :class:`~dflash.drafter.static_cache.StaticDraftKVCache`
+        holding the committed length ``L`` on the device. New context row
+        ``i`` sits at position ``L + i``; the block at ``L + count + arange(B)``.
+        Advances the cache by ``count``; returns the final-normed block ``[B, H]``.
+        """
+        dtype = self.fc.weight.dtype
+        block = block_embeds.to(dtype)
+        context = self.context_states(context_features)
+        C, B = context.shape[0], block.shape[0]
+        rows = cache.rows
+        block_positions = cache.length_t + context_count + rows[:B]
+        positions = torch.cat([cache.length_t + rows[:C], block_positions])
+        cos, sin = self.rope(positions, block)
+        cache.visible = None
+        if dflash_kernels.get_backend(block.device) != "triton":
+            # every block row sees the committed context and the whole block: [B, S] per distinct window
+            bits = all_visible_bits(B, block.device)
+            cache.visible = {w: static_ops.visibility(bits, cache.length_t + context_count, B, cache.max_len,
+                                                      positions=block_positions, window=w)
+                             for w in {layer.sliding_window for layer in self.layers}}
+        for layer in self.layers:
+            block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
+                          context_count=context_count)
+        cache.advance_static(context_count)
+        return self.norm(block)
+
+    def ingest_context(self, context_features: torch.Tensor, cache) -> None:
+        """Append the K/V of ``context_features [C, n*H]`` (rows at positions ``length ..``) to ``cache`` eagerly.
+
+        The drafter's context K/V depend only on each row's features and
+        position (every layer projects the same context states), so this gives
+        the rows a combined context + block pass would have written.
+        """
+        context = self.context_states(context_features)
+        C = context.shape[0]
+        if C == 0:
+            return
+        cos, sin = self.rope(torch.arange(cache.length, cache.length + C, device=context.device), context)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(context, cos, sin)
+            cache.write(i, k, v)
+        cache.advance(C)
 
     # --------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None, format: str = "zlab",

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 import dflash_kernels
 from dflash_kernels import reference as kernel_reference
+from dflash_kernels import static_ops  # noqa: F401  (dflash_kernels.static_ops below)
 
 from .families import UnsupportedTargetFeature
 
@@ -96,6 +97,30 @@ class AttentionPass:
 
     def sink(self, layer_idx) -> Optional[torch.Tensor]:
         return self.sinks[layer_idx] if layer_idx is not None and self.sinks else None
+
+
+@dataclass(frozen=True)
+class StaticAttentionPass:
+    """An :class:`AttentionPass` of fixed shape (compiled rounds): the committed length is a device tensor.
+
+    ``prefix [1]`` int64: committed keys before the pass's ``T`` rows; the
+    layer's ``key/value`` are the whole cache ``[1, Hkv, S, D]`` and keys at
+    rows ``>= prefix + T`` are masked. Other fields as :class:`AttentionPass`.
+    """
+
+    prefix: torch.Tensor
+    bits: Optional[torch.Tensor]
+    positions: Optional[torch.Tensor]
+    windows: Sequence[Optional[int]]
+    backend: str
+    softcaps: Sequence[Optional[float]] = ()
+    sinks: Sequence[Optional[torch.Tensor]] = ()
+    #: reference backend: ``{window: visible [T, S] bool}`` computed once per pass, shared by the layers
+    visible: Optional[dict] = None
+
+    window = AttentionPass.window
+    softcap = AttentionPass.softcap
+    sink = AttentionPass.sink
 
 
 def _original_attention(module):
@@ -140,6 +165,15 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     layer = getattr(module, "layer_idx", None)
     window, softcap, sinks = attention_pass.window(layer), attention_pass.softcap(layer), attention_pass.sink(layer)
     _check_module_kwargs(module, kwargs, window, softcap, sinks)
+    if isinstance(attention_pass, StaticAttentionPass):
+        if attention_pass.visible is not None and softcap is None and sinks is None:
+            out = static_ops.masked_attention(query, key, value, attention_pass.visible[window], scale=scaling)
+            return out.transpose(1, 2), None
+        out = dflash_kernels.static_ops.tree_attention_static(
+            query, key, value, attention_pass.bits, attention_pass.prefix, scale=scaling,
+            positions=attention_pass.positions, window=window, softcap=softcap, sinks=sinks,
+            backend=attention_pass.backend)
+        return out.transpose(1, 2), None
     out = pass_attention(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2), None
 

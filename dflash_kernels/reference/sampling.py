@@ -17,7 +17,10 @@ the warpers as temperature, top-k, top-p, min-p; every filtered score is
                         (score desc, id desc) order is < p
     min-p (m given): P = softmax(s); s[i] = -inf where P[i] < m * max(P)   (never the top token)
 
-and the token is one draw from ``softmax(s)`` (``torch.multinomial``). These
+and the token is one draw from ``softmax(s)`` (``torch.multinomial``; with a
+device seed tensor, :func:`lm_head_sample_processed_static`: Gumbel-max
+``argmax(s + gumbel_noise(seed, row, id))``, the noise of
+:func:`dflash_kernels.reference.gumbel_noise`). These
 build the full ``[N, V]`` logits: the spec, not the fast path
 (:func:`dflash_kernels.lm_head_sample_processed`).
 
@@ -40,14 +43,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from .lm_head import (check_lm_head_args, check_softcap, check_temperature, resolve_logit_dtype, rms_norm,
-                      seed_from, soft_cap)
+from .lm_head import (check_lm_head_args, check_seed_tensor, check_softcap, check_temperature, gumbel_noise,
+                      resolve_logit_dtype, rms_norm, seed_from, soft_cap)
 
 __all__ = [
     "check_sampling_args",
     "processed_scores",
     "processed_probs",
     "lm_head_sample_processed",
+    "lm_head_sample_processed_static",
 ]
 
 
@@ -137,8 +141,15 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     ``logits`` as :func:`model_logits` (``logit_dtype`` None: the promotion of
     hidden's and the weight's dtypes; ``softcap`` c: ``c * tanh(x / c)`` on the
     fp32 logits before the rounding). ``seed``: a private generator seeded
-    with it; else ``generator`` (else torch's default one).
+    with it; else ``generator`` (else torch's default one). ``seed`` a tensor:
+    :func:`lm_head_sample_processed_static`.
     """
+    if isinstance(seed, torch.Tensor):
+        if generator is not None:
+            raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
+        return lm_head_sample_processed_static(
+            hidden, weight, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight,
+            eps=eps, positions=positions, logit_dtype=logit_dtype, softcap=softcap, check_bounds=check_bounds)
     positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
     t = check_temperature(temperature)
     top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
@@ -154,3 +165,27 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
         generator.manual_seed(seed_from(None, seed) % (2 ** 63))
     probs = processed_probs(logits, t, top_k, top_p, min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def lm_head_sample_processed_static(hidden, weight, temperature, seed, *, top_k=None, top_p=None, min_p=None,
+                                    norm_weight=None, eps=1e-6, positions=None, logit_dtype=None, softcap=None,
+                                    check_bounds=False) -> torch.Tensor:
+    """int64 ``[N]``: :func:`lm_head_sample_processed` with the seed an int64 tensor ``[1]`` / ``[]``.
+
+    ``token[n] = argmax_j(s[n, j] + gumbel_noise(seed, n, j))`` with ``s =
+    processed_scores(logits, T, top_k, top_p, min_p)`` (``-inf`` where filtered),
+    the lowest id on ties: an exact draw from ``softmax(s)``. A pure function
+    of the seed's value; no generator, no host read (``check_bounds`` defaults
+    to False here), fixed shapes: ``torch.compile(fullgraph=True)`` traces it.
+    """
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    t = check_temperature(temperature)
+    top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    softcap = check_softcap(softcap)
+    seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
+    logits = model_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap)
+    n, vocab = logits.shape
+    s = processed_scores(logits, t, top_k, top_p, min_p)
+    noise = gumbel_noise(seed, torch.arange(n, device=hidden.device), torch.arange(vocab, device=hidden.device))
+    return torch.argmax(s + noise, dim=-1)

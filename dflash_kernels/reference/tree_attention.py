@@ -20,6 +20,17 @@ chain, one AR token, a prefill chunk, or the drafter's block) attend over
 to ``torch.nn.functional.scaled_dot_product_attention`` with GQA, or, with an
 attention softcap or sinks (which SDPA cannot apply), computes the softmax
 explicitly in float32 (:func:`_explicit_attention`).
+
+Device-side prefix (:func:`tree_attention_static`, or :func:`tree_attention`
+with ``prefix_len`` a tensor): for a step that ``torch.compile(fullgraph=True)``
+or a CUDA graph captures, the committed length is an int64 device tensor
+``p`` (shape ``[1]`` or ``[]``) and K/V are the WHOLE preallocated cache views
+``[Hkv, S_max, D]`` (``S_max >= p + T``): the tree keys are rows ``[p, p + T)``,
+rows ``>= p + T`` are invisible (their contents, NaN or inf included, never
+reach the output: they are zeroed before the matmul, not only masked).
+Visibility of cache row ``k`` to query ``i`` is the rule above with ``k``
+compared to the tensor ``p`` (:func:`tree_visibility_static`), built from
+``torch.arange(S_max)``: no host read, no data-dependent shape.
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention_mask", "tree_attention", "tree_visibility"]
+__all__ = ["tree_attention_mask", "tree_attention", "tree_visibility", "tree_attention_static",
+           "tree_visibility_static"]
 
 
 def _tree_bits_visible(bits: torch.Tensor, n_tree: int) -> torch.Tensor:
@@ -155,7 +167,8 @@ def tree_attention(
             (the first ``prefix_len + T`` keys are used); ``Hq % Hkv == 0`` and
             query head ``h`` reads kv head ``h // (Hq // Hkv)``.
         bits: ``[T, W]`` int32 bitmask, or None for a causal chain.
-        prefix_len: number of keys before the tree keys.
+        prefix_len: number of keys before the tree keys; a tensor: the
+            device-prefix form, see :func:`tree_attention_static`.
         scale: softmax scale, default ``D ** -0.5``.
         positions, window: sliding window, see :func:`tree_visibility`.
         softcap: None or ``c > 0``: scores ``s = q.k * scale`` become
@@ -172,6 +185,9 @@ def tree_attention(
         softcap and sinks (SDPA) every query must see at least one key
         (itself always does); with either, a row that sees none gives 0.
     """
+    if isinstance(prefix_len, torch.Tensor):
+        return tree_attention_static(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+                                     softcap=softcap, sinks=sinks)
     batched = query.dim() == 4
     q = query[0] if batched else query
     k = key[0] if key.dim() == 4 else key
@@ -180,6 +196,115 @@ def tree_attention(
     k = k[:, : prefix_len + t].float()
     v = v[:, : prefix_len + t].float()
     visible = tree_visibility(bits, prefix_len, t, positions=positions, window=window, device=q.device)
+    scale = d**-0.5 if scale is None else scale
+    if softcap is not None or sinks is not None:
+        out = _explicit_attention(q, k, v, visible, scale, softcap, sinks)
+    else:
+        out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    out = out.to(query.dtype)
+    return out.unsqueeze(0) if batched else out
+
+
+def _prefix_scalar(prefix_len: torch.Tensor, device) -> torch.Tensor:
+    """The committed length as a 0-d int64 tensor on ``device`` (a ``[1]`` / ``[]`` int tensor; no host read)."""
+    return prefix_len.reshape(()).to(device=device, dtype=torch.int64)
+
+
+def tree_visibility_static(
+    bits: Optional[torch.Tensor],
+    prefix_len: torch.Tensor,
+    n_tree: int,
+    n_keys: int,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    device=None,
+) -> torch.Tensor:
+    """:func:`tree_visibility` over a whole cache of ``n_keys = S_max`` rows, the prefix a device tensor.
+
+    With ``p = prefix_len`` (int tensor ``[1]`` / ``[]``), ``k = arange(S_max)``
+    and ``j = k - p`` (the tree key index where ``0 <= j < T``), row ``k`` is
+    visible to query ``i`` iff::
+
+        k < p                                   (a prefix key, position k)
+        or 0 <= j < T and tree(i, j)            (bit j of bits[i]; or j <= i for a chain)
+
+    and, with ``window``, ``pos_q(i) - pos_k(k) < window`` where ``pos_q(i) =
+    positions[i]`` (default ``p + i``) and ``pos_k(k) = k`` for prefix keys,
+    ``pos_q(j)`` for tree keys. Rows ``k >= p + T`` are never visible.
+    Every op is a fixed-shape tensor op (``torch.compile(fullgraph=True)``
+    traces it without a graph break).
+
+    Returns:
+        ``[T, S_max]`` bool on ``device`` (default: bits', else positions', else prefix_len's device).
+    """
+    if device is None:
+        device = bits.device if bits is not None else (positions.device if positions is not None
+                                                       else prefix_len.device)
+    device = torch.device(device)
+    p = _prefix_scalar(prefix_len, device)
+    rows = torch.arange(n_keys, device=device)
+    node = rows - p
+    in_tree = (node >= 0) & (node < n_tree)
+    node = node.clamp(0, max(n_tree - 1, 0))
+    if bits is None:
+        tree = node[None, :] <= torch.arange(n_tree, device=device)[:, None]
+    else:
+        words = bits.to(device)[:n_tree].index_select(1, node // 32).to(torch.int64) & 0xFFFFFFFF
+        tree = ((words >> (node % 32)[None, :]) & 1).bool()
+    visible = (rows < p)[None, :] | (in_tree[None, :] & tree)
+    if window is not None:
+        if positions is None:
+            pos_q = p + torch.arange(n_tree, device=device)
+        else:
+            pos_q = positions.to(device=device, dtype=torch.int64).reshape(n_tree)
+        pos_k = torch.where(in_tree, pos_q.index_select(0, node) if n_tree > 0 else rows, rows)
+        visible = visible & ((pos_q[:, None] - pos_k[None, :]) < window)
+    return visible
+
+
+def tree_attention_static(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bits: Optional[torch.Tensor],
+    prefix_len: torch.Tensor,
+    scale: Optional[float] = None,
+    *,
+    positions: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`tree_attention` with the committed length a device tensor, over the whole cache views.
+
+    Args:
+        query: ``[Hq, T, D]`` or ``[1, Hq, T, D]``.
+        key, value: ``[Hkv, S_max, D]`` or ``[1, Hkv, S_max, D]``, the whole
+            preallocated cache (any strides); the pass's T rows are
+            ``[p, p + T)``, rows ``>= p + T`` may hold anything (they are
+            zeroed before use, so not even NaN / inf leaks).
+        bits, scale, positions, window, softcap, sinks: as :func:`tree_attention`.
+        prefix_len: ``p``, an int64 (or int32) tensor ``[1]`` or ``[]`` on the
+            query's device, ``0 <= p <= S_max - T`` (not checked: a check would
+            read it on the host).
+
+    Returns:
+        As :func:`tree_attention` (float32 math, the query's dtype and rank).
+        Compile-friendly: no ``.item()``, no data-dependent shape; the same
+        values as ``tree_attention(q, k[:, :p+T], v[:, :p+T], bits, int(p))``.
+    """
+    batched = query.dim() == 4
+    q = query[0] if batched else query
+    k = key[0] if key.dim() == 4 else key
+    v = value[0] if value.dim() == 4 else value
+    hq, t, d = q.shape
+    s_max = k.shape[1]
+    p = _prefix_scalar(prefix_len, q.device)
+    live = (torch.arange(s_max, device=q.device) < p + t)[None, :, None]
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    k = torch.where(live, k.float(), zero)
+    v = torch.where(live, v.float(), zero)
+    visible = tree_visibility_static(bits, p, t, s_max, positions=positions, window=window, device=q.device)
     scale = d**-0.5 if scale is None else scale
     if softcap is not None or sinks is not None:
         out = _explicit_attention(q, k, v, visible, scale, softcap, sinks)

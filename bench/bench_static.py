@@ -1,0 +1,97 @@
+"""Benchmark: the fixed-shape (device-length / device-seed) forms of the ops a compiled round calls.
+
+Run: ``python -m pytest bench/bench_static.py --benchmark-columns=median,rounds``
+
+:func:`dflash_kernels.tree_attention_static` (a 16-row chain and a 65-node tree
+over a whole 8192-row cache, 4096 committed), :func:`dflash_kernels.lm_head_sample_static`
+and :func:`dflash_kernels.lm_head_sample_processed_static` (16 rows, top-k 50),
+:func:`dflash_kernels.compact_kv_static_` (16 accepted rows of every layer) and
+:func:`dflash_kernels.gumbel_noise_block` (the noise alone). With CUDA: Qwen3-8B
+shapes (32/8 heads, head dim 128, hidden 4096, vocab 151936, 36 layers), bf16,
+Triton vs reference. Without CUDA: small shapes, the reference only (the
+interpreter is a correctness tool, not a speed path). The whole compiled round
+is timed by ``bench/compile_speed.py`` (CPU) and ``bench/gpu_compiled_round.py`` (GPU).
+"""
+
+import pytest
+import torch
+
+import dflash_kernels as dk
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+if CUDA:
+    HQ, HKV, D, H, V, L, S, PREFIX = 32, 8, 128, 4096, 151936, 36, 8192, 4096
+else:
+    HQ, HKV, D, H, V, L, S, PREFIX = 4, 2, 32, 64, 512, 4, 512, 256
+PROVIDERS = ["triton", "reference"] if CUDA else ["reference"]
+
+
+def run(benchmark, provider, fn, *args, **kwargs):
+    benchmark.extra_info.update(device=DEVICE, dtype=str(DTYPE))
+
+    def call():
+        with dk.force_backend(provider):
+            fn(*args, **kwargs)
+        if CUDA:
+            torch.cuda.synchronize()
+
+    benchmark(call)
+
+
+def _tree_bits(n, gen):
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+    return dk.ancestor_bits(parents.to(DEVICE))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("kind", ["chain16", "tree65"])
+def test_tree_attention_static(benchmark, provider, kind):
+    gen = torch.Generator().manual_seed(0)
+    T = 16 if kind == "chain16" else 65
+    q = torch.randn(1, HQ, T, D, generator=gen).to(DEVICE, DTYPE)
+    k = torch.randn(1, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
+    v = torch.randn(1, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
+    bits = None if kind == "chain16" else _tree_bits(T, gen)
+    prefix = torch.tensor([PREFIX], device=DEVICE)
+    benchmark.group = f"tree_attention_static {kind}"
+    run(benchmark, provider, dk.tree_attention_static, q, k, v, bits, prefix)
+
+
+def _head(n=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, H, generator=gen).to(DEVICE, DTYPE)
+    weight = (torch.randn(V, H, generator=gen) / H**0.5).to(DEVICE, DTYPE)
+    return hidden, weight, torch.tensor([1234], device=DEVICE)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_lm_head_sample_static(benchmark, provider):
+    hidden, weight, seed = _head()
+    benchmark.group = "lm_head_sample_static"
+    run(benchmark, provider, dk.lm_head_sample_static, hidden, weight, 0.7, seed)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_lm_head_sample_processed_static(benchmark, provider):
+    hidden, weight, seed = _head()
+    benchmark.group = "lm_head_sample_processed_static"
+    run(benchmark, provider, dk.lm_head_sample_processed_static, hidden, weight, 0.7, seed, top_k=50, top_p=0.9)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_compact_kv_static_(benchmark, provider):
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(L, 2, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
+    start = torch.tensor([PREFIX], device=DEVICE)
+    src = (PREFIX + torch.tensor(sorted(torch.randperm(64, generator=gen)[:16].tolist()))).to(DEVICE)
+    benchmark.group = "compact_kv_static_"
+    run(benchmark, provider, dk.compact_kv_static_, kv, src, start, torch.tensor([12], device=DEVICE))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_gumbel_noise_block(benchmark, provider):
+    seed = torch.tensor([99], device=DEVICE)
+    benchmark.group = "gumbel_noise_block"
+    run(benchmark, provider, dk.gumbel_noise_block, seed, 0, 16, 0, V)

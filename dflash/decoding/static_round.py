@@ -1,0 +1,219 @@
+"""Fixed-shape draft and verify steps of the AR, DFlash and DDTree rounds (compiled / CUDA-graph rounds).
+
+A :class:`StaticRound` holds every value a round reads or writes as a device
+tensor of fixed shape, so its steps are functions of those tensors alone:
+``torch.compile(fullgraph=True)`` traces each once, and on CUDA a captured
+graph replays it every round. Per generation (``B`` block size, ``N`` tree
+budget, ``S`` cache rows, ``D = B - 1``):
+
+==================  =====================  ===========================================================
+tensor              shape                  meaning
+==================  =====================  ===========================================================
+``cache.length_t``  ``[1]`` int64          target rows committed (= committed tokens - 1)
+``dcache.length_t`` ``[1]`` int64          drafter context rows committed
+``ctx``             ``[B, n*H]``           captured features of the last verify's accepted rows
+``ctx_count``       ``[1]`` int64          how many rows of ``ctx`` are real (``a + 1`` / path length)
+``last``            ``[1]`` int64          the last committed token (the next block's anchor)
+``seed``            ``[1]`` int64          sampling key: +1 per verify, so a replayed graph draws new noise
+``proposals``       ``[D]`` int64          DFlash: the drafter's chain
+``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes (``build_tree_device``)
+``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
+==================  =====================  ===========================================================
+
+Steps (nothing in them reads a value on the host):
+
+* :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
+  block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` at block rows
+  ``1..D``; DDTree: top-K log-probs there and the tree;
+* :meth:`verify_chain` -- the target on ``[last, proposals]`` at ``L + arange(B)``;
+  ``a`` = matching prefix length; commits ``a + 1`` rows, ``ctx`` = all ``B``
+  rows' features (``ctx_count = a + 1``), ``last = choice[a]``; returns the
+  payload ``[choices (B), a]``;
+* :meth:`verify_tree` -- the target on ``[last, tokens]`` at ``L + [0, depths]``
+  with the ancestor bits; the device walk; the path's K/V rows compacted to
+  ``L ..`` (device count); ``ctx`` = the path rows' features; returns
+  ``[committed (D + 1, padded), path_len]``;
+* :meth:`verify_ar` -- one target row; returns ``[choice]``.
+
+The host loop reads the payload once per round (the round's one read) and
+applies the stop rules; it never writes the state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import dflash_kernels
+from dflash_kernels import static_ops
+
+from ..drafter.model import all_visible_bits
+from ..drafter.static_cache import StaticDraftKVCache
+from ..target.static import StaticTargetKVCache, static_forward
+from .generation_config import SamplingSettings
+
+__all__ = ["StaticRound", "bucket_rows"]
+
+#: static caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
+ROW_BUCKET = 256
+
+
+def bucket_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of :data:`ROW_BUCKET`."""
+    return -(-int(rows) // ROW_BUCKET) * ROW_BUCKET
+
+
+class StaticRound:
+    """The fixed-shape state and steps of one generation (see the module docstring)."""
+
+    def __init__(self, adapter, draft, *, method: str, block_size: int, tree_budget: int, max_rows: int,
+                 sampling: SamplingSettings, seed: int, mask_token_id: int):
+        self.adapter, self.draft_model, self.method = adapter, draft, method
+        self.sampling = sampling
+        device = self.device = adapter.device
+        self.backend = dflash_kernels.get_backend(device)
+        self.B = B = int(block_size) if method != "ar" else 1
+        self.D = B - 1
+        self.budget = int(tree_budget) if method == "ddtree" else 0
+        self.K = min(self.budget, adapter.vocab_size) if method == "ddtree" else 0
+        #: tree nodes per round (the budget, or fewer when D levels of K children hold fewer)
+        self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
+        self.S = bucket_rows(max_rows)
+        self.cache = StaticTargetKVCache(adapter.config, self.S, dtype=adapter.dtype, device=device)
+        long = dict(dtype=torch.long, device=device)
+        self.last = torch.zeros(1, **long)
+        self.seed = torch.full((1,), int(seed), **long)
+        self.rows = torch.arange(max(B, self.N + 1), **long)
+        if method == "ar":
+            return
+        all_visible_bits(B, device)  # made before tracing: a traced step only looks it up (no recompile)
+        self.dcache = StaticDraftKVCache(draft.config, self.S, dtype=draft.fc.weight.dtype, device=device)
+        width = len(adapter.capture_layer_ids) * adapter.hidden_size
+        self.ctx = torch.zeros(B, width, dtype=adapter.dtype, device=device)
+        self.ctx_count = torch.zeros(1, **long)
+        self.mask_block = torch.full((self.D,), int(mask_token_id), **long)
+        self.draft_rows = torch.arange(1, B, **long)
+        if method == "dflash":
+            self.proposals = torch.zeros(self.D, **long)
+        else:
+            self.tokens = torch.zeros(self.N, **long)
+            self.depths = torch.zeros(self.N, **long)
+            self.parents = torch.zeros(self.N + 1, **long)
+
+    bucket = staticmethod(bucket_rows)
+
+    def reset(self, seed: int) -> None:
+        """Empty caches (eager again, for the next prefill), a fresh sampling key; the buffers are kept."""
+        self.cache.thaw()
+        self.last.zero_()
+        self.seed.fill_(int(seed) & ((1 << 62) - 1))
+        if self.method != "ar":
+            self.dcache.thaw()
+            self.ctx_count.zero_()
+
+    # ---------------------------------------------------------------- eager set-up (prompt shapes vary)
+    def start(self, prompt: torch.Tensor, first_hidden_fn) -> torch.Tensor:
+        """Prefill ``prompt [P]`` eagerly, ingest its features into the drafter, freeze both caches.
+
+        ``first_hidden_fn(last_hidden) -> token [1]`` picks the first token
+        (the eager sampler). Returns that token (also stored in ``last``).
+        """
+        last_hidden, features = self.adapter.prefill(prompt, self.cache)
+        first = first_hidden_fn(last_hidden)
+        self.last.copy_(first.reshape(1))
+        self.cache.freeze()
+        if self.method != "ar":
+            self.draft_model.ingest_context(features, self.dcache)
+            self.dcache.freeze()
+            self.ctx_count.zero_()
+        return first
+
+    def rows_per_round(self) -> int:
+        """Target rows a verify writes past the committed length."""
+        return self.N + 1 if self.method == "ddtree" else self.B
+
+    # ---------------------------------------------------------------- the target's choice
+    def _choose(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows, kw = self.adapter.head_inputs(hidden)
+        W = self.adapter.lm_head.weight
+        s = self.sampling
+        if s.greedy:
+            return static_ops.lm_head_argmax(rows, W, backend=self.backend, **kw)
+        self.seed.add_(1)
+        if s.active():
+            return static_ops.lm_head_sample_processed_static(rows, W, s.temperature, self.seed, top_k=s.top_k,
+                                                              top_p=s.top_p, min_p=s.min_p, backend=self.backend,
+                                                              **kw)
+        return static_ops.lm_head_sample_static(rows, W, s.temperature, self.seed, backend=self.backend, **kw)
+
+    # ---------------------------------------------------------------- steps
+    def draft(self) -> None:
+        """The drafter pass and its proposals (chain) or tree, into the state tensors."""
+        ids = torch.cat([self.last, self.mask_block])
+        out = self.draft_model.forward_static(self.adapter.embed(ids), self.ctx, self.ctx_count, self.dcache)
+        W = self.adapter.lm_head.weight
+        if self.method == "dflash":
+            self.proposals.copy_(static_ops.lm_head_argmax(out, W, positions=self.draft_rows, backend=self.backend))
+            return
+        logprobs, ids = static_ops.lm_head_topk(out, W, self.K, positions=self.draft_rows, backend=self.backend)
+        tokens, depths, parents = static_ops.build_tree_device(logprobs, ids, self.budget, backend=self.backend)
+        self.tokens.copy_(tokens)
+        self.depths.copy_(depths)
+        self.parents.copy_(parents)
+
+    def verify_chain(self) -> torch.Tensor:
+        """DFlash verify + commit; returns ``[choices (B), a]`` int64."""
+        length = self.cache.length_t
+        block = torch.cat([self.last, self.proposals])
+        hidden, captured = static_forward(self.adapter, block, length + self.rows[: self.B], self.cache,
+                                          backend=self.backend)
+        choices = self._choose(hidden)
+        accepted = torch.cumprod((self.proposals == choices[:-1]).long(), 0).sum().reshape(1)
+        self.ctx.copy_(torch.cat(captured, dim=1))
+        self.ctx_count.copy_(accepted + 1)
+        length.add_(accepted + 1)
+        self.last.copy_(choices.gather(0, accepted))
+        return torch.cat([choices, accepted])
+
+    def verify_tree(self) -> torch.Tensor:
+        """DDTree verify + walk + compaction + commit; returns ``[committed (D + 1), path_len]`` int64."""
+        length = self.cache.length_t
+        ids = torch.cat([self.last, self.tokens])
+        positions = length + torch.cat([self.rows[:1] * 0, self.depths])
+        bits = static_ops.ancestor_bits(self.parents, backend=self.backend)
+        hidden, captured = static_forward(self.adapter, ids, positions, self.cache, tree_bits=bits,
+                                          backend=self.backend)
+        choices = self._choose(hidden)
+        path, path_len, committed = static_ops.walk_tree_device(self.parents, self.tokens, choices, self.D, bits,
+                                                                backend=self.backend)
+        static_ops.compact_kv_static_(self.cache.kv, path + length, length, path_len, backend=self.backend)
+        self.ctx.copy_(torch.cat([c.index_select(0, path) for c in captured], dim=1))
+        self.ctx_count.copy_(path_len)
+        self.last.copy_(committed.gather(0, path_len - 1))
+        length.add_(path_len)
+        return torch.cat([committed, path_len])
+
+    def verify_ar(self) -> torch.Tensor:
+        """One AR step; returns ``[choice]``."""
+        length = self.cache.length_t
+        hidden, _ = static_forward(self.adapter, self.last, length + self.rows[:1], self.cache, backend=self.backend)
+        choice = self._choose(hidden)
+        length.add_(1)
+        self.last.copy_(choice)
+        return choice
+
+    def verify(self) -> torch.Tensor:
+        return {"ar": self.verify_ar, "dflash": self.verify_chain, "ddtree": self.verify_tree}[self.method]()
+
+    # ---------------------------------------------------------------- capture support
+    def mutable_state(self):
+        """The small tensors a step changes besides cache rows past the committed length (for warm-up / capture)."""
+        names = ["last", "seed"]
+        if self.method != "ar":
+            names += ["ctx", "ctx_count"]
+        state = {n: getattr(self, n) for n in names}
+        state["cache.length_t"] = self.cache.length_t
+        if self.method != "ar":
+            state["dcache.length_t"] = self.dcache.length_t
+        return state

@@ -1,0 +1,233 @@
+"""Compiled rounds (``generate(compile=True)``): whole-graph steps, the same tokens as the eager loops.
+
+* graph breaks and graphs are counted with ``torch._dynamo`` counters while
+  the steps are traced (``backend="eager"``: tracing only, fast); the draft and
+  verify steps of DFlash and DDTree on tiny Qwen3 and Llama targets trace as
+  one graph each, with no break;
+* a generation whose acceptance varies round by round (a rigged drafter)
+  compiles nothing after its first round, and a second generation with the
+  same settings compiles nothing at all;
+* the inductor-compiled steps give the eager loops' tokens and acceptance
+  lengths (fp32, greedy) and the target's greedy output;
+* the fixed-shape steps run eagerly (``compile="static"``) are lossless on the
+  reference ops, on the Triton kernels (interpreter) and in bf16; sampling
+  is reproducible under a seed and a replayed step draws new noise.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dflash
+import dflash_kernels
+from dflash.decoding import compiled
+from dflash.decoding.compiled import CompileUnsupported
+from tiny_models import steer, tiny_draft, tiny_target
+
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
+
+
+class TableDraft(dflash.DFlashDraftModel):
+    """A traceable rigged drafter: block position at absolute position ``q`` proposes ``reference[q]`` where
+    ``right[q]`` (a fixed random pattern), else another token (ranked first, the right one second when
+    ``second_right``). The same proposals in the eager loops (``forward``) and the static steps
+    (``forward_static``), so acceptance varies round by round and both paths see the same rounds."""
+
+    def __init__(self, base, lm_head_weight, reference, p_right=0.7, second_right=False, seed=0):
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        ref = reference.flatten()
+        V = lm_head_weight.shape[0]
+        g = torch.Generator().manual_seed(seed)
+        n = ref.numel() + 64
+        ref = torch.cat([ref, torch.zeros(n - ref.numel(), dtype=torch.long)])
+        wrong = (ref + 1 + torch.randint(0, V - 2, (n,), generator=g)) % V
+        right = torch.rand(n, generator=g) < p_right
+        W = lm_head_weight.detach().float()
+        rows = [steer(W, [r] if ok else ([w, r] if second_right else [w])) for r, w, ok in zip(ref, wrong, right)]
+        self.register_buffer("table", torch.stack(rows).to(lm_head_weight.dtype), persistent=False)
+
+    def _rows(self, positions):
+        return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
+
+    def forward(self, block_embeds, context_features, positions, cache=None, attn_mask=None):
+        C = context_features.shape[0]
+        if cache is not None:
+            cache.advance(C)
+        return self._rows(positions[C:]).to(block_embeds.dtype)
+
+    def forward_static(self, block_embeds, context_features, context_count, cache):
+        B = block_embeds.shape[0]
+        positions = cache.length_t + context_count + cache.rows[:B]
+        cache.advance_static(context_count)
+        return self._rows(positions).to(block_embeds.dtype)
+
+    def ingest_context(self, context_features, cache):
+        cache.advance(context_features.shape[0])
+
+
+def greedy(target, n, prompt=PROMPT):
+    with torch.no_grad():
+        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+
+
+def pair(family="qwen3", *, layers=3, hidden=32, block_size=4, p_right=0.7, second_right=False, n=40,
+         dtype=torch.float32):
+    target = tiny_target(family, layers=layers, hidden=hidden, dtype=dtype)
+    ref = greedy(target, n + 16)
+    base = tiny_draft(target, block_size=block_size, target_layer_ids=[0, layers - 1], dtype=dtype)
+    return target, TableDraft(base, target.lm_head.weight, ref, p_right=p_right, second_right=second_right), ref
+
+
+@pytest.fixture
+def trace_only(monkeypatch):
+    """Compile with dynamo alone (no inductor): counts graphs and breaks in seconds."""
+    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def reference_ops():
+    with dflash_kernels.force_backend("reference"):
+        yield
+
+
+def _method_kw(method):
+    return dict(tree_budget=6) if method == "ddtree" else {}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_steps_trace_as_one_graph_each_without_breaks(trace_only, reference_ops, family, method):
+    target, draft, ref = pair(family, second_right=method == "ddtree")
+    result = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=40, compile=True,
+                             **_method_kw(method))
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2  # the draft step and the verify step
+    assert torch.equal(result.output_ids, ref[:, : len(PROMPT) + 40])
+    assert len(set(result.acceptance_lengths)) > 1  # acceptance varied: shapes did not
+    assert result.compile_time > 0
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_no_recompile_within_or_across_generations(trace_only, reference_ops, method):
+    target, draft, ref = pair(second_right=method == "ddtree")
+    kw = dict(method=method, max_new_tokens=40, compile=True, **_method_kw(method))
+    first = dflash.generate(target, draft, PROMPT, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == (1 if method == "ar" else 2)
+    # another prompt length (same cache bucket), another acceptance pattern: no new graph, no set-up
+    other = PROMPT[:5]
+    second = dflash.generate(target, draft, other, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert second.compile_time == 0.0
+    assert torch.equal(first.output_ids, ref[:, : len(PROMPT) + 40])
+    assert torch.equal(second.output_ids, greedy(target, 40, other))
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_inductor_compiled_equals_eager(reference_ops, method):
+    torch._dynamo.reset()
+    target, draft, ref = pair(layers=2, second_right=method == "ddtree")
+    kw = dict(method=method, max_new_tokens=32, **_method_kw(method))
+    eager = dflash.generate(target, draft, PROMPT, **kw)
+    fast = dflash.generate(target, draft, PROMPT, compile=True, **kw)
+    assert torch.equal(fast.output_ids, eager.output_ids)
+    assert torch.equal(fast.output_ids, ref[:, : len(PROMPT) + 32])
+    assert fast.acceptance_lengths == eager.acceptance_lengths
+    assert fast.compile_time > 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_static_steps_are_lossless(backend, method):
+    if backend not in dflash_kernels.available_backends(torch.device("cpu")):
+        pytest.skip("Triton cannot run here")
+    target, draft, ref = pair(second_right=method == "ddtree", n=24)
+    with dflash_kernels.force_backend(backend):
+        for block_size in ((None,) if method == "ar" else (2, 4)):
+            kw = _method_kw(method) if block_size is None else dict(_method_kw(method), block_size=block_size)
+            eager = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=24, **kw)
+            static = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=24, compile="static", **kw)
+            assert torch.equal(static.output_ids, ref[:, : len(PROMPT) + 24]), (method, block_size)
+            assert static.acceptance_lengths == eager.acceptance_lengths
+
+
+@pytest.mark.parametrize("budget", [1, 16, 200])
+def test_static_ddtree_budgets(reference_ops, budget):
+    target, draft, ref = pair(second_right=True, block_size=8, n=24)
+    out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=24, compile="static",
+                          tree_budget=budget)
+    assert torch.equal(out.output_ids, ref[:, : len(PROMPT) + 24])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_static_steps_half_precision_tiny_pair(reference_ops, dtype):
+    """The trained tiny pair in bf16 / fp16 (random models tie their half-precision logits at almost every
+    step, see tests/test_bf16_parity.py): the fixed-shape rounds give ``generate()``'s tokens."""
+    from dflash.tiny.pair import load_default_pair
+
+    target, draft, tok = load_default_pair(dtype=dtype)
+    for text in ["def parse(", "class Config:\n    "]:
+        prompt = tok.encode(text)
+        ref = greedy(target, 24, prompt)
+        for method in ("ar", "dflash", "ddtree"):
+            out = dflash.generate(target, draft, prompt, method=method, max_new_tokens=24, compile="static",
+                                  **_method_kw(method))
+            assert torch.equal(out.output_ids, ref), (method, dtype, text)
+
+
+def test_sampling_reproducible_and_fresh_noise(trace_only, reference_ops):
+    target, draft, _ = pair()
+    kw = dict(method="dflash", max_new_tokens=24, do_sample=True, temperature=1.0)
+    a = dflash.generate(target, draft, PROMPT, compile="static", seed=3, **kw)
+    b = dflash.generate(target, draft, PROMPT, compile="static", seed=3, **kw)
+    c = dflash.generate(target, draft, PROMPT, compile=True, seed=3, **kw)  # traced steps: the same noise
+    d = dflash.generate(target, draft, PROMPT, compile="static", seed=4, **kw)
+    assert torch.equal(a.output_ids, b.output_ids) and torch.equal(a.output_ids, c.output_ids)
+    assert not torch.equal(a.output_ids, d.output_ids)
+    # each verify advances the device seed: a round never reuses the previous round's noise
+    steps = [s for k, s in target._dflash_compiled_rounds.items() if k[-2] == "static"][0]
+    assert int(steps.rnd.seed) != 4
+
+
+def test_untraceable_target_is_refused_clearly(trace_only, reference_ops):
+    target, draft, _ = pair()
+    mlp = target.model.layers[1].mlp
+    plain = mlp.forward
+
+    def host_read(x):
+        if float(x.sum()) > 1e30:  # a host read inside a layer: cannot be one graph
+            return x
+        return plain(x)
+
+    mlp.forward = host_read
+    with pytest.raises(CompileUnsupported, match="compile=False"):
+        dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=8, compile=True)
+    # the eager path still runs it
+    assert dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=8).num_new_tokens == 8
+
+
+def test_bad_compile_arguments(reference_ops):
+    target, draft, _ = pair()
+    with pytest.raises(ValueError, match="compile must be one of"):
+        dflash.generate(target, draft, PROMPT, max_new_tokens=4, compile="fast")
+    with pytest.raises(ValueError, match="return_trees"):
+        dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=4, compile=True, return_trees=True)
+
+
+def test_kv_write_op():
+    kv = torch.randn(3, 2, 2, 16, 8)
+    rows = torch.tensor([4, 5, 6])
+    k, v = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    torch.library.opcheck(torch.ops.dflash.kv_write_, (kv.clone(), 1, rows, k, v))
+    expect = kv.clone()
+    expect[1, 0, :, 4:7] = k
+    expect[1, 1, :, 4:7] = v
+    torch.ops.dflash.kv_write_(kv, 1, rows, k, v)
+    assert torch.equal(kv, expect)
+
