@@ -52,10 +52,11 @@ def main(argv=None) -> int:
         toks = {False: 0, True: 0}
         taus = {False: [], True: []}
         same = True
-        for _ in range(args.repeats):
-            for prompt in prompts:
+        for rep in range(args.repeats):
+            for i, prompt in enumerate(prompts):
                 outs = {}
                 for mode in (False, True):
+                    kw["seed"] = 1000 * rep + i  # T > 0: every (prompt, repeat) its own draws, the same for both
                     r = dflash.generate(target, draft, prompt, compile=mode, **kw)
                     times[mode].append(r.total_time)
                     toks[mode] += r.num_new_tokens
