@@ -15,6 +15,10 @@
 #      compiled: bench/gpu_compiled_round.py: one draft and one verify round and end-to-end tokens/s at
 #               Qwen3-8B shapes (8 layers), eager vs generate(compile=True) (torch.compile + CUDA
 #               graphs, set up before the clock); the greedy tokens of both must be equal
+#      hybrid:  bench/gpu_hybrid_check.py: a Qwen3.5-27B-shaped stack of 4 layers (Gated-DeltaNet +
+#               attention, random bf16 weights): chain verify 16 + rollback and a 65-node tree verify +
+#               commit against a plain 1-token decode step (CUDA events); states checked against
+#               transformers' own step-by-step decode
 #   4. micro:   the pytest-benchmark suite in bench/ at real model shapes, random weights
 #   5. round:   bench/gpu_round_latency.py: one DFlash / DDTree verify round at Qwen3-8B shapes
 #               (target cut to 8 of 36 layers): our path, our path with the pre-redesign dense-mask
@@ -146,7 +150,8 @@ step cuda-ext 30 "$PY" -c "$CUDA_EXT_CHECK"
 # Step 3 checks every op on the GPU in any case.
 KERNEL_TESTS=()
 for f in tests/test_gather.py tests/test_lm_head.py tests/test_tree_attention.py tests/test_ancestor_bits.py \
-         tests/test_kv_compaction.py tests/test_tree_build.py tests/test_tree_device.py tests/test_extension.py; do
+         tests/test_kv_compaction.py tests/test_tree_build.py tests/test_tree_device.py tests/test_extension.py \
+         tests/test_device_lengths.py tests/test_gated_delta.py; do
     if [ -f "$f" ] && grep -q 'cuda' "$f"; then
         KERNEL_TESTS+=("$f")
     else
@@ -161,6 +166,9 @@ step kernels 120 "$PY" bench/gpu_kernel_check.py --model qwen3-8b --json "$OUT_D
 # ---------------------------------------------------------------- 3b. compiled rounds: eager vs CUDA graphs
 step compiled 150 "$PY" bench/gpu_compiled_round.py --layers 8 --prompt-len 512 --max-new-tokens 64 \
     --json "$OUT_DIR/gpu_compiled_round.json"
+
+# ---------------------------------------------------------------- 3c. hybrid targets: verify + rollback
+step hybrid 60 "$PY" bench/gpu_hybrid_check.py --json "$OUT_DIR/gpu_hybrid_check.json"
 
 # ---------------------------------------------------------------- 4. microbenchmarks, real shapes
 step micro 100 "$PY" -m pytest bench -q -p no:cacheprovider --benchmark-json="$OUT_DIR/micro.json" \

@@ -231,3 +231,12 @@ def test_kv_write_op():
     torch.ops.dflash.kv_write_(kv, 1, rows, k, v)
     assert torch.equal(kv, expect)
 
+
+
+def test_hybrid_target_is_refused_with_compile(reference_ops):
+    from tiny_models import tiny_hybrid_target
+
+    target = tiny_hybrid_target("qwen3_5")
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    with pytest.raises(CompileUnsupported, match="linear-attention"):
+        dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=4, compile=True)

@@ -103,7 +103,7 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None):
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "cuda-ext", "tests", "kernels", "compiled", "micro", "round", "syncs", "stress", "families", "e2e"]
+STEPS = ["build", "cuda-ext", "tests", "kernels", "compiled", "hybrid", "micro", "round", "syncs", "stress", "families", "e2e"]
 
 
 def summary_states(stdout):
@@ -149,7 +149,7 @@ def test_script_installs_offline_for_this_gpu_within_the_budget():
     assert 'TORCH_CUDA_ARCH_LIST="$ARCH"' in text
     assert "GPU_CHECK_BUDGET_S:-560" in text  # 560 s < 10 minutes (one device call), whatever each step takes
     for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py", "gpu_family_check.py",
-                   "gpu_compiled_round.py"):
+                   "gpu_compiled_round.py", "gpu_hybrid_check.py"):
         assert f"bench/{script}" in text
 
 

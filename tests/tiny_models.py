@@ -198,3 +198,98 @@ def tiny_family_target(family: str, *, layers: int = 2, hidden: int = 32, vocab:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.to(dtype).eval()
+
+
+# ------------------------------------------------------------------ hybrid targets (tests/test_hybrid*.py)
+#: The hybrid families :func:`tiny_hybrid_target` builds (transformers' own classes).
+HYBRID_NAMES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+
+
+def tiny_hybrid_target(family: str = "qwen3_5", *, layers: int = 4, hidden: int = 32, vocab: int = 64,
+                       layer_types=None, linear_k_heads: int = 2, linear_v_heads: int = 4, linear_k_dim: int = 8,
+                       linear_v_dim: int = 8, conv_kernel: int = 4, heads: int = 4, kv_heads: int = 2,
+                       head_dim: int = 16, seed: int = 0, dtype=torch.float32, experts=None, **overrides):
+    """A tiny random hybrid target of transformers' own class (fp32, no eos).
+
+    ``family``: ``"qwen3_5"`` (Qwen3_5ForCausalLM), ``"qwen3_next"``
+    (Qwen3NextForCausalLM: MoE with a shared expert on every second layer,
+    dense MLPs between) or ``"qwen3_5_moe"`` (Qwen3_5MoeForCausalLM). Layers
+    alternate Gated-DeltaNet and full attention (``layer_types`` overrides),
+    linear heads ``linear_k_heads`` / ``linear_v_heads`` (GQA 2 by default),
+    conv kernel ``conv_kernel``; partial rotary (0.25) as the real models.
+    Weights are redrawn so the linear layers matter: q/k/v projections of
+    unit scale, decays ``exp(-A softplus(a + dt))`` spread over (0, 1), and a
+    sharpened lm_head. ``experts``: the MoE experts_implementation.
+    """
+    import transformers
+
+    if layer_types is None:
+        layer_types = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=None, layer_types=list(layer_types), linear_conv_kernel_dim=conv_kernel,
+                  linear_key_head_dim=linear_k_dim, linear_value_head_dim=linear_v_dim,
+                  linear_num_key_heads=linear_k_heads, linear_num_value_heads=linear_v_heads)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+               shared_expert_intermediate_size=hidden)
+    if family == "qwen3_5":
+        config_name, model_name, kwargs = "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", common
+    elif family == "qwen3_next":
+        config_name, model_name = "Qwen3NextConfig", "Qwen3NextForCausalLM"
+        kwargs = dict(common, **moe, decoder_sparse_step=2, norm_topk_prob=True)
+    elif family == "qwen3_5_moe":
+        config_name, model_name, kwargs = "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(common, **moe)
+    else:
+        raise ValueError(f"unknown hybrid family {family!r}; known: {', '.join(HYBRID_NAMES)}")
+    kwargs = dict(kwargs, **overrides)
+    if experts is not None:
+        kwargs["experts_implementation"] = experts
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**kwargs)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 2.0).log())  # decays from ~0.97 down to ~0.25
+            elif name.endswith("dt_bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.6)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.normal_(1.0, 0.1)  # the gated norm scales by w
+            elif "norm" in name and name.endswith("weight") and p.dim() == 1:
+                p.normal_(0.0, 0.1)  # (1 + w) norms: not all the identity
+            elif name.endswith("gate.weight") or "experts" in name:
+                p.normal_(0.0, 0.3)
+            elif p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.normal_(0.0, 0.6 / p.shape[1] ** 0.5 * 2)
+        model.lm_head.weight.mul_(4.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype).eval()
+
+
+class ScheduledDraft(RiggedDraft):
+    """A drafter whose round ``r`` proposes the reference's next ``schedule[r % len(schedule)]`` tokens, then
+    wrong ones: a chain round then accepts exactly that many drafts (``B - 1``: the whole block), so a
+    schedule ``0 .. B-1`` rejects at every block position once and accepts a whole block once."""
+
+    def __init__(self, base: DFlashDraftModel, lm_head_weight: torch.Tensor, reference: torch.Tensor, schedule,
+                 seed: int = 0):
+        super().__init__(base, lm_head_weight, reference, p_right=1.0, seed=seed)
+        self.schedule = [int(s) for s in schedule]
+        self.rounds = 0
+
+    def forward(self, block_embeds, context_features, positions, cache=None, attn_mask=None):
+        C = context_features.shape[0]
+        if cache is not None:
+            cache.advance(C)
+        block_pos = positions[C:].cpu()
+        good = self.schedule[self.rounds % len(self.schedule)]
+        self.rounds += 1
+        ref = self.reference[block_pos.clamp(max=self.reference.numel() - 1)]
+        wrong = (ref + 1 + torch.randint(0, self.W.shape[0] - 2, ref.shape, generator=self.rng)) % self.W.shape[0]
+        W = self.W.float()
+        h = torch.stack([steer(W, [r] if j <= good else [w]) for j, (r, w) in enumerate(zip(ref, wrong))])
+        return h.to(block_embeds.dtype).to(block_embeds.device)

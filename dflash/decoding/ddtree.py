@@ -87,7 +87,7 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
             verify_ids = torch.cat([s.last_token, tokens])
             bits = dflash_kernels.ancestor_bits(parents, check=False)
             hidden = s.adapter.forward(verify_ids, dflash_kernels.tree_positions(depths, start), s.cache,
-                                       tree_bits=bits)
+                                       tree_bits=bits, tree_parents=parents)
             choices = s.choose(hidden)
             clock.mark("verify")
 

@@ -4,8 +4,9 @@ per-family capability table (:mod:`.families`)."""
 from .adapter import PREFILL_CHUNK, TargetAdapter, TargetStructureError, decoder_parts
 from .attention import ATTENTION_NAME, AttentionPass, register_attention
 from .cache import CacheFullError, TargetKVCache
+from .hybrid import HybridKVCache
 from .families import FAMILIES, Family, TargetSpec, UnsupportedTargetFeature, resolve_target
 
-__all__ = ["ATTENTION_NAME", "AttentionPass", "CacheFullError", "FAMILIES", "Family", "PREFILL_CHUNK", "TargetAdapter",
+__all__ = ["ATTENTION_NAME", "AttentionPass", "CacheFullError", "FAMILIES", "Family", "HybridKVCache", "PREFILL_CHUNK", "TargetAdapter",
            "TargetKVCache", "TargetSpec", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts",
            "register_attention", "resolve_target"]

@@ -20,7 +20,11 @@ at construction, with an error naming it. We never fork its modeling file:
   needed, fused with the argmax / sampling (:mod:`dflash_kernels.lm_head`),
   with the family's final-logit softcap ``c * tanh(z / c)`` on the logits;
 * MoE experts run an implementation without a host read while the adapter is
-  open (:func:`dflash.target.families.open_experts`), restored on close.
+  open (:func:`dflash.target.families.open_experts`), restored on close;
+* hybrid targets (Qwen3.5, Qwen3-Next: Gated-DeltaNet layers between the
+  attention layers) get a :class:`~dflash.target.hybrid.HybridKVCache` and,
+  while the adapter is open, our verify forward on their linear-attention
+  modules (:func:`dflash.target.hybrid.open_linear`), restored on close.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from .attention import PASS_KWARG, AttentionPass, close_attention, open_attentio
 from .cache import TargetKVCache
 from .families import (TargetStructureError, UnsupportedTargetFeature, close_experts, experts_modules, open_experts,
                        resolve_target)
+from .hybrid import (LINEAR_PASS_KWARG, HybridKVCache, LinearPass, close_linear, linear_modules, linear_shape,
+                     open_linear)
 
 __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts"]
 
@@ -104,11 +110,16 @@ class TargetAdapter:
             s is not None for s in spec.sinks)
         self._outputs: Dict[int, torch.Tensor] = {}
         self._experts_configs = list({id(m.config): m.config for m in experts_modules(model)}.values())
+        #: hybrid targets: the Gated-DeltaNet geometry and modules (None / empty for dense targets)
+        self.linear_shape = (linear_shape(type(model).__name__, self.layers, spec.linear_layers)
+                             if spec.linear_layers else None)
+        self._linear_modules = linear_modules(self.layers, spec.linear_layers)
         self._hooks = [
             self.layers[k].register_forward_hook(self._make_hook(k)) for k in sorted(set(self.capture_layer_ids))
         ]
         open_attention(self.config)
         open_experts(self._experts_configs, spec.experts)
+        open_linear(self._linear_modules)
         self._open = True
 
     # ----------------------------------------------------------- lifecycle
@@ -128,6 +139,7 @@ class TargetAdapter:
         if getattr(self, "_open", False):
             close_attention(self.config)
             close_experts(self._experts_configs, self.spec.experts)
+            close_linear(self._linear_modules)
             self._open = False
 
     def __enter__(self):
@@ -152,7 +164,15 @@ class TargetAdapter:
     def hidden_size(self) -> int:
         return self.lm_head.weight.shape[1]
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether the target has linear-attention (Gated-DeltaNet) layers."""
+        return self.linear_shape is not None
+
     def new_cache(self, max_len: int) -> TargetKVCache:
+        """The target's cache of ``max_len`` positions (a :class:`HybridKVCache` for hybrid targets)."""
+        if self.hybrid:
+            return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device)
         return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -166,6 +186,8 @@ class TargetAdapter:
         positions: torch.Tensor,
         cache: TargetKVCache,
         tree_bits: Optional[torch.Tensor] = None,
+        tree_parents: Optional[torch.Tensor] = None,
+        whole: bool = False,
     ) -> torch.Tensor:
         """Run the decoder on ``ids [T]`` at ``positions [T]``; returns pre-norm hidden ``[T, H]``.
 
@@ -178,6 +200,14 @@ class TargetAdapter:
         No mask is built: the attention function reads this description.
         Captured layer outputs are available through :meth:`context_features`
         until the next forward.
+
+        Hybrid targets: a tree pass also needs ``tree_parents [T]`` (int64 on
+        the device, ``-1`` for the root): the linear-attention layers advance
+        each node from its parent's state. ``whole=True`` says the caller
+        commits every row (prefill): such a pass, like a one-row causal pass,
+        runs the model's own Gated-DeltaNet forward, which advances the states
+        in place; any other pass leaves them to the commit
+        (:mod:`dflash.target.hybrid`).
         """
         attention_pass = AttentionPass(
             prefix_len=cache.length,
@@ -188,6 +218,9 @@ class TargetAdapter:
             softcaps=self.spec.attn_softcaps if self._has_attn_features else (),
             sinks=self.spec.sinks if self._has_attn_features else (),
         )
+        kw = {self._cache_kw: cache, PASS_KWARG: attention_pass}
+        if self.hybrid:
+            kw[LINEAR_PASS_KWARG] = self._linear_pass(ids.numel(), cache, tree_bits, tree_parents, whole)
         pos = positions[None]
         h = self.embed(ids[None])
         rope = self._position_embeddings(h, pos)
@@ -199,13 +232,35 @@ class TargetAdapter:
                 position_ids=pos,
                 position_embeddings=position_embeddings,
                 use_cache=True,
-                **{self._cache_kw: cache, PASS_KWARG: attention_pass},
+                **kw,
             )
             h = out[0] if isinstance(out, (tuple, list)) else out
         return h[0]
 
+    def _linear_pass(self, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
+        """The hybrid layers' part of a pass (see :meth:`forward`), announced to the cache."""
+        if not isinstance(cache, HybridKVCache):
+            raise TypeError(f"a hybrid target needs its HybridKVCache (adapter.new_cache), got {type(cache).__name__}")
+        if tree_bits is not None:
+            if tree_parents is None:
+                raise ValueError("a tree pass on a hybrid target needs tree_parents= (the [T] parent index of each "
+                                 "row, -1 for the root): its linear-attention layers advance each node from its "
+                                 "parent's state")
+            if tree_parents.shape != (T,):
+                raise ValueError(f"tree_parents must be [T] = [{T}], got {list(tree_parents.shape)}")
+            linear_pass = LinearPass(False, tree_parents.to(device=self.device, dtype=torch.long))
+        else:
+            linear_pass = LinearPass(whole or T == 1)
+        cache.begin_pass(linear_pass, T)
+        return linear_pass
+
     def _position_embeddings(self, h: torch.Tensor, pos: torch.Tensor) -> list:
-        """Each layer's rotary ``(cos, sin)``: one table for all layers, or one per layer type (Gemma3)."""
+        """Each layer's rotary ``(cos, sin)``: one table for all layers, or one per layer type (Gemma3).
+
+        A multimodal-rope text model (Qwen3.5: ``rope_sections = 3``) takes the
+        positions once per section, ``[3, 1, T]`` (text: all sections equal)."""
+        if self.spec.rope_sections:
+            pos = pos[None].expand(self.spec.rope_sections, -1, -1)
         if self.spec.rope_types is None:
             return [self.rotary_emb(h, pos)] * self.num_layers
         tables = {t: self.rotary_emb(h, pos, t) for t in self.spec.rope_types}
@@ -230,7 +285,7 @@ class TargetAdapter:
         hidden = None
         for s in range(0, P, chunk_size):
             e = min(P, s + chunk_size)
-            hidden = self.forward(ids[s:e], torch.arange(s, e, device=ids.device), cache)
+            hidden = self.forward(ids[s:e], torch.arange(s, e, device=ids.device), cache, whole=True)
             cache.commit(e - s)
             if features is not None:
                 self.context_features(out=features[s:e], trusted_rows=True)

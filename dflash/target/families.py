@@ -42,6 +42,18 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
 * **fused norm**: the final norm class computes ``w * normed(x).to(dtype)``
   (Llama style) and may be fused into the lm_head ops; Gemma's ``(1 + w)``
   norm and gpt-oss' ``(w * normed(x)).to(dtype)`` run as modules instead.
+* **linear attention** (hybrid targets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next):
+  layers whose ``layer_types`` entry is ``"linear_attention"`` hold a
+  Gated-DeltaNet module ``linear_attn`` of the class the row names instead of
+  a ``self_attn``; they keep a convolution window and a recurrent state, not
+  K/V (:mod:`dflash.target.hybrid`: the cache, and the verify forward that is
+  installed on those modules while an adapter is open). Their MoE layers
+  (Qwen3-Next, Qwen3.5-MoE) add a shared expert behind a sigmoid gate: plain
+  linear layers, no host read, next to the routed experts (below).
+* **rope sections**: Qwen3.5's text rotary embedding is multimodal-rope shaped:
+  it takes position ids ``[3, batch, T]`` (temporal, height, width; all equal
+  for text) and transformers 5.17 cannot broadcast ``[batch, T]`` there, so the
+  adapter hands it ``positions`` expanded to ``rope_sections`` rows.
 * **MoE**: the experts dispatch on ``config._experts_implementation``
   (transformers' ``@use_experts_implementation``). The ``"eager"`` loop reads
   the hit experts back to the host once per MoE layer per forward; while an
@@ -65,7 +77,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,6 +88,9 @@ SOFTCAP_BLIND_IMPLEMENTATIONS = ("sdpa",)
 
 #: The two layer types the attention function implements.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: The layer type of Gated-DeltaNet layers (hybrid targets; only families whose row names the module class).
+LINEAR_ATTENTION = "linear_attention"
 
 
 class TargetStructureError(TypeError):
@@ -106,6 +121,8 @@ class Family:
     fused_norm: Optional[str] = None  # the final norm's class when it is Llama-style (fusable)
     moe: bool = False
     known: bool = True
+    linear_attention: Optional[str] = None  # class name of the Gated-DeltaNet module of "linear_attention" layers
+    rope_sections: int = 0  # the rotary embedding takes position ids [rope_sections, batch, T] (Qwen3.5: 3)
 
 
 #: The capability table, keyed by ``config.model_type``.
@@ -121,6 +138,11 @@ FAMILIES: Dict[str, Family] = {
                           query_scale="query_pre_attn_scalar", embed_scale=True),
     "qwen3_moe": Family("Qwen3-MoE", windows="all", fused_norm="Qwen3MoeRMSNorm", moe=True),
     "gpt_oss": Family("gpt-oss", sinks="sinks", moe=True),
+    # hybrids: (1 + w) RMSNorms (not fusable), gated attention (the module applies its output gate itself)
+    "qwen3_5_text": Family("Qwen3.5", linear_attention="Qwen3_5GatedDeltaNet", rope_sections=3),
+    "qwen3_5_moe_text": Family("Qwen3.5-MoE", linear_attention="Qwen3_5MoeGatedDeltaNet", rope_sections=3,
+                               moe=True),
+    "qwen3_next": Family("Qwen3-Next", linear_attention="Qwen3NextGatedDeltaNet", moe=True),
 }
 
 #: Unknown families: the generic decoder shape, features probed from the modules.
@@ -155,6 +177,9 @@ class TargetSpec:
     to the target's logits in every choice (not to the drafter's).
     ``experts``: the experts implementation to run while an adapter is open
     (None: not an MoE model, or its implementation already has no host read).
+    ``linear_layers``: the indices of the Gated-DeltaNet layers (hybrid
+    targets; empty otherwise). ``rope_sections``: rows of position ids the
+    rotary embedding takes (0: ``[batch, T]`` as usual).
     """
 
     family: Family
@@ -166,6 +191,8 @@ class TargetSpec:
     final_softcap: Optional[float]
     fuse_norm: bool
     experts: Optional[str]
+    linear_layers: List[int] = field(default_factory=list)
+    rope_sections: int = 0
 
 
 def _float_or_none(value) -> Optional[float]:
@@ -256,13 +283,22 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     layer_types = list(types) if types else ["full_attention"] * len(layers)
     if len(layer_types) != len(layers):
         refuse("layer_types", f"{len(layer_types)} entries for {len(layers)} layers")
-    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    allowed = LAYER_TYPES + ((LINEAR_ATTENTION,) if family.linear_attention else ())
+    unknown = sorted(set(layer_types) - set(allowed))
     if unknown:
-        refuse(f"layer type {unknown[0]!r}", f"implemented: {', '.join(LAYER_TYPES)}")
+        refuse(f"layer type {unknown[0]!r}", f"implemented: {', '.join(allowed)}")
+    linear_layers = [i for i, t in enumerate(layer_types) if t == LINEAR_ATTENTION]
     for i, layer in enumerate(layers):
+        if i in linear_layers:
+            mixer = getattr(layer, "linear_attn", None)
+            if type(mixer).__name__ != family.linear_attention or getattr(mixer, "layer_idx", None) != i:
+                refuse("linear-attention layer", f"layer {i} holds {type(mixer).__name__}, {family.name} layers hold "
+                       f"a {family.linear_attention} whose layer_idx is its index")
+            continue
         attn = getattr(layer, "self_attn", None)
         if attn is None or getattr(attn, "layer_idx", None) != i:
             refuse("decoder layer without a self_attn whose layer_idx is its index", f"layer {i}")
+    attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
 
     # softcaps and sinks: a known family names its keys; an unknown one that has them is refused
     attn_key = family.attn_softcap
@@ -272,7 +308,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
                              ("final_logit_softcapping", "final-logit softcap")):
             if getattr(config, key, None) is not None:
                 refuse(f"{feature} ({key}) on an unknown family", f"model_type {config.model_type!r}")
-        if any(isinstance(getattr(l.self_attn, "sinks", None), torch.Tensor) for l in layers):
+        if any(isinstance(getattr(l.self_attn, "sinks", None), torch.Tensor) for l in attention_layers):
             refuse("attention sinks on an unknown family", f"model_type {config.model_type!r}")
     attn_cap = _float_or_none(getattr(config, attn_key, None)) if attn_key else None
     if attn_cap is not None and getattr(config, "_attn_implementation", None) in SOFTCAP_BLIND_IMPLEMENTATIONS:
@@ -293,6 +329,8 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         base = config.query_pre_attn_scalar if family.query_scale == "query_pre_attn_scalar" else head_dim
         want = float(base) ** -0.5
         for i, layer in enumerate(layers):
+            if i in linear_layers:
+                continue
             got = getattr(layer.self_attn, "scaling", None)
             if got is None or abs(float(got) - want) > 1e-12 * want:
                 refuse("query scaling",
@@ -310,6 +348,8 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         refuse("rotary embedding per layer type",
                f"{family.name} expects {'a' if family.rope_per_layer_type else 'no'} layer_type argument")
     rope_types = tuple(sorted(set(layer_types))) if takes_type else None
+    if rope_types is not None and linear_layers:
+        refuse("rotary embedding per layer type on a hybrid target")
 
     moe = experts_modules(model)
     experts = None
@@ -323,7 +363,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     return TargetSpec(
         family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),
         attn_softcaps=[attn_cap] * len(layers), sinks=sinks, rope_types=rope_types, final_softcap=final_cap,
-        fuse_norm=fuse_norm, experts=experts,
+        fuse_norm=fuse_norm, experts=experts, linear_layers=linear_layers, rope_sections=family.rope_sections,
     )
 
 
@@ -365,5 +405,6 @@ def family_table() -> List[Dict[str, object]]:
         rows.append(dict(model_type=model_type, family=f.name, windows=f.windows,
                          rope_per_layer_type=f.rope_per_layer_type, attn_softcap=f.attn_softcap,
                          final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
-                         embed_scale=f.embed_scale, fused_norm=f.fused_norm, moe=f.moe))
+                         embed_scale=f.embed_scale, fused_norm=f.fused_norm, moe=f.moe,
+                         linear_attention=f.linear_attention, rope_sections=f.rope_sections))
     return rows

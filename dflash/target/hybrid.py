@@ -1,0 +1,544 @@
+"""Hybrid targets (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): Gated-DeltaNet layers with exact state rollback.
+
+A hybrid decoder interleaves full-attention layers (K/V in our cache, as for
+dense targets) with Gated-DeltaNet linear-attention layers. Such a layer keeps,
+per sequence, no K/V but
+
+* a causal-convolution window: its last ``K`` conv inputs ``[K, C]`` (``K =
+  linear_conv_kernel_dim``, ``C = 2 Hk Dk + Hv Dv``; transformers keeps ``K``
+  columns and the convolution reads the last ``K - 1`` of them), and
+* a recurrent state ``S [Hv, Dk, Dv]`` fp32: per value head ``h`` (key head
+  ``h // (Hv / Hk)``), with ``q, k`` l2-normalized and ``q`` scaled by
+  ``Dk ** -0.5``, one token does ``S' = exp(g) S``, ``S <- S' + k (beta (v -
+  S'^T k))^T``, ``o = S^T q``.
+
+The state after token ``t`` depends on every token up to ``t``: a verify pass
+that runs ``B`` drafted tokens (or a tree of them) through the layer cannot be
+"cropped" afterwards (transformers' ``Cache.crop`` trims conv windows but not
+recurrent states). Here a verify pass never touches the committed state:
+
+* **verify** (:func:`verify_forward`, installed on every ``linear_attn`` module
+  while an adapter is open, :func:`open_linear`): the conv over the pass's
+  rows as a chain or a tree (:func:`dflash_kernels.causal_conv_tree`: a node's
+  taps are itself and its nearest ancestors, then the committed window), the
+  recurrence from the committed state (:func:`dflash_kernels.gated_delta_tree`:
+  node ``i`` starts from its parent's state), and the outputs; the pass's conv
+  inputs, conv outputs (``q | k | v``), ``g`` and ``beta`` are stashed
+  per layer in :class:`LinearStates` (``[L_lin, T, .]``: a few rows of
+  activations, not ``T`` states);
+* **commit** (``commit(n)`` for a chain: rows ``0..n-1``; ``compact_rows(path,
+  path_len)`` / ``commit_rows(path)`` for a tree: the accepted path): ONE
+  :func:`dflash_kernels.gated_delta_replay_` launch advances every linear
+  layer's committed state through exactly the accepted rows (the row count
+  read on the device), and :func:`dflash_kernels.conv_window_after` moves
+  every window. The state then equals what plain decoding of the committed
+  tokens holds (SPEC 8). Rows past the count are never applied.
+
+Replay instead of per-step checkpoints (writing the state after every block
+position during the verify and selecting one), chosen by the numbers of
+``bench/gated_delta_rollback.py``. On a GPU the cost is state traffic: at
+Qwen3.5-27B shapes (``Hv = 48``, ``Dk = Dv = 128``, a 3 MiB fp32 state) a
+16-token chain moves 57 MiB per linear layer with checkpoints (2.7 GiB per
+round over 48 layers, and as much memory held until the commit) against
+9.0-9.3 MiB with the replay (433-444 MiB per round), whatever ``a``; for a
+65-node tree, 303-384 MiB against 183-279 MiB per layer (the tree kernel
+stores only the states a later node reloads). On this CPU, one thread, the
+pure-torch reference (not a speed path: it replays all ``B`` steps under a
+``torch.where`` to keep shapes fixed) is the other way round: checkpoints
+0.63 / 6.7-8.2 ms, replay 1.3 / 11.8-14.5 ms per layer per round (tiny /
+``Hv = 12`` shapes), i.e. 1.5-2.1x slower, from recomputing the steps.
+
+**In-place passes.** A prefill chunk (kept whole by construction) and a
+one-row causal pass (an AR step: ``commit(1)`` is its only use) run the model's
+OWN Gated-DeltaNet forward with our cache, which speaks transformers'
+linear-attention cache protocol (below): its chunked rule for prefill and its
+per-token decode path, so prefill and AR states are exactly transformers'.
+Such a pass advances the states in place; committing fewer rows than it ran
+is an error (it cannot be rolled back), as is cropping a hybrid cache to any
+length but its own or 0.
+
+**transformers' protocol** (both 5.17 and 5.24 read the module's cache this
+way): 5.24 calls ``get_conv_state(layer, state_idx=0)``,
+``get_recurrent_state(...)`` (None before the first token),
+``is_recording_past(layer)``, ``update_conv_state(x [1, C, T], layer,
+conv_kernel_size=K)`` (returns ``concat(window, x)``, or ``x`` left-padded
+to ``K`` on the first pass; keeps the last ``K`` columns) and
+``update_recurrent_state(S [1, Hv, Dk, Dv], layer)``; 5.17 calls
+``has_previous_state(layer, state_idx=0)`` and reads
+``cache.layers[layer].conv_states[0]`` / ``.recurrent_states[0]`` /
+``.record_past`` directly. Both take the state views this module hands out,
+which alias our buffers (decode's ``causal_conv1d_update`` writes the window
+in place through them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import dflash_kernels
+
+from .attention import PASS_KWARG
+from .cache import TargetKVCache
+from .families import TargetStructureError, UnsupportedTargetFeature
+
+__all__ = ["HybridKVCache", "LINEAR_PASS_KWARG", "LinearPass", "LinearShape", "LinearStates", "close_linear",
+           "linear_shape", "open_linear", "verify_forward"]
+
+#: Layer keyword that carries a :class:`LinearPass` to the linear-attention modules.
+LINEAR_PASS_KWARG = "dflash_linear_pass"
+
+#: Conv activations the tree-conv op implements (transformers' Gated-DeltaNet uses ``config.hidden_act``).
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class LinearPass:
+    """What one pass does in the linear-attention layers.
+
+    ``in_place``: the model's own forward advances the committed states (a
+    prefill chunk or a one-row causal pass). Otherwise a verify pass: the
+    rows form a chain (``parents`` None) or the tree ``parents [T]`` int64 on
+    the device (``parents[i]`` in ``[-1, i)``, -1 = the committed state).
+    """
+
+    in_place: bool
+    parents: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """The Gated-DeltaNet geometry shared by every linear layer of one model."""
+
+    layers: tuple  # indices of the linear-attention decoder layers
+    kernel: int  # K: conv taps
+    channels: int  # C = 2 Hk Dk + Hv Dv (conv channels: q | k | v)
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+def linear_modules(layers, linear_layers: Sequence[int]) -> list:
+    return [layers[i].linear_attn for i in linear_layers]
+
+
+def linear_shape(model_name: str, layers, linear_layers: Sequence[int]) -> LinearShape:
+    """The geometry of the linear layers, checked for what :func:`verify_forward` implements (else refused)."""
+
+    def refuse(feature, detail=""):
+        raise UnsupportedTargetFeature(model_name, feature, detail)
+
+    shapes = set()
+    for i in linear_layers:
+        m = layers[i].linear_attn
+        if not (hasattr(m, "in_proj_qkv") or hasattr(m, "in_proj_qkvz")):
+            refuse("linear-attention projections", f"layer {i}: neither in_proj_qkv nor in_proj_qkvz")
+        if m.activation not in ACTIVATIONS:
+            refuse("linear-attention conv activation", f"layer {i} uses {m.activation!r}; implemented: silu")
+        if m.num_v_heads % m.num_k_heads:
+            refuse("linear-attention heads", f"layer {i}: {m.num_v_heads} value heads over {m.num_k_heads} key heads")
+        weight = m.conv1d.weight
+        if weight.dim() != 3 or weight.shape[1] != 1 or weight.shape[0] != m.conv_dim:
+            refuse("linear-attention conv", f"layer {i}: conv1d weight {list(weight.shape)} is not depthwise")
+        if getattr(m, "repeat_qk_heads", False):
+            pass  # transformers 5.17 repeats q/k heads for old FLA kernels only; the math is the same
+        shapes.add((int(m.conv_kernel_size), int(m.conv_dim), int(m.num_k_heads), int(m.num_v_heads),
+                    int(m.head_k_dim), int(m.head_v_dim)))
+    if len(shapes) > 1:
+        refuse("linear-attention layers of different shapes", str(sorted(shapes)))
+    (kernel, channels, hk, hv, dk, dv), = shapes
+    if channels != 2 * hk * dk + hv * dv:
+        refuse("linear-attention conv channels", f"{channels} != 2 * {hk} * {dk} + {hv} * {dv}")
+    return LinearShape(tuple(linear_layers), kernel, channels, hk, hv, dk, dv)
+
+
+# ----------------------------------------------------------------------------- states
+
+
+class _LinearLayerView:
+    """``cache.layers[i]`` of a linear layer, as transformers 5.17 reads it (``conv_states[0]`` ``[1, C, K]``,
+    ``recurrent_states[0]`` ``[1, Hv, Dk, Dv]``: views of our buffers, ``record_past`` False)."""
+
+    record_past = False
+    number_of_states = 1
+
+    def __init__(self, states: "LinearStates", slot: int):
+        self._states, self.slot = states, slot
+        self.conv_states = {0: states.conv[slot].t()[None]}
+        self.recurrent_states = {0: states.state[slot][None]}
+        self.conv_kernel_size = {0: states.shape.kernel}
+
+    @property
+    def has_previous_state(self) -> Dict[int, bool]:
+        return {0: self._states.has_previous()}
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _AttentionLayerView:
+    """``cache.layers[i]`` of a full-attention layer (its K/V live in the cache's ``kv[slot]``)."""
+
+    record_past = False
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+
+class LinearStates:
+    """Every linear layer's committed conv window and recurrent state, and the last verify pass's stash.
+
+    ``conv [L_lin, K, C]`` (model dtype, oldest input first: transformers'
+    ``[1, C, K]`` window is ``conv[s].t()[None]``), ``state [L_lin, Hv, Dk, Dv]``
+    fp32. The stash of a verify pass of ``T`` rows: ``x [L_lin, T, C]`` (conv
+    inputs), ``y [L_lin, T, C]`` (conv outputs ``q | k | v``), ``g [L_lin, T,
+    Hv]`` fp32, ``beta [L_lin, T, Hv]``; ``pending`` says what the last pass
+    left to commit: None (nothing), ``"verify"`` (the stash), ``"in_place"``
+    (the model's own forward already advanced the states over ``rows`` rows).
+    """
+
+    def __init__(self, shape: LinearShape, dtype, device, length_fn):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        n = len(shape.layers)
+        self.slots = {layer: s for s, layer in enumerate(shape.layers)}
+        self.conv = torch.zeros(n, shape.kernel, shape.channels, dtype=dtype, device=device)
+        self.state = torch.zeros(n, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim, dtype=torch.float32,
+                                 device=device)
+        self._length = length_fn
+        self.pending: Optional[str] = None
+        self.pending_rows = 0
+        self._stash_rows = -1
+        self.x = self.y = self.g = self.beta = None
+        self._scratch = None
+        self._counts = None
+
+    # -- transformers' "has a previous state": the cache holds committed tokens
+    def has_previous(self) -> bool:
+        return self._length() > 0
+
+    def window(self, slot: int) -> torch.Tensor:
+        """The ``K - 1`` inputs the convolution reads ``[K-1, C]`` (a view of ``conv[slot]``)."""
+        return self.conv[slot, 1:]
+
+    def counts(self, n: int) -> torch.Tensor:
+        """A ``[1]`` device tensor holding ``n`` (a slice of a cached arange: no host->device copy)."""
+        if self._counts is None or self._counts.numel() <= n:
+            self._counts = torch.arange(max(2 * n, 64), dtype=torch.long, device=self.device)
+        return self._counts[n : n + 1]
+
+    def stash(self, rows: int) -> None:
+        """Buffers for a verify pass of ``rows`` rows (reallocated only when the pass size changes)."""
+        if rows != self._stash_rows:
+            n, s = len(self.shape.layers), self.shape
+            self.x = torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device)
+            self.y = torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device)
+            self.g = torch.empty(n, rows, s.num_v_heads, dtype=torch.float32, device=self.device)
+            self.beta = torch.empty(n, rows, s.num_v_heads, dtype=self.dtype, device=self.device)
+            self._stash_rows = rows
+
+    def scratch(self, rows: int) -> torch.Tensor:
+        """One fp32 ``[rows, Hv, Dk, Dv]`` buffer for the tree kernel's per-node states, shared by every layer."""
+        s = self.shape
+        if self._scratch is None or self._scratch.shape[0] < rows:
+            self._scratch = torch.empty(rows, s.num_v_heads, s.head_k_dim, s.head_v_dim, dtype=torch.float32,
+                                        device=self.device)
+        return self._scratch
+
+    def qkv(self):
+        """The stash's ``q [L, T, Hk, Dk]``, ``k``, ``v [L, T, Hv, Dv]``: views of the conv outputs."""
+        s = self.shape
+        n, rows = self.y.shape[:2]
+        q = self.y[..., : s.key_dim].unflatten(-1, (s.num_k_heads, s.head_k_dim))
+        k = self.y[..., s.key_dim : 2 * s.key_dim].unflatten(-1, (s.num_k_heads, s.head_k_dim))
+        v = self.y[..., 2 * s.key_dim :].unflatten(-1, (s.num_v_heads, s.head_v_dim))
+        return q, k, v
+
+    def apply(self, rows: torch.Tensor, num_rows: torch.Tensor) -> None:
+        """Advance every layer through the stashed rows ``rows[:num_rows]`` (device tensors, no host read)."""
+        q, k, v = self.qkv()
+        dflash_kernels.gated_delta_replay_(self.state, q, k, v, self.g, self.beta, rows, num_rows)
+        self.conv.copy_(dflash_kernels.conv_window_after(self.conv, self.x, rows, num_rows))
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.state.zero_()
+        self.pending, self.pending_rows = None, 0
+
+
+class HybridKVCache(TargetKVCache):
+    """The target cache of a hybrid model: K/V for the full-attention layers only, plus :class:`LinearStates`.
+
+    ``kv [L_attn, 2, Hkv, max_len, D]`` holds the attention layers in order
+    (decoder layer ``i`` -> slot ``kv_slot[i]``); the commit methods keep the
+    same rows of both kinds of layers (module docstring). Speaks
+    transformers' linear-attention cache protocol (5.17 and 5.24).
+    """
+
+    def __init__(self, config, shape: LinearShape, max_len: int, dtype, device):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        num_layers = config.num_hidden_layers
+        attention = [i for i in range(num_layers) if i not in shape.layers]
+        super(TargetKVCache, self).__init__(len(attention), kv_heads, head_dim, max_len, dtype, device)
+        self.num_layers = num_layers
+        self.kv_slot = {layer: s for s, layer in enumerate(attention)}
+        self.linear = LinearStates(shape, dtype, device, lambda: self.length)
+        self.layers = [
+            _LinearLayerView(self.linear, self.linear.slots[i]) if i in self.linear.slots
+            else _AttentionLayerView(self.kv_slot[i]) for i in range(num_layers)
+        ]
+        self._rows = torch.arange(max_len, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------ attention layers
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        slot = self.kv_slot.get(layer_idx)
+        if slot is None:
+            raise ValueError(f"layer {layer_idx} is a linear-attention layer: it has no K/V to update")
+        k, v = self.write(slot, key_states[0], value_states[0])
+        return k[None], v[None]
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    # ------------------------------------------------------------ transformers' linear-attention protocol
+    def _slot(self, layer_idx: int) -> int:
+        slot = self.linear.slots.get(layer_idx)
+        if slot is None:
+            raise ValueError(f"layer {layer_idx} is not a linear-attention layer of this cache "
+                             f"(those are {list(self.linear.slots)})")
+        return slot
+
+    def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:
+        if layer_idx is not None:
+            self._slot(layer_idx)
+        return self.linear.has_previous()
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
+        """The window ``[1, C, K]`` (a view: decode writes it in place), or None before the first token."""
+        self._slot(layer_idx)
+        return self.layers[layer_idx].conv_states[0] if self.linear.has_previous() else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
+        """The state ``[1, Hv, Dk, Dv]`` fp32 (a view), or None before the first token."""
+        self._slot(layer_idx)
+        return self.layers[layer_idx].recurrent_states[0] if self.linear.has_previous() else None
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: Optional[int] = None, **kwargs) -> torch.Tensor:
+        """``x [1, C, T]`` -> the inputs the conv runs over: ``concat(window [1, C, K], x)``, or on the first
+        pass ``x`` left-padded with zeros to ``K`` columns; the window becomes their last ``K`` columns."""
+        slot = self._slot(layer_idx)
+        K = self.linear.shape.kernel
+        if conv_kernel_size is not None and int(conv_kernel_size) != K:
+            raise ValueError(f"layer {layer_idx}: conv_kernel_size {conv_kernel_size} != the cache's {K}")
+        window = self.layers[layer_idx].conv_states[0]
+        if self.linear.has_previous():
+            full = torch.cat([window, conv_states.to(window.dtype)], dim=-1)
+        elif conv_states.shape[-1] < K:
+            full = F.pad(conv_states, (K - conv_states.shape[-1], 0))
+        else:
+            full = conv_states
+        window.copy_(full[..., -K:])
+        self._mark_in_place(conv_states.shape[-1])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        slot = self._slot(layer_idx)
+        self.linear.state[slot].copy_(recurrent_states.reshape(self.linear.state.shape[1:]))
+        return self.layers[layer_idx].recurrent_states[0]
+
+    def _mark_in_place(self, rows: int) -> None:
+        self.linear.pending, self.linear.pending_rows = "in_place", int(rows)
+
+    # ------------------------------------------------------------ commits
+    def begin_pass(self, linear_pass: LinearPass, rows: int) -> None:
+        """Called by the adapter before each pass: what the pass's rows will leave to commit."""
+        if linear_pass.in_place:
+            self._mark_in_place(rows)
+        else:
+            self.linear.stash(rows)
+            self.linear.pending, self.linear.pending_rows = "verify", int(rows)
+
+    def _check_whole(self, n: int) -> None:
+        if self.linear.pending == "in_place" and n != self.linear.pending_rows:
+            raise RuntimeError(
+                f"the linear-attention states of this hybrid cache were advanced in place over "
+                f"{self.linear.pending_rows} rows (a prefill chunk or a one-row step runs the model's own "
+                f"forward); committing {n} of them cannot roll them back. Verify passes (several causal rows "
+                "or a tree) can be committed partially.")
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` rows of the last forward (linear layers: the state after those ``n`` rows)."""
+        n = int(n)
+        self._check_room(n)
+        pending = self.linear.pending
+        if pending == "verify":
+            if n > self.linear.pending_rows:
+                raise ValueError(f"cannot commit {n} rows of a {self.linear.pending_rows}-row pass")
+            if n > 0:
+                self.linear.apply(self._rows[: self.linear.pending_rows], self.linear.counts(n))
+        elif pending == "in_place":
+            self._check_whole(n)
+        elif pending is None and n > 0:
+            raise RuntimeError(f"commit({n}): no forward since the last commit on this hybrid cache")
+        self.linear.pending = None
+        self.length += n
+
+    def compact_rows(self, rows: torch.Tensor, num_rows: torch.Tensor) -> None:
+        """Move rows ``rows[i]`` to ``length + i`` (attention layers) and advance the linear layers through
+        ``rows[:num_rows]`` (device tensors: no host read); then :meth:`commit` the count (``commit`` no longer
+        replays)."""
+        super().compact_rows(rows, num_rows)
+        if self.linear.pending == "verify":
+            self.linear.apply(rows.to(torch.long), num_rows)
+        elif self.linear.pending == "in_place":
+            raise RuntimeError("compact_rows after a pass that advanced the linear-attention states in place")
+        self.linear.pending = "applied"
+
+    def commit_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows`` (increasing, relative to ``length``): compacted K/V, linear layers through them."""
+        n = int(rows.numel())
+        pending = self.linear.pending
+        if pending == "in_place":
+            self._check_whole(n)
+        elif pending == "verify" and n > 0:
+            dev = rows.to(device=self.kv.device, dtype=torch.long)
+            self.linear.apply(dev, self.linear.counts(n))
+        super().commit_rows(rows)
+        self.linear.pending = None
+
+    def crop(self, length: int) -> None:
+        """Forget rows from ``length`` on: only to the committed length (drops the last pass) or to 0 (reset)."""
+        if length == 0:
+            super().crop(0)
+            self.linear.reset()
+            return
+        if length == self.length and self.linear.pending != "in_place":
+            self.linear.pending = None  # a verify pass left the committed states untouched
+            return
+        raise ValueError(
+            f"a hybrid cache cannot crop its linear-attention states from {self.length} tokens"
+            f"{' (and a pass that advanced them in place)' if self.linear.pending == 'in_place' else ''} back to "
+            f"{length} (a recurrent state keeps no history); crop to 0 to start over")
+
+
+# ----------------------------------------------------------------------------- the verify forward
+
+
+def _project(module, hidden_states: torch.Tensor):
+    """``(mixed_qkv [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv])`` of ``hidden_states [1, T, H]``, by the
+    module's own projections (Qwen3.5: separate ``in_proj_qkv/z/b/a``; Qwen3-Next: fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` reordered by its ``fix_query_key_value_ordering``)."""
+    T = hidden_states.shape[1]
+    if hasattr(module, "in_proj_qkvz"):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
+                                                               module.in_proj_ba(hidden_states))
+        mixed = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], dim=-1)
+    else:
+        mixed = module.in_proj_qkv(hidden_states)
+        z = module.in_proj_z(hidden_states)
+        b = module.in_proj_b(hidden_states)
+        a = module.in_proj_a(hidden_states)
+    return mixed[0], z.reshape(T, -1, module.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+
+
+def verify_forward(module, hidden_states: torch.Tensor, cache: HybridKVCache, linear_pass: LinearPass):
+    """One linear layer over a verify pass: outputs ``[1, T, H]``; the committed state is only read.
+
+    Equals the model's own decode run token by token along each row's
+    root -> row path (a chain when ``linear_pass.parents`` is None). Stashes
+    the rows' conv inputs and ``q | k | v``, ``g``, ``beta`` for the commit.
+    """
+    states = cache.linear
+    s = states.slots[module.layer_idx]
+    T = hidden_states.shape[1]
+    mixed, z, b, a = _project(module, hidden_states)
+    parents = linear_pass.parents
+    y = dflash_kernels.causal_conv_tree(mixed, states.window(s), module.conv1d.weight.squeeze(1), parents,
+                                        bias=module.conv1d.bias, activation=module.activation)
+    shape = states.shape
+    q = y[:, : shape.key_dim].unflatten(-1, (shape.num_k_heads, shape.head_k_dim))
+    k = y[:, shape.key_dim : 2 * shape.key_dim].unflatten(-1, (shape.num_k_heads, shape.head_k_dim))
+    v = y[:, 2 * shape.key_dim :].unflatten(-1, (shape.num_v_heads, shape.head_v_dim))
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    kw = {}
+    if parents is not None and dflash_kernels.get_backend(y.device) == "triton":
+        # one per-node state buffer for every layer; only the states a later node reloads are stored
+        kw = dict(scratch=states.scratch(T), store_states="branches")
+    out = dflash_kernels.gated_delta_tree(q, k, v, g, beta, states.state[s], parents, **kw)
+    states.x[s].copy_(mixed)
+    states.y[s].copy_(y)
+    states.g[s].copy_(g)
+    states.beta[s].copy_(beta)
+    core = module.norm(out.reshape(-1, shape.head_v_dim), z.reshape(-1, shape.head_v_dim))
+    return module.out_proj(core.reshape(1, T, -1))
+
+
+# ----------------------------------------------------------------------------- install / restore
+
+# id(module) -> [the instance's own forward before the first open (or None), open adapters]
+_opened: Dict[int, list] = {}
+
+
+def _make_forward(module, original):
+    def forward(hidden_states, *args, **kwargs):
+        linear_pass = kwargs.pop(LINEAR_PASS_KWARG, None)
+        if linear_pass is None or linear_pass.in_place:
+            kwargs.pop(PASS_KWARG, None)  # our attention description is not for the model's own rules
+            return original(hidden_states, *args, **kwargs)
+        cache = kwargs.get("cache", kwargs.get("cache_params"))
+        if not isinstance(cache, HybridKVCache):
+            raise TargetStructureError("a dflash verify pass reached a linear-attention layer without a "
+                                       "HybridKVCache (use TargetAdapter.new_cache)")
+        return verify_forward(module, hidden_states, cache, linear_pass)
+
+    return forward
+
+
+def open_linear(modules: Sequence) -> None:
+    """Install :func:`verify_forward` on the Gated-DeltaNet ``modules`` while an adapter is open (nestable).
+
+    The module's ``forward`` becomes a dispatcher: our verify passes run
+    :func:`verify_forward`; in-place passes and every call that is not one of
+    our passes (the user's own forward) run the forward it had before.
+    """
+    for m in modules:
+        entry = _opened.get(id(m))
+        if entry is not None:
+            entry[1] += 1
+            continue
+        own = m.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks) is kept
+        _opened[id(m)] = [own, 1]
+        m.forward = _make_forward(m, m.forward)
+
+
+def close_linear(modules: Sequence) -> None:
+    """Undo :func:`open_linear`; the last close gives each module the forward it had."""
+    for m in modules:
+        entry = _opened.get(id(m))
+        if entry is None:
+            continue
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _opened[id(m)]
+            if entry[0] is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = entry[0]
