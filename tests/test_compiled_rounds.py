@@ -240,3 +240,31 @@ def test_hybrid_target_is_refused_with_compile(reference_ops):
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, target.config.num_hidden_layers - 1])
     with pytest.raises(CompileUnsupported, match="linear-attention"):
         dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=4, compile=True)
+
+
+@pytest.mark.parametrize("family", __import__("tiny_models").FAMILY_NAMES)
+def test_every_family_traces_without_breaks_and_stays_lossless(trace_only, reference_ops, family):
+    """Windows, rope per layer type, softcaps, sinks, scaled embeddings, MoE experts: the static steps of
+    every supported family trace as one graph each (no break) and give the target's greedy tokens."""
+    from tiny_models import tiny_family_target
+
+    target = tiny_family_target(family)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    ref = greedy(target, 16)
+    for method in ("dflash", "ddtree"):
+        for mode in ("static", True):
+            out = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=16, compile=mode,
+                                  **_method_kw(method))
+            assert torch.equal(out.output_ids, ref), (family, method, mode)
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_many_settings_in_one_process(trace_only, reference_ops):
+    """Each pooled setting compiles its own copy of the steps: more settings than dynamo's per-function
+    recompile limit (8) in one process still compile, each to one graph per step."""
+    target, draft, ref = pair(n=8)
+    for block_size in range(2, 12):
+        out = dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=8, block_size=block_size,
+                              compile=True)
+        assert torch.equal(out.output_ids, ref[:, : len(PROMPT) + 8]), block_size
+    assert counters["stats"]["unique_graphs"] == 2 * 10

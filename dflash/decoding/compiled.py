@@ -25,7 +25,9 @@ reference). Hybrid (linear-attention) targets are refused up front.
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import warnings
 from typing import Optional
 
@@ -61,9 +63,6 @@ def _verify_step(rnd: StaticRound) -> torch.Tensor:
 #: calling them from Python costs as much as the tiny pair's arithmetic.
 COMPILE_OPTIONS = dict(backend="inductor")
 
-_COMPILED: dict = {}
-
-
 def _compile_kwargs(device: torch.device) -> dict:
     kw = dict(COMPILE_OPTIONS)
     if kw.get("backend") == "inductor" and device.type == "cpu":
@@ -71,13 +70,21 @@ def _compile_kwargs(device: torch.device) -> dict:
     return kw
 
 
+_copies = itertools.count()
+
+
 def _compiled(fn, device: torch.device):
-    """One ``torch.compile`` wrapper per step function and options (its code cache holds every configuration)."""
-    kw = _compile_kwargs(device)
-    key = (fn, repr(sorted(kw.items())))
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=False, **kw)
-    return _COMPILED[key]
+    """``torch.compile`` of a private copy of step ``fn``: its own code object, so its own dynamo cache.
+
+    Dynamo keeps compiled graphs per code object, at most ``recompile_limit``
+    (8) of them, and checks their guards in turn on every call: one shared
+    step function would fail (fullgraph) once a process has compiled rounds
+    for 8 models or settings, and pay every entry's guards. Each pooled
+    :class:`CompiledSteps` compiles its own copy: one graph, one guard set.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name)
+    return torch.compile(copy, fullgraph=True, dynamic=False, **_compile_kwargs(device))
 
 
 class CompiledSteps:
@@ -89,16 +96,16 @@ class CompiledSteps:
         self.graphs = None
         self.payload = None
         self.ready = False
+        if mode == "static":
+            self._draft, self._verify = _draft_step, _verify_step
+        else:
+            self._draft, self._verify = _compiled(_draft_step, rnd.device), _compiled(_verify_step, rnd.device)
 
     def _run_draft(self):
-        if self.mode == "static":
-            return _draft_step(self.rnd)
-        return _compiled(_draft_step, self.rnd.device)(self.rnd)
+        return self._draft(self.rnd)
 
     def _run_verify(self):
-        if self.mode == "static":
-            return _verify_step(self.rnd)
-        return _compiled(_verify_step, self.rnd.device)(self.rnd)
+        return self._verify(self.rnd)
 
     def prepare(self) -> float:
         """Compile (and capture) the steps once; returns the seconds it took (0 when already done)."""
