@@ -49,6 +49,22 @@ class KVBuffer:
         self._check_room(n)
         self.length += int(n)
 
+    # ------------------------------------------------- fixed-shape (compiled-round) form
+    def freeze(self) -> None:
+        """From now on passes are static: ``length_t [1]`` int64 on the device holds the committed length
+        (and ``rows = arange(max_len)`` serves the row indices). Allocated once and reused by every later
+        freeze: captured CUDA graphs hold their addresses."""
+        if getattr(self, "length_t", None) is None:
+            self.length_t = torch.zeros(1, dtype=torch.long, device=self.kv.device)
+            self.rows = torch.arange(self.max_len, device=self.kv.device)
+        self.length_t.fill_(self.length)
+        self.static = True
+
+    def thaw(self) -> None:
+        """Back to an empty eager cache (the device tensors are kept for the next :meth:`freeze`)."""
+        self.static = False
+        self.length = 0
+
     def crop(self, length: int) -> None:
         """Forget everything from position ``length`` on."""
         if not 0 <= length <= self.length:

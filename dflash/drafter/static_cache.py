@@ -32,19 +32,6 @@ class StaticDraftKVCache(DraftKVCache):
     #: reference backend, during a static pass: ``{window: visible [B, S] bool}`` shared by the layers
     visible = None
 
-    def freeze(self) -> None:
-        """Move the committed length to the device; from now on passes are static."""
-        if getattr(self, "length_t", None) is None:  # allocated once: captured graphs hold their addresses
-            self.length_t = torch.zeros(1, dtype=torch.long, device=self.kv.device)
-            self.rows = torch.arange(self.max_len, device=self.kv.device)
-        self.length_t.fill_(self.length)
-        self.static = True
-
-    def thaw(self) -> None:
-        """Back to an empty eager cache (the device tensors are kept for the next :meth:`freeze`)."""
-        self.static = False
-        self.length = 0
-
     def write_static(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,
                      count: torch.Tensor):
         """Write ``k, v [Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block).

@@ -44,19 +44,6 @@ __all__ = ["StaticTargetKVCache", "static_forward"]
 class StaticTargetKVCache(TargetKVCache):
     """:class:`TargetKVCache` whose committed length moves to the device at :meth:`freeze`."""
 
-    def freeze(self) -> None:
-        """From now on every pass is static: ``length_t [1]`` on the device holds the committed length."""
-        if getattr(self, "length_t", None) is None:  # allocated once: captured graphs hold their addresses
-            self.length_t = torch.zeros(1, dtype=torch.long, device=self.kv.device)
-            self.rows = torch.arange(self.max_len, device=self.kv.device)
-        self.length_t.fill_(self.length)
-        self.static = True
-
-    def thaw(self) -> None:
-        """Back to an empty eager cache (the device tensors are kept for the next :meth:`freeze`)."""
-        self.static = False
-        self.length = 0
-
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not self.static:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
