@@ -268,3 +268,18 @@ def test_many_settings_in_one_process(trace_only, reference_ops):
                               compile=True)
         assert torch.equal(out.output_ids, ref[:, : len(PROMPT) + 8]), block_size
     assert counters["stats"]["unique_graphs"] == 2 * 10
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_kernel_path_traces_without_breaks(trace_only, method):
+    """The GPU path's graph: the steps on the Triton backend (the interpreter here) trace through the
+    torch.ops.dflash custom ops as one graph each, no break, and stay lossless."""
+    if "triton" not in dflash_kernels.available_backends(torch.device("cpu")):
+        pytest.skip("Triton cannot run here")
+    target, draft, ref = pair(second_right=method == "ddtree", n=12)
+    with dflash_kernels.force_backend("triton"):
+        out = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=12, compile=True,
+                              **_method_kw(method))
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2
+    assert torch.equal(out.output_ids, ref[:, : len(PROMPT) + 12])
