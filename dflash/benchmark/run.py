@@ -580,6 +580,9 @@ def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     torch.set_num_threads(args.threads)
     notes: List[str] = []
+    if args.compile:
+        notes.append("ar / dflash / ddtree ran as compiled rounds (generate(compile=True): torch.compile, CUDA graphs "
+                     "on a GPU); their set-up happened in the warm-up and is in no timed run.")
     pair = load_pair_for(args, device, dtype, notes)
     if args.prompts:
         prompts = read_prompts_jsonl(args.prompts, pair.tokenizer)[: args.num_prompts]
