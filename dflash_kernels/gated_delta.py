@@ -112,6 +112,10 @@ __all__ = ["gated_delta_tree", "gated_delta_replay_", "causal_conv_tree", "conv_
 TREE_DYNAMIC_INTS = ("n_nodes",)
 REPLAY_DYNAMIC_INTS = ("n_rows",)
 CONV_DYNAMIC_INTS = ("n_nodes",)
+#: The replay's row count is a device scalar the caller may hand as a slice of a longer tensor at any offset
+#: (the hybrid cache's cached arange of counts): no 16-byte alignment hint, so a count at an odd offset never
+#: compiles a second binary mid-generation.
+REPLAY_UNALIGNED_PTRS = ("count_ptr",)
 
 #: Store modes of the tree kernel (constexpr STORE): none (a chain without scratch), every node, flagged nodes.
 STORE_NONE, STORE_ALL, STORE_FLAGGED = 0, 1, 2
@@ -210,7 +214,7 @@ def _gated_delta_tree_kernel(
                 tl.store(scratch_tile + row * stride_xn, s, mask=tile_ok)
 
 
-@triton.jit(do_not_specialize=REPLAY_DYNAMIC_INTS)
+@triton.jit(do_not_specialize=REPLAY_DYNAMIC_INTS, do_not_specialize_on_alignment=REPLAY_UNALIGNED_PTRS)
 def _gated_delta_replay_kernel(
     state_ptr,  # fp32 [L, Hv, Dk, Dv], advanced in place
     k_ptr, v_ptr, g_ptr, beta_ptr,  # [L, N, Hk, Dk], [L, N, Hv, Dv], [L, N, Hv] x2 (q does not enter the state)

@@ -130,13 +130,27 @@ def _ast_source(fn, signature: Dict[str, str], constexprs: Dict[str, object], at
     return triton.compiler.ASTSource(fn=fn, signature=signature, constants=constexprs, attrs=attrs)  # older
 
 
+def unaligned_pointers(fn) -> tuple:
+    """The kernel's ``do_not_specialize_on_alignment`` (a compiled ``JITFunction``'s attribute, or the jit
+    keywords an interpreted function keeps)."""
+    names = getattr(fn, "do_not_specialize_on_alignment", None)
+    if names is None:
+        names = getattr(fn, "kwargs", {}).get("do_not_specialize_on_alignment", ())
+    return tuple(names or ())
+
+
 def _attrs_for(fn, signature: Dict[str, str], divisible: Iterable[str]):
-    """``{(arg index,): [["tt.divisibility", 16]]}`` for aligned pointers and the named ints."""
+    """``{(arg index,): [["tt.divisibility", 16]]}`` for the pointers and the named ints, as the runtime
+    specializes them: a pointer the kernel lists in ``do_not_specialize_on_alignment`` (a device scalar or a
+    slice at any offset) never gets the 16-byte hint at run time, so it does not get it here either."""
     wanted = set(divisible)
+    unaligned = set(unaligned_pointers(fn))
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         ty = signature.get(name, "constexpr")
-        if (ty.startswith("*") or name in wanted) and ty != "constexpr":
+        if ty == "constexpr" or (ty.startswith("*") and (name in unaligned or i in unaligned)):
+            continue
+        if ty.startswith("*") or name in wanted:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 

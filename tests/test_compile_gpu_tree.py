@@ -101,22 +101,16 @@ def test_dense_mask_kernel(arch, dtype):
 # Attention: compiled once per module on the two worker processes
 # ----------------------------------------------------------------------------
 
-def _compile_with_options(module, name, signature, constexprs, arch, num_warps, num_stages, divisible, maxnreg,
-                          unaligned=()):
-    """:func:`gpu_compile.compile_for_gpu`'s compile step with ``maxnreg`` (runs where Triton compiles).
-
-    ``unaligned``: pointer arguments the kernel lists in
-    ``do_not_specialize_on_alignment`` (no divisibility hint for them).
-    """
+def _compile_with_options(module, name, signature, constexprs, arch, num_warps, num_stages, divisible, maxnreg):
+    """:func:`gpu_compile.compile_for_gpu`'s compile step with ``maxnreg`` (runs where Triton compiles); the
+    pointers the kernel lists in ``do_not_specialize_on_alignment`` get no divisibility hint
+    (:func:`gpu_compile._attrs_for`), as at run time."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     fn = getattr(importlib.import_module(module), name)
     full_sig = {arg: "constexpr" if arg in constexprs else signature[arg] for arg in fn.arg_names}
     attrs = gpu_compile._attrs_for(fn, full_sig, divisible)
-    for i, arg in enumerate(fn.arg_names):
-        if arg in unaligned:
-            attrs.pop((i,), None)
     src = gpu_compile._ast_source(fn, full_sig, dict(constexprs), attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
@@ -185,7 +179,7 @@ def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, so
         del sig["group"]
         constexprs["group"] = 1
     return ("dflash_kernels.tree_attention", "_tree_attention_kernel", sig, constexprs, arch, cfg["num_warps"],
-            cfg["num_stages"], tuple(ALIGNED), cfg.get("maxnreg"), tuple(TREE_ATTENTION_UNALIGNED_PTRS))
+            cfg["num_stages"], tuple(ALIGNED), cfg.get("maxnreg"))
 
 
 def _flags(chain, window, split, group=4, softcap=False, sinks=False, prefix_in_memory=False):
@@ -238,7 +232,7 @@ def merge_call(arch, dtype, head_dim, sinks=False):
     constexprs = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": MERGE_BLOCK_M, "BLOCK_D": head_dim,
                   "HAS_SINKS": sinks}
     return ("dflash_kernels.tree_attention", "_merge_splits_kernel", sig, constexprs, arch, MERGE_NUM_WARPS, 1,
-            ("stride_oh", "stride_ot"), None, tuple(MERGE_UNALIGNED_PTRS))
+            ("stride_oh", "stride_ot"), None)
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +291,22 @@ def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, wind
                          ids=[f"sm{a}-{TRITON_TYPE[d]}-D{h}{'-sinks' if s else ''}" for a, d, h, s in MERGE_CASES])
 def test_merge_splits_kernel(compiled, arch, dtype, head_dim, sinks):
     check_resources(_result(compiled, ("merge", arch, dtype, head_dim, sinks)), arch)
+
+
+def test_compile_hints_follow_the_runtime_alignment_rules():
+    """A pointer a kernel lists in ``do_not_specialize_on_alignment`` (a device scalar such as the committed
+    length, the seed or the compaction count; a slice at any offset) gets no 16-byte hint in these compile
+    tests, since the runtime never gives it one; every other pointer does, as an aligned allocation gets."""
+    from dflash_kernels.kv_compaction import UNALIGNED_PTRS as KV_UNALIGNED, _compact_kv_kernel
+    from dflash_kernels.gated_delta import REPLAY_UNALIGNED_PTRS, _gated_delta_replay_kernel
+    from dflash_kernels.lm_head import UNALIGNED_PTRS as LM_UNALIGNED, _argmax_kernel
+
+    cases = [(_tree_attention_kernel, TREE_ATTENTION_UNALIGNED_PTRS), (_merge_splits_kernel, MERGE_UNALIGNED_PTRS),
+             (_argmax_kernel, LM_UNALIGNED["_argmax_kernel"]), (_compact_kv_kernel, KV_UNALIGNED),
+             (_gated_delta_replay_kernel, REPLAY_UNALIGNED_PTRS)]
+    for kernel, unaligned in cases:
+        assert set(unaligned) <= set(gpu_compile.unaligned_pointers(kernel)), kernel.__name__
+        signature = {a: "*fp32" if a.endswith("_ptr") else "i32" for a in kernel.arg_names}
+        hinted = {kernel.arg_names[i] for (i,) in gpu_compile._attrs_for(kernel, signature, ())}
+        pointers = {a for a in kernel.arg_names if a.endswith("_ptr")}
+        assert hinted == pointers - set(unaligned), kernel.__name__
