@@ -35,9 +35,10 @@ import torch
 
 from ..target import TargetAdapter
 from .result import GenerationResult
+from .ddtree import _check_budget
 from .speculation import (HostReader, SeedSource, StageClock, _check_common, _Output, _prepare_prompt, as_sampling,
-                          check_pair, choose_tokens)
-from .static_round import StaticRound
+                          block_size_of, check_pair, choose_tokens, mask_token_id_of)
+from .static_round import StaticRound, bucket_rows
 
 __all__ = ["CompileUnsupported", "compiled_generate", "COMPILE_MODES"]
 
@@ -107,66 +108,67 @@ class CompiledSteps:
     def _run_verify(self):
         return self._verify(self.rnd)
 
+    def _round(self) -> torch.Tensor:
+        if self.rnd.method != "ar":
+            self._run_draft()
+        return self._run_verify()
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (the first calls compile), then capture each step in a CUDA graph."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.rnd.restore()
+                self._round()
+        torch.cuda.current_stream().wait_stream(side)
+        self.rnd.restore()
+        draft_graph = None
+        if self.rnd.method != "ar":
+            draft_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(draft_graph):
+                self._run_draft()
+        verify_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(verify_graph, pool=draft_graph.pool() if draft_graph is not None else None):
+            self.payload = self._run_verify()
+        self.graphs = (draft_graph, verify_graph)
+
     def prepare(self) -> float:
-        """Compile (and capture) the steps once; returns the seconds it took (0 when already done)."""
+        """Compile (and capture) the steps once; returns the seconds it took (0 when already done).
+
+        Runs on the frozen, empty caches; the rounds it runs write only scratch rows past the committed
+        length, and the small state they change is put back (:meth:`StaticRound.snapshot`)."""
         if self.ready:
             return 0.0
         t0 = time.perf_counter()
         rnd = self.rnd
-        rnd.cache.freeze()
-        if rnd.method != "ar":
-            rnd.dcache.freeze()
-        saved = {name: t.clone() for name, t in rnd.mutable_state().items()}
-
-        def restore():
-            for name, t in rnd.mutable_state().items():
-                t.copy_(saved[name])
-
-        quiet = warnings.catch_warnings()
-        quiet.__enter__()
-        # the device tree build caches its index tables with functools.lru_cache (keyed by shapes only):
-        # tracing through the cache is exactly right here, dynamo's generic warning about it is noise
-        warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+        rnd.freeze()
+        rnd.snapshot()
         try:
-            if self.cuda:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
+            with warnings.catch_warnings():
+                # the device tree build caches its index tables with functools.lru_cache (keyed by shapes
+                # only): tracing through the cache is exactly right here, dynamo's generic warning is noise
+                warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+                if self.cuda:
+                    self._capture()
+                elif self.mode != "static":
                     for _ in range(2):
-                        restore()
-                        if rnd.method != "ar":
-                            self._run_draft()
-                        self._run_verify()
-                torch.cuda.current_stream().wait_stream(side)
-                restore()
-                draft_graph = torch.cuda.CUDAGraph()
-                if rnd.method != "ar":
-                    with torch.cuda.graph(draft_graph):
-                        self._run_draft()
-                verify_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(verify_graph, pool=draft_graph.pool() if rnd.method != "ar" else None):
-                    self.payload = self._run_verify()
-                self.graphs = (draft_graph if rnd.method != "ar" else None, verify_graph)
-            elif self.mode != "static":
-                for _ in range(2):
-                    restore()
-                    if rnd.method != "ar":
-                        self._run_draft()
-                    self._run_verify()
+                        rnd.restore()
+                        self._round()
         except Exception as exc:  # dynamo / inductor / capture failures: say what and what to do
             raise CompileUnsupported(
                 f"{type(rnd.adapter.model).__name__} cannot be run as compiled rounds ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); run it with compile=False") from exc
         finally:
-            quiet.__exit__(None, None, None)
-            restore()
-            rnd.cache.thaw()
-            if rnd.method != "ar":
-                rnd.dcache.thaw()
+            rnd.restore()
+            rnd.thaw()
         self.ready = True
         return time.perf_counter() - t0
 
     def draft(self) -> None:
+        """The round's draft step (nothing for AR)."""
+        if self.rnd.method == "ar":
+            return
         if self.graphs is not None:
             self.graphs[0].replay()
         else:
@@ -227,24 +229,17 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
             B, budget, mask_id = 1, 0, 0
         else:
             check_pair(adapter, draft)
-            B = int(block_size if block_size is not None else draft.block_size)
-            if B < 2:
-                raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
+            B = block_size_of(draft, block_size)
             budget = 0
             if method == "ddtree":
-                budget = 2 * (B - 1) if tree_budget is None else tree_budget
-                if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                    raise ValueError(f"tree_budget must be an int >= 1 (number of draft nodes per round), got "
-                                     f"{budget!r}")
-            mask_id = draft.mask_token_id if mask_token_id is None else int(mask_token_id)
-            if not 0 <= mask_id < adapter.vocab_size:
-                raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {adapter.vocab_size})")
+                budget = _check_budget(2 * (B - 1) if tree_budget is None else tree_budget)
+            mask_id = mask_token_id_of(draft, mask_token_id, adapter.vocab_size)
         prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
         seeds = SeedSource(seed)
         rows = budget + 1 if method == "ddtree" else B
         max_rows = prompt.numel() + max_new_tokens + rows + 1
         key = (method, id(draft) if draft is not None else None, B, budget, mask_id, _sampling_key(sampling),
-               StaticRound.bucket(max_rows), str(device), compile, repr(sorted(_compile_kwargs(device).items())))
+               bucket_rows(max_rows), str(device), compile, repr(sorted(_compile_kwargs(device).items())))
         pool = _pool(target)
         steps = pool.get(key)
         if steps is None:
@@ -278,7 +273,7 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
                 out.extend(host[: host[B] + 1])
             else:
                 out.extend(host[: host[D + 1]])
-                result.tree_sizes.append(budget)
+                result.tree_sizes.append(rnd.N)
                 result.accepted_depths.append(host[D + 1] - 1)
             result.acceptance_lengths.append(out.committed - before)
         result.total_time = time.perf_counter() - start

@@ -263,6 +263,22 @@ def check_pair(adapter: TargetAdapter, draft) -> None:
         )
 
 
+def block_size_of(draft, block_size) -> int:
+    """The block size of a generation: ``block_size`` or the drafter's own; at least 2 (anchor + one draft)."""
+    B = int(block_size if block_size is not None else draft.block_size)
+    if B < 2:
+        raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
+    return B
+
+
+def mask_token_id_of(draft, mask_token_id, vocab_size: int) -> int:
+    """The block's mask id: ``mask_token_id`` or the drafter's own, inside the target vocabulary."""
+    mask_id = draft.mask_token_id if mask_token_id is None else int(mask_token_id)
+    if not 0 <= mask_id < vocab_size:
+        raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {vocab_size})")
+    return mask_id
+
+
 def draft_block(draft, adapter: TargetAdapter, last_token: torch.Tensor, mask_block: torch.Tensor, context,
                 positions, cache) -> torch.Tensor:
     """One drafter pass: final-normed states ``[B, H]`` of ``[last_token, MASK x (B-1)]``.
@@ -287,17 +303,11 @@ class Speculation:
                  sampling: Optional[SamplingSettings] = None, stopping_criteria=None, streamer=None):
         self.sampling = sampling = as_sampling(sampling, temperature)
         stop_ids = _check_common(max_new_tokens, sampling.temperature, stop_token_ids)
-        self.B = int(block_size if block_size is not None else draft.block_size)
-        if self.B < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.B}")
+        self.B = block_size_of(draft, block_size)
         self.adapter = adapter = TargetAdapter(target, draft.target_layer_ids)
         try:
             check_pair(adapter, draft)
-            self.mask_token_id = draft.mask_token_id if mask_token_id is None else int(mask_token_id)
-            if not 0 <= self.mask_token_id < adapter.vocab_size:
-                raise ValueError(
-                    f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {adapter.vocab_size})"
-                )
+            self.mask_token_id = mask_token_id_of(draft, mask_token_id, adapter.vocab_size)
             self.device = device = adapter.device
             prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
         except BaseException:

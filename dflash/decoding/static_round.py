@@ -101,15 +101,12 @@ class StaticRound:
             self.depths = torch.zeros(self.N, **long)
             self.parents = torch.zeros(self.N + 1, **long)
 
-    bucket = staticmethod(bucket_rows)
-
     def reset(self, seed: int) -> None:
         """Empty caches (eager again, for the next prefill), a fresh sampling key; the buffers are kept."""
-        self.cache.thaw()
+        self.thaw()
         self.last.zero_()
         self.seed.fill_(int(seed) & ((1 << 62) - 1))
         if self.method != "ar":
-            self.dcache.thaw()
             self.ctx_count.zero_()
 
     # ---------------------------------------------------------------- eager set-up (prompt shapes vary)
@@ -122,16 +119,10 @@ class StaticRound:
         last_hidden, features = self.adapter.prefill(prompt, self.cache)
         first = first_hidden_fn(last_hidden)
         self.last.copy_(first.reshape(1))
-        self.cache.freeze()
         if self.method != "ar":
             self.draft_model.ingest_context(features, self.dcache)
-            self.dcache.freeze()
-            self.ctx_count.zero_()
+        self.freeze()
         return first
-
-    def rows_per_round(self) -> int:
-        """Target rows a verify writes past the committed length."""
-        return self.N + 1 if self.method == "ddtree" else self.B
 
     # ---------------------------------------------------------------- the target's choice
     def _choose(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -180,7 +171,7 @@ class StaticRound:
         """DDTree verify + walk + compaction + commit; returns ``[committed (D + 1), path_len]`` int64."""
         length = self.cache.length_t
         ids = torch.cat([self.last, self.tokens])
-        positions = length + torch.cat([self.rows[:1] * 0, self.depths])
+        positions = length + torch.cat([self.depths.new_zeros(1), self.depths])  # the root at depth 0
         bits = static_ops.ancestor_bits(self.parents, backend=self.backend)
         hidden, captured = static_forward(self.adapter, ids, positions, self.cache, tree_bits=bits,
                                           backend=self.backend)
@@ -206,14 +197,32 @@ class StaticRound:
     def verify(self) -> torch.Tensor:
         return {"ar": self.verify_ar, "dflash": self.verify_chain, "ddtree": self.verify_tree}[self.method]()
 
-    # ---------------------------------------------------------------- capture support
-    def mutable_state(self):
-        """The small tensors a step changes besides cache rows past the committed length (for warm-up / capture)."""
-        names = ["last", "seed"]
-        if self.method != "ar":
-            names += ["ctx", "ctx_count"]
+    # ---------------------------------------------------------------- compile / capture support
+    def _caches(self):
+        return (self.cache,) if self.method == "ar" else (self.cache, self.dcache)
+
+    def freeze(self) -> None:
+        """Both caches in their device-length form (at their current, eager lengths)."""
+        for cache in self._caches():
+            cache.freeze()
+
+    def thaw(self) -> None:
+        """Both caches back to empty eager caches (their device tensors kept)."""
+        for cache in self._caches():
+            cache.thaw()
+
+    def _mutable(self) -> dict:
+        """The small tensors a step changes, besides cache rows past the committed lengths."""
+        names = ["last", "seed"] + ([] if self.method == "ar" else ["ctx", "ctx_count"])
         state = {n: getattr(self, n) for n in names}
-        state["cache.length_t"] = self.cache.length_t
-        if self.method != "ar":
-            state["dcache.length_t"] = self.dcache.length_t
+        for i, cache in enumerate(self._caches()):
+            state[f"length_{i}"] = cache.length_t
         return state
+
+    def snapshot(self) -> None:
+        """Remember the small state, so warm-up and capture rounds can be undone (:meth:`restore`)."""
+        self._saved = {name: t.clone() for name, t in self._mutable().items()}
+
+    def restore(self) -> None:
+        for name, t in self._mutable().items():
+            t.copy_(self._saved[name])

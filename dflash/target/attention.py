@@ -48,7 +48,7 @@ Paths (no layer ever receives a dense mask from us):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ _opened: dict = {}
 class AttentionPass:
     """What the ``T`` rows of one target pass attend to (the same object for every layer).
 
-    ``prefix_len``: committed keys before the pass's rows. ``bits``: ``[T, W]``
+    ``prefix_len``: committed keys before the pass's rows (a device tensor in a fixed-shape pass: :attr:`static`). ``bits``: ``[T, W]``
     int32 ancestor-or-self bitmask (tree verify) or None (causal).
     ``positions``: ``[T]`` absolute positions of the rows when they are not
     ``prefix_len + arange(T)`` (tree verify: ``start + depth``); only read by
@@ -81,13 +81,21 @@ class AttentionPass:
     ``"reference"``.
     """
 
-    prefix_len: int
+    prefix_len: Union[int, torch.Tensor]
     bits: Optional[torch.Tensor]
     positions: Optional[torch.Tensor]
     windows: Sequence[Optional[int]]
     backend: str
     softcaps: Sequence[Optional[float]] = ()
     sinks: Sequence[Optional[torch.Tensor]] = ()
+    #: fixed-shape passes, reference backend: ``{window: visible [T, S] bool}`` built once, shared by the layers
+    visible: Optional[dict] = None
+
+    @property
+    def static(self) -> bool:
+        """A fixed-shape pass (compiled rounds): ``prefix_len`` is a ``[1]`` device tensor and the layers'
+        key/value are the whole cache ``[1, Hkv, S, D]``; keys at rows ``>= prefix_len + T`` are masked."""
+        return isinstance(self.prefix_len, torch.Tensor)
 
     def window(self, layer_idx) -> Optional[int]:
         return self.windows[layer_idx] if layer_idx is not None else None
@@ -97,30 +105,6 @@ class AttentionPass:
 
     def sink(self, layer_idx) -> Optional[torch.Tensor]:
         return self.sinks[layer_idx] if layer_idx is not None and self.sinks else None
-
-
-@dataclass(frozen=True)
-class StaticAttentionPass:
-    """An :class:`AttentionPass` of fixed shape (compiled rounds): the committed length is a device tensor.
-
-    ``prefix [1]`` int64: committed keys before the pass's ``T`` rows; the
-    layer's ``key/value`` are the whole cache ``[1, Hkv, S, D]`` and keys at
-    rows ``>= prefix + T`` are masked. Other fields as :class:`AttentionPass`.
-    """
-
-    prefix: torch.Tensor
-    bits: Optional[torch.Tensor]
-    positions: Optional[torch.Tensor]
-    windows: Sequence[Optional[int]]
-    backend: str
-    softcaps: Sequence[Optional[float]] = ()
-    sinks: Sequence[Optional[torch.Tensor]] = ()
-    #: reference backend: ``{window: visible [T, S] bool}`` computed once per pass, shared by the layers
-    visible: Optional[dict] = None
-
-    window = AttentionPass.window
-    softcap = AttentionPass.softcap
-    sink = AttentionPass.sink
 
 
 def _original_attention(module):
@@ -165,12 +149,12 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     layer = getattr(module, "layer_idx", None)
     window, softcap, sinks = attention_pass.window(layer), attention_pass.softcap(layer), attention_pass.sink(layer)
     _check_module_kwargs(module, kwargs, window, softcap, sinks)
-    if isinstance(attention_pass, StaticAttentionPass):
+    if attention_pass.static:
         if attention_pass.visible is not None and softcap is None and sinks is None:
             out = static_ops.masked_attention(query, key, value, attention_pass.visible[window], scale=scaling)
             return out.transpose(1, 2), None
-        out = dflash_kernels.static_ops.tree_attention_static(
-            query, key, value, attention_pass.bits, attention_pass.prefix, scale=scaling,
+        out = static_ops.tree_attention_static(
+            query, key, value, attention_pass.bits, attention_pass.prefix_len, scale=scaling,
             positions=attention_pass.positions, window=window, softcap=softcap, sinks=sinks,
             backend=attention_pass.backend)
         return out.transpose(1, 2), None

@@ -21,7 +21,7 @@ the prompt), with the ordinary paths of :class:`~dflash.target.cache.TargetKVCac
 
 :func:`static_forward` is :meth:`TargetAdapter.forward` for such a pass: the
 layers called in order with the static cache and a
-:class:`~dflash.target.attention.StaticAttentionPass`; the captured layers'
+:class:`~dflash.target.attention.AttentionPass` whose ``prefix_len`` is ``length_t``; the captured layers'
 outputs come back as a list (no hooks: a traced pass has no side effects
 outside its tensors).
 """
@@ -35,7 +35,7 @@ import torch
 import dflash_kernels
 from dflash_kernels import static_ops
 
-from .attention import PASS_KWARG, StaticAttentionPass
+from .attention import PASS_KWARG, AttentionPass
 from .cache import TargetKVCache
 
 __all__ = ["StaticTargetKVCache", "static_forward"]
@@ -79,8 +79,8 @@ def static_forward(adapter, ids: torch.Tensor, positions: torch.Tensor, cache: S
         tree_pos = positions if tree_bits is not None else None
         visible = {w: static_ops.visibility(tree_bits, cache.length_t, T, S, positions=tree_pos, window=w)
                    for w in set(adapter.windows)}
-    attention_pass = StaticAttentionPass(
-        prefix=cache.length_t,
+    attention_pass = AttentionPass(
+        prefix_len=cache.length_t,
         bits=tree_bits,
         positions=positions if tree_bits is not None else None,
         windows=adapter.windows,
@@ -92,16 +92,13 @@ def static_forward(adapter, ids: torch.Tensor, positions: torch.Tensor, cache: S
     pos = positions[None]
     h = adapter.embed(ids[None])
     rope = adapter._position_embeddings(h, pos)
-    wanted = {k: i for i, k in enumerate(adapter.capture_layer_ids)}
-    captured: List[Optional[torch.Tensor]] = [None] * len(adapter.capture_layer_ids)
     kw = {adapter._cache_kw: cache, PASS_KWARG: attention_pass}
+    outputs = {}
     for idx, (layer, position_embeddings) in enumerate(zip(adapter.layers, rope)):
         # .forward: the adapter's capture hooks stay out of a traced pass (the outputs are returned instead)
         out = layer.forward(h, attention_mask=None, position_ids=pos, position_embeddings=position_embeddings,
                             use_cache=True, **kw)
         h = out[0] if isinstance(out, (tuple, list)) else out
-        if idx in wanted:
-            for i, k in enumerate(adapter.capture_layer_ids):
-                if k == idx:
-                    captured[i] = h[0]
+        outputs[idx] = h[0]
+    captured = [outputs[k] for k in adapter.capture_layer_ids]
     return h[0], captured
