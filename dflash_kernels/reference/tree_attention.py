@@ -188,21 +188,29 @@ def tree_attention(
     if isinstance(prefix_len, torch.Tensor):
         return tree_attention_static(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                      softcap=softcap, sinks=sinks)
-    batched = query.dim() == 4
-    q = query[0] if batched else query
-    k = key[0] if key.dim() == 4 else key
-    v = value[0] if value.dim() == 4 else value
-    hq, t, d = q.shape
+    q, k, v = _unbatched(query, key, value)
+    t = q.shape[1]
     k = k[:, : prefix_len + t].float()
     v = v[:, : prefix_len + t].float()
     visible = tree_visibility(bits, prefix_len, t, positions=positions, window=window, device=q.device)
-    scale = d**-0.5 if scale is None else scale
+    return _attend(query, q, k, v, visible, scale, softcap, sinks)
+
+
+def _unbatched(query, key, value):
+    """``[Hq, T, D]``, ``[Hkv, S, D]`` views of inputs given with or without a batch dim of 1."""
+    return tuple(x[0] if x.dim() == 4 else x for x in (query, key, value))
+
+
+def _attend(query, q, k, v, visible, scale, softcap, sinks) -> torch.Tensor:
+    """float32 attention of ``q [Hq, T, D]`` over fp32 ``k, v [Hkv, S, D]`` with ``visible [T, S]`` (SDPA, or
+    explicit with a softcap / sinks), in ``query``'s dtype and rank."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if softcap is not None or sinks is not None:
         out = _explicit_attention(q, k, v, visible, scale, softcap, sinks)
     else:
         out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale, enable_gqa=True)
     out = out.to(query.dtype)
-    return out.unsqueeze(0) if batched else out
+    return out.unsqueeze(0) if query.dim() == 4 else out
 
 
 def _prefix_scalar(prefix_len: torch.Tensor, device) -> torch.Tensor:
@@ -293,22 +301,12 @@ def tree_attention_static(
         Compile-friendly: no ``.item()``, no data-dependent shape; the same
         values as ``tree_attention(q, k[:, :p+T], v[:, :p+T], bits, int(p))``.
     """
-    batched = query.dim() == 4
-    q = query[0] if batched else query
-    k = key[0] if key.dim() == 4 else key
-    v = value[0] if value.dim() == 4 else value
-    hq, t, d = q.shape
-    s_max = k.shape[1]
+    q, k, v = _unbatched(query, key, value)
+    t, s_max = q.shape[1], k.shape[1]
     p = _prefix_scalar(prefix_len, q.device)
     live = (torch.arange(s_max, device=q.device) < p + t)[None, :, None]
     zero = torch.zeros((), dtype=torch.float32, device=q.device)
     k = torch.where(live, k.float(), zero)
     v = torch.where(live, v.float(), zero)
     visible = tree_visibility_static(bits, p, t, s_max, positions=positions, window=window, device=q.device)
-    scale = d**-0.5 if scale is None else scale
-    if softcap is not None or sinks is not None:
-        out = _explicit_attention(q, k, v, visible, scale, softcap, sinks)
-    else:
-        out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    out = out.to(query.dtype)
-    return out.unsqueeze(0) if batched else out
+    return _attend(query, q, k, v, visible, scale, softcap, sinks)
