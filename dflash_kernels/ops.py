@@ -9,9 +9,11 @@ trace a call without looking inside it:
 * a fake (meta) implementation giving the output shapes, dtypes and devices
   from the input shapes alone (``register_fake``);
 * the mutated arguments in the schema (``mutates_args``): ``compact_kv_``
-  writes ``kv`` (``torch.Tag.inplace``: returns ``kv``), ``gather_concat_out``
-  writes ``out`` (``torch.Tag.out``: returns ``out``); both get the fake that
-  ``torch.library`` generates for those tags (the mutated input itself);
+  writes ``kv``, ``gather_concat_out`` writes ``out``; both return nothing
+  (``-> ()``), the one form of a mutating custom op that every supported torch
+  registers (tagged in-place / ``out=`` ops that return their mutated input, and
+  keyword-only tensor arguments, exist only from torch 2.13), so their fakes
+  return None too and callers keep their own reference to the buffer;
 * a backward for ``lm_head_cross_entropy`` (``register_autograd``): the
   gradient with respect to ``hidden`` through the row gather and the final
   norm, ``weight`` / ``norm_weight`` / the loss ``weights`` frozen, as the
@@ -32,7 +34,8 @@ theirs: ``positions`` / ``rows`` must be tensors (not Python lists); the
 sampler takes an int ``seed`` (no ``torch.Generator`` in a schema);
 ``walk_tree`` returns its bonus token as a 0-d int64 CPU tensor instead of a
 Python int; ``gather_concat(out=...)`` is the separate op
-``gather_concat_out``.
+``gather_concat_out(layers, out, rows, check_bounds)``, and the mutating ops
+return nothing.
 
 Static forms (a compiled / CUDA-graph decoding step, where no Python value
 may change from round to round): ``tree_attention_static`` (the committed
@@ -97,12 +100,17 @@ def _gather_concat_fake(layers, rows=None, check_bounds=True):
     return first.new_empty(n_rows, len(layers) * first.shape[1])
 
 
-@torch.library.custom_op(f"{_NS}::gather_concat_out", mutates_args={"out"}, tags=torch.Tag.out)
-def gather_concat_out(layers: List[Tensor], rows: Optional[Tensor] = None, check_bounds: bool = True, *,
-                      out: Tensor) -> Tensor:
+@torch.library.custom_op(f"{_NS}::gather_concat_out", mutates_args={"out"})
+def gather_concat_out(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
+                      check_bounds: bool = True) -> None:
     """:func:`dflash_kernels.gather_concat` with ``out=``: writes the ``[R, n*H]`` buffer ``out`` (any row
-    stride) and returns it. The fake is the one ``torch.Tag.out`` generates (``out`` itself)."""
-    return _gather.gather_concat(layers, rows, out, check_bounds=check_bounds)
+    stride) in place; returns nothing (the caller holds ``out``)."""
+    _gather.gather_concat(layers, rows, out, check_bounds=check_bounds)
+
+
+@gather_concat_out.register_fake
+def _gather_concat_out_fake(layers, out, rows=None, check_bounds=True):
+    return None
 
 
 # --------------------------------------------------------------------------- lm_head
@@ -457,18 +465,27 @@ def _tree_attention_mask_fake(bits, prefix_len, dtype=torch.float32):
 # --------------------------------------------------------------------------- KV compaction
 
 
-@torch.library.custom_op(f"{_NS}::compact_kv_", mutates_args={"kv"}, tags=torch.Tag.inplace)
+@torch.library.custom_op(f"{_NS}::compact_kv_", mutates_args={"kv"})
 def compact_kv_(kv: Tensor, src_positions: Tensor, dst_start: int, num_rows: Optional[Tensor] = None,
-                check: bool = True) -> Tensor:
-    """:func:`dflash_kernels.compact_kv_`: moves the accepted rows of ``kv`` in place and returns ``kv``
-    (``torch.Tag.inplace``; its generated fake returns the input)."""
-    return _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
+                check: bool = True) -> None:
+    """:func:`dflash_kernels.compact_kv_`: moves the accepted rows of ``kv`` in place (returns nothing)."""
+    _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
 
 
-@torch.library.custom_op(f"{_NS}::compact_kv_static_", mutates_args={"kv"}, tags=torch.Tag.inplace)
+@compact_kv_.register_fake
+def _compact_kv_fake(kv, src_positions, dst_start, num_rows=None, check=True):
+    return None
+
+
+@torch.library.custom_op(f"{_NS}::compact_kv_static_", mutates_args={"kv"})
 def compact_kv_static_(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
-                       num_rows: Optional[Tensor] = None) -> Tensor:
+                       num_rows: Optional[Tensor] = None) -> None:
     """:func:`dflash_kernels.compact_kv_static_`: ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute
-    ``src_positions`` device tensors, read in-kernel, unchecked (no host read); moves the rows in place and
-    returns ``kv`` (``torch.Tag.inplace``)."""
-    return _kv.compact_kv_static_(kv, src_positions, dst_start, num_rows, check=False)
+    ``src_positions`` device tensors, read in-kernel, unchecked (no host read); moves the rows in place
+    (returns nothing)."""
+    _kv.compact_kv_static_(kv, src_positions, dst_start, num_rows, check=False)
+
+
+@compact_kv_static_.register_fake
+def _compact_kv_static_fake(kv, src_positions, dst_start, num_rows=None):
+    return None

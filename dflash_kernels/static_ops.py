@@ -157,4 +157,5 @@ def compact_kv_static_(kv, src_rows, dst_start, num_rows, *, backend: str = "ref
 
     The custom op on every backend: the traced index math on the cache would be functionalized into a copy
     of the whole cache (see :func:`kv_write_`)."""
-    return _ops().compact_kv_static_(kv, src_rows, dst_start, num_rows)
+    _ops().compact_kv_static_(kv, src_rows, dst_start, num_rows)
+    return kv

@@ -97,8 +97,8 @@ def cases():
     return [
         ("gather_concat", OPS.gather_concat, (layers, rows), {}, lambda l, r: dk.gather_concat(l, r)),
         ("gather_concat_all_rows", OPS.gather_concat, (layers,), {}, lambda l: dk.gather_concat(l)),
-        ("gather_concat_out", OPS.gather_concat_out, (layers, rows), {"out": torch.empty(3, 24)},
-         lambda l, r, out: dk.gather_concat(l, r, out=out)),
+        ("gather_concat_out", OPS.gather_concat_out, (layers, torch.empty(3, 24), rows), {},
+         lambda l, out, r: dk.gather_concat(l, r, out=out)),
         ("lm_head_logits", OPS.lm_head_logits, (hidden, weight), dict(lm, softcap=5.0),
          lambda h, w, **kw: dk.lm_head_logits(h, w, **kw)),
         ("lm_head_logits_bf16", OPS.lm_head_logits, (hidden, weight), {"logit_dtype": torch.bfloat16},
@@ -182,15 +182,18 @@ def test_every_public_op_is_registered():
              "lm_head_sample_static", "lm_head_sample_processed_static", "compact_kv_static_"}
     for name in names:
         assert hasattr(OPS, name), name
+    # mutating ops return nothing: the one form every supported torch registers (no Tag.inplace / Tag.out,
+    # no keyword-only tensors before torch 2.13)
     for name in ("compact_kv_", "compact_kv_static_"):
         schema = str(getattr(OPS, name).default._schema)
-        assert "Tensor(a0!) kv" in schema and schema.endswith("-> Tensor(a0!)")
+        assert "Tensor(a0!) kv" in schema and schema.endswith("-> ()")
     # the per-round values of the static forms are tensors (a compiled step never specializes on them)
     assert "Tensor prefix_len" in str(OPS.tree_attention_static.default._schema)
     assert "Tensor seed" in str(OPS.lm_head_sample_static.default._schema)
     assert "Tensor seed" in str(OPS.lm_head_sample_processed_static.default._schema)
     assert "Tensor dst_start" in str(OPS.compact_kv_static_.default._schema)
-    assert "*, Tensor(a3!) out) -> Tensor(a3!)" in str(OPS.gather_concat_out.default._schema)
+    assert "Tensor(a1!) out, Tensor? rows=None, bool check_bounds=True) -> ()" in str(
+        OPS.gather_concat_out.default._schema)
     assert "Tensor[] layers" in str(OPS.gather_concat.default._schema)
 
 
@@ -202,13 +205,21 @@ def test_opcheck(case, backend):
         torch.library.opcheck(op, _clone(args), _clone(kwargs))
 
 
+#: The cases whose op mutates an argument and returns nothing: the index of that argument.
+MUTATED_ARG = {"gather_concat_out": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_static_": 0}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_op_equals_public_and_fake_shapes(case, backend):
     name, op, args, kwargs, public = case
     with force_backend(backend):
         got_args, got_kwargs = _clone(args), _clone(kwargs)
-        got = _flat(op(*got_args, **got_kwargs))
+        returned = op(*got_args, **got_kwargs)
+        if name in MUTATED_ARG:  # a mutating op returns nothing; its result is the buffer it wrote
+            assert returned is None, name
+            returned = got_args[MUTATED_ARG[name]]
+        got = _flat(returned)
         want_args, want_kwargs = _clone(args), _clone(kwargs)
         want = _flat(public(*want_args, **want_kwargs))
     assert len(got) == len(want)
@@ -218,10 +229,6 @@ def test_op_equals_public_and_fake_shapes(case, backend):
     for g, w in zip(_flat(got_args) + list(got_kwargs.values()), _flat(want_args) + list(want_kwargs.values())):
         if isinstance(g, torch.Tensor):  # mutated inputs (kv, out) end equal too
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-    if name in ("compact_kv_", "compact_kv_count", "compact_kv_static_"):
-        assert got[0] is got_args[0]
-    if name == "gather_concat_out":
-        assert got[0] is got_kwargs["out"]
 
     real_args, real_kwargs = _clone(args), _clone(kwargs)
     mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -229,7 +236,11 @@ def test_op_equals_public_and_fake_shapes(case, backend):
     fake_args = [[to_fake(y) for y in a] if isinstance(a, list) else to_fake(a) for a in real_args]
     fake_kwargs = {k: to_fake(v) for k, v in real_kwargs.items()}
     with mode:
-        fake = _flat(op(*fake_args, **fake_kwargs))
+        fake_returned = op(*fake_args, **fake_kwargs)
+    if name in MUTATED_ARG:
+        assert fake_returned is None, name
+        fake_returned = fake_args[MUTATED_ARG[name]]
+    fake = _flat(fake_returned)
     for f, g in zip(fake, got):
         assert f.dtype == g.dtype and f.device == g.device, name
         if name == "walk_tree" and f.dim() == 1:  # the accepted path's length is data-dependent
@@ -288,7 +299,7 @@ def _compiled_breaks(fn, *args):
 
 
 def _gather_step(layers, rows, out):
-    OPS.gather_concat_out(layers, rows, False, out=out[1:])
+    OPS.gather_concat_out(layers, out[1:], rows, False)
     return OPS.gather_concat(layers, rows, False) * 2
 
 
