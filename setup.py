@@ -1,54 +1,70 @@
 """Build script: compiles ``dflash_kernels._C`` from ``csrc/``.
 
-The extension is a ``CUDAExtension`` when a CUDA toolkit and a CUDA build of
-torch with a visible GPU are present (or ``DFLASH_FORCE_CUDA=1``), and a
-``CppExtension`` otherwise, so ``pip install`` works on a CPU-only machine.
-``DFLASH_FORCE_CPU=1`` forces the C++-only build.
+The extension is host code only (the C++ tree build and walk, the cache-row
+write), so it is one ``CppExtension`` on every machine: a CPU-only machine and
+a GPU machine build the same thing, and no nvcc compile runs (the GPU work is
+Triton's). Sources compile in parallel: with ninja when it is installed
+(torch's build), else with a thread per source (``MAX_JOBS`` caps both, as
+torch's ninja build reads it).
 """
 
 import glob
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import setup
 
-import torch
 from torch.utils import cpp_extension
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+
+def parallel_jobs() -> int:
+    """``MAX_JOBS`` when set, else the CPU count (at least 1)."""
+    value = os.environ.get("MAX_JOBS", "")
+    return max(1, int(value)) if value.isdigit() else max(1, os.cpu_count() or 1)
 
 
-def cuda_build_wanted() -> bool:
-    """True when the CUDA sources should be compiled with nvcc."""
-    if os.environ.get("DFLASH_FORCE_CPU") == "1":
-        return False
-    if os.environ.get("DFLASH_FORCE_CUDA") == "1":
-        return True
-    return (
-        torch.version.cuda is not None
-        and cpp_extension.CUDA_HOME is not None
-        and torch.cuda.is_available()
-    )
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's build (ninja when available); without ninja, every source compiles on its own thread."""
+
+    def build_extensions(self) -> None:
+        if not self.use_ninja:
+            self.compiler.compile = self._parallel_compile(self.compiler)
+        super().build_extensions()
+
+    @staticmethod
+    def _parallel_compile(compiler):
+        """A ``CCompiler.compile`` that runs its per-object ``_compile`` calls on ``parallel_jobs()`` threads.
+
+        The same steps as the serial loop (set-up, the cc arguments, one ``_compile`` per out-of-date
+        object): each ``_compile`` spawns its own compiler process, so threads suffice."""
+
+        def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                    extra_postargs=None, depends=None):
+            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+            todo = [(obj, build[obj]) for obj in objects if obj in build]
+
+            def one(item):
+                obj, (src, ext) = item
+                compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+            with ThreadPoolExecutor(max_workers=min(parallel_jobs(), max(1, len(todo)))) as pool:
+                list(pool.map(one, todo))
+            return objects
+
+        return compile
 
 
 def extension():
-    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
-    if cuda_build_wanted():
-        cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-        return cpp_extension.CUDAExtension(
-            name="dflash_kernels._C",
-            sources=cpp_sources + cu_sources,
-            define_macros=[("DFLASH_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
-        )
     return cpp_extension.CppExtension(
         name="dflash_kernels._C",
-        sources=cpp_sources,
-        extra_compile_args={"cxx": cxx_flags},
+        sources=sorted(glob.glob(os.path.join("csrc", "*.cpp"))),
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
     )
 
 
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -1,32 +1,73 @@
-"""The C++ extension builds and loads; its build flavour matches the machine."""
+"""The C++ extension builds and loads; ``setup.py`` builds one host-code extension, in parallel."""
 
-import torch
+import os
+import threading
+import time
 
 import dflash_kernels._C as C
 
-
-def test_extension_loads_with_matching_flavour():
-    # CPU-only torch builds must produce the CppExtension flavour.
-    if torch.version.cuda is None:
-        assert C.built_with_cuda is False
-    assert isinstance(C.built_with_cuda, bool)
+SETUP = os.path.join(os.path.dirname(__file__), "..", "setup.py")
 
 
-def test_setup_chooses_cpp_extension_without_cuda(monkeypatch):
-    import importlib.util
-    import os
+def _setup_namespace():
+    """``setup.py`` executed up to (not including) its ``setup(...)`` call."""
+    src = open(SETUP).read().split("\nsetup(")[0]
+    ns = {"__file__": SETUP}
+    exec(compile(src, SETUP, "exec"), ns)
+    return ns
 
-    monkeypatch.setenv("DFLASH_FORCE_CPU", "1")
-    spec = importlib.util.spec_from_file_location(
-        "dflash_setup_probe", os.path.join(os.path.dirname(__file__), "..", "setup.py")
-    )
-    # Reading the chooser without running setup(): exec only the helper.
-    src = open(spec.origin).read().split("\nsetup(")[0]
-    ns = {"__file__": spec.origin}
-    exec(compile(src, spec.origin, "exec"), ns)
-    assert ns["cuda_build_wanted"]() is False
-    ext = ns["extension"]()
-    assert not any(s.endswith(".cu") for s in ext.sources)
-    monkeypatch.setenv("DFLASH_FORCE_CPU", "0")
-    monkeypatch.setenv("DFLASH_FORCE_CUDA", "1")
-    assert ns["cuda_build_wanted"]() is True
+
+def test_extension_loads_and_has_the_tree_ops():
+    for name in ("build_tree", "walk_tree"):
+        assert callable(getattr(C, name)), name
+
+
+def test_setup_builds_cpp_sources_only():
+    ext = _setup_namespace()["extension"]()
+    assert ext.sources and all(s.endswith(".cpp") for s in ext.sources)
+    assert not any(p.endswith(".cu") for p in os.listdir(os.path.join(os.path.dirname(SETUP), "csrc")))
+
+
+class _RecordingCompiler:
+    """The ``CCompiler`` surface the parallel compile uses; ``_compile`` sleeps and records overlap."""
+
+    def __init__(self):
+        self.compiled, self.active, self.peak = [], 0, 0
+        self.lock = threading.Lock()
+
+    def _setup_compile(self, output_dir, macros, include_dirs, sources, depends, extra_postargs):
+        objects = [s.replace(".cpp", ".o") for s in sources]
+        build = {o: (s, ".cpp") for o, s in zip(objects, sources) if "uptodate" not in s}
+        return macros, objects, extra_postargs, [], build
+
+    def _get_cc_args(self, pp_opts, debug, extra_preargs):
+        return ["-c"]
+
+    def _compile(self, obj, src, ext, cc_args, extra_postargs, pp_opts):
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(0.05)
+        with self.lock:
+            self.active -= 1
+            self.compiled.append(src)
+
+
+def test_parallel_compile_runs_every_out_of_date_source_concurrently(monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "3")
+    ns = _setup_namespace()
+    compiler = _RecordingCompiler()
+    compile_all = ns["BuildExtension"]._parallel_compile(compiler)
+    sources = ["a.cpp", "b.cpp", "c.cpp", "uptodate.cpp"]
+    objects = compile_all(sources, output_dir="build")
+    assert objects == ["a.o", "b.o", "c.o", "uptodate.o"]  # every object, as the serial compile returns
+    assert sorted(compiler.compiled) == ["a.cpp", "b.cpp", "c.cpp"]  # an up-to-date one is not rebuilt
+    assert compiler.peak > 1
+
+
+def test_parallel_jobs_reads_max_jobs(monkeypatch):
+    ns = _setup_namespace()
+    monkeypatch.setenv("MAX_JOBS", "5")
+    assert ns["parallel_jobs"]() == 5
+    monkeypatch.delenv("MAX_JOBS")
+    assert ns["parallel_jobs"]() >= 1
