@@ -8,7 +8,8 @@ validation, same backend choice), with a fake implementation giving output
 shapes from input shapes, and the mutated arguments declared in the schema:
 
 * ``gated_delta_tree``: ``[N, Hv, Dv]`` in ``v``'s dtype; writes ``scratch``
-  when one is passed (``mutates_args={"scratch"}``);
+  when one is passed (``mutates_args={"scratch"}``; ``parents`` and ``scratch``
+  are required positional arguments, None allowed);
 * ``gated_delta_replay_``: advances ``state`` in place, returns nothing
   (``mutates_args={"state"}``);
 * ``causal_conv_tree``: ``[N, C]`` in ``x``'s dtype;
@@ -35,15 +36,18 @@ _NS = "dflash"
 
 @torch.library.custom_op(f"{_NS}::gated_delta_tree", mutates_args={"scratch"})
 def gated_delta_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                     parents: Optional[Tensor] = None, scale: Optional[float] = None, qk_l2norm: bool = True,
-                     scratch: Optional[Tensor] = None, store_states: str = "all", check: bool = False) -> Tensor:
-    """:func:`dflash_kernels.gated_delta_tree`: ``[N, Hv, Dv]`` outputs in ``v``'s dtype (``scratch`` written)."""
+                     parents: Optional[Tensor], scratch: Optional[Tensor], scale: Optional[float] = None,
+                     qk_l2norm: bool = True, store_states: str = "all", check: bool = False) -> Tensor:
+    """:func:`dflash_kernels.gated_delta_tree`: ``[N, Hv, Dv]`` outputs in ``v``'s dtype (``scratch`` written).
+
+    ``parents`` and ``scratch`` are required (either may be None): a mutated argument must always be
+    passed, since torch before 2.13 bumps its version counter by position and fails on a defaulted one."""
     return _gd.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm,
                                 scratch=scratch, store_states=store_states, check=check)
 
 
 @gated_delta_tree.register_fake
-def _gated_delta_tree_fake(q, k, v, g, beta, state, parents=None, scale=None, qk_l2norm=True, scratch=None,
+def _gated_delta_tree_fake(q, k, v, g, beta, state, parents, scratch, scale=None, qk_l2norm=True,
                            store_states="all", check=False):
     return v.new_empty(v.shape)
 

@@ -9,6 +9,7 @@
 * our native-format save loads with transformers' class; sharded checkpoints; errors naming the key.
 """
 
+import inspect
 import json
 import os
 
@@ -81,9 +82,11 @@ def native_pass(native, block, feats):
     cache = DFlashCache(config=native.config)
     cache.activate_past_recording()
     cache.set_previous_accepted_tokens(C)
+    # the cache keyword is ``cache`` from transformers 5.18, ``past_key_values`` before
+    cache_kw = "cache" if "cache" in inspect.signature(type(native).forward).parameters else "past_key_values"
     with torch.no_grad():
         return native(noise_embeds=block[None], context_hidden_states=feats[None],
-                      position_ids=torch.arange(C + B)[None], cache=cache).last_hidden_state[0]
+                      position_ids=torch.arange(C + B)[None], **{cache_kw: cache}).last_hidden_state[0]
 
 
 def hf_dflash_generate(target, native, ids, max_new_tokens, monkeypatch):

@@ -513,10 +513,10 @@ def _op_cases():
     weight, bias = torch.randn(20, 4, device=DEVICE), torch.randn(20, device=DEVICE)
     ops = torch.ops.dflash
     return [
-        ("tree", ops.gated_delta_tree, (q, k, v, g, beta, state, parents), {}),
-        ("tree_scratch", ops.gated_delta_tree, (q, k, v, g, beta, state, parents),
-         {"scratch": torch.zeros(6, 2, 16, 24, device=DEVICE), "scale": 0.2}),
-        ("chain", ops.gated_delta_tree, (q, k, v, g, beta, state, None), {"qk_l2norm": False}),
+        ("tree", ops.gated_delta_tree, (q, k, v, g, beta, state, parents, None), {}),
+        ("tree_scratch", ops.gated_delta_tree, (q, k, v, g, beta, state, parents,
+                                                torch.zeros(6, 2, 16, 24, device=DEVICE)), {"scale": 0.2}),
+        ("chain", ops.gated_delta_tree, (q, k, v, g, beta, state, None, None), {"qk_l2norm": False}),
         ("replay", ops.gated_delta_replay_, (state.clone(), q, k, v, g, beta, rows, num), {}),
         ("conv", ops.causal_conv_tree, (x, window, weight, parents), {"bias": bias}),
         ("conv_chain", ops.causal_conv_tree, (x, window, weight, None), {"activation": None}),
@@ -544,10 +544,16 @@ def test_ops_equal_the_public_functions():
             dk.gated_delta_replay_(b, *args[1:], **kwargs)
             torch.testing.assert_close(a, b, atol=0, rtol=0)
             continue
-        public = {"tree": dk.gated_delta_tree, "tree_scratch": dk.gated_delta_tree, "chain": dk.gated_delta_tree,
-                  "conv": dk.causal_conv_tree, "conv_chain": dk.causal_conv_tree,
+        if name.startswith("tree") or name == "chain":  # the op's 8th positional is the public scratch=
+            a, b = [t.clone() if isinstance(t, torch.Tensor) else t for t in args], list(args)
+            want = dk.gated_delta_tree(*b[:7], scratch=b[7].clone() if b[7] is not None else None, **kwargs)
+            torch.testing.assert_close(op(*a, **kwargs), want, atol=0, rtol=0, msg=name)
+            continue
+        public = {"conv": dk.causal_conv_tree, "conv_chain": dk.causal_conv_tree,
                   "window": dk.conv_window_after}[name]
         torch.testing.assert_close(op(*args, **kwargs), public(*args, **kwargs), atol=0, rtol=0, msg=name)
     schema = str(torch.ops.dflash.gated_delta_replay_.default._schema)
     assert "Tensor(a0!) state" in schema and schema.endswith("-> ()")
-    assert "Tensor(a9!)? scratch" in str(torch.ops.dflash.gated_delta_tree.default._schema)
+    # the mutated scratch is a required positional (torch < 2.13 fails on a mutated argument left at its default)
+    assert "Tensor? parents, Tensor(a7!)? scratch, float? scale=None" in str(
+        torch.ops.dflash.gated_delta_tree.default._schema)
