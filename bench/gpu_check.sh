@@ -1,191 +1,364 @@
 #!/usr/bin/env bash
 # One-shot GPU check of dflash-kernels, for a machine with one NVIDIA GPU and no network.
 #
-#   bash bench/gpu_check.sh            # from the repository root (or anywhere: it cds there)
+#   bash bench/gpu_check.sh                        # from anywhere: it cds to the repository root
+#   OUT=/results PYTHON=python3.12 bash bench/gpu_check.sh
+#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh    # on a CPU machine: every step's Python, tiny shapes
 #
-# Steps (the whole run is capped at GPU_CHECK_BUDGET_S seconds, default 560, so < 10 minutes):
-#   0. fail early unless nvidia-smi lists a GPU and torch.cuda.is_available()
-#   1. build:   pip install --no-build-isolation --no-deps -e .  (the extension builds as a
-#               CUDAExtension for this GPU's architecture only; checked: built_with_cuda)
-#   2. tests:   the kernel tests that put their tensors on CUDA, with Triton compiled for real
-#               (DFLASH_TEST_REAL_TRITON=1: no interpreter)
-#   3. kernels: bench/gpu_kernel_check.py: every op at Qwen3-8B shapes vs its reference (exact
-#               or within bf16 tolerance), plus gather's fraction of copy bandwidth, the fused
-#               lm_head ops against the bare GEMM, tree attention against dense-mask SDPA
-#      compiled: bench/gpu_compiled_round.py: one draft and one verify round and end-to-end tokens/s at
-#               Qwen3-8B shapes (8 layers), eager vs generate(compile=True) (torch.compile + CUDA
-#               graphs, set up before the clock); the greedy tokens of both must be equal
-#      hybrid:  bench/gpu_hybrid_check.py: a Qwen3.5-27B-shaped stack of 4 layers (Gated-DeltaNet +
-#               attention, random bf16 weights): chain verify 16 + rollback and a 65-node tree verify +
-#               commit against a plain 1-token decode step (CUDA events); states checked against
-#               transformers' own step-by-step decode
-#   4. micro:   the pytest-benchmark suite in bench/ at real model shapes, random weights
-#   5. round:   bench/gpu_round_latency.py: one DFlash / DDTree verify round at Qwen3-8B shapes
-#               (target cut to 8 of 36 layers): our path, our path with the pre-redesign dense-mask
-#               SDPA attention, and the plain-torch path: the table
-#      syncs:   bench/gpu_round_syncs.py: host syncs per round of ar / dflash / ddtree at Qwen3-8B
-#               shapes (4 layers), by torch.cuda.set_sync_debug_mode and by the host-read counter
-#      stress:  bench/gpu_compaction_stress.py: thousands of adversarial accepted paths through
-#               compact_kv_ at Qwen3-8B cache shapes against the reference (the race fix)
-#      families: bench/gpu_family_check.py: gpt-oss-20b- (sinks, alternating 128-token windows,
-#               MoE), Gemma3- (5:1 local/global windows, rope per layer type) and Gemma2-shaped
-#               (softcaps) layer stacks, random bf16 weights: prefill + chain verify + tree verify
-#               through our adapter vs the model's own forward (relative error bound)
-#   6. e2e:     python -m dflash bench on the embedded tiny pair, fp32, T = 0: every method's
-#               output must equal plain decoding's token for token
-# Exit status: 0 when every step passed; 1 when any failed (a kernel result differing from its
-# reference fails step 3, 5 or 2; a family stack off its model's forward fails families), timed out, or had no time left; JSON and logs go to $OUT
-# when set, else bench/results/gpu_check/.
+# Time: the whole run stays inside GPU_CHECK_BUDGET_S seconds (default 480). PLAN below gives each
+# step a limit; the limits add up to at most the budget, and the plan and its sum ("planned device
+# time: N s") are printed first. A step may also use what the steps before it left unused, never
+# the time the steps after it are planned to get; it ends with SIGTERM when its time is up (a pytest
+# step then still writes its report), and with SIGKILL 5 s later. Steps in order of value, so a run
+# cut short loses the least:
+#   probe:    (before the steps) nvidia-smi lists a GPU and torch.cuda.is_available(); else stop at once
+#   build:    pip install --no-build-isolation --no-deps --no-index -e .  (the C++ extension, its
+#             sources compiled in parallel, MAX_JOBS=$(nproc)); then dflash_kernels._C must import
+#   kernels:  bench/gpu_kernel_check.py: every op at Qwen3-8B shapes against its reference (exact, or
+#             within bf16 tolerance), plus gather's fraction of copy bandwidth, the fused lm_head ops
+#             against the bare GEMM, tree attention against dense-mask SDPA
+#   tests:    the kernel tests listed in bench/gpu_tests.txt (tests whose tensors go to CUDA), with
+#             DFLASH_TEST_REAL_TRITON=1: Triton compiled for the GPU, no interpreter
+#   syncs:    bench/gpu_round_syncs.py: host reads and synchronizing CUDA calls per round of ar / dflash /
+#             ddtree at Qwen3-8B shapes (4 layers); more than one host read in a round fails
+#   round:    bench/gpu_round_latency.py: one DFlash / DDTree verify round at Qwen3-8B shapes (8 of 36
+#             layers, prefix 4096): our path, our path with the pre-redesign dense-mask attention, and
+#             the plain-torch path; their features and K/V must agree
+#   compiled: bench/gpu_compiled_round.py: eager vs generate(compile=True) (torch.compile + CUDA graphs)
+#             at Qwen3-8B shapes (4 layers): draft / verify ms per round, tokens/s; greedy tokens equal,
+#             or in bf16 a divergence at a near-tie of the target's logits (its margin is reported)
+#   hybrid:   bench/gpu_hybrid_check.py: a Qwen3.5-27B-shaped stack (3 Gated-DeltaNet layers + 1
+#             attention layer): states after chain rollback and tree commit against transformers' own
+#             decode, and the latencies against a decode step
+#   families: bench/gpu_family_check.py: gpt-oss-20b- (sinks, windows, MoE), Gemma3- (local/global
+#             windows, rope per layer type) and Gemma2-shaped (softcaps) stacks against the model's
+#             own forward
+#   stress:   bench/gpu_compaction_stress.py: thousands of adversarial accepted paths through
+#             compact_kv_ at Qwen3-8B cache shapes against the reference
+#   e2e:      python -m dflash bench on the embedded tiny pair, fp32, T = 0: every method's output must
+#             equal plain decoding's
+#   micro:    the pytest-benchmark suite in bench/ (without bench_train_memory.py) at real shapes
+# Output, in $OUT when set, else bench/results/gpu_check/: each step's log (<step>.log) and JSON,
+# written as soon as the step ends (the scripts rewrite theirs after each part), and
+# gpu_check_summary.json (every step's state, seconds, planned limit, granted limit and JSON file),
+# rewritten when a step starts and when it ends.
+#
+# Dry run (GPU_CHECK_DRY_RUN=1, for a CPU machine and CI): no GPU probe and no pip build (said so;
+# build only checks that the installed extension imports), CUDA hidden; every script runs with
+# --dry-run (tiny shapes on the CPU, each CUDA-only part skipped with its reason printed), the
+# kernel tests and the micro suite are collected only (--collect-only -q: a selection error or an
+# import error fails), e2e runs at a few tokens on the CPU. Each step is capped at
+# GPU_CHECK_DRY_STEP_S seconds (default 300) instead of its device limit.
+#
+# Exit status: 0 when every step passed; 1 when one failed, timed out or had no time left.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
+PY=${PYTHON:-python3}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 OUT_DIR=${OUT:-bench/results/gpu_check}
+DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
+DRY_STEP_S=${GPU_CHECK_DRY_STEP_S:-300}
+GRACE_S=5     # SIGTERM this long before a step's time is up, then SIGKILL
+MIN_STEP_S=10  # a step granted less than this is not started ("no time")
+
+# name:limit_s in run order; the sum is the planned device time and must not exceed BUDGET_S
+PLAN=(
+    probe:15
+    build:80
+    kernels:50
+    tests:75
+    syncs:35
+    round:40
+    compiled:70
+    hybrid:30
+    families:30
+    stress:15
+    e2e:25
+    micro:15
+)
+
+PLAN_NAMES=()
+declare -A LIMIT STATE SECS GRANTED JSON_OF
+PLANNED_S=0
+for entry in "${PLAN[@]}"; do
+    name=${entry%%:*}
+    PLAN_NAMES+=("$name")
+    LIMIT[$name]=${entry#*:}
+    STATE[$name]=pending
+    SECS[$name]=0
+    GRANTED[$name]=0
+    PLANNED_S=$((PLANNED_S + ${entry#*:}))
+done
+if [ "$DRY_RUN" = 1 ]; then
+    MICRO_JSON=micro_tests.json
+else
+    MICRO_JSON=micro.json
+fi
+JSON_OF=([probe]="" [build]=build.json [kernels]=gpu_kernel_check.json [tests]=gpu_tests.json
+         [syncs]=gpu_round_syncs.json [round]=gpu_round_latency.json [compiled]=gpu_compiled_round.json
+         [hybrid]=gpu_hybrid_check.json [families]=gpu_family_check.json [stress]=gpu_compaction_stress.json
+         [e2e]=e2e/results.json [micro]=$MICRO_JSON)
 
 die() {
     echo "gpu_check: FAIL: $*" >&2
     exit 1
 }
 
-# ---------------------------------------------------------------- 0. a GPU, or stop now
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-    die "no NVIDIA GPU visible: nvidia-smi is not on PATH. This check needs a machine with one NVIDIA GPU and its driver."
-fi
-GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-if [ "${GPUS:-0}" -lt 1 ]; then
-    die "no NVIDIA GPU visible: 'nvidia-smi -L' lists no GPU (driver not loaded, or CUDA_VISIBLE_DEVICES hides them)."
-fi
-# one python start: "ARCH|NAME" when CUDA works, else "none|torch version" (or the import error)
-PROBE=$("$PY" -c 'import torch
+print_plan() {
+    echo "gpu_check: plan (step: limit in seconds, in run order):"
+    local name
+    for name in "${PLAN_NAMES[@]}"; do
+        printf '  %-9s %4d s\n' "$name" "${LIMIT[$name]}"
+    done
+    echo "planned device time: ${PLANNED_S} s (budget ${BUDGET_S} s)"
+    if [ "$PLANNED_S" -gt "$BUDGET_S" ]; then
+        echo "gpu_check: the plan exceeds the budget: the last steps will get less time or none" >&2
+    fi
+}
+
+print_plan
+GPU_NAME=cpu
+
+# ---------------------------------------------------------------- probe: a GPU, or stop now
+if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run: skipping the nvidia-smi / torch.cuda probe; CUDA hidden (CUDA_VISIBLE_DEVICES='')," \
+         "each step capped at ${DRY_STEP_S}s on this machine"
+    export CUDA_VISIBLE_DEVICES=""
+    # each script decides where Triton's interpreter runs (the kernel check and the stress test: on; the model
+    # scripts: off, their ops on the reference backend), as on a GPU machine where nothing sets it
+    unset TRITON_INTERPRET
+    STATE[probe]="skipped (dry run)"
+else
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        die "no NVIDIA GPU visible: nvidia-smi is not on PATH. This check needs a machine with one NVIDIA GPU and its driver."
+    fi
+    GPUS=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+    if [ "${GPUS:-0}" -lt 1 ]; then
+        die "no NVIDIA GPU visible: 'nvidia-smi -L' lists no GPU (driver not loaded, or CUDA_VISIBLE_DEVICES hides them)."
+    fi
+    # one python start: "ARCH|NAME" when CUDA works, else "none|torch version" (or the import error)
+    PROBE=$(timeout "${LIMIT[probe]}" "$PY" -c 'import torch
 if torch.cuda.is_available():
     print("%d.%d|%s" % (torch.cuda.get_device_capability(0) + (torch.cuda.get_device_name(0),)))
 else:
     print("none|torch %s, CUDA %s" % (torch.__version__, torch.version.cuda))' 2>&1 | tail -n 1)
-ARCH=${PROBE%%|*}
-GPU_NAME=${PROBE#*|}
-if [ "$ARCH" = "$PROBE" ]; then
-    die "nvidia-smi sees ${GPUS} GPU(s) but '$PY' cannot import torch: ${PROBE}"
-fi
-if [ "$ARCH" = "none" ]; then
-    die "nvidia-smi sees ${GPUS} GPU(s) but torch.cuda.is_available() is False (${GPU_NAME}); install a CUDA build of torch that matches the driver."
-fi
-if [ "$GPUS" -gt 1 ]; then
-    echo "gpu_check: ${GPUS} GPUs visible; everything runs on cuda:0"
+    ARCH=${PROBE%%|*}
+    GPU_NAME=${PROBE#*|}
+    if [ "$ARCH" = "$PROBE" ]; then
+        die "nvidia-smi sees ${GPUS} GPU(s) but '$PY' cannot import torch (or took over ${LIMIT[probe]}s): ${PROBE}"
+    fi
+    if [ "$ARCH" = "none" ]; then
+        die "nvidia-smi sees ${GPUS} GPU(s) but torch.cuda.is_available() is False (${GPU_NAME}); install a CUDA build of torch that matches the driver."
+    fi
+    if [ "$GPUS" -gt 1 ]; then
+        echo "gpu_check: ${GPUS} GPUs visible; everything runs on cuda:0"
+    fi
+    STATE[probe]=ok
+    SECS[probe]=$SECONDS
+    GRANTED[probe]=${LIMIT[probe]}
 fi
 mkdir -p "$OUT_DIR" || die "cannot create $OUT_DIR"
-echo "gpu_check: ${GPU_NAME} (sm_${ARCH/./}), output in ${OUT_DIR}, time budget ${BUDGET_S}s"
+if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: DRY RUN on the CPU, output in ${OUT_DIR}"
+else
+    echo "gpu_check: ${GPU_NAME} (sm_${ARCH/./}), output in ${OUT_DIR}, time budget ${BUDGET_S}s"
+fi
 
-# ---------------------------------------------------------------- step runner
-NAMES=()
-STATES=()
-TIMES=()
+# ---------------------------------------------------------------- running summary
 FAILED=0
 
-record() {  # name state seconds
-    NAMES+=("$1")
-    STATES+=("$2")
-    TIMES+=("$3")
-    if [ "$2" != "ok" ]; then
-        FAILED=1
-    fi
+write_summary() {  # done: true|false
+    local tmp="$OUT_DIR/.gpu_check_summary.json.tmp" name sep="," i=0 n=${#PLAN_NAMES[@]}
+    local gpu=${GPU_NAME//[\"\\]/}
+    {
+        printf '{\n  "budget_s": %d,\n  "planned_s": %d,\n  "dry_run": %s,\n  "gpu": "%s",\n' \
+            "$BUDGET_S" "$PLANNED_S" "$([ "$DRY_RUN" = 1 ] && echo true || echo false)" "$gpu"
+        printf '  "elapsed_s": %d,\n  "done": %s,\n  "failed": %s,\n  "steps": [\n' \
+            "$SECONDS" "$1" "$([ "$FAILED" -ne 0 ] && echo true || echo false)"
+        for name in "${PLAN_NAMES[@]}"; do
+            i=$((i + 1))
+            [ "$i" -eq "$n" ] && sep=""
+            printf '    {"step": "%s", "state": "%s", "seconds": %d, "limit": %d, "granted": %d, "json": "%s"}%s\n' \
+                "$name" "${STATE[$name]}" "${SECS[$name]}" "${LIMIT[$name]}" "${GRANTED[$name]}" "${JSON_OF[$name]}" "$sep"
+        done
+        printf '  ]\n}\n'
+    } > "$tmp" && mv -f "$tmp" "$OUT_DIR/gpu_check_summary.json"
 }
 
-step() {  # name limit_s command...
-    local name=$1 limit=$2
-    shift 2
-    local remaining=$((BUDGET_S - SECONDS))
-    if [ "$remaining" -lt 15 ]; then
-        echo "== [$name] SKIPPED: no time left in the ${BUDGET_S}s budget" >&2
-        record "$name" "no time" 0
-        return 1
+later_limits() {  # the planned seconds of the steps after $1
+    local name seen=0 sum=0
+    for name in "${PLAN_NAMES[@]}"; do
+        if [ "$seen" -eq 1 ]; then
+            sum=$((sum + ${LIMIT[$name]}))
+        fi
+        [ "$name" = "$1" ] && seen=1
+    done
+    echo "$sum"
+}
+
+step() {  # name command...: run it within its time, log it, record it
+    local name=$1
+    shift
+    local limit=${LIMIT[$name]} granted
+    if [ "$DRY_RUN" = 1 ]; then
+        granted=$DRY_STEP_S
+    else
+        local remaining=$((BUDGET_S - SECONDS))
+        granted=$((remaining - $(later_limits "$name")))  # the step's limit plus what earlier steps left
+        local own=$((limit < remaining ? limit : remaining))
+        [ "$granted" -lt "$own" ] && granted=$own
+        if [ "$granted" -lt "$MIN_STEP_S" ]; then
+            echo "== [$name] SKIPPED: no time left in the ${BUDGET_S}s budget" >&2
+            STATE[$name]="no time"
+            FAILED=1
+            write_summary false
+            return 1
+        fi
     fi
-    if [ "$limit" -gt "$remaining" ]; then
-        limit=$remaining
+    GRANTED[$name]=$granted
+    STATE[$name]=running
+    write_summary false
+    local grace=$((granted / 4 < GRACE_S ? granted / 4 : GRACE_S))
+    local shown="$*"
+    if [ "${#shown}" -gt 300 ]; then  # the kernel tests' node ids: name the list instead
+        shown="${shown:0:300}... ($# arguments in all)"
     fi
-    echo "== [$name] $* (limit ${limit}s)"
+    echo "== [$name] $shown (limit ${granted}s, planned ${limit}s)"
     local t0=$SECONDS rc
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+    timeout --kill-after="$grace" "$((granted - grace))" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
     rc=${PIPESTATUS[0]}
-    local dt=$((SECONDS - t0))
+    SECS[$name]=$((SECONDS - t0))
     if [ "$rc" -eq 0 ]; then
-        record "$name" ok "$dt"
+        STATE[$name]=ok
     elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-        echo "== [$name] TIMEOUT after ${limit}s" >&2
-        record "$name" "TIMEOUT" "$dt"
+        echo "== [$name] TIMEOUT after ${granted}s" >&2
+        STATE[$name]=TIMEOUT
     else
         echo "== [$name] FAILED (exit $rc), log: $OUT_DIR/$name.log" >&2
-        record "$name" "FAIL ($rc)" "$dt"
+        STATE[$name]="FAIL ($rc)"
     fi
+    [ "$rc" -ne 0 ] && FAILED=1
+    write_summary false
     return "$rc"
 }
 
 summary() {
+    write_summary true
     echo
-    echo "== gpu_check summary (${GPU_NAME}, ${SECONDS}s)"
-    printf '%-10s %-12s %6s\n' step result seconds
-    local i
-    for i in "${!NAMES[@]}"; do
-        printf '%-10s %-12s %6s\n' "${NAMES[$i]}" "${STATES[$i]}" "${TIMES[$i]}"
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "== gpu_check summary (DRY RUN on the CPU, ${SECONDS}s; planned device time ${PLANNED_S}s)"
+    else
+        echo "== gpu_check summary (${GPU_NAME}, ${SECONDS}s of ${BUDGET_S}s; planned ${PLANNED_S}s)"
+    fi
+    printf '%-10s %-18s %7s %6s %7s\n' step result seconds limit granted
+    local name
+    for name in "${PLAN_NAMES[@]}"; do
+        [ "${STATE[$name]}" = pending ] && continue
+        printf '%-10s %-18s %7s %6s %7s\n' "$name" "${STATE[$name]}" "${SECS[$name]}" "${LIMIT[$name]}" "${GRANTED[$name]}"
     done
     if [ "$FAILED" -ne 0 ]; then
         echo "gpu_check: FAIL (see the logs in $OUT_DIR)" >&2
     else
-        echo "gpu_check: all steps passed; JSON in $OUT_DIR"
+        echo "gpu_check: all steps passed; JSON in $OUT_DIR (summary: gpu_check_summary.json)"
     fi
 }
 
-# ---------------------------------------------------------------- 1. build for this GPU
-if ! step build 240 env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$(nproc)" \
-        "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .; then
+write_summary false
+
+# flags every bench script gets in a dry run
+DRY=()
+if [ "$DRY_RUN" = 1 ]; then
+    DRY=(--dry-run)
+fi
+# the pytest steps: a per-test JSON rewritten after every test, SIGTERM handled as Ctrl-C
+PYTEST_ENV=(env "PYTHONPATH=bench${PYTHONPATH:+:$PYTHONPATH}")
+PYTEST_ARGS=(-q -p no:cacheprovider -p gpu_pytest_report)
+
+# ---------------------------------------------------------------- build (C++ extension)
+EXT_CHECK='import dflash_kernels._C as C, torch; print("dflash_kernels._C imports (%s), torch %s" % (C.__file__, torch.__version__))'
+if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run: skipping the pip build; checking that the installed extension imports"
+    step build "$PY" -c "$EXT_CHECK"
+else
+    step build env MAX_JOBS="$(nproc)" "$PY" -m pip install --no-build-isolation --no-deps --no-index -e .
+fi
+BUILD_RC=$?
+if [ "$BUILD_RC" -eq 0 ] && [ "$DRY_RUN" != 1 ]; then
+    if ! timeout 30 "$PY" -c "$EXT_CHECK" >>"$OUT_DIR/build.log" 2>&1; then
+        echo "== [build] the build finished but dflash_kernels._C does not import (see $OUT_DIR/build.log)" >&2
+        STATE[build]="FAIL (import)"
+        FAILED=1
+        BUILD_RC=1
+    fi
+fi
+printf '{"step": "build", "state": "%s", "seconds": %d, "dry_run": %s, "command": "%s", "log": "build.log"}\n' \
+    "${STATE[build]}" "${SECS[build]}" "$([ "$DRY_RUN" = 1 ] && echo true || echo false)" \
+    "$([ "$DRY_RUN" = 1 ] && echo "import check only (dry run)" || echo "pip install --no-build-isolation --no-deps --no-index -e .")" \
+    > "$OUT_DIR/build.json"
+if [ "$BUILD_RC" -ne 0 ]; then
     summary
     die "the extension did not build (the later steps need it)"
 fi
-CUDA_EXT_CHECK='import sys, dflash_kernels._C as C; n = C.cuda_device_count() if C.built_with_cuda else 0; print("dflash_kernels._C: CUDAExtension, sees %d GPU(s)" % n if C.built_with_cuda else "dflash_kernels._C: CppExtension only (no CUDA toolkit at build time: set CUDA_HOME to one with nvcc)"); sys.exit(0 if n >= 1 else 1)'
-step cuda-ext 30 "$PY" -c "$CUDA_EXT_CHECK"
 
-# ---------------------------------------------------------------- 2. kernel tests, real Triton
-# Only test files that move their tensors to CUDA when it is available can test compiled kernels
-# (real Triton cannot run CPU tensors); a file that never mentions cuda is left out and said so.
-# Step 3 checks every op on the GPU in any case.
-KERNEL_TESTS=()
-for f in tests/test_gather.py tests/test_lm_head.py tests/test_tree_attention.py tests/test_ancestor_bits.py \
-         tests/test_kv_compaction.py tests/test_tree_build.py tests/test_tree_device.py tests/test_extension.py \
-         tests/test_device_lengths.py tests/test_gated_delta.py; do
-    if [ -f "$f" ] && grep -q 'cuda' "$f"; then
-        KERNEL_TESTS+=("$f")
-    else
-        echo "gpu_check: leaving out $f: its tensors stay on the CPU (step 3 covers its ops)"
-    fi
-done
-step tests 180 env DFLASH_TEST_REAL_TRITON=1 "$PY" -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}"
+# ---------------------------------------------------------------- kernels: every op vs reference, real shapes
+step kernels "$PY" bench/gpu_kernel_check.py --model qwen3-8b --json "$OUT_DIR/gpu_kernel_check.json" "${DRY[@]}"
 
-# ---------------------------------------------------------------- 3. every op vs reference at real shapes
-step kernels 120 "$PY" bench/gpu_kernel_check.py --model qwen3-8b --json "$OUT_DIR/gpu_kernel_check.json"
+# ---------------------------------------------------------------- tests: kernel tests, compiled Triton
+mapfile -t KERNEL_TESTS < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' bench/gpu_tests.txt)
+if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run: collecting the ${#KERNEL_TESTS[@]} GPU kernel test ids only (real Triton needs" \
+         "CUDA; collected as the CPU suite does, with the interpreter's backends)"
+    step tests "${PYTEST_ENV[@]}" GPU_CHECK_PYTEST_JSON="$OUT_DIR/gpu_tests.json" \
+        "$PY" -m pytest "${PYTEST_ARGS[@]}" --collect-only "${KERNEL_TESTS[@]}"
+else
+    step tests "${PYTEST_ENV[@]}" GPU_CHECK_PYTEST_JSON="$OUT_DIR/gpu_tests.json" DFLASH_TEST_REAL_TRITON=1 \
+        "$PY" -m pytest "${PYTEST_ARGS[@]}" -rfE --durations=10 "${KERNEL_TESTS[@]}"
+fi
 
-# ---------------------------------------------------------------- 3b. compiled rounds: eager vs CUDA graphs
-step compiled 150 "$PY" bench/gpu_compiled_round.py --layers 8 --prompt-len 512 --max-new-tokens 64 \
-    --json "$OUT_DIR/gpu_compiled_round.json"
+# ---------------------------------------------------------------- syncs: host reads per round
+step syncs "$PY" bench/gpu_round_syncs.py --layers 4 --json "$OUT_DIR/gpu_round_syncs.json" "${DRY[@]}"
 
-# ---------------------------------------------------------------- 3c. hybrid targets: verify + rollback
-step hybrid 60 "$PY" bench/gpu_hybrid_check.py --json "$OUT_DIR/gpu_hybrid_check.json"
+# ---------------------------------------------------------------- round: our path vs plain torch
+step round "$PY" bench/gpu_round_latency.py --layers 8 --prefix 4096 --budgets 64,256 \
+    --json "$OUT_DIR/gpu_round_latency.json" "${DRY[@]}"
 
-# ---------------------------------------------------------------- 4. microbenchmarks, real shapes
-step micro 100 "$PY" -m pytest bench -q -p no:cacheprovider --benchmark-json="$OUT_DIR/micro.json" \
-    --benchmark-max-time=0.1 --benchmark-min-rounds=3 --benchmark-columns=median,rounds
+# ---------------------------------------------------------------- compiled: eager vs CUDA graphs
+step compiled "$PY" bench/gpu_compiled_round.py --layers 4 --prompt-len 256 --max-new-tokens 32 --repeats 2 \
+    --json "$OUT_DIR/gpu_compiled_round.json" "${DRY[@]}"
 
-# ---------------------------------------------------------------- 5. one round, our path vs plain torch
-step round 120 "$PY" bench/gpu_round_latency.py --layers 8 --prefix 4096 --budgets 64,256 \
-    --json "$OUT_DIR/gpu_round_latency.json"
+# ---------------------------------------------------------------- hybrid targets: verify + rollback
+step hybrid "$PY" bench/gpu_hybrid_check.py --json "$OUT_DIR/gpu_hybrid_check.json" "${DRY[@]}"
 
-step syncs 90 "$PY" bench/gpu_round_syncs.py --layers 4 --json "$OUT_DIR/gpu_round_syncs.json"
-step stress 60 "$PY" bench/gpu_compaction_stress.py --cases 3000
-step families 60 "$PY" bench/gpu_family_check.py --json "$OUT_DIR/gpu_family_check.json"
+# ---------------------------------------------------------------- families: sinks, windows, softcaps, MoE
+step families "$PY" bench/gpu_family_check.py --json "$OUT_DIR/gpu_family_check.json" "${DRY[@]}"
 
-# ---------------------------------------------------------------- 6. end to end, lossless on the GPU
-step e2e 90 "$PY" -m dflash bench --device cuda --dtype float32 --num-prompts 2 --max-new-tokens 48 \
-    --temperatures 0 --budgets 4,16 --methods ar,dflash,ddtree,hf,prompt-lookup --no-progress \
-    --out "$OUT_DIR/e2e"
+# ---------------------------------------------------------------- stress: KV compaction races
+step stress "$PY" bench/gpu_compaction_stress.py --cases 3000 --json "$OUT_DIR/gpu_compaction_stress.json" "${DRY[@]}"
+
+# ---------------------------------------------------------------- e2e: lossless on the device
+if [ "$DRY_RUN" = 1 ]; then
+    step e2e "$PY" -m dflash bench --device cpu --dtype float32 --num-prompts 1 --prompt-len 64 --max-new-tokens 8 \
+        --warmup-tokens 4 --temperatures 0 --budgets 4 --methods ar,dflash,ddtree,hf,prompt-lookup --no-progress \
+        --out "$OUT_DIR/e2e"
+else
+    step e2e "$PY" -m dflash bench --device cuda --dtype float32 --num-prompts 1 --max-new-tokens 32 \
+        --temperatures 0 --budgets 8 --methods ar,dflash,ddtree,hf,prompt-lookup --no-progress \
+        --out "$OUT_DIR/e2e"
+fi
+
+# ---------------------------------------------------------------- micro: pytest-benchmark suite, last
+if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run: collecting the micro suite only (its Triton providers under the CPU interpreter" \
+         "take minutes: too slow for a dry run)"
+    step micro "${PYTEST_ENV[@]}" GPU_CHECK_PYTEST_JSON="$OUT_DIR/micro_tests.json" \
+        "$PY" -m pytest bench "${PYTEST_ARGS[@]}" --collect-only --ignore=bench/bench_train_memory.py
+else
+    step micro "${PYTEST_ENV[@]}" GPU_CHECK_PYTEST_JSON="$OUT_DIR/micro_tests.json" \
+        "$PY" -m pytest bench "${PYTEST_ARGS[@]}" --ignore=bench/bench_train_memory.py \
+        --benchmark-json="$OUT_DIR/micro.json" --benchmark-max-time=0.05 --benchmark-min-rounds=3 \
+        --benchmark-columns=median,rounds
+fi
 
 summary
 exit "$FAILED"

@@ -1,12 +1,14 @@
 """Stress test: KV compaction kernel vs the reference on thousands of adversarial accepted paths.
 
-Run: ``python bench/gpu_compaction_stress.py [--cases N] [--seed S]``
+Run: ``python bench/gpu_compaction_stress.py [--cases N] [--seed S] [--json PATH]``
 
 On a GPU: a Qwen3-8B-shaped cache ``[36, 2, 8, S, 128]`` bf16 (S = 2048 by
 default), 3000 cases by default (well under a minute on an H100/H200). Without
 CUDA the kernel runs under Triton's CPU interpreter (which cannot show races,
 so this only checks the semantics there): the same cache shape with S = 320
-and 4 cases by default; pass ``--cases`` to change it.
+and 4 cases by default; pass ``--cases`` to change it. ``--dry-run`` runs on the
+CPU whatever the machine has: a small cache ``[2, 2, 2, 96, 16]``, a 24-node tree
+and 6 cases (every call form twice), naming what it leaves out.
 
 Each case draws a random tree (``--tree`` nodes, parents before children as
 DDTree numbers them, chain-heavy) at a random prefix length, walks a random
@@ -24,8 +26,8 @@ Kernel and reference (``dflash_kernels.reference.compact_kv_``) each compact
 their own copy of the cache; the whole caches must be bit-identical, and the
 moved rows must equal the original source rows. Both copies are then
 restored from a pristine one (only the touched rows). Prints one line,
-``compaction stress: N cases, M mismatches`` (plus timing), and exits 1 on
-any mismatch.
+``compaction stress: N cases, M mismatches`` (plus timing), writes it as JSON to
+``--json`` (or ``$OUT/gpu_compaction_stress.json``), and exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -38,14 +40,12 @@ import time
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from gpu_common import add_dry_run, default_json, skipped, write_json  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dflash_kernels import reference as ref  # noqa: E402
-from dflash_kernels.kv_compaction import compact_kv_triton  # noqa: E402
-
+PROG = "gpu_compaction_stress"
 CUDA = torch.cuda.is_available()
 
 
@@ -95,17 +95,35 @@ def adversarial_path(rng: random.Random, case: int, n_nodes: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", type=int, default=3000 if CUDA else 4)
+    parser.add_argument("--cases", type=int, default=None, help="default 3000 on CUDA, 4 on the CPU, 6 in a dry run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=36)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--smax", type=int, default=2048 if CUDA else 320)
-    parser.add_argument("--tree", type=int, default=64, help="tree nodes per round (root included)")
+    parser.add_argument("--layers", type=int, default=None, help="default 36; dry run 2")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default 8; dry run 2")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 128; dry run 16")
+    parser.add_argument("--smax", type=int, default=None, help="default 2048 on CUDA, 320 on the CPU; dry run 96")
+    parser.add_argument("--tree", type=int, default=None, help="tree nodes per round, root included (default 64; "
+                        "dry run 24)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", default=None)
+    add_dry_run(parser)
     args = parser.parse_args(argv)
+    cuda = CUDA and not args.dry_run
+    if args.dry_run:
+        print(f"{PROG}: dry run: a small cache on the CPU, every call form twice")
+        skipped(PROG, "the compiled kernel (races show only on a GPU)", "it runs under Triton's CPU interpreter")
+        # small sizes in place of the size arguments (still parsed: the GPU check passes the same ones)
+        for key, value in (("cases", 6), ("layers", 2), ("kv_heads", 2), ("head_dim", 16), ("smax", 96), ("tree", 24)):
+            setattr(args, key, value)
+    for key, value in (("cases", 3000 if cuda else 4), ("layers", 36), ("kv_heads", 8), ("head_dim", 128),
+                       ("smax", 2048 if cuda else 320), ("tree", 64)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not cuda:  # before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from dflash_kernels import reference as ref
+    from dflash_kernels.kv_compaction import compact_kv_triton
 
-    device = "cuda" if CUDA else "cpu"
+    device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, args.dtype)
     rng = random.Random(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -145,15 +163,19 @@ def main(argv=None) -> int:
         # restore the touched rows (destinations) of both copies
         kv_kernel[:, :, :, prefix:prefix + n].copy_(pristine[:, :, :, prefix:prefix + n])
         kv_ref[:, :, :, prefix:prefix + n].copy_(pristine[:, :, :, prefix:prefix + n])
-    if CUDA:
+    if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    where = f"cuda ({torch.cuda.get_device_name()})" if CUDA else "cpu (Triton interpreter)"
+    where = f"cuda ({torch.cuda.get_device_name()})" if cuda else "cpu (Triton interpreter)"
     print(f"compaction stress: {args.cases} cases, {mismatches} mismatches "
           f"[cache {list(shape)} {args.dtype}, {where}, {elapsed:.1f} s]")
+    report = dict(cases=args.cases, mismatches=mismatches, cache_shape=list(shape), dtype=args.dtype, device=where,
+                  seconds=elapsed, seed=args.seed, tree=args.tree, dry_run=args.dry_run, first_mismatch=None)
     if first_bad is not None:
         case, prefix, nodes, form = first_bad
         print(f"first mismatch: case {case}, prefix {prefix}, accepted nodes {nodes}, call form {form}")
+        report["first_mismatch"] = dict(case=case, prefix=prefix, accepted_nodes=nodes, call_form=form)
+    write_json(default_json(args.json, "gpu_compaction_stress.json"), report)
     return 1 if mismatches else 0
 
 

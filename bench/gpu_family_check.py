@@ -1,7 +1,8 @@
 """Our passes vs the model's own forward on gpt-oss-20b-, Gemma3- and Gemma2-shaped layer stacks (random bf16 weights).
 
 Run on a GPU machine: ``python bench/gpu_family_check.py``; on a CPU (a test of the script):
-``python bench/gpu_family_check.py --device cpu --tiny``.
+``python bench/gpu_family_check.py --device cpu --tiny``, or ``--dry-run`` (the same, naming what
+it leaves out: ``set_sync_debug_mode`` needs CUDA).
 
 Stacks (transformers' own classes, cut to a few decoder layers, the real widths):
 
@@ -13,8 +14,9 @@ Stacks (transformers' own classes, cut to a few decoder layers, the real widths)
 * ``gemma2-9b``: hidden 3584, 16/8 heads x 256, attention softcap 50, final-logit softcap 30,
   alternating 4096-token windows; 2 layers (Gemma3 has no softcap: this covers it).
 
-For each: the model's own forward on ``prefix + chain + branch`` tokens (its loaded attention:
-eager or SDPA, its full causal / sliding masks) against our adapter on the same tokens: prefill
+For each: the model's own forward on ``prefix + chain + branch`` tokens (its default attention,
+or eager where SDPA would drop a feature: Gemma2's attention softcap, which transformers 5.17 loads with SDPA;
+its full causal / sliding masks) against our adapter on the same tokens: prefill
 of the prefix (longer than the window), one DFlash chain
 verify of ``--block`` tokens, one DDTree tree verify whose first branch is the model's
 continuation (the other branch is noise). Compared: the logits (final softcap included) and the
@@ -23,14 +25,13 @@ captured layer-0 output, by relative Frobenius error ``|ours - own| / |own|``, b
 implementation in use and the CUDA syncs inside our forwards (``set_sync_debug_mode("warn")``,
 reported, not a failure).
 
-Prints a table; JSON to ``--json`` (or ``$OUT/gpu_family_check.json``). Exit 1 if any
-comparison is over the bound.
+Prints a table; JSON to ``--json`` (or ``$OUT/gpu_family_check.json``), rewritten after each
+stack. Exit 1 if any comparison is over the bound.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -38,6 +39,10 @@ import warnings
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import add_dry_run, apply_dry_run, default_json, fail_without_cuda, skipped, write_json  # noqa: E402
+
+PROG = "gpu_family_check"
 GPT_OSS_20B = dict(
     cls="GptOss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
     head_dim=64, vocab_size=201088, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
@@ -86,7 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--tol", type=float, default=None, help="relative error bound (bf16 3e-2, fp32 1e-4)")
     p.add_argument("--json", default=None)
+    add_dry_run(p)
     args = p.parse_args(argv)
+    apply_dry_run(args, PROG, dtype=None)
     args.dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     if args.tol is None:
         args.tol = 3e-2 if args.dtype in (torch.bfloat16, torch.float16) else 1e-4
@@ -101,8 +108,11 @@ def build(shape: dict, dtype, device, seed: int = 0):
     cls = shape.pop("cls")
     shape.pop("prefix")
     config_cls = getattr(transformers, "Gemma3TextConfig" if cls == "Gemma3" else f"{cls}Config")
+    # the reference forward must apply every feature: SDPA has no softcap input (transformers 5.17 loads
+    # Gemma2 with SDPA and drops the attention softcap), eager attention applies it
+    attn = dict(attn_implementation="eager") if shape.get("attn_logit_softcapping") else {}
     config = config_cls(num_hidden_layers=len(shape["layer_types"]), tie_word_embeddings=False, pad_token_id=0,
-                        **shape)
+                        **attn, **shape)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -206,14 +216,22 @@ def main(argv=None) -> int:
     stacks = TINY if args.tiny else STACKS
     names = args.only.split(",") if args.only else list(stacks)
     device = torch.device(args.device)
+    if fail_without_cuda(torch, device, PROG):
+        return 2
+    if args.dry_run:
+        skipped(PROG, 'torch.cuda.set_sync_debug_mode("warn") around our forwards', "CUDA only (syncs read 0)")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"gpu_family_check: {args.device} ({gpu}), "
           f"{args.dtype}, backend {dflash_kernels.get_backend(device)}, tolerance {args.tol:g}")
     rows = []
+    path = default_json(args.json, "gpu_family_check.json")
+    report = dict(device=args.device, dtype=str(args.dtype), tolerance=args.tol, dry_run=args.dry_run, rows=rows,
+                  complete=False)
     for name in names:
         t0 = time.perf_counter()
         rows += check_stack(name, stacks[name], args)
         print(f"  {name}: {time.perf_counter() - t0:.1f}s")
+        write_json(path, report)  # what finished survives a kill
     print(f"{'stack':<12} {'check':<30} {'rel err logits':>14} {'rel err layer0':>14} {'argmax':>7} {'experts':>10} "
           f"{'syncs':>5}  result")
     for r in rows:
@@ -221,10 +239,8 @@ def main(argv=None) -> int:
               f"{r['argmax_agree']:>7.2f} {str(r['experts']):>10} {r['cuda_syncs_in_forwards']:>5}  "
               f"{'ok' if r['ok'] else 'FAIL'}")
     failed = [r for r in rows if not r["ok"]]
-    path = args.json or (os.path.join(os.environ["OUT"], "gpu_family_check.json") if os.environ.get("OUT") else None)
-    if path:
-        with open(path, "w") as f:
-            json.dump(dict(device=args.device, dtype=str(args.dtype), tolerance=args.tol, rows=rows), f, indent=1)
+    report["complete"] = True
+    write_json(path, report)
     if failed:
         for r in failed:
             print(f"gpu_family_check: FAIL {r['stack']} {r['check']}: relative error {r['rel_err_logits']:.2e} "

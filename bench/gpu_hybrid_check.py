@@ -1,7 +1,9 @@
 """A Qwen3.5-27B-shaped hybrid stack on a GPU: verify + rollback vs transformers' own decode, and their latency.
 
 Run on a GPU machine: ``python bench/gpu_hybrid_check.py`` (about 30 s on an H100-class GPU, Triton
-compiles included); on a CPU (a test of the script): ``python bench/gpu_hybrid_check.py --device cpu --tiny``.
+compiles included); on a CPU (a test of the script): ``python bench/gpu_hybrid_check.py --device cpu --tiny``,
+or ``--dry-run``: tiny widths, a smaller block / tree / prefix and one timed repetition, naming what it leaves
+out (CUDA events: the wall clock times the steps).
 
 The stack: transformers' ``Qwen3_5ForCausalLM`` cut to ``--layers`` decoder layers (default 4: three
 Gated-DeltaNet layers then one full-attention layer, the real 3:1 pattern) at Qwen3.5-27B widths: hidden
@@ -24,14 +26,14 @@ on our cache, plus the target's argmax), the chain verify (forward + argmax) and
 (ancestor bits, forward, argmax) and its commit (K/V compaction + replay). Each as a ratio to the decode
 step. Also the bytes per linear layer of the two rollback designs at these shapes (analytic).
 
-Prints a table; JSON to ``--json`` (or ``$OUT/gpu_hybrid_check.json``). Exit 1 if a check is over the bound.
+Prints a table; JSON to ``--json`` (or ``$OUT/gpu_hybrid_check.json``), written once the checks are done and
+again with the latencies. Exit 1 if a check is over the bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -39,6 +41,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import add_dry_run, apply_dry_run, default_json, fail_without_cuda, skipped, write_json  # noqa: E402
+
+PROG = "gpu_hybrid_check"
 QWEN35_27B = dict(
     hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
     linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -56,14 +62,20 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny widths (a CPU test of the script)")
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (default with --tiny)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (every 4th is full attention)")
-    p.add_argument("--prefix", type=int, default=64)
-    p.add_argument("--block", type=int, default=16)
-    p.add_argument("--accept", default="0,7,15", help="accepted drafts a to commit (a + 1 rows each)")
-    p.add_argument("--tree", type=int, default=64, help="tree nodes after the root")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 2 with --tiny)")
+    p.add_argument("--prefix", type=int, default=None, help="prompt tokens before the round (default 64; dry run 16)")
+    p.add_argument("--block", type=int, default=None, help="chain verify tokens (default 16; dry run 8)")
+    p.add_argument("--accept", default=None, help="accepted drafts a to commit (a + 1 rows each); default 0,7,15, "
+                   "dry run 0,3,7")
+    p.add_argument("--tree", type=int, default=None, help="tree nodes after the root (default 64; dry run 16)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 2 with --tiny; dry run 1)")
     p.add_argument("--tol", type=float, default=None, help="relative error bound (bf16 3e-2, fp32 1e-4)")
     p.add_argument("--json", default=None)
+    add_dry_run(p)
     args = p.parse_args(argv)
+    apply_dry_run(args, PROG, layers=4, prefix=16, block=8, accept="0,3,7", tree=16, reps=1, dtype=None)
+    for key, value in (("prefix", 64), ("block", 16), ("accept", "0,7,15"), ("tree", 64)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     if args.tol is None:
         args.tol = 3e-2 if args.dtype in (torch.bfloat16, torch.float16) else 1e-4
@@ -194,6 +206,10 @@ def main(argv=None) -> int:
     from dflash.target import TargetAdapter
 
     device = torch.device(args.device)
+    if fail_without_cuda(torch, device, PROG):
+        return 2
+    if args.dry_run:
+        skipped(PROG, "CUDA-event latencies", "CPU: the wall clock times the steps (the ratios mean nothing)")
     shape = TINY if args.tiny else QWEN35_27B
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     t_start = time.perf_counter()
@@ -256,6 +272,10 @@ def main(argv=None) -> int:
         e_state, e_conv = state_errors(cache, hf_cache_after(model, ids[:P], tree_tokens[path_t]))
         check(f"tree commit (path {len(path)}) state", e_state, "recurrent, worst layer")
         check(f"tree commit (path {len(path)}) conv", e_conv, "window, worst layer")
+        out = default_json(args.json, "gpu_hybrid_check.json")
+        report = dict(device=args.device, gpu=gpu, dtype=str(args.dtype), layers=args.layers, tolerance=args.tol,
+                      dry_run=args.dry_run, checks=rows, latency_s=timings, complete=False)
+        write_json(out, report)  # the checks survive a kill during the latencies
 
         # ---------------------------------------------------------------- latency
         one = ids[P : P + 1]
@@ -321,11 +341,8 @@ def main(argv=None) -> int:
           f"(tree {N + 1}); replay {bytes_['replay_chain'] / mib:.2f} MiB (a + 1 = {a_mid + 1} rows)")
     print(f"gpu_hybrid_check: total {time.perf_counter() - t_start:.1f}s")
     failed = [r for r in rows if not r["ok"]]
-    out = args.json or (os.path.join(os.environ["OUT"], "gpu_hybrid_check.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(device=args.device, gpu=gpu, dtype=str(args.dtype), layers=args.layers, tolerance=args.tol,
-                           checks=rows, latency_s=timings, rollback_bytes=bytes_), f, indent=1)
+    report.update(rollback_bytes=bytes_, complete=True)
+    write_json(out, report)
     if failed:
         for r in failed:
             print(f"gpu_hybrid_check: FAIL {r['check']}: relative error {r['rel_err']:.2e} over {args.tol:g}",

@@ -2,7 +2,9 @@
 
 Run on a GPU machine: ``python bench/gpu_kernel_check.py [--model qwen3-8b] [--json PATH]``.
 On a CPU (tests): ``python bench/gpu_kernel_check.py --device cpu --tiny`` runs the Triton
-kernels under the interpreter at small shapes (a check of this script, not of speed).
+kernels under the interpreter at small shapes (a check of this script, not of speed);
+``--dry-run`` is the same and names what it leaves out (compiled Triton, CUDA-event timing).
+The JSON report is rewritten after each op family, so a run cut short keeps what finished.
 
 Correctness (exit status 1 on any mismatch): the Triton path (``force_backend("triton")``)
 against :mod:`dflash_kernels.reference` on identical inputs, bf16:
@@ -34,13 +36,17 @@ mean of back-to-back calls between CUDA events, L2 not flushed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import add_dry_run, apply_dry_run, default_json, skipped, write_json  # noqa: E402
+
+PROG = "gpu_kernel_check"
 
 # model name -> (hidden, decoder layers, vocab, q heads, kv heads, head dim)
 MODELS = {
@@ -89,7 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--only", default=",".join(FAMILIES), help="comma-separated op families to check: "
                    + ", ".join(FAMILIES))
     p.add_argument("--json", default=None, help="write results here (default: $OUT/gpu_kernel_check.json if OUT is set)")
+    add_dry_run(p)
     args = p.parse_args(argv)
+    apply_dry_run(args, PROG)
     args.only = [f.strip() for f in args.only.split(",") if f.strip()]
     unknown = [f for f in args.only if f not in FAMILIES]
     if unknown or not args.only:
@@ -129,29 +137,36 @@ def main(argv=None) -> int:
         print(f"gpu_kernel_check: Triton cannot run on {device} here", file=sys.stderr)
         return 2
     shapes = tiny_shapes() if args.tiny else real_shapes(args.model)
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if args.dry_run:
+        skipped(PROG, "compiled Triton kernels", "no GPU: the kernels run under Triton's CPU interpreter")
+        skipped(PROG, "CUDA-event timing", "no GPU: wall-clock times of one call each (they mean nothing)")
     # on a CPU the interpreter runs the kernels: one timed call each, no warm-up (the times mean nothing)
     timing = dict(repeats=1, inner=1, warmup=False) if device.type == "cpu" else dict(repeats=7, inner=20)
     check = Checker()
     ratios = {}
-    torch.manual_seed(0)
-    with torch.inference_mode():
-        if "gather" in args.only:
-            check_gather(torch, dk, ref, shapes, device, check, ratios, timing)
-        if "lm_head" in args.only:
-            check_lm_head(torch, dk, ref, shapes, device, check, ratios, timing)
-        if "tree" in args.only:
-            check_tree(torch, dk, ref, shapes, device, check, ratios, timing)
-        if "compaction" in args.only:
-            check_compaction(torch, dk, ref, shapes, device, check)
+    path = default_json(args.json, "gpu_kernel_check.json")
     report = dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   model=None if args.tiny else args.model, shapes=shapes.__dict__, checks=check.results,
-                  ratios=ratios, triton_interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+                  ratios=ratios, triton_interpreter=interpreting, dry_run=args.dry_run, families=args.only,
+                  finished=[], complete=False)
+    families = dict(gather=lambda: check_gather(torch, dk, ref, shapes, device, check, ratios, timing),
+                    lm_head=lambda: check_lm_head(torch, dk, ref, shapes, device, check, ratios, timing),
+                    tree=lambda: check_tree(torch, dk, ref, shapes, device, check, ratios, timing),
+                    compaction=lambda: check_compaction(torch, dk, ref, shapes, device, check))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for family in FAMILIES:
+            if family not in args.only:
+                continue
+            t0 = time.perf_counter()
+            families[family]()
+            report["finished"].append(dict(family=family, seconds=round(time.perf_counter() - t0, 2)))
+            write_json(path, report)  # what finished survives a kill
+    report["complete"] = True
     print_report(report)
-    path = args.json or (os.path.join(os.environ["OUT"], "gpu_kernel_check.json") if os.environ.get("OUT") else None)
+    write_json(path, report)
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
         print(f"wrote {path}")
     if check.failed:
         print(f"FAILED: {len(check.failed)} kernel result(s) differ from the reference: "

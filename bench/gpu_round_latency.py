@@ -2,7 +2,9 @@
 
 Run on a GPU machine: ``python bench/gpu_round_latency.py [--layers 8] [--prefix 4096]``.
 On a CPU (tests): ``python bench/gpu_round_latency.py --device cpu --tiny`` (small fp32
-model, the ops on their reference backend; a check of the script, not of speed).
+model, the ops on their reference backend; a check of the script, not of speed), or
+``--dry-run``: the same with one timed round per path, naming what it leaves out (CUDA memory
+statistics and synchronization).
 
 The target is a ``Qwen3ForCausalLM`` with random weights (bf16) at Qwen3-8B shapes: hidden
 4096, 32 query heads, 8 KV heads, head dim 128, MLP 12288, vocab 151936, but only
@@ -38,14 +40,14 @@ Both paths run on the same weights and inputs and are compared: share of equal t
 choices (reported), and the relative error of the accepted rows' features and K/V. Exit
 status 1 when those errors exceed 0.1 (bf16; 1e-4 in fp32), i.e. when a kernel result is
 grossly wrong; ``bench/gpu_kernel_check.py`` checks every op against its reference exactly.
-JSON goes to ``--json``, else ``$OUT/gpu_round_latency.json`` when ``OUT`` is set.
+JSON goes to ``--json``, else ``$OUT/gpu_round_latency.json`` when ``OUT`` is set; it is
+rewritten after each scenario, so a run cut short keeps the rows that finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -53,6 +55,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import add_dry_run, apply_dry_run, default_json, fail_without_cuda, skipped, write_json  # noqa: E402
+
+PROG = "gpu_round_latency"
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936, num_target_layers=36)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -71,7 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per path (default 20; tiny 2)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default bf16; tiny fp32")
     p.add_argument("--json", default=None)
+    add_dry_run(p)
     args = p.parse_args(argv)
+    apply_dry_run(args, PROG, layers=6, captured=2, prefix=48, block=8, budgets="8,16", repeats=1, dtype="float32")
     tiny = args.tiny
     defaults = dict(layers=6 if tiny else 8, captured=2 if tiny else 5, prefix=48 if tiny else 4096,
                     block=8 if tiny else 16, budgets="8,16" if tiny else "64,256", repeats=2 if tiny else 20,
@@ -293,9 +301,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_round_latency: CUDA is not available (use --device cpu --tiny to test this script)", file=sys.stderr)
+    if fail_without_cuda(torch, device, PROG):
         return 2
+    if args.dry_run:
+        skipped(PROG, "torch.cuda.synchronize and the CUDA peak-memory columns", "CUDA only (MiB columns read n/a)")
     from transformers import DynamicCache
 
     import dflash_kernels as dk
@@ -334,6 +343,14 @@ def main(argv=None) -> int:
         del cache
 
         rows = []
+        limit = 1e-4 if dtype == torch.float32 else 0.1
+        report = dict(
+            device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            dtype=args.dtype, shape=shape, layers=args.layers, note=(
+                f"target cut to {args.layers} of {shape['num_target_layers']} decoder layers, random weights"),
+            captured_layers=layer_ids, prefix=args.prefix, repeats=args.repeats, kernel_backend=dk.get_backend(device),
+            tree_verify=tree_backend, error_limit=limit, dry_run=args.dry_run, rows=rows, failed=[], complete=False)
+        path = default_json(args.json, "gpu_round_latency.json")
         dyn = DynamicCache(config=model.config)
         model(input_ids=prompt[None], **{_cache_keyword(model): dyn, "use_cache": True})
         for sc in scenarios:
@@ -352,21 +369,16 @@ def main(argv=None) -> int:
                 choices_agree=float((mine["choices"] == choices).float().mean()),
                 feature_rel_err=rel_err(mine["features"], feats), kv_rel_err=rel_err(mine["kv"], plain_kv),
             ))
+            row = rows[-1]
+            if not (row["feature_rel_err"] <= limit and row["kv_rel_err"] <= limit):
+                report["failed"].append(sc.name)
+            write_json(path, report)  # what finished survives a kill
 
-    limit = 1e-4 if dtype == torch.float32 else 0.1
-    failed = [r["scenario"] for r in rows if not (r["feature_rel_err"] <= limit and r["kv_rel_err"] <= limit)]
-    report = dict(
-        device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        dtype=args.dtype, shape=shape, layers=args.layers, note=(
-            f"target cut to {args.layers} of {shape['num_target_layers']} decoder layers, random weights"),
-        captured_layers=layer_ids, prefix=args.prefix, repeats=args.repeats, kernel_backend=dk.get_backend(device),
-        tree_verify=tree_backend, error_limit=limit, rows=rows, failed=failed)
+    failed = report["failed"]
+    report["complete"] = True
     print_table(report)
-    path = args.json or (os.path.join(os.environ["OUT"], "gpu_round_latency.json") if os.environ.get("OUT") else None)
+    write_json(path, report)
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
         print(f"wrote {path}")
     if failed:
         print(f"FAILED: our path's features or K/V differ from the plain path beyond {limit:g} (relative) in: "

@@ -1,7 +1,8 @@
 """Host syncs per decoding round at Qwen3-8B shapes, counted two ways, for ar / dflash / ddtree.
 
 Run on a GPU machine: ``python bench/gpu_round_syncs.py [--layers 4]``; on a CPU (a test of
-the script): ``python bench/gpu_round_syncs.py --device cpu --tiny``.
+the script): ``python bench/gpu_round_syncs.py --device cpu --tiny``, or ``--dry-run`` (the same,
+naming what it leaves out: ``set_sync_debug_mode`` needs CUDA, so only host reads are counted).
 
 The target is a ``Qwen3ForCausalLM`` with random bf16 weights at Qwen3-8B shapes (hidden 4096,
 32/8 heads x 128, MLP 12288, vocab 151936) cut to ``--layers`` decoder layers (default 4 of
@@ -16,14 +17,13 @@ round is delimited by the loop's own stage marks:
 * ``host reads``: tests/host_reads.py's counter (every torch call from Python that would wait
   for the device, whatever the device); 1 per round expected: the committed tokens.
 
-Prints a table; JSON to ``--json`` (or ``$OUT/gpu_round_syncs.json``). Exit 1 if any round of
-dflash or ddtree reads the host more than once.
+Prints a table; JSON to ``--json`` (or ``$OUT/gpu_round_syncs.json``), rewritten after each
+method. Exit 1 if any round of dflash or ddtree reads the host more than once.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -33,6 +33,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from gpu_common import add_dry_run, apply_dry_run, default_json, fail_without_cuda, skipped, write_json  # noqa: E402
+
+PROG = "gpu_round_syncs"
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936)
@@ -50,7 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--json", default=None)
+    add_dry_run(p)
     args = p.parse_args(argv)
+    apply_dry_run(args, PROG, layers=4, prompt=16, new_tokens=16)
     args.prompt = args.prompt or (16 if args.tiny else 512)
     args.new_tokens = args.new_tokens or (16 if args.tiny else 64)
     if args.tiny:
@@ -116,16 +122,21 @@ def count_per_round(run, device, round_end):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_round_syncs: CUDA is not available (use --device cpu --tiny)", file=sys.stderr)
+    if fail_without_cuda(torch, device, PROG):
         return 2
     import dflash
 
+    if args.dry_run:
+        skipped(PROG, 'torch.cuda.set_sync_debug_mode("warn")', "CUDA only: the cuda syncs column reads 0")
     shape = TINY if args.tiny else QWEN3_8B
     dtype = torch.float32 if args.tiny else torch.bfloat16
     target, draft = build_pair(shape, args.layers, args.block, dtype, device)
     prompt = torch.randint(0, shape["vocab_size"] - 1, (args.prompt,), generator=torch.Generator().manual_seed(1))
     rows = []
+    report = dict(device=str(device), shape=shape, layers=args.layers, prompt=args.prompt, block=args.block,
+                  budget=args.budget, note=f"target cut to {args.layers} decoder layers, random weights",
+                  cuda_sync_debug_mode=device.type == "cuda", dry_run=args.dry_run, rows=rows, complete=False)
+    path = default_json(args.json, "gpu_round_syncs.json")
     for method in ("ar", "dflash", "ddtree"):
         kw = dict(method=method, max_new_tokens=args.new_tokens)
         if method != "ar":
@@ -140,18 +151,14 @@ def main(argv=None) -> int:
                 device, "verify" if method == "ar" else "commit")
         rows.append(dict(method=method, rounds=len(reads) + 1, host_reads_max=max(reads), host_reads_mean=sum(reads) / len(reads),
                          cuda_syncs_max=max(syncs), cuda_syncs_mean=sum(syncs) / len(syncs)))
-    report = dict(device=str(device), shape=shape, layers=args.layers, prompt=args.prompt, block=args.block,
-                  budget=args.budget, note=f"target cut to {args.layers} decoder layers, random weights", rows=rows)
+        write_json(path, report)  # what finished survives a kill
+    report["complete"] = True
     print(f"== host syncs per round ({report['note']}; prompt {args.prompt}, B={args.block}, budget {args.budget})")
     print(f"{'method':<8}{'rounds':>8}{'host reads (max/mean)':>24}{'cuda syncs (max/mean)':>24}")
     for r in rows:
         print(f"{r['method']:<8}{r['rounds']:>8}{r['host_reads_max']:>14}/{r['host_reads_mean']:<9.2f}"
               f"{r['cuda_syncs_max']:>14}/{r['cuda_syncs_mean']:<9.2f}")
-    path = args.json or (os.path.join(os.environ["OUT"], "gpu_round_syncs.json") if os.environ.get("OUT") else None)
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(path, report)
     bad = [r["method"] for r in rows if r["host_reads_max"] > 1]
     if bad:
         print("FAILED: more than one host read in a round of " + ", ".join(bad), file=sys.stderr)

@@ -1,14 +1,19 @@
-"""The one-shot GPU check on a CPU machine: syntax, the early failure without a GPU, and its Python parts at tiny shapes.
+"""The one-shot GPU check on a CPU machine: syntax, the plan and its budget, the early failure without a GPU,
+the dry run, and its Python parts at tiny shapes.
 
 ``bench/gpu_check.sh`` must stop before building anything, with a non-zero
-status and a message saying what is missing. ``bench/gpu_kernel_check.py``,
-``bench/gpu_round_latency.py`` and ``bench/gpu_family_check.py`` run here at
-tiny shapes (``--device cpu --tiny``), and must fail when a result is wrong.
+status and a message saying what is missing. Its plan (``PLAN``) must fit its
+480 s budget. ``GPU_CHECK_DRY_RUN=1`` must run every step's Python on this
+machine's stack (the floor stack in CI: the GPU machine's versions) and exit 0.
+``bench/gpu_kernel_check.py``, ``bench/gpu_round_latency.py`` and
+``bench/gpu_family_check.py`` run here at tiny shapes (``--device cpu --tiny``),
+and must fail when a result is wrong.
 """
 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,12 +108,13 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None):
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "cuda-ext", "tests", "kernels", "compiled", "hybrid", "micro", "round", "syncs", "stress", "families", "e2e"]
+STEPS = ["build", "kernels", "tests", "syncs", "round", "compiled", "hybrid", "families", "stress", "e2e", "micro"]
 
 
 def summary_states(stdout):
+    """step -> state from the printed summary (its rows end in three numbers: seconds, limit, granted)."""
     lines = stdout.split("== gpu_check summary")[1].splitlines()[2:]
-    return {line.split()[0]: " ".join(line.split()[1:-1]) for line in lines if line.split() and line.split()[0] in STEPS}
+    return {line.split()[0]: " ".join(line.split()[1:-3]) for line in lines if line.split() and line.split()[0] in STEPS}
 
 
 def test_step_runner_all_steps_pass(tmp_path):
@@ -117,7 +123,12 @@ def test_step_runner_all_steps_pass(tmp_path):
     assert summary_states(result.stdout) == {step: "ok" for step in STEPS}
     assert "gpu_check: all steps passed" in result.stdout
     assert 'fake python: -m pip install --no-build-isolation --no-deps --no-index -e .' in result.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{s}.log" for s in STEPS)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [f"{s}.log" for s in STEPS] + ["build.json", "gpu_check_summary.json"])
+    summary = json.loads((tmp_path / "out" / "gpu_check_summary.json").read_text())
+    assert summary["done"] and not summary["failed"] and summary["gpu"] == "Fake GPU"
+    assert [s["step"] for s in summary["steps"]] == ["probe"] + STEPS
+    assert all(s["state"] == "ok" and s["granted"] >= s["limit"] for s in summary["steps"])
 
 
 def test_step_runner_a_failing_kernel_check_fails_the_run(tmp_path):
@@ -126,6 +137,8 @@ def test_step_runner_a_failing_kernel_check_fails_the_run(tmp_path):
     states = summary_states(result.stdout)
     assert states["kernels"] == "FAIL (3)" and states["round"] == "ok"  # the other steps still run
     assert "== [kernels] FAILED (exit 3)" in result.stderr and "gpu_check: FAIL" in result.stderr
+    summary = json.loads((tmp_path / "out" / "gpu_check_summary.json").read_text())
+    assert summary["failed"] and {s["step"]: s["state"] for s in summary["steps"]}["kernels"] == "FAIL (3)"
 
 
 def test_step_runner_stops_when_the_build_fails(tmp_path):
@@ -141,16 +154,94 @@ def test_step_runner_respects_the_time_budget(tmp_path):
     assert summary_states(result.stdout) == {"build": "no time"}
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None, reason="coreutils timeout is missing")
-def test_script_installs_offline_for_this_gpu_within_the_budget():
+def script_plan():
+    """(budget default, [(step, limit)]) as written in the script's BUDGET_S line and PLAN array."""
     text = SCRIPT.read_text()
-    # the install must not reach for the network, and the build must target this GPU only
+    budget = int(re.search(r"GPU_CHECK_BUDGET_S:-(\d+)", text).group(1))
+    body = re.search(r"^PLAN=\((.*?)^\)", text, re.S | re.M).group(1)
+    plan = [(m.group(1), int(m.group(2))) for m in re.finditer(r"^\s*([a-z0-9-]+):(\d+)\s*$", body, re.M)]
+    return budget, plan
+
+
+def test_plan_fits_the_budget_and_names_every_step():
+    budget, plan = script_plan()
+    assert budget == 480  # 15 minutes of device time in all, 1-2 of them to start the machine: room for a rerun
+    assert sum(limit for _, limit in plan) <= budget
+    assert [name for name, _ in plan] == ["probe"] + STEPS
+    text = SCRIPT.read_text()
+    called = re.findall(r"^\s*step ([a-z0-9-]+) ", text, re.M)
+    assert sorted(set(called)) == sorted(STEPS)  # every planned step runs, nothing unplanned does
+    assert all(limit > 0 for _, limit in plan)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="coreutils timeout is missing")
+def test_script_installs_offline_and_runs_every_gpu_script():
+    text = SCRIPT.read_text()
+    # the install must not reach for the network; the extension is host C++ only (no CUDA build to check)
     assert "--no-build-isolation --no-deps --no-index -e ." in text
-    assert 'TORCH_CUDA_ARCH_LIST="$ARCH"' in text
-    assert "GPU_CHECK_BUDGET_S:-560" in text  # 560 s < 10 minutes (one device call), whatever each step takes
-    for script in ("gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py", "gpu_family_check.py",
-                   "gpu_compiled_round.py", "gpu_hybrid_check.py"):
+    assert 'MAX_JOBS="$(nproc)"' in text
+    assert "PYTHON:-python3" in text
+    assert "built_with_cuda" not in text and "cuda_device_count" not in text and "cuda-ext" not in text
+    for script in ("gpu_kernel_check.py", "gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py",
+                   "gpu_family_check.py", "gpu_compiled_round.py", "gpu_hybrid_check.py"):
         assert f"bench/{script}" in text
+
+
+def gpu_test_ids():
+    lines = (ROOT / "bench" / "gpu_tests.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def test_gpu_kernel_tests_are_cuda_tests():
+    """Every listed test lives in a file that puts its tensors on CUDA when it is present."""
+    ids = gpu_test_ids()
+    assert len(ids) == len(set(ids)) and 40 <= len(ids) <= 90  # a short step: one or a few cases per kernel
+    for path in {i.split("::")[0] for i in ids}:
+        text = (ROOT / path).read_text()
+        assert re.search(r'DEVICE = "cuda" if torch.cuda.is_available\(\)', text) or ".cuda()" in text, path
+
+
+# ------------------------------------------------------------ the dry run, on this machine's stack
+def run_dry(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_") and k not in ("OUT", "PYTHON")}
+    env.update(GPU_CHECK_DRY_RUN="1", PYTHON=sys.executable, OUT=str(tmp_path / "out"))
+    return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="coreutils timeout is missing")
+def test_floor_stack_dry_run_runs_every_step(tmp_path):
+    """The floor-stack check: ``GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh`` with this interpreter (in CI the
+    floor stack, the GPU machine's torch / triton / transformers) runs every step's Python at tiny shapes on the
+    CPU, prints the plan within the budget, and writes every step's JSON."""
+    result = run_dry(tmp_path)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
+    planned = int(re.search(r"^planned device time: (\d+) s", out, re.M).group(1))
+    assert planned <= 480
+    plan_text = out.split("gpu_check: plan")[1].split("planned device time")[0]
+    plan = dict(re.findall(r"^  ([a-z0-9-]+)\s+(\d+) s$", plan_text, re.M))
+    assert list(plan) == ["probe"] + STEPS
+    assert sum(int(v) for v in plan.values()) == planned == sum(limit for _, limit in script_plan()[1])
+    assert "dry run: skipping the nvidia-smi" in out and "dry run: skipping the pip build" in out
+    assert "dry run: skipped" in out  # the scripts name the CUDA-only parts they leave out
+    assert "gpu_check: FAIL" not in out + result.stderr and "] FAILED" not in result.stderr
+    assert "TIMEOUT" not in result.stderr and "**FAILURE**" not in out
+    assert summary_states(out) == {step: "ok" for step in STEPS}
+    summary = json.loads((tmp_path / "out" / "gpu_check_summary.json").read_text())
+    assert summary["dry_run"] and summary["done"] and not summary["failed"] and summary["planned_s"] == planned
+    for entry in summary["steps"]:
+        if entry["step"] == "probe":
+            assert entry["state"] == "skipped (dry run)"
+            continue
+        assert entry["state"] == "ok" and entry["limit"] == int(plan[entry["step"]]), entry
+        path = tmp_path / "out" / entry["json"]
+        assert entry["json"] and path.is_file(), entry
+        json.loads(path.read_text())
+    tests = json.loads((tmp_path / "out" / "gpu_tests.json").read_text())
+    assert tests["collect_only"] and tests["exitstatus"] == 0 and len(tests["collected"]) >= len(gpu_test_ids())
+    compiled = json.loads((tmp_path / "out" / "gpu_compiled_round.json").read_text())
+    assert compiled["complete"] and all(r["same_tokens"] for r in compiled["rows"])
 
 
 # ------------------------------------------------------------ Python parts
@@ -272,3 +363,37 @@ def test_compiled_round_runs_at_tiny_shapes(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["ar", "dflash", "ddtree"] and all(r["same_tokens"] for r in rows)
     assert "| dflash |" in capsys.readouterr().out
+
+
+class LogitTarget(torch.nn.Module):
+    """A stand-in target whose next-token logits are fixed (in its dtype): enough for the divergence report."""
+
+    def __init__(self, logits, dtype):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(1, 1)
+        self.fixed = torch.tensor(logits).to(dtype)
+        self.dtype = dtype
+        self.config = type("Config", (), {"vocab_size": len(logits)})()
+
+    def forward(self, input_ids):
+        logits = self.fixed.expand(*input_ids.shape, -1)
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.mark.parametrize("dtype,logits,near_tie", [
+    (torch.bfloat16, [3.0, 3.0 - 2 ** -6, -1.0, 0.5], True),  # one bf16 ulp apart at magnitude 3
+    (torch.bfloat16, [3.0, 2.0, -1.0, 0.5], False),  # a clear winner: a real divergence
+    (torch.float32, [3.0, 3.0 - 2 ** -20, -1.0, 0.5], False),  # float32: the tokens must be equal
+], ids=["bf16-near-tie", "bf16-clear", "fp32"])
+def test_compiled_round_accepts_a_divergence_only_at_a_near_tie(dtype, logits, near_tie):
+    script = load_script("gpu_compiled_round")
+    target = LogitTarget(logits, dtype)
+    eager = torch.tensor([[0, 2, 0]])  # a prompt of 2, then the eager path's token 0 (the top-1)
+    compiled = torch.tensor([[0, 2, 1]])  # the compiled path's token 1 (the top-2)
+    report = script.divergence_report(target, eager, compiled, prompt_len=2, near_tie_ulps=4)
+    assert (report["index"], report["new_token"], report["eager_token"], report["compiled_token"]) == (2, 0, 0, 1)
+    assert report["top2_margin"] == pytest.approx(logits[0] - logits[1], abs=1e-7)
+    assert report["pair_margin"] == pytest.approx(logits[0] - logits[1], abs=1e-7)
+    assert report["threshold"] == pytest.approx(4 * torch.finfo(dtype).eps * 2.0)  # magnitude 3: 2**1
+    assert report["near_tie"] is near_tie
+    assert script.divergence_report(target, eager, eager.clone(), 2, 4) is None
