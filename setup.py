@@ -60,7 +60,8 @@ def extension():
     return cpp_extension.CppExtension(
         name="dflash_kernels._C",
         sources=sorted(glob.glob(os.path.join("csrc", "*.cpp"))),
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
+        # no -std flag: torch adds the standard its headers need (C++17 up to torch 2.13, C++20 from 2.14)
+        extra_compile_args={"cxx": ["-O3"]},
     )
 
 

@@ -71,3 +71,11 @@ def test_parallel_jobs_reads_max_jobs(monkeypatch):
     assert ns["parallel_jobs"]() == 5
     monkeypatch.delenv("MAX_JOBS")
     assert ns["parallel_jobs"]() >= 1
+
+
+def test_setup_leaves_the_cxx_standard_to_torch():
+    """torch 2.14's headers need C++20 and torch's build adds the standard its headers need unless a -std flag
+    is given, so a pinned -std=c++17 breaks the build on torch 2.14."""
+    ext = _setup_namespace()["extension"]()
+    flags = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+    assert not any(flag.startswith("-std=") for flag in flags)
