@@ -5,8 +5,10 @@ graph break, and a CUDA graph must be able to replay it. Each function here
 takes the backend (``"triton"`` or ``"reference"``, fixed for a generation)
 and calls:
 
-* ``triton``: the ``torch.ops.dflash`` custom op (:mod:`dflash_kernels.ops`):
-  one opaque node in the graph whose Triton launches a CUDA graph captures;
+* ``triton``: the ``torch.ops.dflash`` custom op (:mod:`dflash_kernels.ops`; the
+  tree build over caller-held index tables, ``dflash::build_tree_device_static``,
+  is registered here): one opaque node in the graph whose launches a CUDA graph
+  captures;
 * ``reference``: the pure-torch reference, when it is traceable (the static
   attention, the seeded samplers' hash noise, the index-math compaction), so
   inductor fuses it with the layers around it; else the custom op.
@@ -17,7 +19,7 @@ tensors (``[1]`` int64), shapes depend only on the generation's settings.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -131,11 +133,38 @@ def lm_head_sample_processed_static(hidden, weight, temperature: float, seed: to
 # backend they are traced inline (inductor fuses the ~60 small ops of a build + bits + walk into a few
 # loops: ~85 us a round on one CPU thread, against ~870 us through the opaque ops).
 
-def build_tree_device(logprobs, ids, budget: int, *, backend: str = "reference"):
-    """``(tokens [N], depths [N], parents [N+1])`` (:func:`dflash_kernels.build_tree_device`)."""
+@torch.library.custom_op("dflash::build_tree_device_static", mutates_args=())
+def _build_tree_device_static(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, slots: torch.Tensor,
+                              ranks: torch.Tensor, depth_of: torch.Tensor,
+                              parent_base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dflash_kernels.build_tree_device` over index tables the caller holds (the tensors of a
+    :class:`~dflash_kernels.tree_device.TreeTables`; its host ints follow from the shapes and ``budget``)."""
+    D, K = top_logprobs.shape
+    n = _tree_device.tree_size(D, K, budget)
+    prefix, kept = _tree_device._host_layout(n, K, D)
+    tables = _tree_device.TreeTables(n, K, D, prefix, kept, slots, ranks, depth_of, parent_base)
+    return _tree_device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
+
+
+@_build_tree_device_static.register_fake
+def _build_tree_device_static_fake(top_logprobs, top_ids, budget, slots, ranks, depth_of, parent_base):
+    depth, k = top_logprobs.shape  # concrete ints (a symbolic one is specialized): the tree size is static
+    n = _tree_device.tree_size(int(depth), int(k), int(budget))
+    new = lambda size: top_logprobs.new_empty(size, dtype=torch.int64)  # noqa: E731
+    return new(n), new(n), new(n + 1)
+
+
+def build_tree_device(logprobs, ids, budget: int, *, tables=None, backend: str = "reference"):
+    """``(tokens [N], depths [N], parents [N+1])`` (:func:`dflash_kernels.build_tree_device`).
+
+    ``tables``: the build's :class:`~dflash_kernels.tree_device.TreeTables`, held by the caller (a compiled
+    round holds them as long as its graphs, which read their addresses); made per call when omitted."""
     if backend == "triton":
-        return _ops().build_tree_device(logprobs, ids, budget)
-    return _tree_device.build_tree_device(logprobs, ids, budget)
+        if tables is None:
+            return _ops().build_tree_device(logprobs, ids, budget)
+        return torch.ops.dflash.build_tree_device_static(logprobs, ids, budget, tables.slots, tables.ranks,
+                                                         tables.depth_of, tables.parent_base)
+    return _tree_device.build_tree_device(logprobs, ids, budget, tables=tables)
 
 
 def ancestor_bits(parents, *, backend: str = "reference") -> torch.Tensor:

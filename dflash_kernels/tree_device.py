@@ -20,12 +20,12 @@ The public names are exported through :mod:`dflash_kernels.tree` (its
 
 from __future__ import annotations
 
-import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 __all__: list = []  # exported by dflash_kernels.tree: tree_size, build_tree_device, walk_tree_device
+# (TreeTables / tree_tables: the build's index tables, for callers that hold them; see build_tree_device)
 
 
 def _check_int(name: str, fn: str, value, minimum: int = 0) -> int:
@@ -57,7 +57,77 @@ def tree_size(depth: int, k: int, budget: int) -> int:
     return min(budget, total)
 
 
-@functools.lru_cache(maxsize=64)
+def _host_layout(n: int, k: int, max_depth: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Host ints of the device build for ``N = n``: ``(prefix, kept)`` (see :func:`_candidate_pairs` and
+    :func:`_depth_layout`). Pure Python arithmetic, ``O(n + max_depth)``."""
+    prefix = [0]
+    for s in range(n):
+        prefix.append(prefix[-1] + min(k, n // (s + 1)))
+    kept, prev = [], 1
+    for _ in range(max_depth):
+        prev = min(n, prefix[prev])
+        kept.append(prev)
+    return tuple(prefix), tuple(kept)
+
+
+class TreeTables(NamedTuple):
+    """The index tables :func:`build_tree_device` reads for one ``(depth, k, budget)`` on one device.
+
+    ``n, k, depth`` (host ints) say which build they serve; ``prefix`` and
+    ``kept`` are host ints (:func:`_candidate_pairs`, :func:`_depth_layout`);
+    ``slots``, ``ranks`` (``[C]``), ``depth_of`` (``[sum(kept)]``) and
+    ``parent_base`` (``[depth + 1]``) are int64 device tensors.
+
+    Whoever runs the build repeatedly holds its tables: a compiled round makes
+    them once (:func:`tree_tables`) and keeps them as long as the graphs that
+    read their addresses (a CUDA graph replays the addresses it captured, so
+    the tables must not be freed while it lives: no module-level cache keeps
+    them here). A build called without tables makes its own.
+    """
+
+    n: int
+    k: int
+    depth: int
+    prefix: Tuple[int, ...]
+    kept: Tuple[int, ...]
+    slots: torch.Tensor
+    ranks: torch.Tensor
+    depth_of: torch.Tensor
+    parent_base: torch.Tensor
+
+
+def _tables(n: int, k: int, max_depth: int, device) -> TreeTables:
+    prefix, kept = _host_layout(n, k, max_depth)
+    long = dict(dtype=torch.int64, device=device)
+    # device ops only (no host-to-device copy, no sync): slot s has min(k, n // (s + 1)) candidate ranks
+    slot = torch.arange(n, **long)
+    counts = torch.clamp(torch.div(n, slot + 1, rounding_mode="floor"), max=k)
+    total = prefix[-1]
+    slots = torch.repeat_interleave(slot, counts, output_size=total)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks = torch.arange(total, **long) - torch.repeat_interleave(starts, counts, output_size=total)
+    if kept:
+        depth_of = torch.cat([torch.full((m,), d + 1, **long) for d, m in enumerate(kept)])
+    else:
+        depth_of = torch.zeros(0, **long)
+    # parent_base[d] = nodes kept at depths < d - 1 (the flat start of depth d - 1's list; 0 for d <= 1)
+    parent_base = torch.searchsorted(depth_of, torch.arange(-2, max_depth - 1, **long), right=True)
+    return TreeTables(n, k, max_depth, prefix, kept, slots, ranks, depth_of, parent_base)
+
+
+def tree_tables(depth: int, k: int, budget: int, device) -> TreeTables:
+    """The :class:`TreeTables` of a ``build_tree_device`` over ``[depth, k]`` drafts with ``budget``, on ``device``.
+
+    Made with device ops from host ints (no host-to-device copy, no sync), so
+    it may run inside a round; a caller that builds many trees of one shape
+    makes them once and passes them (``tables=``).
+    """
+    _check_int("depth", "tree_tables", depth)
+    _check_int("k", "tree_tables", k)
+    _check_int("budget", "tree_tables", budget)
+    return _tables(tree_size(depth, k, budget), k, depth, torch.device(device))
+
+
 def _candidate_pairs(n: int, k: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Tuple[int, ...]]:
     """The candidates (parent slot ``s``, rank ``r``) that can be in a depth's top ``n``.
 
@@ -71,21 +141,12 @@ def _candidate_pairs(n: int, k: int, device: torch.device) -> Tuple[torch.Tensor
     by slot then rank (the tie order), ``C = sum_{s<n} min(k, n // (s + 1))``
     (about ``n ln n`` at ``k >= n``); ``prefix[m]`` (a host int) is the number
     of pairs with slot ``< m``, so the pairs of ``m`` parents are the first
-    ``prefix[m]``. Computed once per ``(n, k, device)`` and cached (the one
-    host-to-device copy happens on the first call).
+    ``prefix[m]``. (The ``slots`` / ``ranks`` of :class:`TreeTables`.)
     """
-    per_slot = [min(k, n // (s + 1)) for s in range(n)]
-    prefix = [0]
-    for c in per_slot:
-        prefix.append(prefix[-1] + c)
-    counts = torch.tensor(per_slot, dtype=torch.int64)
-    slots = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
-    starts = torch.tensor(prefix[:-1], dtype=torch.int64)
-    ranks = torch.arange(prefix[-1], dtype=torch.int64) - torch.repeat_interleave(starts, counts)
-    return slots.to(device), ranks.to(device), tuple(prefix)
+    t = _tables(n, k, 0, device)
+    return t.slots, t.ranks, t.prefix
 
 
-@functools.lru_cache(maxsize=64)
 def _depth_layout(n: int, k: int, max_depth: int, device: torch.device) -> Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor]:
     """Static per-depth sizes of the device build for ``N = n``.
 
@@ -95,19 +156,10 @@ def _depth_layout(n: int, k: int, max_depth: int, device: torch.device) -> Tuple
     each kept node in the flat list (depth 1's first, then depth 2's, ...);
     ``parent_base [max_depth + 1]`` int64 maps a depth to the flat start of
     the previous depth's list (0 for depths 0 and 1, whose parent is the root).
-    Cached per ``(n, k, max_depth, device)``.
+    (The ``kept`` / ``depth_of`` / ``parent_base`` of :class:`TreeTables`.)
     """
-    _, _, prefix = _candidate_pairs(n, k, torch.device("cpu"))
-    kept, prev = [], 1
-    for _ in range(max_depth):
-        prev = min(n, prefix[prev])
-        kept.append(prev)
-    starts = [0]
-    for m in kept:
-        starts.append(starts[-1] + m)
-    depth_of = torch.repeat_interleave(torch.arange(1, max_depth + 1, dtype=torch.int64), torch.tensor(kept, dtype=torch.int64))
-    parent_base = torch.tensor([0, 0] + starts[: max(0, max_depth - 1)], dtype=torch.int64)
-    return tuple(kept), depth_of.to(device), parent_base.to(device)
+    t = _tables(n, k, max_depth, device)
+    return t.kept, t.depth_of, t.parent_base
 
 
 def _check_draft(top_logprobs, top_ids, fn: str) -> None:
@@ -127,7 +179,7 @@ def _check_draft(top_logprobs, top_ids, fn: str) -> None:
 
 
 def build_tree_device(
-    top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int
+    top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, tables: Optional[TreeTables] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Best-first DDTree of ``N = tree_size(D, K, budget)`` nodes, built on the inputs' device.
 
@@ -138,6 +190,10 @@ def build_tree_device(
         top_ids: ``[D, K]`` int64/int32 token ids matching ``top_logprobs``,
             distinct within a row; same device.
         budget: the most nodes (root not counted), ``>= 0``.
+        tables: the build's index tables, :func:`tree_tables` of ``(D, K,
+            budget)`` on the inputs' device (checked against the shapes);
+            made here when omitted. A caller that captures the build in a
+            CUDA graph passes tables it keeps alive as long as the graph.
 
     Returns:
         ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)`` on the
@@ -151,7 +207,7 @@ def build_tree_device(
     1. Per depth ``d = 1..D``: candidates = (the kept nodes of depth ``d - 1``,
        by slot; the root alone at depth 0) x (ranks ``0..K-1``), restricted to
        the pairs ``(s + 1)(r + 1) <= N`` that can reach the top ``N`` (a
-       static, cached index set, ~``N ln N`` pairs instead of ``N * K``);
+       static index set, ``tables``, ~``N ln N`` pairs instead of ``N * K``);
        ``score = score(slot s) + logprob[d - 1, r]``; keep the best
        ``min(N, #candidates)``, sorted, as depth ``d``'s slots.
     2. Over all kept nodes: the best ``N``, numbered ``1..N`` in that order;
@@ -184,9 +240,18 @@ def build_tree_device(
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, empty.clone(), torch.full((1,), -1, dtype=torch.int64, device=device)
 
+    if tables is None:
+        tables = _tables(n, k, max_depth, device)
+    elif not isinstance(tables, TreeTables):
+        raise TypeError(f"build_tree_device: tables must be TreeTables (tree_tables()), got {type(tables).__name__}")
+    elif (tables.n, tables.k, tables.depth) != (n, k, max_depth) or tables.slots.device != device:
+        raise ValueError(
+            f"build_tree_device: tables are for N={tables.n}, K={tables.k}, D={tables.depth} on "
+            f"{tables.slots.device}; this build has N={n}, K={k}, D={max_depth} on {device}")
+
     lp = top_logprobs.detach().to(torch.float64)
-    slots_all, ranks_all, prefix = _candidate_pairs(n, k, device)
-    kept, depth_of, parent_base = _depth_layout(n, k, max_depth, device)
+    slots_all, ranks_all, prefix = tables.slots, tables.ranks, tables.prefix
+    kept, depth_of, parent_base = tables.kept, tables.depth_of, tables.parent_base
     # Log-prob of every candidate pair's rank, all depths at once: [D, C].
     lp_pairs = lp[:, ranks_all[: prefix[kept[-2] if max_depth > 1 else 1]]]
 

@@ -22,7 +22,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
-from dflash_kernels.tree_device import _candidate_pairs, _depth_layout
+from dflash_kernels.tree_device import TreeTables, _candidate_pairs, _depth_layout, tree_tables
 
 
 def distinct_draft(depth, k, gen):
@@ -113,6 +113,36 @@ def test_candidate_pairs_are_the_undominated_set(n, k):
     want = [(s, r) for s in range(n) for r in range(k) if (s + 1) * (r + 1) <= n]
     assert list(zip(slots.tolist(), ranks.tolist())) == want
     assert prefix[-1] == len(want) and all(prefix[m] == sum(1 for s, _ in want if s < m) for m in (0, 1, n // 2, n))
+
+
+def test_tables_passed_in_give_the_same_tree_and_are_checked(monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    lp, ids = distinct_draft(7, 16, gen)
+    tables = tree_tables(7, 16, 40, lp.device)
+    assert isinstance(tables, TreeTables) and (tables.n, tables.k, tables.depth) == (40, 16, 7)
+    with no_host_reads(monkeypatch):  # the tables are made with device ops: no host read, no upload
+        tree_tables(7, 16, 40, lp.device)
+    assert same(dk.build_tree_device(lp, ids, 40, tables=tables), dk.build_tree_device(lp, ids, 40))
+    assert same(dk.build_tree_device(lp, ids, 40, tables=tables), dk.build_tree(lp, ids, 40))
+    with pytest.raises(ValueError, match="tables are for N=40"):
+        dk.build_tree_device(lp, ids, 41, tables=tables)
+    with pytest.raises(ValueError, match="K=16, D=7"):
+        dk.build_tree_device(lp[:6], ids[:6], 40, tables=tables)
+    with pytest.raises(TypeError, match="TreeTables"):
+        dk.build_tree_device(lp, ids, 40, tables=tuple(tables))
+
+
+def test_the_static_op_builds_over_the_callers_tables():
+    from dflash_kernels import static_ops
+
+    gen = torch.Generator().manual_seed(8)
+    lp, ids = distinct_draft(5, 8, gen)
+    tables = tree_tables(5, 8, 12, lp.device)
+    want = dk.build_tree(lp, ids, 12)
+    for backend in ("reference", "triton"):
+        assert same(static_ops.build_tree_device(lp, ids, 12, tables=tables, backend=backend), want), backend
+    args = (lp, ids, 12, tables.slots, tables.ranks, tables.depth_of, tables.parent_base)
+    torch.library.opcheck(torch.ops.dflash.build_tree_device_static, args)
 
 
 @pytest.mark.parametrize("n,k,depth", [(1, 1, 1), (14, 2, 3), (15, 1, 15), (1024, 1024, 15), (1024, 32, 15), (100, 3, 6)])
@@ -443,27 +473,27 @@ def no_host_reads(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbid(name), raising=False)
     monkeypatch.setattr(torch, "nonzero", forbid("torch.nonzero"))
     monkeypatch.setattr(torch, "masked_select", forbid("torch.masked_select"))
-    real_getitem, real_setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
-
-    def check_index(index):
-        for i in index if isinstance(index, tuple) else (index,):
-            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-                raise AssertionError("boolean-mask indexing (a data-dependent shape)")
-
-    def getitem(self, index):
-        check_index(index)
-        return real_getitem(self, index)
-
-    def setitem(self, index, value):
-        check_index(index)
-        return real_setitem(self, index, value)
-
-    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
-    monkeypatch.setattr(torch.Tensor, "__setitem__", setitem)
+    # indexing is watched through a TorchFunctionMode, not by patching torch.Tensor.__getitem__: setting and
+    # deleting __getitem__ on the class leaves CPython's generic sequence slot behind, after which
+    # torch.as_tensor([0-d tensor]) takes tensors for sequences (and fails) for the rest of the process
     try:
-        yield
+        with _NoBoolIndex():
+            yield
     finally:
         monkeypatch.undo()
+
+
+def _check_index(index):
+    for i in index if isinstance(index, tuple) else (index,):
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            raise AssertionError("boolean-mask indexing (a data-dependent shape)")
+
+
+class _NoBoolIndex(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+            _check_index(args[1])
+        return func(*args, **(kwargs or {}))
 
 
 def test_the_host_read_guard_catches_reads(monkeypatch):
@@ -478,7 +508,7 @@ def test_the_host_read_guard_catches_reads(monkeypatch):
 def test_build_and_walk_read_no_tensor_values(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     lp, ids = distinct_draft(15, 64, gen)
-    dk.build_tree_device(lp, ids, 256)  # the static index sets may be built on the host once (cached)
+    dk.build_tree_device(lp, ids, 256)
     want_tree = dk.build_tree(lp, ids, 256)
     choice = torch.randint(0, 50_000, (257,), generator=gen)
     choice[0] = want_tree[0][0]
@@ -497,7 +527,7 @@ def test_cuda_round_has_no_sync():
     gen = torch.Generator().manual_seed(2)
     lp, ids = distinct_draft(15, 1024, gen)
     lp_d, ids_d = lp.cuda(), ids.cuda()
-    dk.build_tree_device(lp_d, ids_d, 1024)  # warm the candidate-set cache (one upload)
+    dk.build_tree_device(lp_d, ids_d, 1024)  # warm-up (allocator, kernels)
     choice = torch.randint(0, 50_000, (1025,), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -11,12 +11,28 @@ Set-up, all before the generation's clock starts (its seconds go to
 ``result.compile_time``, never into ``total_time`` or tokens/s):
 
 1. a :class:`StaticRound` for the settings (method, block size, budget,
-   sampling mode, cache rows rounded up to :data:`~dflash.decoding.static_round.ROW_BUCKET`)
+   sampling mode, each cache's rows rounded up to :data:`~dflash.decoding.static_round.ROW_BUCKET`)
    comes from a pool on the target model, so a later generation with the
    same settings reuses its buffers, its compiled code and its graphs;
 2. a new entry is warmed up: its caches are frozen at length 0, each step
    runs twice (the first call compiles), on CUDA the steps are captured, then
    the state is put back and the caches thawed for the eager prefill.
+
+The pool is an LRU of at most :data:`POOL_CAPACITY` entries per target (4,
+or ``DFLASH_COMPILED_POOL_SIZE`` in the environment at import): an entry
+holds two caches, its compiled code and, on CUDA, two captured graphs and
+their memory pool. The entry used least recently is evicted when a new one
+would exceed it: its graphs are reset, its compiled code dropped and its
+buffers released (to torch's caching allocator). The caches of all entries
+on a target share storage where the shapes allow: one flat buffer per side
+(target / drafter), layer count, head count, head dim, dtype and device,
+allocated at the largest bucket asked for so far, which every smaller
+bucket views (a larger bucket allocates a new buffer; the old one goes with
+the last entry that views it). Entries that share a buffer never run at
+once: a generation holds its entry (and its buffers) until it ends, and a
+compiled generation that would need an entry or a buffer another running
+generation holds is refused (one compiled generation at a time per target
+and buffer).
 
 A target that cannot be traced as one graph raises :class:`CompileUnsupported`
 naming the cause (run it with ``compile=False``, the default and the
@@ -26,10 +42,15 @@ reference). Hybrid (linear-attention) targets are refused up front.
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import threading
 import time
 import types
 import warnings
-from typing import Optional
+import weakref
+from collections import OrderedDict
+from typing import List, Optional
 
 import torch
 
@@ -38,9 +59,9 @@ from .result import GenerationResult
 from .ddtree import _check_budget
 from .speculation import (HostReader, SeedSource, StageClock, _check_common, _Output, _prepare_prompt, as_sampling,
                           block_size_of, check_pair, choose_tokens, mask_token_id_of)
-from .static_round import StaticRound, bucket_rows
+from .static_round import StaticRound, bucket_rows, cache_rows
 
-__all__ = ["CompileUnsupported", "compiled_generate", "COMPILE_MODES"]
+__all__ = ["CompileUnsupported", "compiled_generate", "COMPILE_MODES", "POOL_CAPACITY"]
 
 #: ``compile=`` values: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the same fixed-shape
 #: steps run eagerly: what the compiled graphs compute, for tests and comparisons)
@@ -49,6 +70,26 @@ COMPILE_MODES = (True, "compile", "static")
 
 class CompileUnsupported(RuntimeError):
     """The target (or a setting) cannot be run as compiled fixed-shape rounds; run with ``compile=False``."""
+
+
+def _capacity_from_env(default: int = 4) -> int:
+    text = os.environ.get("DFLASH_COMPILED_POOL_SIZE")
+    if text is None:
+        return default
+    try:
+        value = int(text)
+        if value < 1:
+            raise ValueError
+    except ValueError:
+        warnings.warn(f"DFLASH_COMPILED_POOL_SIZE must be an int >= 1, got {text!r}; using {default}")
+        return default
+    return value
+
+
+#: the most compiled-round settings pooled per target model (an LRU; each entry holds its caches, compiled
+#: code and, on CUDA, two graphs); ``DFLASH_COMPILED_POOL_SIZE`` in the environment at import, else 4.
+#: Read at each insertion, so it may also be set at run time.
+POOL_CAPACITY = _capacity_from_env()
 
 
 def _draft_step(rnd: StaticRound) -> None:
@@ -85,18 +126,74 @@ def _compiled(fn, device: torch.device):
     """
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name)
-    return torch.compile(copy, fullgraph=True, dynamic=False, **_compile_kwargs(device))
+    compiled = torch.compile(copy, fullgraph=True, dynamic=False, **_compile_kwargs(device))
+    compiled._dflash_code = code  # its dynamo cache lives on this code object (dropped on release)
+    return compiled
+
+
+def _forget_code(fn) -> None:
+    """Drop dynamo's compiled entries of a step copy (:func:`_compiled`): its graphs and their guards."""
+    code = getattr(fn, "_dflash_code", None)
+    reset_code = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    reset_code = getattr(reset_code, "reset_code", None)
+    if code is not None and reset_code is not None:
+        reset_code(code)
+
+
+_DISTUTILS_CORE = re.compile(r"(?:AssertionError: )?(\S*distutils[\\/]core\.py)")
+
+
+def _distutils_core_path(exc: BaseException) -> Optional[str]:
+    """The path in setuptools' check ``assert '_distutils' in core.__file__, core.__file__`` when ``exc`` is
+    that failure or wraps it (inductor raises it as ``InductorError: AssertionError: .../distutils/core.py``)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        text = str(e).strip()
+        first = text.splitlines()[0].strip() if text else ""
+        if isinstance(e, AssertionError) or first.startswith("AssertionError: "):
+            m = _DISTUTILS_CORE.fullmatch(first)
+            if m:
+                return m.group(1)
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+    return None
+
+
+def _unsupported(model_name: str, exc: BaseException) -> CompileUnsupported:
+    """The :class:`CompileUnsupported` for a failure while compiling or capturing the steps."""
+    path = _distutils_core_path(exc)
+    if path is not None:
+        return CompileUnsupported(
+            f"torch.compile could not build the compiled rounds: setuptools failed to load its own distutils "
+            f"(AssertionError: {path}). The standard library's distutils was imported before setuptools: on "
+            "Python < 3.12, importing pip (or anything that switches off setuptools' distutils shim) before "
+            "setuptools makes `import distutils` load the standard library's copy, and setuptools' check of its "
+            "own copy then fails when torch.compile imports it. Import setuptools before anything imports pip "
+            "or distutils (e.g. `import setuptools` at the top of the program), or set "
+            "SETUPTOOLS_USE_DISTUTILS=stdlib in the environment; or run with compile=False.")
+    text = str(exc)
+    return CompileUnsupported(
+        f"{model_name} cannot be run as compiled rounds ({type(exc).__name__}: "
+        f"{text.splitlines()[0] if text else ''}); run it with compile=False")
 
 
 class CompiledSteps:
     """A pooled :class:`StaticRound` and its runnable steps (compiled, captured on CUDA, or eager-static)."""
 
-    def __init__(self, rnd: StaticRound, mode):
+    def __init__(self, rnd: StaticRound, mode, blocks=()):
         self.rnd, self.mode = rnd, mode
         self.cuda = rnd.device.type == "cuda" and mode != "static"
         self.graphs = None
         self.payload = None
         self.ready = False
+        #: the shared cache buffers this entry's caches view (:class:`_SharedKV`)
+        self.blocks: List[_Block] = list(blocks)
+        #: a generation runs on this entry now; evicted while it ran: released when it ends
+        self.busy = False
+        self.evicted = False
         if mode == "static":
             self._draft, self._verify = _draft_step, _verify_step
         else:
@@ -145,20 +242,14 @@ class CompiledSteps:
         rnd.freeze()
         rnd.snapshot()
         try:
-            with warnings.catch_warnings():
-                # the device tree build caches its index tables with functools.lru_cache (keyed by shapes
-                # only): tracing through the cache is exactly right here, dynamo's generic warning is noise
-                warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
-                if self.cuda:
-                    self._capture()
-                elif self.mode != "static":
-                    for _ in range(2):
-                        rnd.restore()
-                        self._round()
+            if self.cuda:
+                self._capture()
+            elif self.mode != "static":
+                for _ in range(2):
+                    rnd.restore()
+                    self._round()
         except Exception as exc:  # dynamo / inductor / capture failures: say what and what to do
-            raise CompileUnsupported(
-                f"{type(rnd.adapter.model).__name__} cannot be run as compiled rounds ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); run it with compile=False") from exc
+            raise _unsupported(type(rnd.adapter.model).__name__, exc) from exc
         finally:
             rnd.restore()
             rnd.thaw()
@@ -180,11 +271,127 @@ class CompiledSteps:
             return self.payload
         return self._run_verify()
 
+    def release(self) -> None:
+        """Free what the entry holds: CUDA graphs reset (their memory pool goes back), compiled code dropped,
+        the round's caches and buffers unreferenced. The entry cannot run afterwards."""
+        graphs, self.graphs = self.graphs, None
+        for graph in graphs or ():
+            if graph is not None:
+                graph.reset()
+        self.payload = None
+        for fn in (self._draft, self._verify):
+            _forget_code(fn)
+        self._draft = self._verify = None
+        self.rnd = None
+        self.blocks = []
+        self.ready = False
 
-def _pool(target) -> dict:
+
+class _Block:
+    """One flat, zero-initialized buffer whose leading elements pooled rounds' caches view."""
+
+    __slots__ = ("flat", "busy", "__weakref__")
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat
+        self.busy = False
+
+
+class _SharedKV:
+    """Cache storage of a target's pooled rounds, shared across buckets (see the module docstring).
+
+    Keyed by (side, layers, kv heads, head dim, dtype, device); the registry
+    holds its buffers weakly, the entries that view them strongly.
+    """
+
+    def __init__(self):
+        self._blocks = {}
+
+    def view(self, role: str, shape, dtype, device):
+        """``(kv, block)``: a ``shape`` view of the side's buffer, a new buffer when none is big enough or free."""
+        L, two, heads, rows, head_dim = (int(x) for x in shape)
+        key = (role, L, heads, head_dim, dtype, str(device))
+        numel = L * two * heads * rows * head_dim
+        ref = self._blocks.get(key)
+        block = ref() if ref is not None else None
+        if block is None or block.flat.numel() < numel or block.busy:
+            block = _Block(torch.zeros(numel, dtype=dtype, device=device))
+            self._blocks[key] = weakref.ref(block)
+        return block.flat[:numel].view(L, two, heads, rows, head_dim), block
+
+
+class _RoundPool:
+    """A target's compiled rounds: an LRU of :class:`CompiledSteps` by settings, at most :data:`POOL_CAPACITY`."""
+
+    def __init__(self):
+        self._entries: "OrderedDict[tuple, CompiledSteps]" = OrderedDict()
+        self.kv = _SharedKV()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def keys(self):
+        return self._entries.keys()
+
+    def values(self):
+        return self._entries.values()
+
+    def items(self):
+        return self._entries.items()
+
+    def get(self, key) -> Optional[CompiledSteps]:
+        steps = self._entries.get(key)
+        if steps is not None:
+            self._entries.move_to_end(key)
+        return steps
+
+    def add(self, key, steps: CompiledSteps) -> None:
+        self._entries[key] = steps
+        self._entries.move_to_end(key)
+        while len(self._entries) > max(1, int(POOL_CAPACITY)):
+            self._drop(next(iter(self._entries)))
+
+    def discard(self, key) -> None:
+        if key in self._entries:
+            self._drop(key)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
+
+    def _drop(self, key) -> None:
+        steps = self._entries.pop(key)
+        steps.evicted = True
+        if not steps.busy:
+            steps.release()
+
+    def lease(self, steps: CompiledSteps) -> None:
+        """Mark ``steps`` (and the buffers it views) as in use by a generation, or refuse when in use."""
+        if steps.busy or any(block.busy for block in steps.blocks):
+            raise RuntimeError(
+                "another compiled generation on this target is running on this round's caches; compiled "
+                "generations on one target run one at a time (let it finish, or run this one with compile=False)")
+        steps.busy = True
+        for block in steps.blocks:
+            block.busy = True
+
+    def finish(self, steps: CompiledSteps) -> None:
+        with self.lock:
+            steps.busy = False
+            for block in steps.blocks:
+                block.busy = False
+            if steps.evicted:
+                steps.release()
+
+
+def _pool(target) -> _RoundPool:
     pool = getattr(target, "_dflash_compiled_rounds", None)
-    if pool is None:
-        pool = {}
+    if not isinstance(pool, _RoundPool):
+        pool = _RoundPool()
         try:
             setattr(target, "_dflash_compiled_rounds", pool)
         except AttributeError:  # pragma: no cover - a target that refuses attributes: no pooling
@@ -222,6 +429,7 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
     capture = draft.target_layer_ids if method != "ar" else ()
     adapter = TargetAdapter(target, capture)
     out = None
+    leased = pool = None
     try:
         _check_compilable(adapter)
         device = adapter.device
@@ -237,18 +445,38 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
         prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
         seeds = SeedSource(seed)
         rows = budget + 1 if method == "ddtree" else B
-        max_rows = prompt.numel() + max_new_tokens + rows + 1
-        key = (method, id(draft) if draft is not None else None, B, budget, mask_id, _sampling_key(sampling),
-               bucket_rows(max_rows), str(device), compile, repr(sorted(_compile_kwargs(device).items())))
+        target_rows, draft_rows = cache_rows(method, B, budget, prompt.numel() + max_new_tokens)
+        draft_dtype = str(draft.fc.weight.dtype) if method != "ar" else None
+        key = (method, id(draft) if method != "ar" else None, B, budget, mask_id, _sampling_key(sampling),
+               bucket_rows(target_rows), bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(device),
+               compile, repr(sorted(_compile_kwargs(device).items())))
         pool = _pool(target)
-        steps = pool.get(key)
-        if steps is None:
-            rnd = StaticRound(adapter, draft, method=method, block_size=B, tree_budget=budget, max_rows=max_rows,
-                              sampling=sampling, seed=0, mask_token_id=mask_id)
-            steps = pool[key] = CompiledSteps(rnd, compile)
+        with pool.lock:
+            steps = pool.get(key)
+            if steps is None:
+                blocks = []
+
+                def kv_alloc(role, shape, dtype, dev):
+                    kv, block = pool.kv.view(role, shape, dtype, dev)
+                    blocks.append(block)
+                    return kv
+
+                rnd = StaticRound(adapter, draft, method=method, block_size=B, tree_budget=budget,
+                                  target_rows=target_rows, draft_rows=draft_rows, sampling=sampling, seed=0,
+                                  mask_token_id=mask_id, kv_alloc=kv_alloc)
+                steps = CompiledSteps(rnd, compile, blocks)
+                pool.add(key, steps)
+            pool.lease(steps)
+        leased = steps
         rnd = steps.rnd
         rnd.adapter = adapter  # this call's adapter (hooks, attention switch); the same model
-        compile_time = steps.prepare()
+        try:
+            compile_time = steps.prepare()
+        except BaseException:
+            if not steps.ready:  # a set-up that failed is not kept
+                with pool.lock:
+                    pool.discard(key)
+            raise
         rnd.reset(seeds.next())
         out = _Output(prompt, max_new_tokens, stop_ids, stopping_criteria=stopping_criteria, streamer=streamer)
         result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=method)
@@ -261,6 +489,7 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
         clock = StageClock(device, stage_timing)
         D = B - 1
         while not out.done:
+            rnd.check_room(len(out.tokens))  # host ints: a round never writes past either cache
             if method != "ar":
                 steps.draft()
                 clock.mark("draft")
@@ -287,4 +516,8 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
             if out is not None:
                 out.close()
         finally:
-            adapter.close()
+            try:
+                if leased is not None:
+                    pool.finish(leased)
+            finally:
+                adapter.close()

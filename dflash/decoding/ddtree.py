@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 import dflash_kernels
+from dflash_kernels.tree_device import tree_tables
 
 from .result import GenerationResult
 from .speculation import Speculation
@@ -73,6 +74,8 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
         D = s.B - 1
         K = min(budget, s.adapter.vocab_size)
         on_host = _host_tree_ops(s.device)
+        # the device build's index tables, made once per generation (a build without them makes its own)
+        tables = None if on_host else tree_tables(D, K, budget, s.device)
         s.prefill()
         while not s.out.done:
             start = s.out.committed - 1
@@ -81,7 +84,7 @@ def ddtree_generate_result(target, draft, input_ids, *, max_new_tokens, temperat
             if on_host:
                 tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, budget)
             else:
-                tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, budget)
+                tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, budget, tables=tables)
             clock.mark("draft")
 
             verify_ids = torch.cat([s.last_token, tokens])

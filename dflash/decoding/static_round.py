@@ -4,7 +4,7 @@ A :class:`StaticRound` holds every value a round reads or writes as a device
 tensor of fixed shape, so its steps are functions of those tensors alone:
 ``torch.compile(fullgraph=True)`` traces each once, and on CUDA a captured
 graph replays it every round. Per generation (``B`` block size, ``N`` tree
-budget, ``S`` cache rows, ``D = B - 1``):
+budget, ``D = B - 1``):
 
 ==================  =====================  ===========================================================
 tensor              shape                  meaning
@@ -18,7 +18,16 @@ tensor              shape                  meaning
 ``proposals``       ``[D]`` int64          DFlash: the drafter's chain
 ``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes (``build_tree_device``)
 ``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
+``tree_tables``     (index tables)         DDTree: the tree build's index tables, made once here and
+                                           held as long as the round (its graphs read their addresses)
 ==================  =====================  ===========================================================
+
+Each cache is sized from the rows its own side writes (:func:`cache_rows`):
+a verify writes ``T`` target rows past the committed length (``B`` for the
+chain, ``budget + 1`` for the tree, 1 for AR), a draft ``B`` context rows and
+then ``B`` block rows past the drafter's; both rounded up to
+:data:`ROW_BUCKET`. :meth:`StaticRound.check_room` refuses a round that
+could write past either cache, on the host, before it runs.
 
 Steps (nothing in them reads a value on the host):
 
@@ -41,19 +50,21 @@ applies the stop rules; it never writes the state.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
 import dflash_kernels
 from dflash_kernels import static_ops
+from dflash_kernels import tree_device
 
 from ..drafter.model import all_visible_bits
-from ..drafter.static_cache import StaticDraftKVCache
-from ..target.static import StaticTargetKVCache, static_forward
+from ..drafter.static_cache import StaticDraftKVCache, draft_kv_shape
+from ..kv_buffer import CacheFullError
+from ..target.static import StaticTargetKVCache, static_forward, target_kv_shape
 from .generation_config import SamplingSettings
 
-__all__ = ["StaticRound", "bucket_rows"]
+__all__ = ["StaticRound", "bucket_rows", "cache_rows"]
 
 #: static caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
@@ -64,11 +75,39 @@ def bucket_rows(rows: int) -> int:
     return -(-int(rows) // ROW_BUCKET) * ROW_BUCKET
 
 
-class StaticRound:
-    """The fixed-shape state and steps of one generation (see the module docstring)."""
+def verify_rows(method: str, block_size: int, tree_budget: int) -> int:
+    """Target rows one verify writes past the committed length: 1 (AR), ``B`` (chain), ``budget + 1`` (tree)."""
+    return {"ar": 1, "dflash": int(block_size), "ddtree": int(tree_budget) + 1}[method]
 
-    def __init__(self, adapter, draft, *, method: str, block_size: int, tree_budget: int, max_rows: int,
-                 sampling: SamplingSettings, seed: int, mask_token_id: int):
+
+def cache_rows(method: str, block_size: int, tree_budget: int, total_tokens: int) -> Tuple[int, int]:
+    """``(target rows, drafter rows)`` a generation of ``total_tokens`` (prompt + new tokens) needs, unrounded.
+
+    A round starts with ``n <= total_tokens`` committed tokens; its verify
+    writes target rows up to ``n - 2 + T`` (``T`` = :func:`verify_rows`), its
+    draft drafter rows up to ``n - 2 + B`` (``B`` context rows from the
+    drafter's length, then ``B`` block rows after the real ones), so
+    ``total_tokens - 1 + T`` and ``total_tokens - 1 + B`` rows suffice; these
+    keep two spare rows. The drafter count is 0 for AR.
+    """
+    total = int(total_tokens)
+    target = total + verify_rows(method, block_size, tree_budget) + 1
+    draft = 0 if method == "ar" else total + int(block_size) + 1
+    return target, draft
+
+
+class StaticRound:
+    """The fixed-shape state and steps of one generation (see the module docstring).
+
+    ``target_rows`` / ``draft_rows``: the rows each cache needs (:func:`cache_rows`), rounded up to
+    :data:`ROW_BUCKET`. ``kv_alloc(role, shape, dtype, device) -> kv`` (role ``"target"`` or
+    ``"draft"``) hands each cache its storage (e.g. a view of a buffer pooled rounds share); zeros
+    when omitted.
+    """
+
+    def __init__(self, adapter, draft, *, method: str, block_size: int, tree_budget: int, target_rows: int,
+                 draft_rows: int, sampling: SamplingSettings, seed: int, mask_token_id: int,
+                 kv_alloc: Optional[Callable] = None):
         self.adapter, self.draft_model, self.method = adapter, draft, method
         self.sampling = sampling
         device = self.device = adapter.device
@@ -79,8 +118,13 @@ class StaticRound:
         self.K = min(self.budget, adapter.vocab_size) if method == "ddtree" else 0
         #: tree nodes per round (the budget, or fewer when D levels of K children hold fewer)
         self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
-        self.S = bucket_rows(max_rows)
-        self.cache = StaticTargetKVCache(adapter.config, self.S, dtype=adapter.dtype, device=device)
+        #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1)
+        self.T = self.N + 1 if method == "ddtree" else B
+        alloc = kv_alloc or (lambda role, shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+        self.S = bucket_rows(target_rows)
+        self.cache = StaticTargetKVCache(
+            adapter.config, self.S, dtype=adapter.dtype, device=device,
+            kv=alloc("target", target_kv_shape(adapter.config, self.S), adapter.dtype, device))
         long = dict(dtype=torch.long, device=device)
         self.last = torch.zeros(1, **long)
         self.seed = torch.full((1,), int(seed), **long)
@@ -88,7 +132,11 @@ class StaticRound:
         if method == "ar":
             return
         all_visible_bits(B, device)  # made before tracing: a traced step only looks it up (no recompile)
-        self.dcache = StaticDraftKVCache(draft.config, self.S, dtype=draft.fc.weight.dtype, device=device)
+        draft_dtype = draft.fc.weight.dtype
+        self.S_draft = bucket_rows(draft_rows)
+        self.dcache = StaticDraftKVCache(
+            draft.config, self.S_draft, dtype=draft_dtype, device=device,
+            kv=alloc("draft", draft_kv_shape(draft.config, self.S_draft), draft_dtype, device))
         width = len(adapter.capture_layer_ids) * adapter.hidden_size
         self.ctx = torch.zeros(B, width, dtype=adapter.dtype, device=device)
         self.ctx_count = torch.zeros(1, **long)
@@ -100,6 +148,8 @@ class StaticRound:
             self.tokens = torch.zeros(self.N, **long)
             self.depths = torch.zeros(self.N, **long)
             self.parents = torch.zeros(self.N + 1, **long)
+            # the tree build's index tables: the round's own, alive as long as the graphs that read them
+            self.tree_tables = tree_device.tree_tables(self.D, self.K, self.budget, device)
 
     def reset(self, seed: int) -> None:
         """Empty caches (eager again, for the next prefill), a fresh sampling key; the buffers are kept."""
@@ -108,6 +158,19 @@ class StaticRound:
         self.seed.fill_(int(seed) & ((1 << 62) - 1))
         if self.method != "ar":
             self.ctx_count.zero_()
+
+    def check_room(self, committed: int) -> None:
+        """Refuse (:class:`~dflash.kv_buffer.CacheFullError`) the next round when, with ``committed`` tokens
+        (prompt included), its verify or its draft could write past its cache. Host ints only."""
+        sides = [("target", committed - 1 + self.T, self.cache.max_len)]
+        if self.method != "ar":
+            sides.append(("drafter", committed - 1 + self.B, self.dcache.max_len))
+        for side, rows, capacity in sides:
+            if rows > capacity:
+                raise CacheFullError(
+                    f"the {side} cache of this compiled round holds {capacity} rows; the next round, after "
+                    f"{committed} committed tokens, would need {rows}: the round's caches were sized for fewer "
+                    "tokens (prompt + max_new_tokens)")
 
     # ---------------------------------------------------------------- eager set-up (prompt shapes vary)
     def start(self, prompt: torch.Tensor, first_hidden_fn) -> torch.Tensor:
@@ -148,7 +211,8 @@ class StaticRound:
             self.proposals.copy_(static_ops.lm_head_argmax(out, W, positions=self.draft_rows, backend=self.backend))
             return
         logprobs, ids = static_ops.lm_head_topk(out, W, self.K, positions=self.draft_rows, backend=self.backend)
-        tokens, depths, parents = static_ops.build_tree_device(logprobs, ids, self.budget, backend=self.backend)
+        tokens, depths, parents = static_ops.build_tree_device(logprobs, ids, self.budget, tables=self.tree_tables,
+                                                               backend=self.backend)
         self.tokens.copy_(tokens)
         self.depths.copy_(depths)
         self.parents.copy_(parents)
