@@ -54,8 +54,11 @@ two stores never collide (``d`` is injective), loads never conflict with loads.
 
 Cross program: different programs own different ``(layer, k/v, head)``
 slices or different head-dim columns, so their address sets are disjoint
-(given a cache without internal overlap: the launcher rejects stride-0
-broadcast views) and no inter-program ordering is needed. Memory visibility to later
+given a cache whose layout does not overlap itself: the launcher refuses
+any ``kv`` where two indices could address one element (stride-0
+broadcasts, ``as_strided`` aliasing), from its sizes and strides
+(:func:`dflash_kernels.reference.kv_compaction.check_kv_layout`), so no
+inter-program ordering is needed. Memory visibility to later
 work: the stores are ordinary global stores; the next kernel on the stream
 sees them (kernel boundary). No thread ever needs to *read* another thread's
 store within this kernel (case 2), so no fence beyond the barrier is needed.
@@ -94,6 +97,7 @@ import triton.language as tl
 
 from . import reference as _reference
 from ._dispatch import get_backend
+from .reference.kv_compaction import check_kv_layout
 
 __all__ = ["compact_kv_", "compact_kv_static_"]
 
@@ -227,8 +231,7 @@ def _check_metadata(kv, src_positions, dst_start, num_rows) -> None:
         raise TypeError("compact_kv_: kv and src_positions must be torch.Tensor")
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"compact_kv_: kv must be [L, 2, Hkv, Smax, D], got shape {tuple(kv.shape)}")
-    if any(st == 0 and size > 1 for st, size in zip(kv.stride(), kv.shape)):
-        raise ValueError(f"compact_kv_: kv must not be a broadcast (stride-0) view, got strides {tuple(kv.stride())}")
+    check_kv_layout(kv, "compact_kv_")  # sizes and strides only
     if src_positions.dim() != 1:
         raise ValueError(f"compact_kv_: src_positions must be 1-D [A], got shape {tuple(src_positions.shape)}")
     if src_positions.dtype not in (torch.int64, torch.int32):
@@ -339,8 +342,10 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
     """In place, every layer/key-value/head: ``kv[..., dst_start + i, :] = kv[..., src_positions[i], :]``, ``i < n``.
 
     Args:
-        kv: ``[L, 2, Hkv, Smax, D]`` cache, any dtype and strides (not a
-            stride-0 broadcast view).
+        kv: ``[L, 2, Hkv, Smax, D]`` cache, any dtype, any strides whose
+            layout does not overlap itself (a contiguous buffer or a slice,
+            step or permutation of one; stride-0 broadcasts and aliasing
+            ``as_strided`` views raise a ValueError).
         src_positions: ``[A]`` int64/int32 on the CPU or on ``kv.device``;
             over the moved rows: strictly increasing, ``src_positions[i] >=
             dst_start + i``, ``< Smax``. Entries ``i >= n`` are never read.

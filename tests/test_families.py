@@ -284,11 +284,11 @@ def test_moe_experts_run_without_a_host_read_per_layer(family):
 
 
 def test_grouped_mm_fallback_is_avoided(monkeypatch):
-    """Where grouped_mm would fall back to its host loop, the batched experts run instead."""
-    monkeypatch.setattr(families, "grouped_mm_runs_on", lambda device: False)
-    assert families.choose_experts_implementation("eager", torch.device("cpu")) == "batched_mm"
-    assert families.choose_experts_implementation("grouped_mm", torch.device("cpu")) == "batched_mm"
-    assert families.choose_experts_implementation("batched_mm", torch.device("cpu")) is None
+    """Where grouped_mm would fall back to its host loop, the model's own experts run (batched_mm would gather
+    the expert weights per row: no memory for a prefill chunk); tests/test_moe_experts_choice.py has the rule."""
+    monkeypatch.setattr(families, "grouped_mm_fast_path", lambda device, dtype: False)
+    for current in ("eager", "grouped_mm", "batched_mm"):
+        assert families.choose_experts_implementation(current, torch.device("cpu"), torch.float32) is None
     target = tiny_family_target("qwen3_moe", vocab=VOCAB, experts="eager")
     ref = greedy(target, 10)
     with dflash_kernels.force_backend("reference"):

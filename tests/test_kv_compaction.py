@@ -332,3 +332,159 @@ def test_check_false_skips_the_value_checks_only():
     # ... values are trusted: a valid call gives the same result as with checks
     want = expected_by_hand(kv, [9, 11, 12], 8)
     assert torch.equal(dk.compact_kv_(kv, torch.tensor([9, 11, 12]), 8, check=False), want)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _overlapping_views(kv):
+    """Self-overlapping layouts over ``kv``'s storage: two distinct indices address one element."""
+    L, _, H, S, D = kv.shape
+    row, head = D, S * D
+    return {
+        "rows share elements": (kv.shape, (2 * H * S * D, H * S * D, head, D // 2, 1)),
+        "heads share rows": (kv.shape, (2 * H * S * D, H * S * D, head // 2, row, 1)),
+        "key and value alias": (kv.shape, (2 * H * S * D, 0 + head, head, row, 1)),
+        "layers alias k/v": ((L, 2, H, S // 2, D), (H * S * D, H * S * D, head, row, 1)),
+        "head dim past the row": ((L, 2, H, S // 2, 2 * D), (2 * H * S * D, H * S * D, head, row, 1)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_overlapping_views(cache())))
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("static", [False, True])
+def test_self_overlapping_kv_is_refused(name, backend, static):
+    """as_strided layouts where two indices share an element break the programs' disjoint slices: refused,
+    naming the shape and strides, before anything is written."""
+    base = cache()
+    shape, strides = _overlapping_views(base)[name]
+    kv = base.as_strided(shape, strides)
+    before = base.clone()
+    src = torch.tensor([3, 5, 6], device=DEVICE)
+    dst = torch.tensor([3], device=DEVICE) if static else 3
+    op = dk.compact_kv_static_ if static else dk.compact_kv_
+    with force_backend(backend):
+        with pytest.raises(ValueError, match="overlaps itself") as err:
+            op(kv, src, dst, check=False)
+    assert f"shape {tuple(shape)}" in str(err.value) and f"strides {tuple(strides)}" in str(err.value)
+    assert "contiguous" in str(err.value)
+    assert torch.equal(base, before)
+
+
+@pytest.mark.parametrize("name", list(_overlapping_views(cache())))
+def test_self_overlap_is_found_from_metadata_alone(name):
+    """The layout check reads no tensor value: a meta-device cache (no values) is refused the same way, and the
+    reference functions refuse it too."""
+    shape, strides = _overlapping_views(cache())[name]
+    kv = torch.empty(3, 2, 2, 48, 24, device="meta").as_strided(shape, strides)
+    src = torch.tensor([3, 5, 6], device="meta")
+    with pytest.raises(ValueError, match="overlaps itself"):
+        dk.compact_kv_(kv, src, 3, num_rows=torch.tensor([2], device="meta"), check=False)
+    with pytest.raises(ValueError, match="overlaps itself"):
+        ref.compact_kv_(kv, src, 3)
+    with pytest.raises(ValueError, match="overlaps itself"):
+        ref.compact_kv_static_(kv, src, torch.tensor([3], device="meta"))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_broadcast_kv_is_still_refused(backend):
+    kv = cache()
+    with force_backend(backend):
+        with pytest.raises(ValueError, match="stride-0"):
+            dk.compact_kv_(kv[:, :, :1].expand(-1, -1, 3, -1, -1), torch.tensor([1]), 0, check=False)
+        with pytest.raises(ValueError, match="stride-0"):
+            dk.compact_kv_(kv[:1].expand(4, -1, -1, -1, -1), torch.tensor([1]), 0, check=False)
+
+
+def _legitimate_views():
+    """Caches the package (or a caller) hands over: slices, steps and permutations of a contiguous buffer."""
+    gen = torch.Generator().manual_seed(7)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    return {
+        "row prefix": rand(3, 2, 2, 48, 24)[:, :, :, :40],
+        "layer slice": rand(5, 2, 2, 48, 24)[1:4],
+        "every other head": rand(3, 2, 4, 48, 24)[:, :, ::2],
+        "head-dim slice": rand(3, 2, 2, 48, 32)[..., 4:28],
+        "heads outermost": rand(2, 3, 2, 48, 24).permute(1, 2, 0, 3, 4),
+        "rows before heads": rand(3, 2, 48, 2, 24).permute(0, 1, 3, 2, 4),
+        "one layer, one head": rand(1, 2, 1, 48, 24),
+        "pooled slice of a bigger cache": rand(4, 3, 2, 2, 64, 24)[2, :, :, :, :48],
+    }
+
+
+@pytest.mark.parametrize("name", list(_legitimate_views()))
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("static", [False, True])
+def test_legitimate_views_are_compacted_in_place(name, backend, static):
+    view = _legitimate_views()[name]
+    base = view._base if view._base is not None else view
+    outside = base.clone()
+    want = expected_by_hand(view, [9, 11, 12, 30], 8)
+    src = torch.tensor([9, 11, 12, 30], device=DEVICE)
+    dst = torch.tensor([8], device=DEVICE) if static else 8
+    with force_backend(backend):
+        out = (dk.compact_kv_static_ if static else dk.compact_kv_)(view, src, dst)
+    assert out is view and torch.equal(view, want)
+    mask = torch.ones_like(base, dtype=torch.bool)
+    view_mask = mask.as_strided(view.shape, view.stride(), view.storage_offset())
+    view_mask.fill_(False)
+    assert torch.equal(base[mask], outside[mask])  # nothing outside the view moved
+
+
+def test_package_caches_pass_the_layout_check():
+    """The caches the package compacts: TargetKVCache, a HybridKVCache's attention slots, a pooled static view."""
+    from dflash.target.cache import TargetKVCache
+    from dflash.target.static import StaticTargetKVCache, target_kv_shape
+    from tiny_models import tiny_target
+
+    config = tiny_target("qwen3", layers=2, hidden=32).config
+    caches = [TargetKVCache(config, 40, torch.float32, DEVICE).kv]
+    pool = torch.zeros(3, *target_kv_shape(config, 40), device=DEVICE)
+    caches.append(StaticTargetKVCache(config, 40, torch.float32, DEVICE, kv=pool[1]).kv)
+    for kv in caches:
+        kv.normal_()
+        want = expected_by_hand(kv, [5, 7, 8], 4)
+        for backend in ("triton", "reference"):
+            got = kv.clone()
+            with force_backend(backend):
+                dk.compact_kv_(got, torch.tensor([5, 7, 8]), 4)
+            assert torch.equal(got, want)
+        assert torch.equal(dk.compact_kv_(kv[:, :, :, :20], torch.tensor([5, 7, 8]), 4), want[:, :, :, :20])
+
+
+def _offsets_distinct(shape, strides) -> bool:
+    offsets = {sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))}
+    return len(offsets) == torch.Size(shape).numel()
+
+
+def test_nested_strides_is_a_sound_overlap_test():
+    """Whenever the check accepts a layout its offsets are distinct (brute force over small layouts), and it
+    accepts every slice / step / permutation of a contiguous tensor (the layouts caches come in)."""
+    from dflash_kernels.reference.kv_compaction import nested_strides
+
+    rng = random.Random(0)
+    accepted = 0
+    for _ in range(3000):
+        dims = rng.randint(1, 4)
+        shape = [rng.randint(0, 4) for _ in range(dims)]
+        strides = [rng.randint(0, 24) for _ in range(dims)]
+        if nested_strides(shape, strides):
+            accepted += 1
+            assert _offsets_distinct(shape, strides), (shape, strides)
+    assert accepted > 300
+    for _ in range(500):
+        dims = rng.randint(1, 5)
+        full = [rng.randint(1, 5) for _ in range(dims)]
+        t = torch.empty(full)
+        for d in range(dims):  # slice and step every dim
+            start = rng.randint(0, full[d] - 1)
+            t = t.narrow(d, start, rng.randint(1, full[d] - start))
+            t = t[(slice(None),) * d + (slice(None, None, rng.randint(1, 2)),)]
+        t = t.permute(*rng.sample(range(dims), dims))
+        assert nested_strides(t.shape, t.stride()), (t.shape, t.stride())
+    # size-1 dims do not count, whatever their stride; an empty layout has nothing to overlap
+    assert nested_strides((2, 1, 3), (3, 0, 1)) and nested_strides((0, 3), (0, 0))
+    assert not nested_strides((2, 3), (2, 1))  # offsets 0..4: element 2 is reached twice

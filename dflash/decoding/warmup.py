@@ -10,36 +10,77 @@ settings: :func:`warmup` launches each of them once.
    mode on a synthetic prompt: the prefill, the draft pass (lm_head argmax or
    top-K), the verify pass (attention, lm_head argmax or sampling), the tree
    build, ancestor bits, walk and compaction, the gathers;
-2. the attention kernel at the shapes of every target and drafter pass
-   (``T`` = 1, ``B``, ``budget + 1``, a later prefill chunk), unsplit and
-   split over the key axis (the split count grows with the prefix, so a short
-   generation alone would not reach it).
+2. the attention kernel at every token count ``T`` a pass of these settings
+   can have, unsplit and split over the key axis (the split count grows with
+   the prefix, so a short generation alone would not reach it).
+
+Which token counts. The attention launcher picks its tile (``BLOCK_M`` and
+the rest of the config) from the packed row count ``T * G`` (``G`` query
+heads per kv head), and the output's head stride ``T * D`` is a specialized
+int; so two counts that agree on both need one binary. The fixed-size passes
+are one count each: the AR step (1), the DFlash verify and the drafter's block
+(``B``), the DDTree verify (``N + 1`` with ``N = tree_size(B - 1, K, budget)``,
+``K = min(budget, vocab)``: fewer than ``budget`` nodes when the vocabulary
+cannot fill the budget). The prefill is not: a prompt of ``P`` tokens runs
+passes of ``PREFILL_CHUNK`` rows and a last one of the rest, anything from 1
+row up. Layers with a window, softcap or sinks run the kernel on the first
+chunk too (``min(P, PREFILL_CHUNK)`` rows), plain layers only on the chunks
+after it (SDPA runs the first). :func:`attention_row_counts` gives one count
+per distinct variant in such a range, and each is launched.
+
+Not covered: a cache whose key / value head stride ``max_len * D`` is not a
+multiple of 16 (only head dims that are not) specializes on the cache length.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
 import dflash_kernels
+from dflash_kernels.tree_attention import tree_attention_config
 
 from ..drafter.model import all_visible_bits
 from ..target import PREFILL_CHUNK, TargetAdapter
+from ..target import adapter as _adapter_module
 from .generate import generate
 
 
-def _attention_shapes(model_config, head_dim):
-    hq = model_config.num_attention_heads
-    hkv = getattr(model_config, "num_key_value_heads", None) or hq
-    return hq, hkv, head_dim
+def _row_key(T: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple:
+    """The part of an attention launch's compile key that depends on its token count ``T``.
+
+    The config the launcher picks for ``T * group`` packed rows, and how the
+    runtime specializes the output's head stride ``T * head_dim`` (the output
+    is a fresh ``[Hq, T, D]`` tensor): equal to 1, a multiple of 16, or
+    neither. Every other int the kernel is given is either fixed by the model
+    and cache or kept out of the key (``do_not_specialize``).
+    """
+    cfg = tree_attention_config(head_dim, dtype, T * group)
+    stride = T * head_dim
+    return tuple(sorted(cfg.items())), stride == 1, stride % 16 == 0
 
 
-def _warm_attention(hq, hkv, d, dtype, device, rows, bits_for, variants, scale):
+@functools.lru_cache(maxsize=None)
+def attention_row_counts(first: int, last: int, group: int, head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
+    """One token count per distinct attention variant among ``T`` in ``[first, last]`` (the smallest of each).
+
+    A pass of any ``T`` in the range launches the binary of the count
+    returned for its variant (same config, same stride specialization).
+    """
+    seen = {}
+    for T in range(max(1, first), last + 1):
+        seen.setdefault(_row_key(T, group, head_dim, dtype), T)
+    return tuple(sorted(seen.values()))
+
+
+def _warm_attention(hq, hkv, d, dtype, device, rows: Iterable[int], bits_for, variants, scale):
     """``variants``: the distinct ``(window, softcap, sinks)`` of the layers (sinks a ``[Hq]`` tensor or None)."""
     prefix = 64  # any length: prefix lengths are not part of the key
     for T in rows:
-        q = torch.zeros(1, hq, T, d, dtype=dtype, device=device)
+        # The models' layout: a projection viewed as [T, H, D], heads moved first (not copied).
+        q = torch.zeros(T, hq, d, dtype=dtype, device=device).transpose(0, 1)[None]
         kv = torch.zeros(1, hkv, prefix + T, d, dtype=dtype, device=device)
         positions = torch.arange(prefix, prefix + T, device=device)
         for window, softcap, sinks in variants:
@@ -58,13 +99,37 @@ def _layer_variants(windows, softcaps=(), sinks=()):
     return list(seen.values())
 
 
+def _sdpa_first_chunk(variant) -> bool:
+    """A layer without window, softcap or sinks runs a prompt's first chunk on SDPA, not on the kernel."""
+    window, softcap, sinks = variant
+    return window is None and softcap is None and sinks is None
+
+
+def prefill_row_ranges(max_prompt_len: int, chunk: int) -> Tuple[int, int]:
+    """``(first, later)``: the most rows of a first prefill pass (prefix 0), and of a later one (0: none).
+
+    A prompt of ``P <= max_prompt_len`` tokens runs a first pass of
+    ``min(P, chunk)`` rows, then passes of ``chunk`` rows and a last one of
+    the rest (1 .. ``chunk`` rows), the later ones only when ``P > chunk``.
+    """
+    first = max(0, min(max_prompt_len, chunk))
+    later = chunk if max_prompt_len > chunk else 0
+    return first, later
+
+
+def tree_rows(block_size: int, tree_budget: int, vocab: int) -> int:
+    """Tokens of a DDTree verify pass: the root and ``tree_size(B - 1, min(budget, vocab), budget)`` nodes."""
+    return dflash_kernels.tree_size(block_size - 1, min(tree_budget, vocab), tree_budget) + 1
+
+
 @torch.inference_mode()
 def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[int] = None,
            tree_budget: Optional[int] = None, temperature: float = 0.0, max_prompt_len: int = PREFILL_CHUNK) -> None:
     """Launch every kernel variant ``generate(target, draft, method=..., ...)`` with these settings uses.
 
-    ``max_prompt_len``: the longest prompt to expect (a prompt past one
-    prefill chunk runs the attention kernel on chunk-sized passes too).
+    ``max_prompt_len``: the longest prompt to expect; every prompt up to it
+    (any length, so any short last prefill chunk) launches only warmed
+    variants.
     """
     vocab = target.lm_head.weight.shape[0]
     device = target.lm_head.weight.device
@@ -78,23 +143,35 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
     generate(target, draft, prompt, **kw)
     if dflash_kernels.get_backend(device) != "triton":
         return
+    chunk = int(_adapter_module.PREFILL_CHUNK)  # read now: the adapter's prefill reads it per call
+    first_rows, later_rows = prefill_row_ranges(int(max_prompt_len), chunk)
     with TargetAdapter(target) as adapter:
         cfg = adapter.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        hq, hkv, d = _attention_shapes(cfg, head_dim)
+        hq = cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or hq
+        group, dtype = hq // hkv, adapter.dtype
         spec = getattr(adapter, "spec", None)
         variants = _layer_variants(adapter.windows, getattr(spec, "attn_softcaps", ()) or (),
                                    getattr(spec, "sinks", ()) or ())
         scale = head_dim ** -0.5
-        budget = tree_budget if tree_budget is not None else 2 * (B - 1)
-        rows = {1} if method == "ar" else ({B} if method == "dflash" else {budget + 1})
-        if max_prompt_len > PREFILL_CHUNK:
-            rows.add(PREFILL_CHUNK)
-        chain_rows = rows - ({budget + 1} if method == "ddtree" else set())
-        _warm_attention(hq, hkv, d, adapter.dtype, device, sorted(chain_rows), lambda T: None, variants, scale)
+
+        def counts(last: int) -> List[int]:
+            return list(attention_row_counts(1, last, group, head_dim, dtype)) if last > 0 else []
+
+        # Chain passes (bits None): the decode step of AR / DFlash, and the prefill chunks.
+        decode = {"ar": [1], "dflash": [B]}.get(method, [])
+        kernel_first = [v for v in variants if not _sdpa_first_chunk(v)]
+        plan = [(variants, sorted(set(decode) | set(counts(later_rows))))]
+        if kernel_first:
+            plan.append((kernel_first, [T for T in counts(first_rows) if T not in plan[0][1]]))
+        for layer_variants, rows in plan:
+            _warm_attention(hq, hkv, head_dim, dtype, device, rows, lambda T: None, layer_variants, scale)
         if method == "ddtree":
+            budget = tree_budget if tree_budget is not None else 2 * (B - 1)
+            n_tree = tree_rows(B, budget, adapter.vocab_size)
             tree_bits = lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device)  # noqa: E731
-            _warm_attention(hq, hkv, d, adapter.dtype, device, [budget + 1], tree_bits, variants, scale)
+            _warm_attention(hq, hkv, head_dim, dtype, device, [n_tree], tree_bits, variants, scale)
     if draft is not None and method != "ar":
         dc = draft.config
         draft_variants = _layer_variants([layer.sliding_window for layer in draft.layers])

@@ -58,9 +58,11 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   (transformers' ``@use_experts_implementation``). The ``"eager"`` loop reads
   the hit experts back to the host once per MoE layer per forward; while an
   adapter is open the experts run ``"grouped_mm"`` (one grouped GEMM over
-  expert-sorted rows, offsets from ``histc`` on the device) where torch has
-  it for the device, else ``"batched_mm"`` (per-row gathered expert weights,
-  no host read, more memory), restored on close (:func:`open_experts`).
+  expert-sorted rows, offsets from ``histc`` on the device) where torch's
+  grouped GEMM runs without a host read (:func:`grouped_mm_fast_path`: CUDA
+  compute capability 9.x / 10.x with bf16 experts, or the CPU), restored on
+  close (:func:`open_experts`); elsewhere the model's own implementation is
+  kept (:func:`choose_experts_implementation` says why).
 
 Unknown ``model_type``: the generic entry (Llama shape; windows from the
 attention modules' ``sliding_window`` attributes, else ``layer_types``, else
@@ -176,7 +178,8 @@ class TargetSpec:
     tables for (None: one table for every layer). ``final_softcap``: applied
     to the target's logits in every choice (not to the drafter's).
     ``experts``: the experts implementation to run while an adapter is open
-    (None: not an MoE model, or its implementation already has no host read).
+    (None: not an MoE model, or the model's own is kept: see
+    :func:`choose_experts_implementation`).
     ``linear_layers``: the indices of the Gated-DeltaNet layers (hybrid
     targets; empty otherwise). ``rope_sections``: rows of position ids the
     rotary embedding takes (0: ``[batch, T]`` as usual).
@@ -217,36 +220,67 @@ def experts_modules(model) -> list:
                                                                                   "_experts_implementation")]
 
 
-def grouped_mm_runs_on(device: torch.device) -> bool:
-    """Whether transformers' ``grouped_mm`` experts reach torch's grouped GEMM (no host read) on ``device``.
+def _torch_version() -> Tuple[int, int]:
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return major, minor
 
-    Its fallback loops over ``offsets.tolist()``: CUDA needs sm_80+ and a torch
-    with ``grouped_mm``; CPU needs torch > 2.10 (older CPU kernels need
-    16-byte-aligned tensors or do not exist).
+
+def grouped_mm_fast_path(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs experts of ``dtype`` on ``device`` with no host read.
+
+    CUDA: ``aten::_grouped_mm`` (``_grouped_mm_cuda``, torch 2.11 and 2.13
+    alike) takes its CUTLASS kernel only when both operands and the output
+    are bf16 and the device's compute capability major is 9 or 10 (the
+    kernels are built for sm_90 and sm_100 only); anything else, sm_80 and
+    sm_120 included, goes to ``_grouped_mm_fallback``, which copies the
+    offsets to the host (``offs.cpu()``: a device-to-host sync) and loops over
+    the groups, once per grouped GEMM, two per MoE layer. transformers casts
+    the rows to the experts' weight dtype, so ``dtype`` is that weight dtype.
+    ROCm builds without the CK kernel fall back too: not claimed.
+    CPU: torch > 2.10 has a CPU kernel (older ones need 16-byte-aligned
+    tensors or have none); its loop runs where the data is, so there is no
+    device to wait for.
     """
-    has = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
-    if not has:
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)
+        if getattr(torch.version, "hip", None):
+            return False
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
     if device.type == "cpu":
-        major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-        return (major, minor) > (2, 10)
+        return _torch_version() > (2, 10)
     return False
 
 
-def choose_experts_implementation(current: Optional[str], device: torch.device) -> Optional[str]:
+def experts_dtype(module) -> Optional[torch.dtype]:
+    """The dtype of an experts module's weights (what transformers casts the rows to), or None."""
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        weight = getattr(module, name, None)
+        if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
+            return weight.dtype
+    for p in module.parameters(recurse=False):
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return None
+
+
+def choose_experts_implementation(current: Optional[str], device: torch.device,
+                                  dtype: Optional[torch.dtype]) -> Optional[str]:
     """The implementation to switch to while open, or None to keep ``current``.
 
-    ``"eager"`` (a host read per MoE layer) becomes ``"grouped_mm"`` where it
-    runs on the device, else ``"batched_mm"``; ``"grouped_mm"`` that would fall
-    back to its host loop becomes ``"batched_mm"``; anything else is kept.
+    ``"eager"`` (a host read per MoE layer) becomes ``"grouped_mm"`` where
+    torch's grouped GEMM has no host read for these experts
+    (:func:`grouped_mm_fast_path`); anything else is kept. Not grouped_mm
+    elsewhere: there torch falls back to a loop that syncs on its offsets
+    once per grouped GEMM, two per MoE layer, where the eager loop syncs
+    once. Not ``"batched_mm"`` either: it gathers a full copy of the expert
+    weights for every (row, expert) pair (``S x out x in``: over 100 GB for
+    one 2048-row prefill chunk of gpt-oss-20b), so the model's own
+    implementation stays. ``dtype``: the experts' weight dtype (None:
+    unknown, kept).
     """
-    grouped = grouped_mm_runs_on(device)
-    if current in (None, "eager"):
-        return "grouped_mm" if grouped else "batched_mm"
-    if current == "grouped_mm" and not grouped:
-        return "batched_mm"
+    if current in (None, "eager") and dtype is not None and grouped_mm_fast_path(device, dtype):
+        return "grouped_mm"
     return None
 
 
@@ -356,7 +390,9 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     if moe:
         if family.known and not family.moe:
             refuse("mixture of experts", f"{family.name} is a dense family")
-        experts = choose_experts_implementation(moe[0].config._experts_implementation, lm_head.weight.device)
+        weight = next((p for p in moe[0].parameters() if p.dtype.is_floating_point), lm_head.weight)
+        experts = choose_experts_implementation(moe[0].config._experts_implementation, weight.device,
+                                                experts_dtype(moe[0]))
 
     fused = family.fused_norm or (type(norm).__name__ if type(norm).__name__ in LLAMA_STYLE_NORMS else None)
     fuse_norm = type(norm).__name__ == fused and getattr(norm, "weight", None) is not None

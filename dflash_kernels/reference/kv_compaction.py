@@ -13,11 +13,55 @@ shapes (``torch.compile(fullgraph=True)`` traces it without a graph break).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["compact_kv_", "compact_kv_static_"]
+
+
+def nested_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when no two indices of a ``(shape, strides)`` layout address the same element (a sufficient test).
+
+    Dims of size 1 are ignored (they index nothing twice) and a layout with no
+    element cannot overlap. The other dims, sorted by stride, must each have a
+    stride larger than the span ``sum (size_j - 1) * stride_j`` of every
+    smaller-stride dim: then an offset's digits in that mixed radix are
+    unique, so distinct indices give distinct offsets. A stride 0 (broadcast)
+    or two dims of one stride never pass. Not necessary in general (an
+    interleaving like sizes ``(3, 2)``, strides ``(2, 3)`` has distinct
+    offsets but fails), but exact for the layouts caches come in: a contiguous
+    tensor and any slice, step or permutation of one (slicing shrinks spans,
+    steps scale a stride and shrink its size together, permuting reorders).
+    Metadata only: no tensor value is read.
+    """
+    if any(int(n) == 0 for n in shape):
+        return True
+    dims = sorted((int(st), int(n)) for n, st in zip(shape, strides) if int(n) > 1)
+    span = 0  # the largest offset the smaller-stride dims reach
+    for stride, size in dims:
+        if stride <= span:
+            return False
+        span += stride * (size - 1)
+    return True
+
+
+def check_kv_layout(kv: torch.Tensor, who: str) -> None:
+    """Refuse a ``kv`` whose layout overlaps itself (from its sizes and strides: no value is read).
+
+    The compaction writes rows it reads, and the Triton kernel's programs each
+    own a disjoint ``(layer, k/v, head, head-dim tile)`` slice: an element two
+    indices share would be written through one and read through the other.
+    """
+    shape, strides = tuple(kv.shape), tuple(kv.stride())
+    if any(st == 0 and n > 1 for st, n in zip(strides, shape)):
+        raise ValueError(f"{who}: kv must not be a broadcast (stride-0) view, got shape {shape}, strides {strides}")
+    if not nested_strides(shape, strides):
+        raise ValueError(
+            f"{who}: kv's layout overlaps itself (shape {shape}, strides {strides}): distinct indices may address "
+            "the same element. Pass a contiguous cache or a slice, step or permutation of one (sorted by stride, "
+            "each dim's stride must exceed the span of the smaller-stride dims)"
+        )
 
 
 def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *,
@@ -25,7 +69,8 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
     """In place: ``kv[:, :, :, dst_start + i] = kv[:, :, :, src_positions[i]]`` for every ``i < n``.
 
     Args:
-        kv: ``[L, 2, Hkv, Smax, D]`` cache (layers, key/value, heads, positions, head dim).
+        kv: ``[L, 2, Hkv, Smax, D]`` cache (layers, key/value, heads, positions, head dim), any
+            layout that does not overlap itself (:func:`check_kv_layout`).
         src_positions: ``[A]`` int (CPU or ``kv.device``), over the moved
             rows strictly increasing, ``src_positions[i] >= dst_start + i``.
         dst_start: first destination position (a tensor: see :func:`compact_kv_static_`).
@@ -42,6 +87,7 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
     """
     if isinstance(dst_start, torch.Tensor):
         return compact_kv_static_(kv, src_positions, dst_start, num_rows=num_rows)
+    check_kv_layout(kv, "compact_kv_")
     src = src_positions.to(device=kv.device, dtype=torch.int64)
     a = src.numel()
     if num_rows is not None:
@@ -79,6 +125,7 @@ def compact_kv_static_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start:
     ``s(i) = Smax - 1`` (``d(i) <= s(i) < Smax``), so every writer of that row
     writes its own old value: the result does not depend on the write order.
     """
+    check_kv_layout(kv, "compact_kv_static_")
     smax = kv.shape[3]
     src = src_positions.to(device=kv.device, dtype=torch.int64).reshape(-1)
     a = src.numel()
