@@ -42,7 +42,9 @@ may change from round to round): ``tree_attention_static`` (the committed
 length a device tensor, K/V the whole cache views), ``lm_head_sample_static``
 and ``lm_head_sample_processed_static`` (the seed a device tensor, the noise
 a pure function of its value), ``compact_kv_static_`` (the first destination
-row a device tensor). Their inputs are never read on the host (no range
+row a device tensor); ``build_tree_device_static`` (registered in
+:mod:`dflash_kernels.static_ops`: the device tree build over index tables the
+round owns). Their inputs are never read on the host (no range
 checks: ``check_bounds`` / ``check`` are off), and their launches depend on
 shapes only.
 
