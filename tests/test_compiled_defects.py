@@ -26,7 +26,6 @@ from unittest import mock
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import dflash
 import dflash_kernels
@@ -34,6 +33,7 @@ from dflash.decoding import compiled
 from dflash.decoding.compiled import CompileUnsupported
 from dflash.kv_buffer import CacheFullError
 from dflash_kernels import tree_device
+from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
 from tiny_models import tiny_draft, tiny_target
 
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
@@ -45,16 +45,6 @@ ROOT = os.path.dirname(TESTS)
 def reference_ops():
     with dflash_kernels.force_backend("reference"):
         yield
-
-
-@pytest.fixture
-def trace_only(monkeypatch):
-    """``compile=True`` traced by dynamo alone (no inductor): the steps run as traced graphs, in seconds."""
-    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def greedy(target, n, prompt=PROMPT):
