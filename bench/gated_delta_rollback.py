@@ -3,8 +3,8 @@
 Run: ``python bench/gated_delta_rollback.py`` (one CPU thread; ``--repeat N`` for more rounds).
 
 After a DFlash verify of a block of ``B`` tokens accepts ``a`` drafts, each
-linear-attention layer must hold the state after exactly ``a + 1`` tokens
-(SPEC 8). Two ways:
+linear-attention layer must hold the state after exactly ``a + 1`` tokens.
+Two ways:
 
 * (a) **checkpoints**: the verify writes the state after every block position
   (``gated_delta_tree(..., scratch=buf)``), the commit selects ``buf[a]``

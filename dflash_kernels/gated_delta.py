@@ -1,4 +1,4 @@
-"""Gated-DeltaNet ops for hybrid targets (SPEC 8): tree scan, path replay, tree conv, conv window.
+"""Gated-DeltaNet ops for hybrid targets: tree scan, path replay, tree conv, conv window.
 
 A hybrid target's linear-attention layer keeps a recurrent state ``S [Hv, Dk,
 Dv]`` (fp32) and a causal-conv window ``[K-1, C]``. Speculative verification

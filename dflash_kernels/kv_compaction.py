@@ -1,4 +1,4 @@
-"""KV-cache compaction after a DDTree walk (SPEC 7.4), one Triton launch for all layers.
+"""KV-cache compaction after a DDTree walk, one Triton launch for all layers.
 
 The verify pass leaves ``[prefix | root, node 1, ..., node N]`` in the cache;
 only the accepted path survives. :func:`compact_kv_` moves the accepted rows

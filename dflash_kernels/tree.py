@@ -1,6 +1,6 @@
 """DDTree structure ops: tree build and walk (C++), ancestor bitmask (Triton).
 
-Tree layout (SPEC section 5): node 0 is the root, the last committed token;
+Tree layout: node 0 is the root, the last committed token;
 nodes 1..N are drafted tokens numbered in best-first pop order, so a parent
 always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
 ``token_ids[i - 1]`` and ``depths[i - 1]`` describe node ``i``.

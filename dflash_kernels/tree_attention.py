@@ -1,4 +1,4 @@
-"""Verification attention over ``[committed prefix ; tree]`` keys (SPEC 5, 7.3).
+"""Verification attention over ``[committed prefix ; tree]`` keys.
 
 The one attention of every target pass (DFlash chain verify, AR steps, DDTree
 tree verify, prefill chunks after the first) and of the drafter (its block

@@ -1,4 +1,4 @@
-"""bf16 / fp16 greedy outputs equal ``target.generate()`` token for token (SPEC 4: the argmax of the
+"""bf16 / fp16 greedy outputs equal ``target.generate()`` token for token (the greedy rule: the argmax of the
 logits in the lm_head's dtype, lowest id on ties).
 
 Before the round redesign the argmax was taken over fp32-accumulated logits:

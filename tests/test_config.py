@@ -1,4 +1,4 @@
-"""Layer mapping (SPEC section 2) and drafter-config validation."""
+"""Layer mapping and drafter-config validation."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Device-side lengths and seeds (issue 12, item 2): the static forms of tree attention, sampling and compaction.
+"""Device-side lengths and seeds: the static forms of tree attention, sampling and compaction.
 
 A compiled / CUDA-graph step may not change any Python value from round to round, so the committed length,
 the first destination row of the compaction and the sampling seed are device tensors the kernels read from

@@ -1,4 +1,4 @@
-"""The DFlash chain loop (SPEC section 4).
+"""The DFlash chain loop.
 
 One DFlash round, with ``n`` committed tokens (the last one, at position
 ``n-1``, not yet in the target's cache):

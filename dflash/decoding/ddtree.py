@@ -1,4 +1,4 @@
-"""DDTree: verify a best-first tree of drafts per round (SPEC section 5).
+"""DDTree: verify a best-first tree of drafts per round.
 
 One round, with ``n`` committed tokens (the last, the root, at position
 ``start = n - 1`` and not yet in the target's cache), all on the device until

@@ -6,7 +6,7 @@ A DFlash drafter checkpoint's ``config.json`` is a Qwen3 config plus
 * ``block_size``: B, the block length (anchor token + B-1 masked positions),
 * ``dflash_config``: ``{"mask_token_id": int, "target_layer_ids": [int, ...]}``.
 
-``target_layer_ids`` (SPEC section 2) name the target decoder layers whose
+``target_layer_ids`` name the target decoder layers whose
 *outputs* feed the drafter; layer id ``k`` is entry ``k + 1`` of Hugging Face's
 ``output_hidden_states`` tuple (entry 0 is the embedding output).
 """

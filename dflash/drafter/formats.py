@@ -1,4 +1,4 @@
-"""Drafter checkpoint formats: z-lab (SPEC section 3) and transformers' native DFlash assistant, sharded or not.
+"""Drafter checkpoint formats: z-lab and transformers' native DFlash assistant, sharded or not.
 
 Two on-disk formats hold the same drafter:
 

@@ -1,4 +1,4 @@
-"""The DFlash drafter (SPEC section 3): a block-diffusion model conditioned on target features.
+"""The DFlash drafter: a block-diffusion model conditioned on target features.
 
 Shapes (batch 1 at inference, B = block size, C = new context rows, H = hidden):
 
@@ -319,7 +319,7 @@ class DFlashDraftModel(nn.Module):
                         max_shard_bytes: Optional[int] = None) -> None:
         """Write ``config.json`` and the safetensors weights in ``format``.
 
-        ``format``: ``"zlab"`` (the published format, SPEC section 3) or
+        ``format``: ``"zlab"`` (the published format) or
         ``"transformers"`` (transformers' native DFlash assistant, loadable by
         ``MuseGlimmerAssistantModel.from_pretrained``); see
         :mod:`dflash.drafter.formats` for the name mapping. ``max_shard_bytes``:

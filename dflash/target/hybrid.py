@@ -32,7 +32,7 @@ recurrent states). Here a verify pass never touches the committed state:
   layer's committed state through exactly the accepted rows (the row count
   read on the device), and :func:`dflash_kernels.conv_window_after` moves
   every window. The state then equals what plain decoding of the committed
-  tokens holds (SPEC 8). Rows past the count are never applied.
+  tokens holds. Rows past the count are never applied.
 
 Replay instead of per-step checkpoints (writing the state after every block
 position during the verify and selecting one), chosen by the numbers of

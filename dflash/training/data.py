@@ -1,7 +1,7 @@
 """Drafter training data: the target's own greedy continuations, and the JSONL reader.
 
 A DFlash drafter learns to predict what the *target* would generate, so its
-best training text is the target's own output (SPEC section 6). This module
+best training text is the target's own output. This module
 
 * samples *held-in* prompts (line starts in the train split of
   :mod:`dflash.tiny.corpus`; the held-out packages stay unseen),

@@ -1,4 +1,4 @@
-"""Training a DFlash drafter against a frozen target (SPEC section 6), and its CLI.
+"""Training a DFlash drafter against a frozen target, and its CLI.
 
 One training sequence ``x [T]`` with a loss mask, target decoder layers
 ``L_1..L_n`` feeding the drafter (``target_layer_ids``) and one *logit layer*
@@ -426,7 +426,7 @@ def _int_list(text: str) -> List[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dflash train",
-                                description="Train a DFlash drafter for a frozen target (SPEC section 6).")
+                                description="Train a DFlash drafter for a frozen target.")
     io = p.add_argument_group("data and files")
     io.add_argument("--target", required=True, help="local target directory (HF causal LM)")
     io.add_argument("--data", required=True, help="training JSONL: {'input_ids': [...], 'loss_mask': [...]} "

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the Gated-DeltaNet ops of hybrid targets (SPEC 8): the spec in code.
+"""Pure-torch reference of the Gated-DeltaNet ops of hybrid targets: the spec in code.
 
 A hybrid target (Qwen3.5, Qwen3-Next) interleaves full-attention layers with
 Gated-DeltaNet layers. Such a layer keeps, per sequence, a depthwise causal

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the KV-cache compaction after a DDTree walk (SPEC 7.4).
+"""Pure-torch reference of the KV-cache compaction after a DDTree walk.
 
 After verification the target's cache holds the prefix followed by every tree
 node's K/V; only the accepted path is kept. Its rows are moved, for all layers

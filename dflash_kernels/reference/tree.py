@@ -1,6 +1,6 @@
 """Pure-Python reference of the DDTree host ops and of the ancestor bitmask.
 
-These are the spec in code (SPEC section 5): the C++ tree build / walk and the
+These are the spec in code: the C++ tree build / walk and the
 Triton ancestor-bits kernel are tested for exact equality against them.
 
 Tree layout used everywhere: node 0 is the root (the last committed token);

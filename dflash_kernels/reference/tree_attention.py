@@ -1,4 +1,4 @@
-"""Pure-torch reference of the verification attention (SPEC sections 5 and 7.3).
+"""Pure-torch reference of the verification attention.
 
 T query tokens (the "tree": DDTree's root and nodes in pop order, a DFlash
 chain, one AR token, a prefill chunk, or the drafter's block) attend over
