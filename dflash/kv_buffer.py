@@ -22,9 +22,23 @@ class KVBuffer:
     #: True once a fixed-shape (compiled-round) cache has moved its length to the device
     static = False
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device):
-        self.kv = torch.zeros(num_layers, 2, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.max_len = max_len
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device,
+                 kv: "torch.Tensor | None" = None):
+        """``kv``: optional storage, a contiguous ``[L, 2, Hkv, max_len, D]`` tensor of ``dtype`` on ``device``
+        (e.g. a view of a buffer several pooled rounds share, zero-filled or holding only K/V values earlier
+        passes wrote: attention gives rows past a pass's keys weight 0, which needs them finite); allocated
+        (zeros) when omitted."""
+        shape = (num_layers, 2, num_kv_heads, int(max_len), head_dim)
+        if kv is None:
+            kv = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            want = torch.device(device)
+            same_device = kv.device.type == want.type and (want.index is None or kv.device.index == want.index)
+            if tuple(kv.shape) != shape or kv.dtype != dtype or not same_device or not kv.is_contiguous():
+                raise ValueError(f"{type(self).__name__}: kv must be a contiguous {shape} {dtype} tensor on {want}, "
+                                 f"got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
+        self.kv = kv
+        self.max_len = int(max_len)
         self.length = 0
 
     def _check_room(self, new: int) -> None:

@@ -437,12 +437,12 @@ def test_legitimate_views_are_compacted_in_place(name, backend, static):
 def test_package_caches_pass_the_layout_check():
     """The caches the package compacts: TargetKVCache, a HybridKVCache's attention slots, a pooled static view."""
     from dflash.target.cache import TargetKVCache
-    from dflash.target.static import StaticTargetKVCache, target_kv_shape
+    from dflash.target.static import StaticTargetKVCache
     from tiny_models import tiny_target
 
     config = tiny_target("qwen3", layers=2, hidden=32).config
     caches = [TargetKVCache(config, 40, torch.float32, DEVICE).kv]
-    pool = torch.zeros(3, *target_kv_shape(config, 40), device=DEVICE)
+    pool = torch.zeros(3, *StaticTargetKVCache.kv_shape(config, 40), device=DEVICE)
     caches.append(StaticTargetKVCache(config, 40, torch.float32, DEVICE, kv=pool[1]).kv)
     for kv in caches:
         kv.normal_()

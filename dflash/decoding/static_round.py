@@ -59,9 +59,9 @@ from dflash_kernels import static_ops
 from dflash_kernels import tree_device
 
 from ..drafter.model import all_visible_bits
-from ..drafter.static_cache import StaticDraftKVCache, draft_kv_shape
+from ..drafter.static_cache import StaticDraftKVCache
 from ..kv_buffer import CacheFullError
-from ..target.static import StaticTargetKVCache, static_forward, target_kv_shape
+from ..target.static import StaticTargetKVCache, static_forward
 from .generation_config import SamplingSettings
 
 __all__ = ["StaticRound", "bucket_rows", "cache_rows"]
@@ -124,7 +124,7 @@ class StaticRound:
         self.S = bucket_rows(target_rows)
         self.cache = StaticTargetKVCache(
             adapter.config, self.S, dtype=adapter.dtype, device=device,
-            kv=alloc("target", target_kv_shape(adapter.config, self.S), adapter.dtype, device))
+            kv=alloc("target", StaticTargetKVCache.kv_shape(adapter.config, self.S), adapter.dtype, device))
         long = dict(dtype=torch.long, device=device)
         self.last = torch.zeros(1, **long)
         self.seed = torch.full((1,), int(seed), **long)
@@ -136,7 +136,7 @@ class StaticRound:
         self.S_draft = bucket_rows(draft_rows)
         self.dcache = StaticDraftKVCache(
             draft.config, self.S_draft, dtype=draft_dtype, device=device,
-            kv=alloc("draft", draft_kv_shape(draft.config, self.S_draft), draft_dtype, device))
+            kv=alloc("draft", StaticDraftKVCache.kv_shape(draft.config, self.S_draft), draft_dtype, device))
         width = len(adapter.capture_layer_ids) * adapter.hidden_size
         self.ctx = torch.zeros(B, width, dtype=adapter.dtype, device=device)
         self.ctx_count = torch.zeros(1, **long)

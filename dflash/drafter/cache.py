@@ -18,8 +18,14 @@ class DraftKVCache(KVBuffer):
     Context row ``i`` sits at absolute position ``i``.
     """
 
-    def __init__(self, config, max_len: int, dtype, device):
-        super().__init__(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_len, dtype, device)
+    @staticmethod
+    def kv_shape(config, max_len: int):
+        """``(L, 2, Hkv, max_len, D)`` of a drafter cache of ``max_len`` rows."""
+        return (config.num_hidden_layers, 2, config.num_key_value_heads, int(max_len), config.head_dim)
+
+    def __init__(self, config, max_len: int, dtype, device, kv=None):
+        layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
+        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int):
         return self.write(layer_idx, k, v)

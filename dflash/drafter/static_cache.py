@@ -19,50 +19,21 @@ context is ingested eagerly, once).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 from dflash_kernels import static_ops
 
 from .cache import DraftKVCache
 
-__all__ = ["StaticDraftKVCache", "check_kv", "draft_kv_shape"]
-
-
-def draft_kv_shape(config, max_len: int) -> Tuple[int, int, int, int, int]:
-    """``(L, 2, Hkv, max_len, D)``: the shape of a drafter cache of ``max_len`` rows (as :class:`DraftKVCache`)."""
-    return (config.num_hidden_layers, 2, config.num_key_value_heads, int(max_len), config.head_dim)
-
-
-def check_kv(kv: torch.Tensor, shape, dtype, device, what: str) -> torch.Tensor:
-    """``kv`` if it is a contiguous ``shape`` tensor of ``dtype`` on ``device`` (a buffer handed to a cache)."""
-    device = torch.device(device)
-    same_device = kv.device.type == device.type and (device.index is None or kv.device.index == device.index)
-    if tuple(kv.shape) != tuple(shape) or kv.dtype != dtype or not same_device or not kv.is_contiguous():
-        raise ValueError(f"{what}: kv must be a contiguous {tuple(shape)} {dtype} tensor on {device}, got "
-                         f"{tuple(kv.shape)} {kv.dtype} on {kv.device}")
-    return kv
+__all__ = ["StaticDraftKVCache"]
 
 
 class StaticDraftKVCache(DraftKVCache):
-    """:class:`DraftKVCache` whose committed length moves to the device at :meth:`freeze`.
-
-    ``kv``: optional storage (``[L, 2, Hkv, max_len, D]``, e.g. a view of a
-    buffer several pooled rounds share; zero-filled or holding only K/V values
-    earlier passes wrote). Allocated (zeros) when omitted.
-    """
+    """:class:`DraftKVCache` whose committed length moves to the device at :meth:`freeze`
+    (``kv=``: caller storage, see :class:`~dflash.kv_buffer.KVBuffer`)."""
 
     #: reference backend, during a static pass: ``{window: visible [B, S] bool}`` shared by the layers
     visible = None
-
-    def __init__(self, config, max_len: int, dtype, device, kv: Optional[torch.Tensor] = None):
-        if kv is None:
-            super().__init__(config, max_len, dtype, device)
-            return
-        self.kv = check_kv(kv, draft_kv_shape(config, max_len), dtype, device, "StaticDraftKVCache")
-        self.max_len = int(max_len)
-        self.length = 0
 
     def write_static(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,
                      count: torch.Tensor):

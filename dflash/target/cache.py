@@ -30,10 +30,16 @@ class TargetKVCache(KVBuffer):
     ``key [1, Hkv, T, D]`` (batch 1); we return ``[1, Hkv, length+T, D]`` views.
     """
 
-    def __init__(self, config, max_len: int, dtype, device):
+    @staticmethod
+    def kv_shape(config, max_len: int):
+        """``(L, 2, Hkv, max_len, D)`` of a target cache of ``max_len`` rows."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        super().__init__(config.num_hidden_layers, kv_heads, head_dim, max_len, dtype, device)
+        return (config.num_hidden_layers, 2, kv_heads, int(max_len), head_dim)
+
+    def __init__(self, config, max_len: int, dtype, device, kv=None):
+        layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
+        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.write(layer_idx, key_states[0], value_states[0])

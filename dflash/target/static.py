@@ -35,36 +35,15 @@ import torch
 import dflash_kernels
 from dflash_kernels import static_ops
 
-from ..drafter.static_cache import check_kv
 from .attention import PASS_KWARG, AttentionPass
 from .cache import TargetKVCache
 
-__all__ = ["StaticTargetKVCache", "static_forward", "target_kv_shape"]
-
-
-def target_kv_shape(config, max_len: int) -> Tuple[int, int, int, int, int]:
-    """``(L, 2, Hkv, max_len, D)``: the shape of a target cache of ``max_len`` rows (as :class:`TargetKVCache`)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return (config.num_hidden_layers, 2, kv_heads, int(max_len), head_dim)
+__all__ = ["StaticTargetKVCache", "static_forward"]
 
 
 class StaticTargetKVCache(TargetKVCache):
-    """:class:`TargetKVCache` whose committed length moves to the device at :meth:`freeze`.
-
-    ``kv``: optional storage for the cache (``[L, 2, Hkv, max_len, D]``, e.g. a
-    view of a buffer several pooled rounds share); zero-filled or holding only
-    K/V values earlier passes wrote (attention gives rows past a pass's keys
-    weight 0, which needs them finite). Allocated (zeros) when omitted.
-    """
-
-    def __init__(self, config, max_len: int, dtype, device, kv: Optional[torch.Tensor] = None):
-        if kv is None:
-            super().__init__(config, max_len, dtype, device)
-            return
-        self.kv = check_kv(kv, target_kv_shape(config, max_len), dtype, device, "StaticTargetKVCache")
-        self.max_len = int(max_len)
-        self.length = 0
+    """:class:`TargetKVCache` whose committed length moves to the device at :meth:`freeze`
+    (``kv=``: caller storage, see :class:`~dflash.kv_buffer.KVBuffer`)."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not self.static:
