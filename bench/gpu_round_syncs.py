@@ -91,7 +91,7 @@ def build_pair(shape, layers, block, dtype, device):
 
 
 def count_per_round(run, device, round_end):
-    from dflash.decoding.speculation import StageClock
+    from dflash.decoding.output import StageClock
     from host_reads import HostReadCounter
 
     counter, marks, cuda_warnings = HostReadCounter(), [], []

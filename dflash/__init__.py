@@ -8,7 +8,7 @@ round's tokens; :class:`DFlashDraftModel` is the drafter.
 
 Subpackages, each importing only the ones listed after it: ``benchmark``,
 ``training``, ``tiny``, ``decoding``, ``target``, ``drafter`` (and the bottom
-module ``kv_buffer``). See docs/ARCHITECTURE.md.
+package ``cache``). See docs/ARCHITECTURE.md.
 """
 
 from .decoding import (GenerationResult, SamplingSettings, UnsupportedGeneration, apply, generate, spec_generate,

@@ -1,8 +1,8 @@
 """Public alias of the DDTree loop: ``from dflash.ddtree import ddtree_generate``.
 
-The loop lives in :mod:`dflash.decoding.ddtree`; this module keeps the documented import path.
+The entry points live in :mod:`dflash.decoding.entry`; this module keeps the documented import path.
 """
 
-from .decoding.ddtree import ddtree_generate, ddtree_generate_result
+from .decoding.entry import ddtree_generate, ddtree_generate_result
 
 __all__ = ["ddtree_generate", "ddtree_generate_result"]

@@ -31,7 +31,7 @@ import dflash
 import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding.compiled import CompileUnsupported
-from dflash.kv_buffer import CacheFullError
+from dflash.cache import CacheFullError
 from dflash_kernels import tree_device
 from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
 from tiny_models import tiny_draft, tiny_target

@@ -30,8 +30,8 @@ PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
 class TableDraft(dflash.DFlashDraftModel):
     """A traceable rigged drafter: block position at absolute position ``q`` proposes ``reference[q]`` where
     ``right[q]`` (a fixed random pattern), else another token (ranked first, the right one second when
-    ``second_right``). The same proposals in the eager loops (``forward``) and the static steps
-    (``forward_static``), so acceptance varies round by round and both paths see the same rounds."""
+    ``second_right``). The same proposals eager and compiled (the round's ``draft_block``), so acceptance
+    varies round by round and both runs see the same rounds."""
 
     def __init__(self, base, lm_head_weight, reference, p_right=0.7, second_right=False, seed=0):
         super().__init__(base.config)
@@ -50,20 +50,14 @@ class TableDraft(dflash.DFlashDraftModel):
     def _rows(self, positions):
         return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
 
-    def forward(self, block_embeds, context_features, positions, cache=None, attn_mask=None):
-        C = context_features.shape[0]
-        if cache is not None:
-            cache.advance(C)
-        return self._rows(positions[C:]).to(block_embeds.dtype)
-
-    def forward_static(self, block_embeds, context_features, context_count, cache):
+    def draft_block(self, block_embeds, context_features, context_count, cache):
         B = block_embeds.shape[0]
         positions = cache.length_t + context_count + cache.rows[:B]
-        cache.advance_static(context_count)
+        cache.advance(context_count)
         return self._rows(positions).to(block_embeds.dtype)
 
     def ingest_context(self, context_features, cache):
-        cache.advance(context_features.shape[0])
+        cache.commit(context_features.shape[0])
 
 
 def greedy(target, n, prompt=PROMPT):

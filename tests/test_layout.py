@@ -1,6 +1,6 @@
 """The package layout: subpackages import only downward, and nothing imports in a cycle.
 
-Layers of ``dflash`` from the bottom (docs/ARCHITECTURE.md): ``kv_buffer`` < ``drafter`` <
+Layers of ``dflash`` from the bottom (docs/ARCHITECTURE.md): ``cache`` < ``drafter`` <
 ``target`` < ``decoding`` < ``tiny`` < ``training`` < ``benchmark`` < the package root,
 ``cli``, ``__main__`` and the public alias ``dflash.ddtree``. Every import of a ``dflash``
 module, at module level or inside a function, is read from the source (AST) and must point to
@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dflash"
-LAYERS = ["kv_buffer", "drafter", "target", "decoding", "tiny", "training", "benchmark", "<top>"]
+LAYERS = ["cache", "drafter", "target", "decoding", "tiny", "training", "benchmark", "<top>"]
 
 
 def module_name(path: pathlib.Path) -> str:

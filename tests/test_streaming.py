@@ -8,7 +8,7 @@ import torch
 
 import dflash
 import dflash_kernels
-from dflash.decoding.speculation import StageClock
+from dflash.decoding.output import StageClock
 from host_reads import HostReadCounter
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 

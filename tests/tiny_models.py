@@ -84,11 +84,14 @@ class RiggedDraft(DFlashDraftModel):
         self.second_right = second_right
         self.rng = torch.Generator().manual_seed(seed)
 
-    def forward(self, block_embeds, context_features, positions, cache=None, attn_mask=None):
-        C = context_features.shape[0]
-        if cache is not None:
-            cache.advance(C)
-        block_pos = positions[C:].cpu()
+    def draft_block(self, block_embeds, context_features, context_count, cache):
+        """The round's drafter pass: block ``j`` sits at ``length + count + j`` (read on the host: a test
+        drafter runs eagerly only)."""
+        block_pos = int(cache.length_t + context_count) + torch.arange(block_embeds.shape[0])
+        cache.advance(context_count)
+        return self.steered(block_pos, block_embeds)
+
+    def steered(self, block_pos, block_embeds):
         ref = self.reference[block_pos.clamp(max=self.reference.numel() - 1)]
         wrong = (ref + 1 + torch.randint(0, self.W.shape[0] - 2, ref.shape, generator=self.rng)) % self.W.shape[0]
         right = torch.rand(ref.shape, generator=self.rng) < self.p_right
@@ -281,11 +284,7 @@ class ScheduledDraft(RiggedDraft):
         self.schedule = [int(s) for s in schedule]
         self.rounds = 0
 
-    def forward(self, block_embeds, context_features, positions, cache=None, attn_mask=None):
-        C = context_features.shape[0]
-        if cache is not None:
-            cache.advance(C)
-        block_pos = positions[C:].cpu()
+    def steered(self, block_pos, block_embeds):
         good = self.schedule[self.rounds % len(self.schedule)]
         self.rounds += 1
         ref = self.reference[block_pos.clamp(max=self.reference.numel() - 1)]

@@ -1,19 +1,17 @@
-"""The decoding loops: AR baseline, DFlash chain, DDTree tree, and the state they share; the generate-keyword
-resolution, streaming, and the transformers drop-in."""
+"""The decoding layer: the one round (draft + verify over device state), the host loop, its entry points;
+the generate-keyword resolution, streaming, warm-up and the transformers drop-in."""
 
-from .ar import ar_generate
-from .chain import dflash_generate
-from .ddtree import ddtree_generate, ddtree_generate_result
+from .entry import ar_generate, ddtree_generate, ddtree_generate_result, dflash_generate
 from .generate import METHODS, generate, prepare_generation, run_generation, spec_generate
 from .generation_config import GenerationPlan, SamplingSettings, UnsupportedGeneration, resolve_generation
 from .hf import DropIn, apply, is_applied, unapply
+from .options import LoopOptions, check_pair
 from .result import GenerationResult
-from .speculation import Speculation, check_pair, choose_tokens
+from .round import Round
 from .streaming import TokenStream, stream
 from .warmup import warmup
 
-__all__ = ["DropIn", "GenerationPlan", "GenerationResult", "METHODS", "SamplingSettings", "Speculation",
-           "TokenStream", "UnsupportedGeneration", "apply", "ar_generate", "check_pair", "choose_tokens",
-           "ddtree_generate", "ddtree_generate_result", "dflash_generate", "generate", "is_applied",
-           "prepare_generation", "resolve_generation", "run_generation", "spec_generate", "stream", "unapply",
-           "warmup"]
+__all__ = ["DropIn", "GenerationPlan", "GenerationResult", "LoopOptions", "METHODS", "Round", "SamplingSettings",
+           "TokenStream", "UnsupportedGeneration", "apply", "ar_generate", "check_pair", "ddtree_generate",
+           "ddtree_generate_result", "dflash_generate", "generate", "is_applied", "prepare_generation",
+           "resolve_generation", "run_generation", "spec_generate", "stream", "unapply", "warmup"]

@@ -1,8 +1,9 @@
 """``generate(..., compile=True)``: the rounds' fixed-shape steps compiled as whole graphs (CUDA graphs on a GPU).
 
 At batch 1 an eager round is launch- and Python-bound: every layer is tens of
-small ops. Here the draft and verify steps of :class:`~dflash.decoding.static_round.StaticRound`
-(functions of fixed-shape device tensors only) are traced once by
+small ops. Here the draft and verify steps of :class:`~dflash.decoding.round.Round`
+(functions of fixed-shape device tensors only, the same steps eager
+generation calls) are traced once by
 ``torch.compile(fullgraph=True, dynamic=False)``; on CUDA each compiled step
 is then captured in a ``torch.cuda.CUDAGraph`` and a round is two graph
 replays plus the one host read of its payload.
@@ -10,8 +11,8 @@ replays plus the one host read of its payload.
 Set-up, all before the generation's clock starts (its seconds go to
 ``result.compile_time``, never into ``total_time`` or tokens/s):
 
-1. a :class:`StaticRound` for the settings (method, block size, budget,
-   sampling mode, each cache's rows rounded up to :data:`~dflash.decoding.static_round.ROW_BUCKET`)
+1. a :class:`~dflash.decoding.round.Round` for the settings (method, block size, budget,
+   sampling mode, each cache's rows rounded up to :data:`~dflash.decoding.round.ROW_BUCKET`)
    comes from a pool on the target model, so a later generation with the
    same settings reuses its buffers, its compiled code and its graphs;
 2. a new entry is warmed up: its caches are frozen at length 0, each step
@@ -36,11 +37,13 @@ and buffer).
 
 A target that cannot be traced as one graph raises :class:`CompileUnsupported`
 naming the cause (run it with ``compile=False``, the default and the
-reference). Hybrid (linear-attention) targets are refused up front.
+reference). Hybrid targets compile too: their linear-attention layers' verify
+and replay are ops with fake implementations, their states device tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -54,18 +57,15 @@ from typing import List, Optional
 
 import torch
 
-from ..target import TargetAdapter
-from .result import GenerationResult
-from .ddtree import _check_budget
-from .speculation import (HostReader, SeedSource, StageClock, _check_common, _Output, _prepare_prompt, as_sampling,
-                          block_size_of, check_pair, choose_tokens, mask_token_id_of)
-from .static_round import StaticRound, bucket_rows, cache_rows
+from .options import RoundShape
+from .round import Round, bucket_rows, cache_rows
 
-__all__ = ["CompileUnsupported", "compiled_generate", "COMPILE_MODES", "POOL_CAPACITY"]
+__all__ = ["COMPILE_MODES", "CompileUnsupported", "POOL_CAPACITY", "RoundSteps", "lease_steps"]
 
-#: ``compile=`` values: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the same fixed-shape
-#: steps run eagerly: what the compiled graphs compute, for tests and comparisons)
-COMPILE_MODES = (True, "compile", "static")
+#: ``compile=`` values: False (the round's steps called eagerly, a fresh round per generation: the default),
+#: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the pooled round of a compiled generation,
+#: its steps called eagerly: what the compiled graphs compute, for tests and comparisons)
+COMPILE_MODES = (False, True, "compile", "static")
 
 
 class CompileUnsupported(RuntimeError):
@@ -92,11 +92,11 @@ def _capacity_from_env(default: int = 4) -> int:
 POOL_CAPACITY = _capacity_from_env()
 
 
-def _draft_step(rnd: StaticRound) -> None:
+def _draft_step(rnd: Round) -> None:
     rnd.draft()
 
 
-def _verify_step(rnd: StaticRound) -> torch.Tensor:
+def _verify_step(rnd: Round) -> torch.Tensor:
     return rnd.verify()
 
 
@@ -122,7 +122,7 @@ def _compiled(fn, device: torch.device):
     (8) of them, and checks their guards in turn on every call: one shared
     step function would fail (fullgraph) once a process has compiled rounds
     for 8 models or settings, and pay every entry's guards. Each pooled
-    :class:`CompiledSteps` compiles its own copy: one graph, one guard set.
+    :class:`RoundSteps` compiles its own copy: one graph, one guard set.
     """
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name)
@@ -180,12 +180,14 @@ def _unsupported(model_name: str, exc: BaseException) -> CompileUnsupported:
         f"{text.splitlines()[0] if text else ''}); run it with compile=False")
 
 
-class CompiledSteps:
-    """A pooled :class:`StaticRound` and its runnable steps (compiled, captured on CUDA, or eager-static)."""
+class RoundSteps:
+    """A :class:`Round` and its runnable steps: called eagerly (``mode`` False or ``"static"``), or compiled
+    (and captured on CUDA)."""
 
-    def __init__(self, rnd: StaticRound, mode, blocks=()):
+    def __init__(self, rnd: Round, mode, blocks=()):
         self.rnd, self.mode = rnd, mode
-        self.cuda = rnd.device.type == "cuda" and mode != "static"
+        self.traced = mode not in (False, "static")
+        self.cuda = rnd.device.type == "cuda" and self.traced
         self.graphs = None
         self.payload = None
         self.ready = False
@@ -194,9 +196,10 @@ class CompiledSteps:
         #: a generation runs on this entry now; evicted while it ran: released when it ends
         self.busy = False
         self.evicted = False
-        if mode == "static":
+        if not self.traced:
             self._draft, self._verify = _draft_step, _verify_step
         else:
+            rnd.host_tree = False  # a traced round builds and walks the tree with the device ops
             self._draft, self._verify = _compiled(_draft_step, rnd.device), _compiled(_verify_step, rnd.device)
 
     def _run_draft(self):
@@ -234,8 +237,9 @@ class CompiledSteps:
         """Compile (and capture) the steps once; returns the seconds it took (0 when already done).
 
         Runs on the frozen, empty caches; the rounds it runs write only scratch rows past the committed
-        length, and the small state they change is put back (:meth:`StaticRound.snapshot`)."""
-        if self.ready:
+        length, and the small state they change is put back (:meth:`Round.snapshot`)."""
+        if self.ready or not self.traced:
+            self.ready = True
             return 0.0
         t0 = time.perf_counter()
         rnd = self.rnd
@@ -244,7 +248,7 @@ class CompiledSteps:
         try:
             if self.cuda:
                 self._capture()
-            elif self.mode != "static":
+            else:
                 for _ in range(2):
                     rnd.restore()
                     self._round()
@@ -321,10 +325,10 @@ class _SharedKV:
 
 
 class _RoundPool:
-    """A target's compiled rounds: an LRU of :class:`CompiledSteps` by settings, at most :data:`POOL_CAPACITY`."""
+    """A target's compiled rounds: an LRU of :class:`RoundSteps` by settings, at most :data:`POOL_CAPACITY`."""
 
     def __init__(self):
-        self._entries: "OrderedDict[tuple, CompiledSteps]" = OrderedDict()
+        self._entries: "OrderedDict[tuple, RoundSteps]" = OrderedDict()
         self.kv = _SharedKV()
         self.lock = threading.Lock()
 
@@ -343,13 +347,13 @@ class _RoundPool:
     def items(self):
         return self._entries.items()
 
-    def get(self, key) -> Optional[CompiledSteps]:
+    def get(self, key) -> Optional[RoundSteps]:
         steps = self._entries.get(key)
         if steps is not None:
             self._entries.move_to_end(key)
         return steps
 
-    def add(self, key, steps: CompiledSteps) -> None:
+    def add(self, key, steps: RoundSteps) -> None:
         self._entries[key] = steps
         self._entries.move_to_end(key)
         while len(self._entries) > max(1, int(POOL_CAPACITY)):
@@ -369,7 +373,7 @@ class _RoundPool:
         if not steps.busy:
             steps.release()
 
-    def lease(self, steps: CompiledSteps) -> None:
+    def lease(self, steps: RoundSteps) -> None:
         """Mark ``steps`` (and the buffers it views) as in use by a generation, or refuse when in use."""
         if steps.busy or any(block.busy for block in steps.blocks):
             raise RuntimeError(
@@ -379,7 +383,7 @@ class _RoundPool:
         for block in steps.blocks:
             block.busy = True
 
-    def finish(self, steps: CompiledSteps) -> None:
+    def finish(self, steps: RoundSteps) -> None:
         with self.lock:
             steps.busy = False
             for block in steps.blocks:
@@ -403,73 +407,44 @@ def _sampling_key(sampling):
     return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
 
-def _check_compilable(adapter: TargetAdapter) -> None:
-    if getattr(adapter.spec, "linear_layers", None):
-        raise CompileUnsupported(
-            f"{type(adapter.model).__name__} has linear-attention layers (a hybrid target): compiled rounds cover "
-            "full-attention targets only; run it with compile=False")
+@contextlib.contextmanager
+def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode):
+    """The steps a generation runs, held for the ``with`` block: ``(steps, compile_time)``.
 
-
-@torch.inference_mode()
-def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, temperature=0.0,
-                      stop_token_ids=None, block_size=None, seed=None, tree_budget=None, mask_token_id=None,
-                      stage_timing=True, sampling=None, stopping_criteria=None, streamer=None,
-                      compile=True) -> GenerationResult:
-    """AR, DFlash or DDTree generation with compiled fixed-shape rounds (same tokens as the eager loops at T=0).
-
-    ``compile``: True (compiled; CUDA graphs on CUDA) or ``"static"`` (the
-    same steps run eagerly). Sampled output (T > 0) has the target's
-    distribution; its noise is keyed by a device seed (``seed`` gives a
-    reproducible run), so samples differ from the eager loops' draws.
+    ``mode`` False: a fresh :class:`Round` called eagerly. Otherwise the
+    target's pooled entry for these settings (created, compiled and captured
+    on first use: ``compile_time`` is its set-up, 0 when reused), leased so
+    no other generation runs on its caches meanwhile.
     """
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES} or False, got {compile!r}")
-    sampling = as_sampling(sampling, temperature)
-    stop_ids = _check_common(max_new_tokens, sampling.temperature, stop_token_ids)
-    capture = draft.target_layer_ids if method != "ar" else ()
-    adapter = TargetAdapter(target, capture)
-    out = None
-    leased = pool = None
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
+    target_rows, draft_rows = cache_rows(shape, total_tokens)
+    if mode is False:
+        rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling)
+        yield RoundSteps(rnd, False), 0.0
+        return
+    draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
+    key = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), bucket_rows(target_rows),
+           bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(adapter.device), mode,
+           repr(sorted(_compile_kwargs(adapter.device).items())))
+    pool = _pool(target)
+    with pool.lock:
+        steps = pool.get(key)
+        if steps is None:
+            blocks = []
+
+            def kv_alloc(role, kv_shape, dtype, dev):
+                kv, block = pool.kv.view(role, kv_shape, dtype, dev)
+                blocks.append(block)
+                return kv
+
+            rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
+                        kv_alloc=kv_alloc)
+            steps = RoundSteps(rnd, mode, blocks)
+            pool.add(key, steps)
+        pool.lease(steps)
     try:
-        _check_compilable(adapter)
-        device = adapter.device
-        if method == "ar":
-            B, budget, mask_id = 1, 0, 0
-        else:
-            check_pair(adapter, draft)
-            B = block_size_of(draft, block_size)
-            budget = 0
-            if method == "ddtree":
-                budget = _check_budget(2 * (B - 1) if tree_budget is None else tree_budget)
-            mask_id = mask_token_id_of(draft, mask_token_id, adapter.vocab_size)
-        prompt = _prepare_prompt(input_ids, adapter.vocab_size, device)
-        seeds = SeedSource(seed)
-        rows = budget + 1 if method == "ddtree" else B
-        target_rows, draft_rows = cache_rows(method, B, budget, prompt.numel() + max_new_tokens)
-        draft_dtype = str(draft.fc.weight.dtype) if method != "ar" else None
-        key = (method, id(draft) if method != "ar" else None, B, budget, mask_id, _sampling_key(sampling),
-               bucket_rows(target_rows), bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(device),
-               compile, repr(sorted(_compile_kwargs(device).items())))
-        pool = _pool(target)
-        with pool.lock:
-            steps = pool.get(key)
-            if steps is None:
-                blocks = []
-
-                def kv_alloc(role, shape, dtype, dev):
-                    kv, block = pool.kv.view(role, shape, dtype, dev)
-                    blocks.append(block)
-                    return kv
-
-                rnd = StaticRound(adapter, draft, method=method, block_size=B, tree_budget=budget,
-                                  target_rows=target_rows, draft_rows=draft_rows, sampling=sampling, seed=0,
-                                  mask_token_id=mask_id, kv_alloc=kv_alloc)
-                steps = CompiledSteps(rnd, compile, blocks)
-                pool.add(key, steps)
-            pool.lease(steps)
-        leased = steps
-        rnd = steps.rnd
-        rnd.adapter = adapter  # this call's adapter (hooks, attention switch); the same model
+        steps.rnd.adapter = adapter  # this call's adapter (its patches are open); the same model
         try:
             compile_time = steps.prepare()
         except BaseException:
@@ -477,47 +452,6 @@ def compiled_generate(target, draft, input_ids, *, method: str, max_new_tokens, 
                 with pool.lock:
                     pool.discard(key)
             raise
-        rnd.reset(seeds.next())
-        out = _Output(prompt, max_new_tokens, stop_ids, stopping_criteria=stopping_criteria, streamer=streamer)
-        result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=method)
-        result.compile_time = compile_time
-        reader = HostReader(device, max(B, rows) + 2)
-        start = time.perf_counter()
-        first = rnd.start(prompt, lambda h: choose_tokens(adapter, h, sampling, seeds.next()))
-        out.extend(reader.read(first))
-        result.time_to_first_token = time.perf_counter() - start
-        clock = StageClock(device, stage_timing)
-        D = B - 1
-        while not out.done:
-            rnd.check_room(len(out.tokens))  # host ints: a round never writes past either cache
-            if method != "ar":
-                steps.draft()
-                clock.mark("draft")
-            host = reader.read(steps.verify())
-            clock.mark("verify")
-            before = out.committed
-            if method == "ar":
-                out.extend(host)
-            elif method == "dflash":
-                out.extend(host[: host[B] + 1])
-            else:
-                out.extend(host[: host[D + 1]])
-                result.tree_sizes.append(rnd.N)
-                result.accepted_depths.append(host[D + 1] - 1)
-            result.acceptance_lengths.append(out.committed - before)
-        result.total_time = time.perf_counter() - start
-        stages = clock.totals()
-        result.draft_time = stages.get("draft", 0.0)
-        result.verify_time = stages.get("verify", 0.0)
-        result.output_ids = torch.tensor([out.tokens], device=device)
-        return result
+        yield steps, compile_time
     finally:
-        try:
-            if out is not None:
-                out.close()
-        finally:
-            try:
-                if leased is not None:
-                    pool.finish(leased)
-            finally:
-                adapter.close()
+        pool.finish(steps)

@@ -7,15 +7,10 @@ the method's loop runs with the resolved settings.
 
 from __future__ import annotations
 
-from .ar import ar_generate
-from .compiled import compiled_generate
-from .chain import dflash_generate
-from .ddtree import ddtree_generate_result
 from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
+from .loop import generate_rounds
+from .options import METHODS, LoopOptions
 from .result import GenerationResult
-from .speculation import unsupported_sampling
-
-METHODS = ("ar", "dflash", "ddtree")
 
 # loop keywords each method takes besides the common ones
 _METHOD_KEYWORDS = {
@@ -30,8 +25,7 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
     """Check the method and resolve the keywords into a :class:`GenerationPlan`, before any model runs.
 
     Raises ``ValueError`` (an :class:`UnsupportedGeneration` for a keyword our
-    loops cannot serve) or ``NotImplementedError`` (a sampling setting the
-    sampler cannot apply yet), naming the keyword and what is allowed.
+    loops cannot serve), naming the keyword and what is allowed.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
@@ -43,11 +37,6 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
             allowed = ", ".join(sorted(_METHOD_KEYWORDS[method]))
             raise UnsupportedGeneration(name, f"{name} does not apply to method {method!r} (its own keywords: "
                                               f"{allowed})")
-    missing = unsupported_sampling(plan.sampling)
-    if missing is not None:
-        raise NotImplementedError(f"{missing}={getattr(plan.sampling, missing)!r}: top-k / top-p / min-p sampling "
-                                  "is not implemented yet; pass only a temperature (top_k=0, top_p=1.0, "
-                                  "min_p=None), or do_sample=False")
     return plan
 
 
@@ -55,23 +44,15 @@ def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: st
                    compile=False) -> GenerationResult:
     """Run ``method``'s loop with a resolved plan (see :func:`prepare_generation`).
 
-    ``compile``: False (the eager loops, the reference), True (compiled
-    fixed-shape rounds, CUDA graphs on CUDA: :mod:`dflash.decoding.compiled`)
-    or ``"static"`` (those fixed-shape steps run eagerly).
+    ``compile``: False (the round's steps called eagerly: the default), True
+    (the same steps compiled, CUDA graphs on CUDA: :mod:`dflash.decoding.compiled`)
+    or ``"static"`` (the pooled compiled round's steps called eagerly).
     """
-    kw = dict(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling, stop_token_ids=plan.stop_token_ids,
-              stopping_criteria=plan.stopping_criteria, streamer=plan.streamer)
-    kw.update({k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
-    if compile is not False and compile is not None:
-        if kw.pop("return_trees", False):
-            raise ValueError("return_trees=True keeps each round's tree on the host, which compiled rounds do not "
-                             "do; use compile=False to get the trees")
-        return compiled_generate(target, draft, input_ids, method=method, compile=compile, **kw)
-    if method == "ar":
-        return ar_generate(target, input_ids, **kw)
-    if method == "dflash":
-        return dflash_generate(target, draft, input_ids, **kw)
-    return ddtree_generate_result(target, draft, input_ids, **kw)
+    options = LoopOptions(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
+                          stop_token_ids=plan.stop_token_ids, stopping_criteria=plan.stopping_criteria,
+                          streamer=plan.streamer,
+                          **{k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
+    return generate_rounds(target, draft, input_ids, method, options, compile=compile)
 
 
 def generate(target, draft=None, input_ids=None, *, method: str = "dflash", generation_config=None,
@@ -101,10 +82,11 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     has the distribution of ``target.generate(do_sample=True)`` with the same
     settings.
 
-    ``compile=True`` runs the rounds as compiled fixed-shape steps
+    ``compile=True`` runs the same round steps compiled
     (``torch.compile(fullgraph=True)``; captured as CUDA graphs on CUDA), set
-    up before the clock starts (``result.compile_time``); the same greedy
-    tokens, and the target's distribution when sampling (its own noise).
+    up before the clock starts (``result.compile_time``); the same tokens as
+    eager for the same ``seed``, greedy or sampled (up to near-ties of the
+    compiled arithmetic).
     Targets that cannot be traced raise
     :class:`~dflash.decoding.compiled.CompileUnsupported`.
     """

@@ -42,9 +42,8 @@ import torch
 
 from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
-from .ddtree import _check_budget
 from .generate import METHODS, prepare_generation, run_generation
-from .speculation import check_pair
+from .options import check_pair, check_tree_budget
 
 _STATE = "_dflash_dropin"
 _MISSING = object()
@@ -105,7 +104,7 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget: int 
     if block_size is not None:
         loop_kwargs["block_size"] = block_size
     if chosen == "ddtree":
-        loop_kwargs["tree_budget"] = _check_budget(tree_budget)
+        loop_kwargs["tree_budget"] = check_tree_budget(tree_budget)
         if mask_token_id is not None:
             loop_kwargs["mask_token_id"] = mask_token_id
     previous = target.__dict__.get(_STATE).previous if is_applied(target) else target.__dict__.get("generate",

@@ -42,7 +42,6 @@ import torch
 import dflash_kernels
 from dflash_kernels.tree_attention import tree_attention_config
 
-from ..drafter.model import all_visible_bits
 from ..target import PREFILL_CHUNK, TargetAdapter
 from ..target import adapter as _adapter_module
 from .generate import generate
@@ -176,4 +175,5 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
         dc = draft.config
         draft_variants = _layer_variants([layer.sliding_window for layer in draft.layers])
         _warm_attention(dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, draft.fc.weight.dtype, device,
-                        [B], lambda T: all_visible_bits(T, device), draft_variants, dc.head_dim ** -0.5)
+                        [B], lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device),
+                        draft_variants, dc.head_dim ** -0.5)

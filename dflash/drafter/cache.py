@@ -1,22 +1,34 @@
-"""The drafter's KV cache: context K/V persist across rounds, the block's K/V are scratch."""
+"""The drafter's KV cache: context K/V persist across rounds, the block's K/V are scratch.
+
+Storage and lengths as :class:`~dflash.cache.KVBuffer`. The prompt's context
+rows are ingested eagerly (:meth:`DFlashDraftModel.ingest_context`, before
+:meth:`freeze`); every round's drafter pass is a round pass
+(:meth:`write_block`):
+
+* it writes ``C`` new context rows (a fixed count, of which the first
+  ``count [1]`` (device) are real) at rows ``[length_t, length_t + C)``, then
+  the ``B`` block rows at ``[length_t + count, length_t + count + B)`` (they
+  overwrite the padding rows they meet);
+* the block queries attend to rows ``[0, length_t + count)`` (all context)
+  and the ``B`` block rows, every one visible (the drafter is not causal);
+  rows past ``length_t + count + B`` are stale and masked by the attention;
+* :meth:`advance` adds ``count`` to ``length_t`` on the device.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..kv_buffer import KVBuffer
+from ..cache import KVBuffer
 
 __all__ = ["DraftKVCache"]
 
 
 class DraftKVCache(KVBuffer):
-    """The drafter's cache: context K/V persist; the block's K/V are scratch.
+    """The drafter's cache (see the module docstring; ``kv=``: caller storage)."""
 
-    ``update(layer, k, v, num_context=C)`` writes the new context rows and
-    the block rows after the committed context and returns views over all of
-    them; ``advance(C)`` (called once per pass) keeps the C context rows.
-    Context row ``i`` sits at absolute position ``i``.
-    """
+    #: reference backend, during a round pass: ``{window: visible [B, S] bool}`` shared by the layers
+    visible = None
 
     @staticmethod
     def kv_shape(config, max_len: int):
@@ -26,13 +38,33 @@ class DraftKVCache(KVBuffer):
     def __init__(self, config, max_len: int, dtype, device, kv=None):
         layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
         super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
+        self._block_bits = {}
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int):
-        return self.write(layer_idx, k, v)
+    def block_bits(self, B: int) -> torch.Tensor:
+        """``[B, ceil(B/32)]`` int32, every bit set: each block query sees every block key (made once per
+        cache and block size, before any traced pass reads it)."""
+        bits = self._block_bits.get(B)
+        if bits is None:
+            bits = self._block_bits[B] = torch.full((B, (B + 31) // 32), -1, dtype=torch.int32,
+                                                    device=self.kv.device)
+        return bits
 
-    def positions(self, num_new_context: int) -> torch.Tensor:
-        """Absolute positions of the cached context plus ``num_new_context`` new rows."""
-        return torch.arange(self.length + num_new_context, device=self.kv.device)
+    def write_block(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,
+                    count: torch.Tensor):
+        """Write ``k, v [Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block).
 
-    def advance(self, num_context: int) -> None:
-        self.commit(num_context)
+        Returns ``(k_all, v_all [Hkv, S, D], prefix [1])``: the whole layer and
+        the number of keys before the block rows (``length_t + count``).
+        """
+        C = num_context
+        prefix = self.length_t + count
+        # two writes in stream order: the context rows (padding included), then the block rows, which overwrite
+        # the padding rows they meet; within each write the destination rows are distinct
+        if C:
+            self.write_rows(layer_idx, k[:, :C], v[:, :C], self.length_t)
+        k_all, v_all = self.write_rows(layer_idx, k[:, C:], v[:, C:], prefix)
+        return k_all, v_all, prefix
+
+    def advance(self, count: torch.Tensor) -> None:
+        """Keep the pass's ``count [1]`` (device) real context rows."""
+        self.length_t.add_(count)

@@ -121,59 +121,36 @@ class DraftAttention(nn.Module):
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
-        With a frozen :class:`~dflash.drafter.static_cache.StaticDraftKVCache`
-        (compiled rounds) only the first ``context_count [1]`` (device) of the
-        ``C`` context rows are real; nothing is read on the host.
-
-        With ``cache``, the context K/V are appended to it and the block attends
-        to all cached context. ``attn_mask``: additive float mask ``[B, K_total]``
-        (training; None: everything visible). ``window``/``block_positions``
-        (``[B]`` absolute positions; context row ``i`` of the cache sits at
-        position ``i``): a sliding-window layer hides keys ``window`` or more
-        positions behind a query. K/V are read once per kv head: the Triton
-        path runs :func:`dflash_kernels.tree_attention` with every block key
-        visible (GQA packed), the reference path SDPA with ``enable_gqa``.
+        Without ``cache`` (training): keys are ``[context ; block]``,
+        ``attn_mask`` an additive float mask ``[B, C + B]`` (None: everything
+        visible; a sliding window is part of it). With a frozen
+        :class:`~dflash.drafter.cache.DraftKVCache` (a decoding round): only the
+        first ``context_count [1]`` (device) of the ``C`` context rows are
+        real; they and the block go to the cache and the block attends to all
+        cached context and the whole block, nothing read on the host. K/V are
+        read once per kv head: the Triton path runs
+        :func:`dflash_kernels.tree_attention` with every block key visible
+        (GQA packed, ``window`` applied at ``block_positions [B]``), the
+        reference path the pass's mask made once per window in
+        :meth:`DFlashDraftModel.draft_block`.
         """
         B, C = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos[C:], sin[C:])
         k, v = self.project_kv(torch.cat([context, block], 0), cos, sin)
-        if cache is not None and cache.static:  # fixed-shape pass: device-side lengths (compiled rounds)
-            k_all, v_all, prefix = cache.write_static(self.layer_idx, k, v, C, context_count)
-            if cache.visible is not None:  # reference backend: the pass's mask, made once in forward_static
+        if cache is not None:
+            k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
+            if cache.visible is not None:  # reference backend
                 out = static_ops.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
             else:
-                out = static_ops.tree_attention_static(q, k_all, v_all, all_visible_bits(B, q.device), prefix,
+                out = static_ops.tree_attention_static(q, k_all, v_all, cache.block_bits(B), prefix,
                                                        scale=self.scaling, positions=block_positions, window=window,
                                                        backend="triton")
-            return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, num_context=C)
-        if cache is not None and attn_mask is None and dflash_kernels.get_backend(q.device) == "triton":
-            out = dflash_kernels.tree_attention(q, k, v, all_visible_bits(B, q.device), k.shape[1] - B,
-                                                scale=self.scaling, positions=block_positions, window=window)
         else:
-            mask = attn_mask
-            if window is not None and cache is not None:  # (without a cache the caller's mask holds the window)
-                key_pos = torch.cat([torch.arange(k.shape[1] - B, device=q.device), block_positions])
-                win = sliding_window_mask(block_positions, key_pos, window, q.dtype)
-                mask = win if mask is None else mask.to(q.dtype) + win
-            mask = mask.to(q.dtype) if mask is not None else None
+            mask = attn_mask.to(q.dtype) if attn_mask is not None else None
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
-
-
-_ALL_VISIBLE: dict = {}
-
-
-def all_visible_bits(n: int, device) -> torch.Tensor:
-    """``[n, ceil(n/32)]`` int32 with every bit set: each block query sees every block key (cached per shape)."""
-    key = (n, str(device))
-    bits = _ALL_VISIBLE.get(key)
-    if bits is None:
-        bits = _ALL_VISIBLE[key] = torch.full((n, (n + 31) // 32), -1, dtype=torch.int32, device=device)
-    return bits
 
 
 class DraftLayer(nn.Module):
@@ -237,44 +214,39 @@ class DFlashDraftModel(nn.Module):
         block_embeds: torch.Tensor,
         context_features: torch.Tensor,
         positions: torch.Tensor,
-        cache=None,
         attn_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """One drafter pass.
+        """One drafter pass without a cache (training).
 
-        ``block_embeds [B, H]``, ``context_features [C, n*H]`` (the rows not yet
-        in ``cache``), ``positions [C + B]`` absolute positions of the new
-        context rows then the block. ``attn_mask``: optional additive float
-        ``[B, K]`` mask over all keys (cached context + new context + block),
-        used by training; sliding-window layers add their window on top.
-        Returns the final-normed block states ``[B, H]``.
+        ``block_embeds [B, H]``, ``context_features [C, n*H]``, ``positions
+        [C + B]`` absolute positions of the context rows then the block.
+        ``attn_mask``: optional additive float ``[B, C + B]`` mask; sliding-window
+        layers add their window on top. Returns the final-normed block states
+        ``[B, H]``.
         """
         dtype = self.fc.weight.dtype
         block = block_embeds.to(dtype)
         context = self.context_states(context_features)
         cos, sin = self.rope(positions, block)
-        C = context.shape[0]
-        block_positions = positions[C:]
+        block_positions = positions[context.shape[0]:]
         for layer in self.layers:
             mask = attn_mask
-            if layer.sliding_window is not None and cache is None:
+            if layer.sliding_window is not None:
                 window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype)
                 mask = window if mask is None else mask + window
-            block = layer(block, context, cos, sin, cache=cache, attn_mask=mask, block_positions=block_positions)
-        if cache is not None:
-            cache.advance(C)
+            block = layer(block, context, cos, sin, attn_mask=mask, block_positions=block_positions)
         return self.norm(block)
 
-    def forward_static(self, block_embeds: torch.Tensor, context_features: torch.Tensor,
-                       context_count: torch.Tensor, cache) -> torch.Tensor:
-        """One drafter pass of fixed shape (compiled rounds): nothing read on the host.
+    def draft_block(self, block_embeds: torch.Tensor, context_features: torch.Tensor,
+                    context_count: torch.Tensor, cache) -> torch.Tensor:
+        """The decoding round's drafter pass (fixed shapes, nothing read on the host).
 
         ``block_embeds [B, H]``; ``context_features [C, n*H]`` of which the
         first ``context_count [1]`` (device int64) rows are the new context;
-        ``cache`` a frozen :class:`~dflash.drafter.static_cache.StaticDraftKVCache`
-        holding the committed length ``L`` on the device. New context row
-        ``i`` sits at position ``L + i``; the block at ``L + count + arange(B)``.
-        Advances the cache by ``count``; returns the final-normed block ``[B, H]``.
+        ``cache`` a frozen :class:`~dflash.drafter.cache.DraftKVCache` holding
+        the committed length ``L`` on the device. New context row ``i`` sits at
+        position ``L + i``; the block at ``L + count + arange(B)``. Advances the
+        cache by ``count``; returns the final-normed block ``[B, H]``.
         """
         dtype = self.fc.weight.dtype
         block = block_embeds.to(dtype)
@@ -287,14 +259,14 @@ class DFlashDraftModel(nn.Module):
         cache.visible = None
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees the committed context and the whole block: [B, S] per distinct window
-            bits = all_visible_bits(B, block.device)
+            bits = cache.block_bits(B)
             cache.visible = {w: static_ops.visibility(bits, cache.length_t + context_count, B, cache.max_len,
                                                       positions=block_positions, window=w)
                              for w in {layer.sliding_window for layer in self.layers}}
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
                           context_count=context_count)
-        cache.advance_static(context_count)
+        cache.advance(context_count)
         return self.norm(block)
 
     def ingest_context(self, context_features: torch.Tensor, cache) -> None:
@@ -312,7 +284,7 @@ class DFlashDraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(context, cos, sin)
             cache.write(i, k, v)
-        cache.advance(C)
+        cache.commit(C)
 
     # --------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None, format: str = "zlab",

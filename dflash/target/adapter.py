@@ -12,8 +12,8 @@ at construction, with an error naming it. We never fork its modeling file:
   and no mask: while the adapter is open the model's attention is our one
   attention function (:mod:`dflash.target.attention`), told what each pass
   attends to by an :class:`~dflash.target.attention.AttentionPass`;
-* forward hooks on the mapped layers keep references to their outputs
-  ``[T, H]``; :meth:`TargetAdapter.context_features` writes the requested
+* every pass (:meth:`TargetAdapter.run_pass`) returns the mapped layers'
+  outputs ``[T, H]``; :meth:`TargetAdapter.context_features` writes the requested
   rows of all of them into one ``[R, n*H]`` buffer with one
   :func:`dflash_kernels.gather_concat` launch;
 * the final norm and the lm_head run only at the positions whose token is
@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 import dflash_kernels
+from dflash_kernels import static_ops
 
 from ..drafter.config import validate_target_layer_ids
 from .attention import PASS_KWARG, AttentionPass, close_attention, open_attention
@@ -114,27 +115,14 @@ class TargetAdapter:
         self.linear_shape = (linear_shape(type(model).__name__, self.layers, spec.linear_layers)
                              if spec.linear_layers else None)
         self._linear_modules = linear_modules(self.layers, spec.linear_layers)
-        self._hooks = [
-            self.layers[k].register_forward_hook(self._make_hook(k)) for k in sorted(set(self.capture_layer_ids))
-        ]
         open_attention(self.config)
         open_experts(self._experts_configs, spec.experts)
         open_linear(self._linear_modules)
         self._open = True
 
     # ----------------------------------------------------------- lifecycle
-    def _make_hook(self, k: int):
-        def hook(module, args, output):
-            out = output[0] if isinstance(output, (tuple, list)) else output
-            self._outputs[k] = out[0]  # [T, H], a reference: no copy
-
-        return hook
-
     def close(self) -> None:
-        """Remove the capture hooks; give the model its own attention and experts implementations back."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Give the model its own attention, experts and linear-attention implementations back."""
         self._outputs = {}
         if getattr(self, "_open", False):
             close_attention(self.config)
@@ -169,11 +157,19 @@ class TargetAdapter:
         """Whether the target has linear-attention (Gated-DeltaNet) layers."""
         return self.linear_shape is not None
 
-    def new_cache(self, max_len: int) -> TargetKVCache:
-        """The target's cache of ``max_len`` positions (a :class:`HybridKVCache` for hybrid targets)."""
+    def cache_shape(self, max_len: int):
+        """The ``kv`` shape of :meth:`new_cache` (the attention layers' K/V only, for hybrid targets)."""
         if self.hybrid:
-            return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device)
-        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device)
+            return HybridKVCache.kv_shape(self.config, self.linear_shape, max_len)
+        return TargetKVCache.kv_shape(self.config, max_len)
+
+    def new_cache(self, max_len: int, kv: Optional[torch.Tensor] = None) -> TargetKVCache:
+        """The target's cache of ``max_len`` positions (a :class:`HybridKVCache` for hybrid targets);
+        ``kv``: caller storage of :meth:`cache_shape` (see :class:`~dflash.cache.KVBuffer`)."""
+        if self.hybrid:
+            return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device,
+                                 kv=kv)
+        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, H]`` of ``ids [T]`` (also the drafter's block input)."""
@@ -189,34 +185,56 @@ class TargetAdapter:
         tree_parents: Optional[torch.Tensor] = None,
         whole: bool = False,
     ) -> torch.Tensor:
-        """Run the decoder on ``ids [T]`` at ``positions [T]``; returns pre-norm hidden ``[T, H]``.
+        """:meth:`run_pass`, keeping the captured layers for :meth:`context_features`; returns ``hidden [T, H]``."""
+        hidden, captured = self.run_pass(ids, positions, cache, tree_bits, tree_parents, whole)
+        self._outputs = dict(zip(self.capture_layer_ids, captured))
+        return hidden
 
-        The new K/V go to rows ``[cache.length, cache.length+T)`` (the caller
-        commits what it keeps). Every committed row is visible; among the new
+    def run_pass(self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetKVCache,
+                 tree_bits: Optional[torch.Tensor] = None, tree_parents: Optional[torch.Tensor] = None,
+                 whole: bool = False):
+        """The decoder on ``ids [T]`` at ``positions [T]``: ``(hidden [T, H] pre-norm, captured)``, with
+        ``captured[i] [T, H]`` the output of layer ``capture_layer_ids[i]``. The one pass of every caller.
+
+        The new K/V go to the rows after the committed ones (the caller
+        commits what it keeps): on an eager cache rows ``[length, length+T)``,
+        on a frozen one (a decoding round, see :class:`TargetKVCache`) rows
+        ``length_t + arange(T)``, nothing read on the host, so the pass can be
+        traced and captured. Every committed row is visible; among the new
         rows, row ``i`` sees rows ``j <= i`` (causal: prefill, AR step, DFlash
         chain) or, with ``tree_bits [T, words]`` (DDTree), the rows whose bit
         is set in ``tree_bits[i]`` (positions then are ``start + depth``).
         Sliding-window layers also hide keys ``window`` or more positions back.
-        No mask is built: the attention function reads this description.
-        Captured layer outputs are available through :meth:`context_features`
-        until the next forward.
+        No mask is built here: the attention function reads the pass's
+        :class:`~dflash.target.attention.AttentionPass` (on a frozen cache
+        with the reference backend, one ``[T, S]`` visibility per distinct
+        window, shared by the layers).
 
         Hybrid targets: a tree pass also needs ``tree_parents [T]`` (int64 on
         the device, ``-1`` for the root): the linear-attention layers advance
         each node from its parent's state. ``whole=True`` says the caller
-        commits every row (prefill): such a pass, like a one-row causal pass,
-        runs the model's own Gated-DeltaNet forward, which advances the states
-        in place; any other pass leaves them to the commit
-        (:mod:`dflash.target.hybrid`).
+        commits every row (prefill): such a pass, like a one-row causal pass
+        on an eager cache, runs the model's own Gated-DeltaNet forward, which
+        advances the states in place; any other pass leaves them to the
+        commit (:mod:`dflash.target.hybrid`).
         """
+        backend = dflash_kernels.get_backend(self.device)
+        features = self._has_attn_features
+        visible = None
+        if cache.static and backend != "triton":
+            T, S = ids.shape[0], cache.max_len
+            tree_pos = positions if tree_bits is not None else None
+            visible = {w: static_ops.visibility(tree_bits, cache.length_t, T, S, positions=tree_pos, window=w)
+                       for w in set(self.windows)}
         attention_pass = AttentionPass(
-            prefix_len=cache.length,
+            prefix_len=cache.length_t if cache.static else cache.length,
             bits=tree_bits,
             positions=positions if tree_bits is not None else None,
             windows=self.windows,
-            backend=dflash_kernels.get_backend(self.device),
-            softcaps=self.spec.attn_softcaps if self._has_attn_features else (),
-            sinks=self.spec.sinks if self._has_attn_features else (),
+            backend=backend,
+            softcaps=self.spec.attn_softcaps if features else (),
+            sinks=self.spec.sinks if features else (),
+            visible=visible,
         )
         kw = {self._cache_kw: cache, PASS_KWARG: attention_pass}
         if self.hybrid:
@@ -224,18 +242,15 @@ class TargetAdapter:
         pos = positions[None]
         h = self.embed(ids[None])
         rope = self._position_embeddings(h, pos)
-        self._outputs = {}
-        for layer, position_embeddings in zip(self.layers, rope):
-            out = layer(
-                h,
-                attention_mask=None,
-                position_ids=pos,
-                position_embeddings=position_embeddings,
-                use_cache=True,
-                **kw,
-            )
+        wanted = set(self.capture_layer_ids)
+        outputs = {}
+        for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
+            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=position_embeddings,
+                        use_cache=True, **kw)
             h = out[0] if isinstance(out, (tuple, list)) else out
-        return h[0]
+            if idx in wanted:
+                outputs[idx] = h[0]
+        return h[0], [outputs[k] for k in self.capture_layer_ids]
 
     def _linear_pass(self, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
         """The hybrid layers' part of a pass (see :meth:`forward`), announced to the cache."""
@@ -250,7 +265,7 @@ class TargetAdapter:
                 raise ValueError(f"tree_parents must be [T] = [{T}], got {list(tree_parents.shape)}")
             linear_pass = LinearPass(False, tree_parents.to(device=self.device, dtype=torch.long))
         else:
-            linear_pass = LinearPass(whole or T == 1)
+            linear_pass = LinearPass(whole or (T == 1 and not cache.static))
         cache.begin_pass(linear_pass, T)
         return linear_pass
 

@@ -1,34 +1,37 @@
-"""The target's preallocated KV cache (crop / compaction).
+"""The target's preallocated KV cache, as Hugging Face attention modules call it.
 
-It keeps one tensor ``kv [L, 2, Hkv, max_len, D]`` (layers, key/value, kv
-heads, positions, head dim; batch 1) and a committed ``length``. A forward of
-``T`` new tokens writes rows ``[length, length + T)`` of every layer and
-attends over rows ``[0, length + T)`` (views, no concatenation); the caller
-then keeps what it accepted:
+Storage and lengths as :class:`~dflash.cache.KVBuffer` (``kv [L, 2, Hkv,
+max_len, D]``, ``length_t [1]`` on the device, the host mirror ``length``).
+HF attention calls ``cache.update(key, value, layer_idx, ...)`` with ``key
+[1, Hkv, T, D]`` (batch 1):
 
-* DFlash chain: ``commit(a + 1)`` keeps the first ``a + 1`` rows;
-* DDTree: ``commit_rows(node_indices)`` moves the accepted tree rows to be
-  contiguous after the prefix (one compaction launch over all layers) and
-  keeps them.
+* an eager pass (the prefill) writes rows ``[length, length + T)`` and gets
+  ``[1, Hkv, length + T, D]`` views; :meth:`commit` keeps them;
+* a round pass (after :meth:`freeze`) writes rows ``length_t + arange(T)`` by
+  index (:func:`dflash_kernels.static_ops.kv_write_`) and gets the WHOLE
+  layer ``[1, Hkv, S, D]``; the attention masks every key past
+  ``length_t + T``. The round commits on the device:
+  :meth:`advance` (``length_t += n``: the DFlash chain's ``a + 1`` rows, an
+  AR step's 1) or :meth:`compact_advance` (the DDTree path's rows moved to
+  follow the prefix by one :func:`dflash_kernels.static_ops.compact_kv_static_`
+  launch over every layer, then ``length_t += path_len``).
 
-Rows past ``length`` are scratch: the next forward overwrites them.
+Rows past the committed length are scratch: the next pass overwrites them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kv_buffer import CacheFullError, KVBuffer
+from dflash_kernels import static_ops
+
+from ..cache import CacheFullError, KVBuffer
 
 __all__ = ["CacheFullError", "TargetKVCache"]
 
 
 class TargetKVCache(KVBuffer):
-    """The target's static cache, duck-typed for Hugging Face attention modules.
-
-    HF attention calls ``cache.update(key, value, layer_idx, ...)`` with
-    ``key [1, Hkv, T, D]`` (batch 1); we return ``[1, Hkv, length+T, D]`` views.
-    """
+    """The target's cache, duck-typed for Hugging Face attention modules (``kv=``: caller storage)."""
 
     @staticmethod
     def kv_shape(config, max_len: int):
@@ -41,37 +44,35 @@ class TargetKVCache(KVBuffer):
         layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
         super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
 
+    def kv_slot(self, layer_idx: int) -> int:
+        """The ``kv`` slot of decoder layer ``layer_idx`` (every layer has one here)."""
+        return layer_idx
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.write(layer_idx, key_states[0], value_states[0])
+        slot = self.kv_slot(layer_idx)
+        if self.static:
+            k, v = self.write_rows(slot, key_states[0], value_states[0], self.length_t)
+        else:
+            k, v = self.write(slot, key_states[0], value_states[0])
         return k[None], v[None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.static:
+            raise RuntimeError("a frozen cache keeps its length on the device (length_t); get_seq_length would "
+                               "read it on the host")
         return self.length
 
-    def compact_rows(self, rows: torch.Tensor, num_rows: torch.Tensor) -> None:
-        """Move written rows ``rows[i]`` (relative to ``length``) to ``length + i`` for ``i < num_rows``.
+    # ------------------------------------------------------------ a round's commit (device counts)
+    def advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep the first ``count [1]`` (device) rows of the last round pass, whose rows are ``rows [T]``
+        (``arange(T)``: a chain). K/V rows stay where they were written."""
+        self.length_t.add_(count)
 
-        ``rows [A]`` int64 and ``num_rows [1]`` live on the cache's device (the
-        DDTree walk's padded path and its length): one
-        :func:`dflash_kernels.compact_kv_` launch over every layer, no host
-        read. The caller then commits the count once it has read it.
-        """
-        import dflash_kernels
+    def compact_advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep the last round pass's rows ``rows[:count]`` (relative to ``length_t``, increasing; ``rows [A]``
+        int64 and ``count [1]`` on the device): one compaction over every layer moves row ``rows[i]`` to
+        ``length_t + i``, then ``length_t += count``. Rows of ``rows`` past ``count`` are ignored."""
+        start = self.length_t
+        static_ops.compact_kv_static_(self.kv, rows + start, start, count)
+        self.length_t.add_(count)
 
-        self._check_room(rows.numel())
-        dflash_kernels.compact_kv_(self.kv, rows + self.length, self.length, num_rows=num_rows, check=False)
-
-    def commit_rows(self, rows: torch.Tensor) -> None:
-        """Keep written rows ``rows`` (int64, increasing, relative to ``length``) and compact them.
-
-        Row ``rows[i]`` moves to ``length + i`` in every layer (one launch of
-        :func:`dflash_kernels.compact_kv_`), then ``length += len(rows)``.
-        """
-        import dflash_kernels
-
-        n = int(rows.numel())
-        self._check_room(n)
-        # host positions: compact_kv_ validates them without a device->host sync
-        src = rows.detach().to(device="cpu", dtype=torch.long) + self.length
-        dflash_kernels.compact_kv_(self.kv, src, self.length, check=False)  # rows from our own walk
-        self.length += n

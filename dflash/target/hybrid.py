@@ -26,8 +26,9 @@ recurrent states). Here a verify pass never touches the committed state:
   inputs, conv outputs (``q | k | v``), ``g`` and ``beta`` are stashed
   per layer in :class:`LinearStates` (``[L_lin, T, .]``: a few rows of
   activations, not ``T`` states);
-* **commit** (``commit(n)`` for a chain: rows ``0..n-1``; ``compact_rows(path,
-  path_len)`` / ``commit_rows(path)`` for a tree: the accepted path): ONE
+* **commit** (a decoding round's ``advance(rows, count)`` for a chain, rows
+  ``0..count-1``, or ``compact_advance(path, path_len)`` for a tree, the
+  accepted path; ``commit(n)`` after an eager chain pass): ONE
   :func:`dflash_kernels.gated_delta_replay_` launch advances every linear
   layer's committed state through exactly the accepted rows (the row count
   read on the device), and :func:`dflash_kernels.conv_window_after` moves
@@ -226,7 +227,7 @@ class LinearStates:
 
     # -- transformers' "has a previous state": the cache holds committed tokens
     def has_previous(self) -> bool:
-        return self._length() > 0
+        return bool(self._length())
 
     def window(self, slot: int) -> torch.Tensor:
         """The ``K - 1`` inputs the convolution reads ``[K-1, C]`` (a view of ``conv[slot]``)."""
@@ -281,33 +282,37 @@ class HybridKVCache(TargetKVCache):
     """The target cache of a hybrid model: K/V for the full-attention layers only, plus :class:`LinearStates`.
 
     ``kv [L_attn, 2, Hkv, max_len, D]`` holds the attention layers in order
-    (decoder layer ``i`` -> slot ``kv_slot[i]``); the commit methods keep the
+    (decoder layer ``i`` -> slot ``kv_slot(i)``); the commit methods keep the
     same rows of both kinds of layers (module docstring). Speaks
     transformers' linear-attention cache protocol (5.17 and 5.24).
     """
 
-    def __init__(self, config, shape: LinearShape, max_len: int, dtype, device):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    @staticmethod
+    def kv_shape(config, shape: LinearShape, max_len: int):
+        """``(L_attn, 2, Hkv, max_len, D)``: the K/V of the full-attention layers only."""
+        layers, two, kv_heads, rows, head_dim = TargetKVCache.kv_shape(config, max_len)
+        return (layers - len(shape.layers), two, kv_heads, rows, head_dim)
+
+    def __init__(self, config, shape: LinearShape, max_len: int, dtype, device, kv=None):
+        layers, _, kv_heads, _, head_dim = self.kv_shape(config, shape, max_len)
+        super(TargetKVCache, self).__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
         num_layers = config.num_hidden_layers
         attention = [i for i in range(num_layers) if i not in shape.layers]
-        super(TargetKVCache, self).__init__(len(attention), kv_heads, head_dim, max_len, dtype, device)
         self.num_layers = num_layers
-        self.kv_slot = {layer: s for s, layer in enumerate(attention)}
-        self.linear = LinearStates(shape, dtype, device, lambda: self.length)
+        self._kv_slots = {layer: s for s, layer in enumerate(attention)}
+        # a frozen cache holds the committed prompt (never empty): the states are "previous" without a host read
+        self.linear = LinearStates(shape, dtype, device, lambda: self.static or self.length > 0)
         self.layers = [
             _LinearLayerView(self.linear, self.linear.slots[i]) if i in self.linear.slots
-            else _AttentionLayerView(self.kv_slot[i]) for i in range(num_layers)
+            else _AttentionLayerView(self._kv_slots[i]) for i in range(num_layers)
         ]
-        self._rows = torch.arange(max_len, dtype=torch.long, device=device)
 
     # ------------------------------------------------------------ attention layers
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        slot = self.kv_slot.get(layer_idx)
+    def kv_slot(self, layer_idx: int) -> int:
+        slot = self._kv_slots.get(layer_idx)
         if slot is None:
             raise ValueError(f"layer {layer_idx} is a linear-attention layer: it has no K/V to update")
-        k, v = self.write(slot, key_states[0], value_states[0])
-        return k[None], v[None]
+        return slot
 
     def __len__(self) -> int:
         return self.num_layers
@@ -371,8 +376,9 @@ class HybridKVCache(TargetKVCache):
         """Called by the adapter before each pass: what the pass's rows will leave to commit."""
         if linear_pass.in_place:
             self._mark_in_place(rows)
-        else:
-            self.linear.stash(rows)
+            return
+        self.linear.stash(rows)
+        if not self.static:  # a round pass's commit is on the device (advance / compact_advance)
             self.linear.pending, self.linear.pending_rows = "verify", int(rows)
 
     def _check_whole(self, n: int) -> None:
@@ -392,7 +398,7 @@ class HybridKVCache(TargetKVCache):
             if n > self.linear.pending_rows:
                 raise ValueError(f"cannot commit {n} rows of a {self.linear.pending_rows}-row pass")
             if n > 0:
-                self.linear.apply(self._rows[: self.linear.pending_rows], self.linear.counts(n))
+                self.linear.apply(self.rows[: self.linear.pending_rows], self.linear.counts(n))
         elif pending == "in_place":
             self._check_whole(n)
         elif pending is None and n > 0:
@@ -400,28 +406,17 @@ class HybridKVCache(TargetKVCache):
         self.linear.pending = None
         self.length += n
 
-    def compact_rows(self, rows: torch.Tensor, num_rows: torch.Tensor) -> None:
-        """Move rows ``rows[i]`` to ``length + i`` (attention layers) and advance the linear layers through
-        ``rows[:num_rows]`` (device tensors: no host read); then :meth:`commit` the count (``commit`` no longer
-        replays)."""
-        super().compact_rows(rows, num_rows)
-        if self.linear.pending == "verify":
-            self.linear.apply(rows.to(torch.long), num_rows)
-        elif self.linear.pending == "in_place":
-            raise RuntimeError("compact_rows after a pass that advanced the linear-attention states in place")
-        self.linear.pending = "applied"
+    def advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Round commit of a chain: the linear layers advance through ``rows[:count]`` of the stash (device
+        tensors, one replay launch), the attention layers keep their rows (:meth:`TargetKVCache.advance`)."""
+        self.linear.apply(rows, count)
+        super().advance(rows, count)
 
-    def commit_rows(self, rows: torch.Tensor) -> None:
-        """Keep rows ``rows`` (increasing, relative to ``length``): compacted K/V, linear layers through them."""
-        n = int(rows.numel())
-        pending = self.linear.pending
-        if pending == "in_place":
-            self._check_whole(n)
-        elif pending == "verify" and n > 0:
-            dev = rows.to(device=self.kv.device, dtype=torch.long)
-            self.linear.apply(dev, self.linear.counts(n))
-        super().commit_rows(rows)
-        self.linear.pending = None
+    def compact_advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Round commit of a tree path ``rows[:count]``: the linear layers advance through the path's stashed
+        rows, the attention layers' rows are compacted (:meth:`TargetKVCache.compact_advance`)."""
+        self.linear.apply(rows, count)
+        super().compact_advance(rows, count)
 
     def crop(self, length: int) -> None:
         """Forget rows from ``length`` on: only to the committed length (drops the last pass) or to 0 (reset)."""

@@ -1,0 +1,139 @@
+"""What one generation is asked to do (:class:`LoopOptions`) and the checks of its inputs.
+
+Every loop entry point takes its settings as one :class:`LoopOptions`;
+:meth:`LoopOptions.resolve` checks them against the target and drafter once,
+before anything runs, with errors that name the setting and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..drafter.config import DraftConfigError, validate_target_layer_ids
+from .generation_config import SamplingSettings
+
+__all__ = ["LoopOptions", "METHODS", "RoundShape", "check_pair", "check_tree_budget", "prepare_prompt"]
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclass
+class LoopOptions:
+    """The settings of one generation (``sampling`` wins over ``temperature`` when given).
+
+    ``stopping_criteria(input_ids [1, n], None)`` is asked after every
+    committed token; ``streamer`` gets ``put(prompt [1, T])`` first, then each
+    round's committed tokens, then ``end()``. ``block_size`` / ``mask_token_id``
+    default to the drafter's, ``tree_budget`` to ``2 * (B - 1)``;
+    ``return_trees`` keeps each DDTree round's tree in ``result.trees``;
+    ``stage_timing`` records per-stage times.
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    sampling: Optional[SamplingSettings] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    stopping_criteria: Optional[Callable] = None
+    streamer: object = None
+    seed: Optional[int] = None
+    block_size: Optional[int] = None
+    tree_budget: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    return_trees: bool = False
+    stage_timing: bool = True
+    #: the resolved stop ids (set by :meth:`resolve`)
+    stop_ids: set = field(default_factory=set, repr=False)
+
+    def resolve(self, method: str, draft, vocab_size: int) -> "RoundShape":
+        """Check every setting; fill ``sampling`` and ``stop_ids``; return the round's shape."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        if self.sampling is None:
+            t = self.temperature
+            if t is None or isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+                raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
+            self.sampling = SamplingSettings(float(t))
+        elif not isinstance(self.sampling, SamplingSettings):
+            raise TypeError(f"sampling must be a SamplingSettings, got {type(self.sampling).__name__}")
+        self.temperature = self.sampling.temperature
+        self.stop_ids = {int(t) for t in (self.stop_token_ids or ())}
+        if self.return_trees and method != "ddtree":
+            raise ValueError(f"return_trees applies to method 'ddtree' only, not {method!r}")
+        if method == "ar":
+            return RoundShape(method, 1, 0, 0)
+        if draft is None:
+            raise ValueError(f"method {method!r} needs a drafter (draft=DFlashDraftModel)")
+        B = int(self.block_size if self.block_size is not None else draft.block_size)
+        if B < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
+        mask_id = draft.mask_token_id if self.mask_token_id is None else int(self.mask_token_id)
+        if not 0 <= mask_id < vocab_size:
+            raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {vocab_size})")
+        budget = 0
+        if method == "ddtree":
+            budget = check_tree_budget(2 * (B - 1) if self.tree_budget is None else self.tree_budget)
+        return RoundShape(method, B, budget, mask_id)
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """The fixed shape of a generation's rounds: method, block size ``B`` (1 for AR), tree budget (0 unless
+    DDTree) and the block's mask id."""
+
+    method: str
+    block_size: int
+    tree_budget: int
+    mask_token_id: int
+
+
+def check_tree_budget(tree_budget) -> int:
+    """``tree_budget`` when it is an int >= 1 (draft nodes per DDTree round), else a ValueError."""
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be an int >= 1 (number of draft nodes per round), got {tree_budget!r}")
+    return tree_budget
+
+
+def prepare_prompt(input_ids, vocab_size: int, device) -> torch.Tensor:
+    """``input_ids`` (``[T]`` or ``[1, T]``, ints in the vocabulary) as a ``[T]`` int64 tensor on ``device``."""
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"batch size {input_ids.shape[0]} is not supported: pass one prompt (input_ids [1, T])")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("the prompt is empty: generation needs at least one input token")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids hold ids outside the target vocabulary [0, {vocab_size}): min {lo}, max {hi}")
+    return input_ids.to(device=device, dtype=torch.long)
+
+
+def check_pair(adapter, draft) -> None:
+    """The drafter fits the target: layer count, hidden size, vocab, fc width."""
+    cfg = draft.config
+    if int(cfg.num_target_layers) != adapter.num_layers:
+        raise DraftConfigError(
+            f"drafter was built for a {cfg.num_target_layers}-layer target, this target has {adapter.num_layers} layers"
+        )
+    validate_target_layer_ids(draft.target_layer_ids, adapter.num_layers, warn_repeats=False)
+    if cfg.hidden_size != adapter.hidden_size:
+        raise DraftConfigError(f"drafter hidden_size {cfg.hidden_size} != target hidden size {adapter.hidden_size}")
+    if cfg.vocab_size != adapter.vocab_size:
+        raise DraftConfigError(f"drafter vocab_size {cfg.vocab_size} != target vocabulary {adapter.vocab_size}")
+    want = len(draft.target_layer_ids) * adapter.hidden_size
+    if draft.fc.in_features != want:
+        raise DraftConfigError(
+            f"drafter fc takes {draft.fc.in_features} features but {len(draft.target_layer_ids)} target layers of "
+            f"width {adapter.hidden_size} give {want}"
+        )

@@ -1,0 +1,362 @@
+"""The one round of every generation: draft and verify steps over device-resident state.
+
+A :class:`Round` holds every value a round reads or writes as a device
+tensor of fixed shape, so its two steps are functions of those tensors alone:
+eager generation calls them directly; ``compile=True`` wraps the same two
+methods in ``torch.compile(fullgraph=True)`` and, on CUDA, CUDA graphs
+(:mod:`dflash.decoding.compiled`). Per generation (``B`` block size, ``N``
+tree nodes, ``D = B - 1``):
+
+==================  =====================  ===========================================================
+tensor              shape                  meaning
+==================  =====================  ===========================================================
+``cache.length_t``  ``[1]`` int64          target rows committed (= committed tokens - 1)
+``dcache.length_t`` ``[1]`` int64          drafter context rows committed
+``ctx``             ``[B, n*H]``           captured features of the last verify's accepted rows
+``ctx_count``       ``[1]`` int64          how many rows of ``ctx`` are real (``a + 1`` / path length)
+``last``            ``[1]`` int64          the last committed token (the next block's anchor)
+``seed``            ``[1]`` int64          sampling key: +1 per choice, so every draw (and a replayed
+                                           graph) gets new noise
+``proposals``       ``[D]`` int64          DFlash: the drafter's chain
+``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes
+``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
+``path``            ``[D+1]`` int64        DDTree: the accepted path's rows (padded)
+==================  =====================  ===========================================================
+
+Steps (nothing in them reads a value on the host):
+
+* :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
+  block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` of the target's
+  lm_head at block rows ``1..D``; DDTree: top-K log-probs there and the
+  best-first tree of ``N`` nodes;
+* :meth:`verify` -- the target on the chain ``[last, proposals]`` at
+  ``L + arange(B)`` or the tree ``[last, tokens]`` at ``L + [0, depths]``
+  with its ancestor bits; the target's choice after every row
+  (:meth:`choose`); the accepted prefix ``a`` (chain) or the walked path
+  (tree); the commit: both caches' device lengths, the accepted rows' K/V
+  compacted (tree), the hybrid layers' states replayed through them, ``ctx``
+  = their captured features, ``last`` = the bonus token. Returns the payload
+  the host reads once: ``[choices (B), a]`` (chain), ``[committed (D + 1,
+  padded), path_len]`` (tree), ``[choice]`` (AR).
+
+Token choice (:meth:`choose`, the only one): greedy argmax, or a sample of
+the processed distribution (temperature, then top-k / top-p / min-p) keyed by
+the device seed, so the same seed gives the same tokens eagerly and compiled.
+
+On the CPU with the reference backend, eager DDTree rounds build and walk the
+tree with the C++ host ops (:func:`dflash_kernels.build_tree` /
+:func:`dflash_kernels.walk_tree`: the host is the device there, the walk
+costs microseconds against the tensor walk's many small ops); they give the
+same tree and path as the device ops a traced round runs.
+
+Each cache is sized from the rows its own side writes (:func:`cache_rows`),
+rounded up to :data:`ROW_BUCKET`; :meth:`Round.check_room` refuses, on the
+host, a round that could write past either cache.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+import dflash_kernels
+from dflash_kernels import static_ops
+from dflash_kernels import tree_device
+
+from ..cache import CacheFullError
+from ..drafter.cache import DraftKVCache
+from .generation_config import SamplingSettings
+from .options import RoundShape
+
+__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows"]
+
+#: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
+ROW_BUCKET = 256
+
+
+def bucket_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of :data:`ROW_BUCKET`."""
+    return -(-int(rows) // ROW_BUCKET) * ROW_BUCKET
+
+
+def verify_rows(shape: RoundShape) -> int:
+    """Target rows one verify writes past the committed length: 1 (AR), ``B`` (chain), ``budget + 1`` (tree)."""
+    return {"ar": 1, "dflash": shape.block_size, "ddtree": shape.tree_budget + 1}[shape.method]
+
+
+def cache_rows(shape: RoundShape, total_tokens: int) -> Tuple[int, int]:
+    """``(target rows, drafter rows)`` a generation of ``total_tokens`` (prompt + new tokens) needs, unrounded.
+
+    A round starts with ``n <= total_tokens`` committed tokens; its verify
+    writes target rows up to ``n - 2 + T`` (``T`` = :func:`verify_rows`), its
+    draft drafter rows up to ``n - 2 + B`` (``B`` context rows from the
+    drafter's length, then ``B`` block rows after the real ones), so
+    ``total_tokens - 1 + T`` and ``total_tokens - 1 + B`` rows suffice; these
+    keep two spare rows. The drafter count is 0 for AR.
+    """
+    total = int(total_tokens)
+    target = total + verify_rows(shape) + 1
+    draft = 0 if shape.method == "ar" else total + shape.block_size + 1
+    return target, draft
+
+
+def _zeros(role, shape, dtype, device):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class Round:
+    """The state and the two steps of one generation's rounds (see the module docstring).
+
+    ``target_rows`` / ``draft_rows``: the rows each cache needs
+    (:func:`cache_rows`), rounded up to :data:`ROW_BUCKET`. ``kv_alloc(role,
+    shape, dtype, device) -> kv`` (role ``"target"`` or ``"draft"``) hands
+    each cache its storage (a view of a buffer pooled rounds share); zeros
+    when omitted.
+    """
+
+    def __init__(self, adapter, draft, shape: RoundShape, *, target_rows: int, draft_rows: int,
+                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None):
+        self.adapter, self.draft_model, self.shape = adapter, draft, shape
+        method = self.method = shape.method
+        self.sampling = sampling
+        device = self.device = adapter.device
+        self.backend = dflash_kernels.get_backend(device)
+        self.B = B = shape.block_size
+        self.D = B - 1
+        self.budget = shape.tree_budget
+        self.K = min(self.budget, adapter.vocab_size) if method == "ddtree" else 0
+        #: tree nodes per round (the budget, or fewer when D levels of K children hold fewer)
+        self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
+        #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1)
+        self.T = self.N + 1 if method == "ddtree" else B
+        #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
+        self.host_tree = method == "ddtree" and device.type == "cpu" and self.backend == "reference"
+        alloc = kv_alloc or _zeros
+        S = bucket_rows(target_rows)
+        self.cache = adapter.new_cache(S, kv=alloc("target", adapter.cache_shape(S), adapter.dtype, device))
+        long = dict(dtype=torch.long, device=device)
+        self.last = torch.zeros(1, **long)
+        self.seed = torch.zeros(1, **long)
+        self.rows = torch.arange(max(B, self.N + 1) + 1, **long)
+        self.dcache = None
+        if method == "ar":
+            return
+        draft_dtype = draft.fc.weight.dtype
+        S_draft = bucket_rows(draft_rows)
+        self.dcache = DraftKVCache(draft.config, S_draft, dtype=draft_dtype, device=device,
+                                   kv=alloc("draft", DraftKVCache.kv_shape(draft.config, S_draft), draft_dtype,
+                                            device))
+        self.dcache.block_bits(B)  # made before tracing: a traced step only looks it up
+        width = len(adapter.capture_layer_ids) * adapter.hidden_size
+        self.ctx = torch.zeros(B, width, dtype=adapter.dtype, device=device)
+        self.ctx_count = torch.zeros(1, **long)
+        self.mask_block = torch.full((self.D,), shape.mask_token_id, **long)
+        self.draft_rows = torch.arange(1, B, **long)
+        if method == "dflash":
+            self.proposals = torch.zeros(self.D, **long)
+        else:
+            self.tokens = torch.zeros(self.N, **long)
+            self.depths = torch.zeros(self.N, **long)
+            self.parents = torch.zeros(self.N + 1, **long)
+            self.path = torch.zeros(B, **long)
+            # the tree build's index tables: the round's own, alive as long as the graphs that read them
+            self.tree_tables = tree_device.tree_tables(self.D, self.K, self.budget, device)
+
+    @property
+    def payload_size(self) -> int:
+        """Elements of :meth:`verify`'s payload."""
+        return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2}[self.method]
+
+    # ---------------------------------------------------------------- set-up per generation (eager)
+    def reset(self, seed: int) -> None:
+        """Empty caches for the next prefill, a fresh sampling key; the buffers are kept."""
+        self.thaw()
+        self.last.zero_()
+        self.seed.fill_(int(seed) & ((1 << 62) - 1))
+        if self.method != "ar":
+            self.ctx_count.zero_()
+
+    def start(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Prefill ``prompt [P]`` (chunked, its shapes vary), choose the first token, ingest the prompt's
+        features into the drafter, freeze both caches. Returns the first token ``[1]`` (also in ``last``)."""
+        last_hidden, features = self.adapter.prefill(prompt, self.cache)
+        first = self.choose(last_hidden)
+        self.last.copy_(first.reshape(1))
+        if self.method != "ar":
+            self.draft_model.ingest_context(features, self.dcache)
+        self.freeze()
+        return first
+
+    def check_room(self, committed: int) -> None:
+        """Refuse (:class:`~dflash.cache.CacheFullError`) the next round when, with ``committed`` tokens
+        (prompt included), its verify or its draft could write past its cache. Host ints only."""
+        sides = [("target", committed - 1 + self.T, self.cache.max_len)]
+        if self.method != "ar":
+            sides.append(("drafter", committed - 1 + self.B, self.dcache.max_len))
+        for side, rows, capacity in sides:
+            if rows > capacity:
+                raise CacheFullError(
+                    f"the {side} cache of this round holds {capacity} rows; the next round, after {committed} "
+                    f"committed tokens, would need {rows}: the caches were sized for fewer tokens (prompt + "
+                    "max_new_tokens)")
+
+    # ---------------------------------------------------------------- the target's choice
+    def choose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's token after each row of pre-norm ``hidden [T, H]``: ``[T]`` int64.
+
+        Greedy: the argmax of the logits in the lm_head's dtype (lowest id on
+        ties). Sampling: a draw from the processed distribution (temperature,
+        then top-k, top-p, min-p, as transformers' warpers) keyed by ``seed``,
+        which moves on by one per call. The family's final norm and final-logit
+        softcap come from the adapter's head inputs.
+        """
+        rows, kw = self.adapter.head_inputs(hidden)
+        W = self.adapter.lm_head.weight
+        s = self.sampling
+        if s.greedy:
+            return static_ops.lm_head_argmax(rows, W, backend=self.backend, **kw)
+        self.seed.add_(1)
+        if s.active():
+            return static_ops.lm_head_sample_processed_static(rows, W, s.temperature, self.seed, top_k=s.top_k,
+                                                              top_p=s.top_p, min_p=s.min_p, backend=self.backend,
+                                                              **kw)
+        return static_ops.lm_head_sample_static(rows, W, s.temperature, self.seed, backend=self.backend, **kw)
+
+    # ---------------------------------------------------------------- steps
+    def draft(self) -> None:
+        """The drafter pass and its proposals (chain) or tree, into the state tensors (nothing for AR)."""
+        if self.method == "ar":
+            return
+        ids = torch.cat([self.last, self.mask_block])
+        out = self.draft_model.draft_block(self.adapter.embed(ids), self.ctx, self.ctx_count, self.dcache)
+        W = self.adapter.lm_head.weight
+        if self.method == "dflash":
+            self.proposals.copy_(static_ops.lm_head_argmax(out, W, positions=self.draft_rows, backend=self.backend))
+            return
+        logprobs, ids = static_ops.lm_head_topk(out, W, self.K, positions=self.draft_rows, backend=self.backend)
+        if self.host_tree:
+            tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, self.budget)
+        else:
+            tokens, depths, parents = static_ops.build_tree_device(logprobs, ids, self.budget,
+                                                                   tables=self.tree_tables, backend=self.backend)
+        self.tokens.copy_(tokens)
+        self.depths.copy_(depths)
+        self.parents.copy_(parents)
+
+    def verify(self) -> torch.Tensor:
+        """The target's verify and the commit; returns the payload (module docstring)."""
+        if self.method == "ar":
+            return self._verify_ar()
+        if self.method == "dflash":
+            return self._verify_chain()
+        return self._verify_tree()
+
+    def _verify_chain(self) -> torch.Tensor:
+        length, rows = self.cache.length_t, self.rows[: self.B]
+        block = torch.cat([self.last, self.proposals])
+        hidden, captured = self.adapter.run_pass(block, length + rows, self.cache)
+        choices = self.choose(hidden)
+        accepted = torch.cumprod((self.proposals == choices[:-1]).long(), 0).sum().reshape(1)
+        self.ctx.copy_(torch.cat(captured, dim=1))
+        self.ctx_count.copy_(accepted + 1)
+        self.cache.advance(rows, accepted + 1)
+        self.last.copy_(choices.gather(0, accepted))
+        return torch.cat([choices, accepted])
+
+    def _verify_tree(self) -> torch.Tensor:
+        length = self.cache.length_t
+        ids = torch.cat([self.last, self.tokens])
+        positions = length + torch.cat([self.depths.new_zeros(1), self.depths])  # the root at depth 0
+        bits = static_ops.ancestor_bits(self.parents, backend=self.backend)
+        hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits,
+                                                 tree_parents=self.parents)
+        choices = self.choose(hidden)
+        if self.host_tree:
+            path, path_len, committed = self._walk_on_host(choices)
+        else:
+            path, path_len, committed = static_ops.walk_tree_device(self.parents, self.tokens, choices, self.D,
+                                                                    bits, backend=self.backend)
+        self.path.copy_(path)
+        self.cache.compact_advance(path, path_len)
+        self.ctx.copy_(torch.cat([c.index_select(0, path) for c in captured], dim=1))
+        self.ctx_count.copy_(path_len)
+        self.last.copy_(committed.gather(0, path_len - 1))
+        return torch.cat([committed, path_len])
+
+    def _walk_on_host(self, choices: torch.Tensor):
+        """The C++ walk's path, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path [D+1],
+        path_len [1], committed [D+1])`` (unused slots 0)."""
+        accepted, bonus = dflash_kernels.walk_tree(self.parents, self.tokens, choices)
+        n = accepted.numel()
+        path = torch.zeros(self.B, dtype=torch.long)
+        path[:n] = accepted
+        committed = torch.zeros(self.B, dtype=torch.long)
+        committed[: n - 1] = self.tokens[accepted[1:] - 1]
+        committed[n - 1] = bonus
+        return path, self.rows[n : n + 1], committed
+
+    def _verify_ar(self) -> torch.Tensor:
+        rows = self.rows[:1]
+        hidden, _ = self.adapter.run_pass(self.last, self.cache.length_t + rows, self.cache)
+        choice = self.choose(hidden)
+        self.cache.advance(rows, self.rows[1:2])
+        self.last.copy_(choice)
+        return choice
+
+    # ---------------------------------------------------------------- the host's view of a payload
+    def committed_tokens(self, host: List[int]) -> List[int]:
+        """The tokens a round committed, from its payload read on the host."""
+        if self.method == "ar":
+            return host
+        if self.method == "dflash":
+            return host[: host[self.B] + 1]
+        return host[: host[self.D + 1]]
+
+    def mirror(self, committed_before: int, new: int) -> None:
+        """Refresh the caches' host lengths after a round that found ``committed_before`` tokens and
+        committed ``new`` (host ints from the payload: no device read)."""
+        self.cache.mirror(committed_before - 1 + new)
+        if self.dcache is not None:
+            self.dcache.mirror(committed_before - 1)
+
+    def tree_record(self, length: int) -> dict:
+        """The last DDTree round's tree and accepted path (host copies, for ``return_trees``)."""
+        host = lambda t: t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too: the state is reused)
+        return dict(tokens=host(self.tokens), depths=host(self.depths), parents=host(self.parents),
+                    accepted=host(self.path[:length]))
+
+    # ---------------------------------------------------------------- compile / capture support
+    def _caches(self):
+        return (self.cache,) if self.dcache is None else (self.cache, self.dcache)
+
+    def freeze(self) -> None:
+        """Both caches in their round form (at their current, eager lengths)."""
+        for cache in self._caches():
+            cache.freeze()
+
+    def thaw(self) -> None:
+        """Both caches back to empty eager caches (their device tensors kept)."""
+        for cache in self._caches():
+            cache.thaw()
+        if getattr(self.cache, "linear", None) is not None:
+            self.cache.linear.reset()
+
+    def _mutable(self) -> dict:
+        """The small tensors a step changes, besides cache rows past the committed lengths."""
+        names = ["last", "seed"] + ([] if self.method == "ar" else ["ctx", "ctx_count"])
+        state = {n: getattr(self, n) for n in names}
+        for i, cache in enumerate(self._caches()):
+            state[f"length_{i}"] = cache.length_t
+        linear = getattr(self.cache, "linear", None)
+        if linear is not None:  # hybrid targets: the committed conv windows and recurrent states
+            state["conv"], state["state"] = linear.conv, linear.state
+        return state
+
+    def snapshot(self) -> None:
+        """Remember the small state, so warm-up and capture rounds can be undone (:meth:`restore`)."""
+        self._saved = {name: t.clone() for name, t in self._mutable().items()}
+
+    def restore(self) -> None:
+        for name, t in self._mutable().items():
+            t.copy_(self._saved[name])
