@@ -135,6 +135,10 @@ class Round:
         alloc = kv_alloc or _zeros
         S = bucket_rows(target_rows)
         self.cache = adapter.new_cache(S, kv=alloc("target", adapter.cache_shape(S), adapter.dtype, device))
+        linear = getattr(self.cache, "linear", None)
+        if linear is not None:  # hybrid targets: the verify's stash and tree scratch, made before any trace
+            linear.stash(self.T)
+            linear.scratch(self.T)
         long = dict(dtype=torch.long, device=device)
         self.last = torch.zeros(1, **long)
         self.seed = torch.zeros(1, **long)
