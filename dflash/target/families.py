@@ -61,8 +61,15 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   expert-sorted rows, offsets from ``histc`` on the device) where torch's
   grouped GEMM runs without a host read (:func:`grouped_mm_fast_path`: CUDA
   compute capability 9.x / 10.x with bf16 experts, or the CPU), restored on
-  close (:func:`open_experts`); elsewhere the model's own implementation is
+  close (:func:`experts_patches`); elsewhere the model's own implementation is
   kept (:func:`choose_experts_implementation` says why).
+* **patches** (derived from the row, :attr:`Family.patches`): what an open
+  adapter changes on the model, each a patch held in
+  :mod:`dflash.target.patches` (applied by the first adapter opened on the
+  model, restored by the last one closed): ``attention`` (every family: the
+  config names our attention function), ``experts`` (MoE families, and
+  unknown ones, whose modules are probed: the implementation above, when it
+  changes), ``linear_forward`` (hybrids: the Gated-DeltaNet verify forward).
 
 Unknown ``model_type``: the generic entry (Llama shape; windows from the
 attention modules' ``sliding_window`` attributes, else ``layer_types``, else
@@ -83,6 +90,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .patches import Patch, original
 
 #: transformers attention implementations that silently drop a ``softcap`` argument (SDPA has no such input;
 #: transformers 5.17 still loads Gemma2 with it, 5.24 refuses).
@@ -125,6 +134,24 @@ class Family:
     known: bool = True
     linear_attention: Optional[str] = None  # class name of the Gated-DeltaNet module of "linear_attention" layers
     rope_sections: int = 0  # the rotary embedding takes position ids [rope_sections, batch, T] (Qwen3.5: 3)
+
+    @property
+    def patches(self) -> Tuple[str, ...]:
+        """What an open adapter changes on a model of this family (:data:`PATCHES`), in the order applied."""
+        names = ["attention"]
+        if self.moe or not self.known:  # an unknown family may hold experts modules: probed, switched if so
+            names.append("experts")
+        if self.linear_attention:
+            names.append("linear_forward")
+        return tuple(names)
+
+
+#: The patches a family row can name (:attr:`Family.patches`), each held while an adapter is open
+#: (:mod:`dflash.target.patches`): the config's attention implementation (every family: our one attention
+#: function, :func:`dflash.target.attention.attention_patches`), the experts implementation of MoE families
+#: (:func:`experts_patches`), and the Gated-DeltaNet modules' forward of hybrid families
+#: (:func:`dflash.target.hybrid.linear_patches`).
+PATCHES = ("attention", "experts", "linear_forward")
 
 
 #: The capability table, keyed by ``config.model_type``.
@@ -345,8 +372,9 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         if any(isinstance(getattr(l.self_attn, "sinks", None), torch.Tensor) for l in attention_layers):
             refuse("attention sinks on an unknown family", f"model_type {config.model_type!r}")
     attn_cap = _float_or_none(getattr(config, attn_key, None)) if attn_key else None
-    if attn_cap is not None and getattr(config, "_attn_implementation", None) in SOFTCAP_BLIND_IMPLEMENTATIONS:
-        warnings.warn(f"{name} was loaded with attn_implementation={config._attn_implementation!r}, which ignores "
+    loaded_attention = original(config, "_attn_implementation")
+    if attn_cap is not None and loaded_attention in SOFTCAP_BLIND_IMPLEMENTATIONS:
+        warnings.warn(f"{name} was loaded with attn_implementation={loaded_attention!r}, which ignores "
                       f"the attention softcap ({attn_key}={attn_cap}): the model's own forward drops it, our passes "
                       "apply it (as eager and flash attention do, and the checkpoint was trained with). Load it with "
                       "attn_implementation='eager' to compare outputs.", stacklevel=3)
@@ -391,8 +419,8 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         if family.known and not family.moe:
             refuse("mixture of experts", f"{family.name} is a dense family")
         weight = next((p for p in moe[0].parameters() if p.dtype.is_floating_point), lm_head.weight)
-        experts = choose_experts_implementation(moe[0].config._experts_implementation, weight.device,
-                                                experts_dtype(moe[0]))
+        loaded = original(moe[0].config, "_experts_implementation")  # an open adapter's switch aside
+        experts = choose_experts_implementation(loaded, weight.device, experts_dtype(moe[0]))
 
     fused = family.fused_norm or (type(norm).__name__ if type(norm).__name__ in LLAMA_STYLE_NORMS else None)
     fuse_norm = type(norm).__name__ == fused and getattr(norm, "weight", None) is not None
@@ -403,35 +431,13 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     )
 
 
-# id(config) -> [implementation before the first open, open adapters]
-_experts_opened: dict = {}
-
-
-def open_experts(configs: Sequence, implementation: Optional[str]) -> None:
-    """Run the experts of ``configs`` with ``implementation`` while an adapter is open (nestable)."""
+def experts_patches(configs: Sequence, implementation: Optional[str]) -> list:
+    """The patches that run the experts of ``configs`` with ``implementation`` while an adapter holds them
+    (:mod:`dflash.target.patches`); none when ``implementation`` is None (the model's own is kept)."""
     if implementation is None:
-        return
-    for config in configs:
-        entry = _experts_opened.get(id(config))
-        if entry is None:
-            _experts_opened[id(config)] = [config._experts_implementation, 1]
-            config._experts_implementation = implementation
-        else:
-            entry[1] += 1
-
-
-def close_experts(configs: Sequence, implementation: Optional[str]) -> None:
-    """Undo :func:`open_experts`; the last close restores the implementation the model was loaded with."""
-    if implementation is None:
-        return
-    for config in configs:
-        entry = _experts_opened.get(id(config))
-        if entry is None:
-            continue
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _experts_opened[id(config)]
-            config._experts_implementation = entry[0]
+        return []
+    return [Patch(config, "_experts_implementation", implementation, label="experts implementation")
+            for config in configs]
 
 
 def family_table() -> List[Dict[str, object]]:
@@ -442,5 +448,6 @@ def family_table() -> List[Dict[str, object]]:
                          rope_per_layer_type=f.rope_per_layer_type, attn_softcap=f.attn_softcap,
                          final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
                          embed_scale=f.embed_scale, fused_norm=f.fused_norm, moe=f.moe,
-                         linear_attention=f.linear_attention, rope_sections=f.rope_sections))
+                         linear_attention=f.linear_attention, rope_sections=f.rope_sections,
+                         patches=f.patches))
     return rows
