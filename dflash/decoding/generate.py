@@ -13,7 +13,6 @@ from .chain import dflash_generate
 from .ddtree import ddtree_generate_result
 from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
 from .result import GenerationResult
-from .speculation import unsupported_sampling
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -30,8 +29,7 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
     """Check the method and resolve the keywords into a :class:`GenerationPlan`, before any model runs.
 
     Raises ``ValueError`` (an :class:`UnsupportedGeneration` for a keyword our
-    loops cannot serve) or ``NotImplementedError`` (a sampling setting the
-    sampler cannot apply yet), naming the keyword and what is allowed.
+    loops cannot serve), naming the keyword and what is allowed.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
@@ -43,11 +41,6 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
             allowed = ", ".join(sorted(_METHOD_KEYWORDS[method]))
             raise UnsupportedGeneration(name, f"{name} does not apply to method {method!r} (its own keywords: "
                                               f"{allowed})")
-    missing = unsupported_sampling(plan.sampling)
-    if missing is not None:
-        raise NotImplementedError(f"{missing}={getattr(plan.sampling, missing)!r}: top-k / top-p / min-p sampling "
-                                  "is not implemented yet; pass only a temperature (top_k=0, top_p=1.0, "
-                                  "min_p=None), or do_sample=False")
     return plan
 
 
@@ -110,15 +103,3 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     """
     plan = prepare_generation(target, draft, input_ids, method=method, generation_config=generation_config, **kwargs)
     return run_generation(target, draft, input_ids, plan, method=method, compile=compile)
-
-
-def spec_generate(draft, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):
-    """Drop-in DFlash generation: returns the output ids ``[1, prompt + new]``.
-
-    Attached by the package root as ``DFlashDraftModel.spec_generate(target=, input_ids=, ...)`` (the
-    reference implementation's call form; the drafter layer itself knows nothing of the loops). Same
-    semantics as :func:`generate` with ``method="dflash"``; use that for the statistics.
-    """
-    result = generate(target, draft, input_ids, method="dflash", max_new_tokens=max_new_tokens,
-                      temperature=temperature, stop_token_ids=stop_token_ids, **kwargs)
-    return result.output_ids
