@@ -4,21 +4,18 @@
 (undone by ``dflash.unapply(target)``); ``dflash.generate(target, draft, input_ids,
 method="ar"|"dflash"|"ddtree", ...)`` is the direct entry point (transformers' generate
 keywords, a :class:`GenerationResult` with the statistics); ``dflash.stream(...)`` yields each
-round's tokens; :class:`DFlashDraftModel` is the drafter.
+round's tokens; :class:`DFlashDraftModel` is the drafter (the network of :mod:`dflash.drafter` with
+``draft.spec_generate(target=..., input_ids=...)``, defined in :mod:`dflash.decoding.drafter`).
 
 Subpackages, each importing only the ones listed after it: ``benchmark``,
 ``training``, ``tiny``, ``decoding``, ``target``, ``drafter`` (and the bottom
 package ``cache``). See docs/ARCHITECTURE.md.
 """
 
-from .decoding import (GenerationResult, SamplingSettings, UnsupportedGeneration, apply, generate, spec_generate,
+from .decoding import (DFlashDraftModel, GenerationResult, SamplingSettings, UnsupportedGeneration, apply, generate,
                        stream, unapply, warmup)
-from .drafter import DFlashDraftModel, DraftConfigError, default_target_layer_ids, make_draft_config
+from .drafter import DraftConfigError, default_target_layer_ids, make_draft_config
 from .target import TargetAdapter, TargetStructureError
-
-# The drafter's drop-in method lives with the loops (above the drafter layer); the package root,
-# which sits above both, attaches it.
-DFlashDraftModel.spec_generate = spec_generate
 
 __all__ = [
     "DFlashDraftModel",

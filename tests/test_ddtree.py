@@ -5,7 +5,7 @@ import torch
 
 import dflash
 import dflash_kernels
-from dflash.ddtree import ddtree_generate
+from dflash.decoding import ddtree_generate
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]

@@ -11,7 +11,7 @@ from dflash import DFlashDraftModel, DraftConfigError
 from dflash.drafter.cache import DraftKVCache
 from tiny_models import tiny_draft, tiny_target
 
-SPEC_NAMES = [
+CHECKPOINT_NAMES = [
     "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
     "layers.0.self_attn.o_proj.weight", "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight",
     "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
@@ -72,7 +72,7 @@ def test_checkpoint_round_trip_in_published_format(tmp_path):
     assert config["block_size"] == 8 and config["num_target_layers"] == 6
     assert config["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 3]}
     names = set(load_file(tmp_path / "model.safetensors"))
-    assert set(SPEC_NAMES) <= names
+    assert set(CHECKPOINT_NAMES) <= names
     loaded = DFlashDraftModel.from_pretrained(str(tmp_path))
     assert loaded.target_layer_ids == draft.target_layer_ids and loaded.block_size == 8
     assert loaded.layers[1].sliding_window == 16 and loaded.layers[0].sliding_window is None

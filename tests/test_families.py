@@ -265,20 +265,20 @@ def test_moe_experts_run_without_a_host_read_per_layer(family):
 
     with dflash_kernels.force_backend("reference"):
         seen = []
-        real = families.open_experts
+        real = families.experts_patches
 
         def spy(configs, implementation):
             seen.append(implementation)
-            real(configs, implementation)
+            return real(configs, implementation)
 
-        with mock.patch.object(families, "open_experts", spy), mock.patch("dflash.target.adapter.open_experts", spy):
+        with mock.patch("dflash.target.adapter.experts_patches", spy):
             per_round, reads, _ = _reads_per_round(run)
         assert seen == ["grouped_mm"]
         assert max(per_round) <= 1, f"host reads per round {per_round}: {reads}"
         assert torch.equal(out["r"].output_ids, ref)
         assert target.config._experts_implementation == "eager"
         # the counter does see eager's reads: without the switch every round reads once per MoE layer
-        with mock.patch("dflash.target.adapter.open_experts", lambda configs, implementation: None):
+        with mock.patch("dflash.target.adapter.experts_patches", lambda configs, implementation: []):
             eager_rounds, _, _ = _reads_per_round(run)
         assert min(eager_rounds) > 3
 

@@ -2,7 +2,7 @@
 
 One test per keyword: eos from the target's generation_config stops exactly where target.generate() stops, a
 list of eos ids, max_length, stopping_criteria, do_sample=False with a temperature is greedy, and every refused
-keyword names itself. No test depends on top-k / top-p / min-p sampling (another engineer's sampler).
+keyword names itself. Top-k / top-p / min-p sampling is tested with the sampler (tests/test_sampling*.py).
 """
 
 import pytest

@@ -572,6 +572,37 @@ def _progress(total: int, disable: bool):
     return tqdm(total=total, unit="run", desc="bench", disable=disable, file=sys.stderr, dynamic_ncols=True)
 
 
+def _bench_prompts(args, pair, device):
+    """``(prompt tensors, prompts, source)``: the JSONL prompts or the built-in held-out ones, checked against
+    the target's vocabulary."""
+    if args.prompts:
+        prompts = read_prompts_jsonl(args.prompts, pair.tokenizer)[: args.num_prompts]
+        source = str(args.prompts)
+    else:
+        prompts = builtin_prompts(pair.tokenizer, args.num_prompts, args.prompt_len, args.seed)
+        source = f"built-in: {args.num_prompts} held-out stdlib prompts of {args.prompt_len} bytes"
+    vocab = pair.target.config.vocab_size
+    for i, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= vocab:
+            raise SystemExit(f"prompt {i} holds ids outside the target vocabulary [0, {vocab})")
+    return [torch.tensor(p, dtype=torch.long, device=device) for p in prompts], prompts, source
+
+
+def _greedy_failures(configs, runs, pair, prompt_tensors) -> List[Failure]:
+    """Every greedy run whose tokens differ from ``ar``'s on the same prompt, with the logit margin there."""
+    failures: List[Failure] = []
+    reference = {c.temperature: runs[c] for c in configs if c.method == "ar"}
+    for cfg in configs:
+        if cfg.temperature != 0 or cfg.method == "ar":
+            continue
+        for ref_run, run in zip(reference[0.0], runs[cfg]):
+            failure = compare_greedy(ref_run, run)
+            if failure is not None:
+                add_margin(failure, pair.target, prompt_tensors[run.prompt_index], ref_run.generated)
+                failures.append(failure)
+    return failures
+
+
 def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
     """Load, warm up, measure interleaved, check greedy outputs; returns the results dict."""
     import dflash_kernels
@@ -584,17 +615,7 @@ def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
         notes.append("ar / dflash / ddtree ran as compiled rounds (generate(compile=True): torch.compile, CUDA graphs "
                      "on a GPU); their set-up happened in the warm-up and is in no timed run.")
     pair = load_pair_for(args, device, dtype, notes)
-    if args.prompts:
-        prompts = read_prompts_jsonl(args.prompts, pair.tokenizer)[: args.num_prompts]
-        source = str(args.prompts)
-    else:
-        prompts = builtin_prompts(pair.tokenizer, args.num_prompts, args.prompt_len, args.seed)
-        source = f"built-in: {args.num_prompts} held-out stdlib prompts of {args.prompt_len} bytes"
-    vocab = pair.target.config.vocab_size
-    for i, p in enumerate(prompts):
-        if min(p) < 0 or max(p) >= vocab:
-            raise SystemExit(f"prompt {i} holds ids outside the target vocabulary [0, {vocab})")
-    prompt_tensors = [torch.tensor(p, dtype=torch.long, device=device) for p in prompts]
+    prompt_tensors, prompts, source = _bench_prompts(args, pair, device)
 
     block_sizes = args.block_sizes or [int(pair.draft.block_size)]
     configs = expand_configs(args.methods, args.budgets, args.temperatures, block_sizes)
@@ -623,16 +644,7 @@ def run_benchmark(args, argv: Sequence[str] = ()) -> dict:
             bar.update()
     bar.close()
 
-    failures: List[Failure] = []
-    reference = {c.temperature: runs[c] for c in configs if c.method == "ar"}
-    for cfg in configs:
-        if cfg.temperature != 0 or cfg.method == "ar":
-            continue
-        for ref_run, run in zip(reference[0.0], runs[cfg]):
-            failure = compare_greedy(ref_run, run)
-            if failure is not None:
-                add_margin(failure, pair.target, prompt_tensors[run.prompt_index], ref_run.generated)
-                failures.append(failure)
+    failures = _greedy_failures(configs, runs, pair, prompt_tensors)
     rows = [summarize(c, runs[c]) for c in configs]
     add_speedups(rows)
     for f in failures:

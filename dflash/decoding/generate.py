@@ -92,15 +92,3 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     """
     plan = prepare_generation(target, draft, input_ids, method=method, generation_config=generation_config, **kwargs)
     return run_generation(target, draft, input_ids, plan, method=method, compile=compile)
-
-
-def spec_generate(draft, target, input_ids, max_new_tokens, stop_token_ids=None, temperature=0.0, **kwargs):
-    """Drop-in DFlash generation: returns the output ids ``[1, prompt + new]``.
-
-    Attached by the package root as ``DFlashDraftModel.spec_generate(target=, input_ids=, ...)`` (the
-    reference implementation's call form; the drafter layer itself knows nothing of the loops). Same
-    semantics as :func:`generate` with ``method="dflash"``; use that for the statistics.
-    """
-    result = generate(target, draft, input_ids, method="dflash", max_new_tokens=max_new_tokens,
-                      temperature=temperature, stop_token_ids=stop_token_ids, **kwargs)
-    return result.output_ids

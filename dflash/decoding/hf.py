@@ -12,8 +12,7 @@ the cache are None: requests for them fall back, below).
 
 - **Fallback**: a call our loop cannot serve (batch > 1, beams, an
   attention_mask with padding, logits processors, output_scores / logits /
-  attentions / hidden states, a sampling setting the sampler cannot apply
-  yet, any refused keyword) runs transformers' own ``generate`` unchanged,
+  attentions / hidden states, any refused keyword) runs transformers' own ``generate`` unchanged,
   with a warning the first time each reason occurs on that target: never a
   wrong answer.
 - **assistant_model**: ``target.generate(assistant_model=draft)`` with our
@@ -25,10 +24,12 @@ the cache are None: requests for them fall back, below).
   ``torch.manual_seed(s)`` before the call reproduces a sampled output, as
   with transformers (the stream of samples differs from transformers' own).
 
-Implemented by setting ``generate`` on the instance (the class is never
-touched); :func:`unapply` restores the instance exactly as it was (its own
-``generate`` attribute if it had one, else none, so the class's method shows
-through again). ``apply`` returns a handle usable as a ``with`` block.
+Implemented as a patch of the instance's ``generate`` held in the target
+side's registry (:mod:`dflash.target.patches`; the class is never touched):
+:func:`unapply` releases it, which restores the instance exactly as it was (its
+own ``generate`` attribute if it had one, else none, so the class's method
+shows through again). Applying again releases the old patch and holds a new
+one. ``apply`` returns a handle usable as a ``with`` block.
 """
 
 from __future__ import annotations
@@ -42,24 +43,33 @@ import torch
 
 from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
+from ..target.patches import Patch, hold
 from .generate import METHODS, prepare_generation, run_generation
 from .options import check_pair, check_tree_budget
 
 _STATE = "_dflash_dropin"
-_MISSING = object()
 
 
 class DropIn:
-    """The state of one ``apply``: the settings, the instance's previous ``generate``; a context manager."""
+    """The state of one ``apply``: the settings and the held ``generate`` patch; a context manager."""
 
-    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict, previous):
+    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict):
         self.target = target
         self.draft = draft
         self.method = method
         self.method_given = method_given
         self.loop_kwargs = loop_kwargs
-        self.previous = previous  # the instance's own `generate` attribute before apply, or _MISSING
         self.warned = set()
+        self.held = None  # the patches held while applied (target.generate and the state attribute)
+
+    def wrap_generate(self, target, original):
+        """The ``generate`` set on ``target`` while applied; ``original`` is the one calls reached before."""
+
+        @functools.wraps(type(target).generate)
+        def generate(*args, **kwargs):
+            return _dropin_generate(self, original, args, kwargs)
+
+        return generate
 
     def __enter__(self):
         return self
@@ -107,29 +117,18 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget: int 
         loop_kwargs["tree_budget"] = check_tree_budget(tree_budget)
         if mask_token_id is not None:
             loop_kwargs["mask_token_id"] = mask_token_id
-    previous = target.__dict__.get(_STATE).previous if is_applied(target) else target.__dict__.get("generate",
-                                                                                                    _MISSING)
-    state = DropIn(target, draft, chosen, method is not None, loop_kwargs, previous)
-    original = previous if previous is not _MISSING else type(target).generate.__get__(target, type(target))
-
-    @functools.wraps(type(target).generate)
-    def generate(*args, **kwargs):
-        return _dropin_generate(state, original, args, kwargs)
-
-    target.__dict__["generate"] = generate
-    target.__dict__[_STATE] = state
+    unapply(target)  # applying again replaces the settings: the original generate comes back first
+    state = DropIn(target, draft, chosen, method is not None, loop_kwargs)
+    state.held = hold([Patch(target, "generate", wrap=state.wrap_generate, shadow=True, label="drop-in generate"),
+                       Patch(target, _STATE, state, shadow=True, label="drop-in state")])
     return state
 
 
 def unapply(target) -> None:
     """Undo :func:`apply`: ``target.generate`` is again exactly what it was before (no-op if not applied)."""
-    state = target.__dict__.pop(_STATE, None)
-    if not isinstance(state, DropIn):
-        return
-    if state.previous is _MISSING:
-        target.__dict__.pop("generate", None)
-    else:
-        target.__dict__["generate"] = state.previous
+    state = target.__dict__.get(_STATE)
+    if isinstance(state, DropIn):
+        state.held.release()
 
 
 def _warn_once(state: DropIn, key: str, reason: str) -> None:
@@ -184,7 +183,7 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
     try:
         plan = prepare_generation(target, draft, inputs, method=method, generation_config=generation_config,
                                   **request)
-    except (ValueError, NotImplementedError) as exc:
+    except ValueError as exc:
         key = getattr(exc, "keyword", None) or str(exc)
         _warn_once(state, key, str(exc))
         return original(*args, **kwargs)

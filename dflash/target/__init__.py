@@ -1,5 +1,6 @@
-"""The target side: the adapter that drives a Hugging Face decoder, its capture hooks, its cache, and the
-per-family capability table (:mod:`.families`)."""
+"""The target side: the adapter that drives a Hugging Face decoder, its capture hooks, its cache, the
+per-family capability table (:mod:`.families`), and the one registry of what an open adapter changes on the
+model (:mod:`.patches`)."""
 
 from .adapter import PREFILL_CHUNK, TargetAdapter, TargetStructureError, decoder_parts
 from .attention import ATTENTION_NAME, AttentionPass, register_attention

@@ -20,11 +20,17 @@ at construction, with an error naming it. We never fork its modeling file:
   needed, fused with the argmax / sampling (:mod:`dflash_kernels.lm_head`),
   with the family's final-logit softcap ``c * tanh(z / c)`` on the logits;
 * MoE experts run an implementation without a host read while the adapter is
-  open (:func:`dflash.target.families.open_experts`), restored on close;
+  open (:func:`dflash.target.families.experts_patches`), restored on close;
 * hybrid targets (Qwen3.5, Qwen3-Next: Gated-DeltaNet layers between the
   attention layers) get a :class:`~dflash.target.hybrid.HybridKVCache` and,
   while the adapter is open, our verify forward on their linear-attention
-  modules (:func:`dflash.target.hybrid.open_linear`), restored on close.
+  modules (:func:`dflash.target.hybrid.linear_patches`), restored on close.
+
+What an open adapter changes on the model is the list of patches its family
+row names (:attr:`dflash.target.families.Family.patches`), held in the one
+registry :mod:`dflash.target.patches` from construction to :meth:`close`:
+adapters on one model may nest or overlap (the first applies, the last
+restores), and a construction that fails part-way leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -38,12 +44,12 @@ import dflash_kernels
 from dflash_kernels import static_ops
 
 from ..drafter.config import validate_target_layer_ids
-from .attention import PASS_KWARG, AttentionPass, close_attention, open_attention
+from .attention import PASS_KWARG, AttentionPass, attention_patches
 from .cache import TargetKVCache
-from .families import (TargetStructureError, UnsupportedTargetFeature, close_experts, experts_modules, open_experts,
+from .families import (PATCHES, TargetStructureError, UnsupportedTargetFeature, experts_modules, experts_patches,
                        resolve_target)
-from .hybrid import (LINEAR_PASS_KWARG, HybridKVCache, LinearPass, close_linear, linear_modules, linear_shape,
-                     open_linear)
+from .hybrid import LINEAR_PASS_KWARG, HybridKVCache, LinearPass, linear_modules, linear_patches, linear_shape
+from .patches import Patch, hold
 
 __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts"]
 
@@ -115,20 +121,27 @@ class TargetAdapter:
         self.linear_shape = (linear_shape(type(model).__name__, self.layers, spec.linear_layers)
                              if spec.linear_layers else None)
         self._linear_modules = linear_modules(self.layers, spec.linear_layers)
-        open_attention(self.config)
-        open_experts(self._experts_configs, spec.experts)
-        open_linear(self._linear_modules)
-        self._open = True
+        self._held = hold(self.patches())  # the model changes from here on
 
     # ----------------------------------------------------------- lifecycle
+    def patches(self) -> List[Patch]:
+        """What this adapter changes on the model while open: the patches its family row names, in order."""
+        build = {
+            "attention": lambda: attention_patches(self.config),
+            "experts": lambda: experts_patches(self._experts_configs, self.spec.experts),
+            "linear_forward": lambda: linear_patches(self._linear_modules),
+        }
+        unknown = [name for name in self.spec.family.patches if name not in build]
+        if unknown:
+            raise TargetStructureError(f"the {self.family} row names patches no adapter builds: {unknown} "
+                                       f"(known: {', '.join(PATCHES)})")
+        return [p for name in self.spec.family.patches for p in build[name]()]
+
     def close(self) -> None:
-        """Give the model its own attention, experts and linear-attention implementations back."""
+        """Release this adapter's patches (the last adapter open on the model gives it back its own
+        attention and experts implementations and forwards). A second call does nothing."""
         self._outputs = {}
-        if getattr(self, "_open", False):
-            close_attention(self.config)
-            close_experts(self._experts_configs, self.spec.experts)
-            close_linear(self._linear_modules)
-            self._open = False
+        self._held.release()
 
     def __enter__(self):
         return self

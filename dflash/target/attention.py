@@ -2,8 +2,9 @@
 
 Registered as ``"dflash"`` in transformers' ``AttentionInterface``. While a
 :class:`~dflash.target.adapter.TargetAdapter` is open, the model's config names
-it (set once when the adapter opens, restored when it closes: never flipped
-during a pass, so a pass can be traced or captured). Our passes hand every
+it (set once when the adapter opens, restored when the last one on that model
+closes, by :func:`attention_patches` held in :mod:`dflash.target.patches`:
+never flipped during a pass, so a pass can be traced or captured). Our passes hand every
 layer an :class:`AttentionPass` through the layers' attention kwargs; a call
 without one (the user running the model while an adapter is open) goes to the
 implementation the model was loaded with, unchanged.
@@ -58,14 +59,10 @@ from dflash_kernels import reference as kernel_reference
 from dflash_kernels import static_ops  # noqa: F401  (dflash_kernels.static_ops below)
 
 from .families import UnsupportedTargetFeature
+from .patches import Patch, original
 
 ATTENTION_NAME = "dflash"
 PASS_KWARG = "dflash_pass"
-
-# id(config) -> [implementation the model was loaded with, open adapters]; configs are unhashable,
-# and an entry lives only while an adapter on that config is open (close() removes it).
-_opened: dict = {}
-
 
 @dataclass(frozen=True)
 class AttentionPass:
@@ -111,9 +108,11 @@ def _original_attention(module):
     """The attention function the model was loaded with (transformers' registry, else eager)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = _opened.get(id(module.config), ["sdpa"])[0]
-    if name in ALL_ATTENTION_FUNCTIONS:
+    name = original(module.config, "_attn_implementation") or "sdpa"
+    if name != ATTENTION_NAME and name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
+    if name == ATTENTION_NAME:  # loaded with ours: its own rules are SDPA's
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
     import sys
 
     return sys.modules[type(module).__module__].eager_attention_forward
@@ -205,24 +204,8 @@ def register_attention() -> None:
         AttentionInterface.register(ATTENTION_NAME, dflash_attention_forward)
 
 
-def open_attention(config) -> None:
-    """Point ``config`` at the ``"dflash"`` function for as long as an adapter on it is open (nestable)."""
+def attention_patches(config) -> list:
+    """The patch that points ``config`` at the ``"dflash"`` function while an adapter holds it
+    (:mod:`dflash.target.patches`: the last release restores the model's own implementation)."""
     register_attention()
-    entry = _opened.get(id(config))
-    if entry is None:
-        current = getattr(config, "_attn_implementation", None) or "sdpa"
-        _opened[id(config)] = [current if current != ATTENTION_NAME else "sdpa", 1]
-        config._attn_implementation = ATTENTION_NAME
-    else:
-        entry[1] += 1
-
-
-def close_attention(config) -> None:
-    """Undo :func:`open_attention`; the last close restores the model's own implementation."""
-    entry = _opened.get(id(config))
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] == 0:
-        del _opened[id(config)]
-        config._attn_implementation = entry[0]
+    return [Patch(config, "_attn_implementation", ATTENTION_NAME, label="attention implementation")]

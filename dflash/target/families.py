@@ -61,8 +61,15 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   expert-sorted rows, offsets from ``histc`` on the device) where torch's
   grouped GEMM runs without a host read (:func:`grouped_mm_fast_path`: CUDA
   compute capability 9.x / 10.x with bf16 experts, or the CPU), restored on
-  close (:func:`open_experts`); elsewhere the model's own implementation is
+  close (:func:`experts_patches`); elsewhere the model's own implementation is
   kept (:func:`choose_experts_implementation` says why).
+* **patches** (derived from the row, :attr:`Family.patches`): what an open
+  adapter changes on the model, each a patch held in
+  :mod:`dflash.target.patches` (applied by the first adapter opened on the
+  model, restored by the last one closed): ``attention`` (every family: the
+  config names our attention function), ``experts`` (MoE families, and
+  unknown ones, whose modules are probed: the implementation above, when it
+  changes), ``linear_forward`` (hybrids: the Gated-DeltaNet verify forward).
 
 Unknown ``model_type``: the generic entry (Llama shape; windows from the
 attention modules' ``sliding_window`` attributes, else ``layer_types``, else
@@ -83,6 +90,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .patches import Patch, original
 
 #: transformers attention implementations that silently drop a ``softcap`` argument (SDPA has no such input;
 #: transformers 5.17 still loads Gemma2 with it, 5.24 refuses).
@@ -125,6 +134,24 @@ class Family:
     known: bool = True
     linear_attention: Optional[str] = None  # class name of the Gated-DeltaNet module of "linear_attention" layers
     rope_sections: int = 0  # the rotary embedding takes position ids [rope_sections, batch, T] (Qwen3.5: 3)
+
+    @property
+    def patches(self) -> Tuple[str, ...]:
+        """What an open adapter changes on a model of this family (:data:`PATCHES`), in the order applied."""
+        names = ["attention"]
+        if self.moe or not self.known:  # an unknown family may hold experts modules: probed, switched if so
+            names.append("experts")
+        if self.linear_attention:
+            names.append("linear_forward")
+        return tuple(names)
+
+
+#: The patches a family row can name (:attr:`Family.patches`), each held while an adapter is open
+#: (:mod:`dflash.target.patches`): the config's attention implementation (every family: our one attention
+#: function, :func:`dflash.target.attention.attention_patches`), the experts implementation of MoE families
+#: (:func:`experts_patches`), and the Gated-DeltaNet modules' forward of hybrid families
+#: (:func:`dflash.target.hybrid.linear_patches`).
+PATCHES = ("attention", "experts", "linear_forward")
 
 
 #: The capability table, keyed by ``config.model_type``.
@@ -299,65 +326,68 @@ def _layer_windows(family: Family, config, layers, layer_types) -> List[Optional
     return [w if t == "sliding_attention" else None for t in layer_types]
 
 
-def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetSpec:
-    """The :class:`TargetSpec` of ``model``, or :class:`UnsupportedTargetFeature` naming what we cannot do."""
-    config = model.config
-    name = type(model).__name__
-    family = _family_of(config)
-
-    def refuse(feature, detail=""):
-        raise UnsupportedTargetFeature(name, feature, detail)
-
-    for predicate, feature in REFUSED:
-        if predicate(config):
-            refuse(feature)
-    if getattr(lm_head, "bias", None) is not None:
-        refuse("lm_head bias")
+def _layer_kinds(name: str, family: Family, config, layers) -> Tuple[List[str], List[int]]:
+    """``(layer_types, linear_layers)``: each layer's type (all full attention without ``layer_types``) and the
+    indices of the Gated-DeltaNet layers; every layer must hold the mixer its type names, with its own index."""
     types = getattr(config, "layer_types", None)
     layer_types = list(types) if types else ["full_attention"] * len(layers)
     if len(layer_types) != len(layers):
-        refuse("layer_types", f"{len(layer_types)} entries for {len(layers)} layers")
+        raise UnsupportedTargetFeature(name, "layer_types", f"{len(layer_types)} entries for {len(layers)} layers")
     allowed = LAYER_TYPES + ((LINEAR_ATTENTION,) if family.linear_attention else ())
     unknown = sorted(set(layer_types) - set(allowed))
     if unknown:
-        refuse(f"layer type {unknown[0]!r}", f"implemented: {', '.join(allowed)}")
+        raise UnsupportedTargetFeature(name, f"layer type {unknown[0]!r}", f"implemented: {', '.join(allowed)}")
     linear_layers = [i for i, t in enumerate(layer_types) if t == LINEAR_ATTENTION]
     for i, layer in enumerate(layers):
         if i in linear_layers:
             mixer = getattr(layer, "linear_attn", None)
             if type(mixer).__name__ != family.linear_attention or getattr(mixer, "layer_idx", None) != i:
-                refuse("linear-attention layer", f"layer {i} holds {type(mixer).__name__}, {family.name} layers hold "
-                       f"a {family.linear_attention} whose layer_idx is its index")
+                raise UnsupportedTargetFeature(name, "linear-attention layer",
+                                               f"layer {i} holds {type(mixer).__name__}, {family.name} layers hold "
+                                               f"a {family.linear_attention} whose layer_idx is its index")
             continue
         attn = getattr(layer, "self_attn", None)
         if attn is None or getattr(attn, "layer_idx", None) != i:
-            refuse("decoder layer without a self_attn whose layer_idx is its index", f"layer {i}")
-    attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
+            raise UnsupportedTargetFeature(name, "decoder layer without a self_attn whose layer_idx is its index",
+                                           f"layer {i}")
+    return layer_types, linear_layers
 
-    # softcaps and sinks: a known family names its keys; an unknown one that has them is refused
-    attn_key = family.attn_softcap
-    final_key = family.final_softcap
+
+def _softcaps_and_sinks(name: str, family: Family, config, layers, attention_layers):
+    """``(attention softcap, final-logit softcap, sinks per layer)``: a known family names its keys and
+    parameters; an unknown one that has any of them is refused. Warns when the model's own attention drops the
+    softcap (:data:`SOFTCAP_BLIND_IMPLEMENTATIONS`)."""
     if not family.known:
         for key, feature in (("attn_logit_softcapping", "attention softcap"),
                              ("final_logit_softcapping", "final-logit softcap")):
             if getattr(config, key, None) is not None:
-                refuse(f"{feature} ({key}) on an unknown family", f"model_type {config.model_type!r}")
+                raise UnsupportedTargetFeature(name, f"{feature} ({key}) on an unknown family",
+                                               f"model_type {config.model_type!r}")
         if any(isinstance(getattr(l.self_attn, "sinks", None), torch.Tensor) for l in attention_layers):
-            refuse("attention sinks on an unknown family", f"model_type {config.model_type!r}")
+            raise UnsupportedTargetFeature(name, "attention sinks on an unknown family",
+                                           f"model_type {config.model_type!r}")
+    attn_key, final_key = family.attn_softcap, family.final_softcap
     attn_cap = _float_or_none(getattr(config, attn_key, None)) if attn_key else None
-    if attn_cap is not None and getattr(config, "_attn_implementation", None) in SOFTCAP_BLIND_IMPLEMENTATIONS:
-        warnings.warn(f"{name} was loaded with attn_implementation={config._attn_implementation!r}, which ignores "
+    loaded_attention = original(config, "_attn_implementation")  # an open adapter's switch aside
+    if attn_cap is not None and loaded_attention in SOFTCAP_BLIND_IMPLEMENTATIONS:
+        warnings.warn(f"{name} was loaded with attn_implementation={loaded_attention!r}, which ignores "
                       f"the attention softcap ({attn_key}={attn_cap}): the model's own forward drops it, our passes "
                       "apply it (as eager and flash attention do, and the checkpoint was trained with). Load it with "
-                      "attn_implementation='eager' to compare outputs.", stacklevel=3)
+                      "attn_implementation='eager' to compare outputs.", stacklevel=4)
     final_cap = _float_or_none(getattr(config, final_key, None)) if final_key else None
     sinks: List[Optional[torch.Tensor]] = [None] * len(layers)
     if family.sinks:
         sinks = [getattr(l.self_attn, family.sinks, None) for l in layers]
         if any(not isinstance(s, torch.Tensor) for s in sinks):
-            refuse("attention sinks", f"{family.name} attention modules without a {family.sinks!r} parameter")
+            raise UnsupportedTargetFeature(name, "attention sinks",
+                                           f"{family.name} attention modules without a {family.sinks!r} parameter")
+    return attn_cap, final_cap, sinks
 
-    # query scale: the module's scaling attribute is what its attention function receives
+
+def _check_scales(name: str, family: Family, config, decoder, layers, linear_layers) -> None:
+    """The query scale (the attention module's ``scaling``, what its attention function receives) and the
+    embedding scale (inside ``embed_tokens``: the forward's input and the drafter's block input alike) are the
+    family's."""
     if family.query_scale != "module":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base = config.query_pre_attn_scalar if family.query_scale == "query_pre_attn_scalar" else head_dim
@@ -367,33 +397,55 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
                 continue
             got = getattr(layer.self_attn, "scaling", None)
             if got is None or abs(float(got) - want) > 1e-12 * want:
-                refuse("query scaling",
-                       f"layer {i} scales by {got}, {family.name} by {family.query_scale}**-0.5 = {want}")
+                raise UnsupportedTargetFeature(name, "query scaling", f"layer {i} scales by {got}, {family.name} by "
+                                                                      f"{family.query_scale}**-0.5 = {want}")
+    if family.embed_scale and getattr(decoder.embed_tokens, "embed_scale", None) is None:
+        raise UnsupportedTargetFeature(name, "embedding scale", f"{family.name} scales embeddings by "
+                                       f"sqrt(hidden_size), but {type(decoder.embed_tokens).__name__} does not")
 
-    # embedding scale: the forward's input and the drafter's block input are both embed_tokens(ids)
-    if family.embed_scale:
-        scale = getattr(decoder.embed_tokens, "embed_scale", None)
-        if scale is None:
-            refuse("embedding scale", f"{family.name} scales embeddings by sqrt(hidden_size), but "
-                   f"{type(decoder.embed_tokens).__name__} does not")
 
+def _rope_types(name: str, family: Family, rotary_emb, layer_types, linear_layers) -> Optional[Tuple[str, ...]]:
+    """The layer types to compute rotary tables for (None: one table for every layer)."""
     takes_type = _takes_layer_type(rotary_emb)
     if family.rope_per_layer_type != takes_type and family.known:
-        refuse("rotary embedding per layer type",
-               f"{family.name} expects {'a' if family.rope_per_layer_type else 'no'} layer_type argument")
-    rope_types = tuple(sorted(set(layer_types))) if takes_type else None
-    if rope_types is not None and linear_layers:
-        refuse("rotary embedding per layer type on a hybrid target")
+        raise UnsupportedTargetFeature(name, "rotary embedding per layer type", f"{family.name} expects "
+                                       f"{'a' if family.rope_per_layer_type else 'no'} layer_type argument")
+    if not takes_type:
+        return None
+    if linear_layers:
+        raise UnsupportedTargetFeature(name, "rotary embedding per layer type on a hybrid target")
+    return tuple(sorted(set(layer_types)))
 
+
+def _experts_choice(name: str, family: Family, model, lm_head) -> Optional[str]:
+    """The experts implementation to run while open (None: no experts, or the model's own is kept), chosen from
+    the one the model was loaded with (:func:`choose_experts_implementation`)."""
     moe = experts_modules(model)
-    experts = None
-    if moe:
-        if family.known and not family.moe:
-            refuse("mixture of experts", f"{family.name} is a dense family")
-        weight = next((p for p in moe[0].parameters() if p.dtype.is_floating_point), lm_head.weight)
-        experts = choose_experts_implementation(moe[0].config._experts_implementation, weight.device,
-                                                experts_dtype(moe[0]))
+    if not moe:
+        return None
+    if family.known and not family.moe:
+        raise UnsupportedTargetFeature(name, "mixture of experts", f"{family.name} is a dense family")
+    weight = next((p for p in moe[0].parameters() if p.dtype.is_floating_point), lm_head.weight)
+    loaded = original(moe[0].config, "_experts_implementation")  # an open adapter's switch aside
+    return choose_experts_implementation(loaded, weight.device, experts_dtype(moe[0]))
 
+
+def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetSpec:
+    """The :class:`TargetSpec` of ``model``, or :class:`UnsupportedTargetFeature` naming what we cannot do."""
+    config = model.config
+    name = type(model).__name__
+    family = _family_of(config)
+    for predicate, feature in REFUSED:
+        if predicate(config):
+            raise UnsupportedTargetFeature(name, feature)
+    if getattr(lm_head, "bias", None) is not None:
+        raise UnsupportedTargetFeature(name, "lm_head bias")
+    layer_types, linear_layers = _layer_kinds(name, family, config, layers)
+    attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
+    attn_cap, final_cap, sinks = _softcaps_and_sinks(name, family, config, layers, attention_layers)
+    _check_scales(name, family, config, decoder, layers, linear_layers)
+    rope_types = _rope_types(name, family, rotary_emb, layer_types, linear_layers)
+    experts = _experts_choice(name, family, model, lm_head)
     fused = family.fused_norm or (type(norm).__name__ if type(norm).__name__ in LLAMA_STYLE_NORMS else None)
     fuse_norm = type(norm).__name__ == fused and getattr(norm, "weight", None) is not None
     return TargetSpec(
@@ -402,36 +454,13 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         fuse_norm=fuse_norm, experts=experts, linear_layers=linear_layers, rope_sections=family.rope_sections,
     )
 
-
-# id(config) -> [implementation before the first open, open adapters]
-_experts_opened: dict = {}
-
-
-def open_experts(configs: Sequence, implementation: Optional[str]) -> None:
-    """Run the experts of ``configs`` with ``implementation`` while an adapter is open (nestable)."""
+def experts_patches(configs: Sequence, implementation: Optional[str]) -> list:
+    """The patches that run the experts of ``configs`` with ``implementation`` while an adapter holds them
+    (:mod:`dflash.target.patches`); none when ``implementation`` is None (the model's own is kept)."""
     if implementation is None:
-        return
-    for config in configs:
-        entry = _experts_opened.get(id(config))
-        if entry is None:
-            _experts_opened[id(config)] = [config._experts_implementation, 1]
-            config._experts_implementation = implementation
-        else:
-            entry[1] += 1
-
-
-def close_experts(configs: Sequence, implementation: Optional[str]) -> None:
-    """Undo :func:`open_experts`; the last close restores the implementation the model was loaded with."""
-    if implementation is None:
-        return
-    for config in configs:
-        entry = _experts_opened.get(id(config))
-        if entry is None:
-            continue
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _experts_opened[id(config)]
-            config._experts_implementation = entry[0]
+        return []
+    return [Patch(config, "_experts_implementation", implementation, label="experts implementation")
+            for config in configs]
 
 
 def family_table() -> List[Dict[str, object]]:
@@ -442,5 +471,6 @@ def family_table() -> List[Dict[str, object]]:
                          rope_per_layer_type=f.rope_per_layer_type, attn_softcap=f.attn_softcap,
                          final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
                          embed_scale=f.embed_scale, fused_norm=f.fused_norm, moe=f.moe,
-                         linear_attention=f.linear_attention, rope_sections=f.rope_sections))
+                         linear_attention=f.linear_attention, rope_sections=f.rope_sections,
+                         patches=f.patches))
     return rows

@@ -18,7 +18,7 @@ that runs ``B`` drafted tokens (or a tree of them) through the layer cannot be
 recurrent states). Here a verify pass never touches the committed state:
 
 * **verify** (:func:`verify_forward`, installed on every ``linear_attn`` module
-  while an adapter is open, :func:`open_linear`): the conv over the pass's
+  while an adapter is open, :func:`linear_patches`): the conv over the pass's
   rows as a chain or a tree (:func:`dflash_kernels.causal_conv_tree`: a node's
   taps are itself and its nearest ancestors, then the committed window), the
   recurrence from the committed state (:func:`dflash_kernels.gated_delta_tree`:
@@ -85,9 +85,10 @@ import dflash_kernels
 from .attention import PASS_KWARG
 from .cache import TargetKVCache
 from .families import TargetStructureError, UnsupportedTargetFeature
+from .patches import Patch
 
-__all__ = ["HybridKVCache", "LINEAR_PASS_KWARG", "LinearPass", "LinearShape", "LinearStates", "close_linear",
-           "linear_shape", "open_linear", "verify_forward"]
+__all__ = ["HybridKVCache", "LINEAR_PASS_KWARG", "LinearPass", "LinearShape", "LinearStates", "linear_patches",
+           "linear_shape", "verify_forward"]
 
 #: Layer keyword that carries a :class:`LinearPass` to the linear-attention modules.
 LINEAR_PASS_KWARG = "dflash_linear_pass"
@@ -488,11 +489,9 @@ def verify_forward(module, hidden_states: torch.Tensor, cache: HybridKVCache, li
 
 # ----------------------------------------------------------------------------- install / restore
 
-# id(module) -> [the instance's own forward before the first open (or None), open adapters]
-_opened: Dict[int, list] = {}
+def _dispatcher(module, original):
+    """The ``forward`` of a Gated-DeltaNet ``module`` while an adapter is open; ``original`` is the one it had."""
 
-
-def _make_forward(module, original):
     def forward(hidden_states, *args, **kwargs):
         linear_pass = kwargs.pop(LINEAR_PASS_KWARG, None)
         if linear_pass is None or linear_pass.in_place:
@@ -507,33 +506,14 @@ def _make_forward(module, original):
     return forward
 
 
-def open_linear(modules: Sequence) -> None:
-    """Install :func:`verify_forward` on the Gated-DeltaNet ``modules`` while an adapter is open (nestable).
+def linear_patches(modules: Sequence) -> list:
+    """The patches that install :func:`verify_forward` on the Gated-DeltaNet ``modules`` while an adapter holds
+    them (:mod:`dflash.target.patches`).
 
-    The module's ``forward`` becomes a dispatcher: our verify passes run
-    :func:`verify_forward`; in-place passes and every call that is not one of
-    our passes (the user's own forward) run the forward it had before.
+    Each module's ``forward`` becomes a dispatcher in its instance ``__dict__``:
+    our verify passes run :func:`verify_forward`; in-place passes and every call
+    that is not one of our passes (the user's own forward) run the forward it
+    had before (an instance-level forward, e.g. accelerate's hooks, included).
+    The last release puts that instance entry back, or removes ours.
     """
-    for m in modules:
-        entry = _opened.get(id(m))
-        if entry is not None:
-            entry[1] += 1
-            continue
-        own = m.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks) is kept
-        _opened[id(m)] = [own, 1]
-        m.forward = _make_forward(m, m.forward)
-
-
-def close_linear(modules: Sequence) -> None:
-    """Undo :func:`open_linear`; the last close gives each module the forward it had."""
-    for m in modules:
-        entry = _opened.get(id(m))
-        if entry is None:
-            continue
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _opened[id(m)]
-            if entry[0] is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = entry[0]
+    return [Patch(m, "forward", wrap=_dispatcher, shadow=True, label="linear-attention forward") for m in modules]

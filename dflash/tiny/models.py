@@ -60,10 +60,10 @@ def load_tiny_drafter(dtype: torch.dtype = torch.float32, device: str | torch.de
     ``dflash/assets/tiny/drafter/train_log.json`` holds the command and its
     measured tau. ``dtype`` is the compute dtype (the file stores bf16).
     """
-    from ..drafter.model import DFlashDraftModel
+    from ..decoding.drafter import DFlashDraftModel
 
     directory = Path(path) if path is not None else TINY_DRAFTER_DIR
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
         raise FileNotFoundError(f"{directory} lacks config.json / model.safetensors; train it with the command in "
-                                "dflash/train.py's module docstring (python -m dflash train ...)")
+                                "dflash/training/train.py's module docstring (python -m dflash train ...)")
     return DFlashDraftModel.from_pretrained(str(directory), dtype=dtype, device=device)

@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from ..drafter.model import DFlashDraftModel
+from ..decoding.drafter import DFlashDraftModel
 from .tokenizer import ByteTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"

@@ -312,33 +312,26 @@ def train_target(args: argparse.Namespace) -> TrainResult:
         torch.set_num_threads(threads_before)
 
 
-def _train_target(args: argparse.Namespace) -> TrainResult:
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
-    minutes = args.minutes
-    if minutes is None and args.steps is None:
-        minutes = 25.0
-    budget_s = minutes * 60.0 if minutes is not None else None
-    autocast_dtype = _autocast_dtype(args.autocast, device)
+@dataclass
+class _Fit:
+    """What the training loop leaves: steps and tokens done, wall seconds, the mean of the last 50 losses, the
+    held-out curve."""
 
-    train_tokens = encode_corpus("train")
-    heldout_tokens = encode_corpus("heldout")
-    windows_eval = eval_windows(heldout_tokens, args.eval_windows, args.seq_len + 1)
-    windows_final = eval_windows(heldout_tokens, args.final_eval_windows, args.seq_len + 1)
+    steps: int
+    tokens_seen: int
+    seconds: float
+    train_loss: float
+    history: list
 
-    config = build_target_config(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        head_dim=args.head_dim, intermediate=args.intermediate, max_positions=args.max_positions,
-        rope_theta=args.rope_theta,
-    )
-    model = Qwen3ForCausalLM(config).to(device)
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
+
+def _fit(model, args: argparse.Namespace, device, autocast_dtype, budget_s: Optional[float], train_tokens,
+         windows_eval) -> _Fit:
+    """AdamW on random ``seq_len + 1`` windows of ``train_tokens`` until ``args.steps`` or ``budget_s`` (whichever
+    comes first), warm-up then cosine learning rate, held-out bits/byte every ``args.eval_every`` steps."""
     optimizer = torch.optim.AdamW(
         _param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8
     )
     generator = torch.Generator().manual_seed(args.seed)
-
     history: list[dict] = []
     recent_losses: list[float] = []
     step, tokens_seen = 0, 0
@@ -388,8 +381,33 @@ def _train_target(args: argparse.Namespace) -> TrainResult:
         bar.set_postfix(loss=f"{loss.item():.3f}", bpb=f"{last_bpb:.3f}",
                         tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", min=f"{elapsed / 60:.1f}", refresh=False)
     bar.close()
-    train_seconds = time.perf_counter() - start
-    train_loss = sum(recent_losses) / max(len(recent_losses), 1)
+    return _Fit(step, tokens_seen, time.perf_counter() - start, sum(recent_losses) / max(len(recent_losses), 1),
+                history)
+
+
+def _train_target(args: argparse.Namespace) -> TrainResult:
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    minutes = args.minutes
+    if minutes is None and args.steps is None:
+        minutes = 25.0
+    budget_s = minutes * 60.0 if minutes is not None else None
+    autocast_dtype = _autocast_dtype(args.autocast, device)
+
+    train_tokens = encode_corpus("train")
+    heldout_tokens = encode_corpus("heldout")
+    windows_eval = eval_windows(heldout_tokens, args.eval_windows, args.seq_len + 1)
+    windows_final = eval_windows(heldout_tokens, args.final_eval_windows, args.seq_len + 1)
+
+    config = build_target_config(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+        head_dim=args.head_dim, intermediate=args.intermediate, max_positions=args.max_positions,
+        rope_theta=args.rope_theta,
+    )
+    model = Qwen3ForCausalLM(config).to(device)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    fit = _fit(model, args, device, autocast_dtype, budget_s, train_tokens, windows_eval)
 
     # Save in the storage dtype, then measure what was saved, reloaded in fp32.
     out_dir = Path(args.out)
@@ -408,19 +426,28 @@ def _train_target(args: argparse.Namespace) -> TrainResult:
     final_bpb = heldout_bits_per_byte(reloaded, windows_final, batch=args.batch)
     loop_rates = greedy_loop_rates(reloaded, n_prompts=args.loop_prompts, prompt_len=args.loop_prompt_len,
                                    new_tokens=args.loop_new_tokens, seed=args.loop_seed, max_periods=(16, 64))
-    measure_seconds = time.perf_counter() - measure_start
+    measured = dict(final_bpb=final_bpb, loop_rates=loop_rates, seconds=time.perf_counter() - measure_start,
+                    parameters=n_params, weights_bytes=_file_size(out_dir / "model.safetensors"))
+    log = _train_log(args, fit, measured, minutes, autocast_dtype, device, train_tokens, heldout_tokens)
+    (out_dir / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    return TrainResult(model=reloaded, log=log, out_dir=out_dir)
 
-    weights = out_dir / "model.safetensors"
-    log = {
+
+def _train_log(args: argparse.Namespace, fit: _Fit, measured: dict, minutes, autocast_dtype, device, train_tokens,
+               heldout_tokens) -> dict:
+    """The ``train_log.json`` of a run: the command, the training numbers, what was measured on the saved
+    weights, the hyperparameters, the corpus sizes and the library versions."""
+    loop_rates = measured["loop_rates"]
+    return {
         "command": "python -m dflash.tiny.pretrain " + " ".join(args.argv),
         "seed": args.seed,
-        "steps": step,
-        "tokens_seen": tokens_seen,
-        "epochs": round(tokens_seen / train_tokens.numel(), 3),
-        "train_minutes": round(train_seconds / 60, 2),
-        "tokens_per_s": round(tokens_seen / train_seconds, 1),
-        "train_loss_last50": round(train_loss, 4),
-        "heldout_bits_per_byte": round(final_bpb, 4),
+        "steps": fit.steps,
+        "tokens_seen": fit.tokens_seen,
+        "epochs": round(fit.tokens_seen / train_tokens.numel(), 3),
+        "train_minutes": round(fit.seconds / 60, 2),
+        "tokens_per_s": round(fit.tokens_seen / fit.seconds, 1),
+        "train_loss_last50": round(fit.train_loss, 4),
+        "heldout_bits_per_byte": round(measured["final_bpb"], 4),
         "heldout_eval": {
             "windows": args.final_eval_windows, "window_tokens": args.seq_len + 1,
             "weights": "saved file reloaded in fp32",
@@ -433,9 +460,9 @@ def _train_target(args: argparse.Namespace) -> TrainResult:
             "loop_rate": "share of greedy continuations (fp32) whose last 64 ids repeat with a period <= 16",
             "loop_rate_period64": "the same with any period <= 64 (catches repeated whole lines)",
         },
-        "measure_seconds": round(measure_seconds, 1),
-        "parameters": n_params,
-        "weights_bytes": _file_size(weights),
+        "measure_seconds": round(measured["seconds"], 1),
+        "parameters": measured["parameters"],
+        "weights_bytes": measured["weights_bytes"],
         "storage_dtype": args.save_dtype,
         "train_precision": "bf16 autocast" if autocast_dtype is not None else "fp32",
         "threads": args.threads,
@@ -452,10 +479,8 @@ def _train_target(args: argparse.Namespace) -> TrainResult:
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
         },
-        "history": history,
+        "history": fit.history,
     }
-    (out_dir / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
-    return TrainResult(model=reloaded, log=log, out_dir=out_dir)
 
 
 # --------------------------------------------------------------------------- CLI
