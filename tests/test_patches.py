@@ -244,13 +244,9 @@ def test_a_construction_failing_part_way_leaves_the_model_as_it_was(hybrid_moe):
         with pytest.raises(RuntimeError, match="cannot be installed"):
             TargetAdapter(hybrid_moe, [0])
     assert _state(hybrid_moe) == before and _nothing_patched(hybrid_moe)
-    # the patches were all taken, then a capture hook failed: both are undone
-    layer = hybrid_moe.model.layers[1]
-    with mock.patch.object(type(layer), "register_forward_hook", side_effect=RuntimeError("no hooks")):
-        with pytest.raises(RuntimeError, match="no hooks"):
-            TargetAdapter(hybrid_moe, [0, 1])
-    assert _state(hybrid_moe) == before and _nothing_patched(hybrid_moe)
-    assert not hybrid_moe.model.layers[0]._forward_hooks
+    # the adapter captures by returning the layers' outputs from its pass: it never adds hooks
+    with TargetAdapter(hybrid_moe, [0, 1]):
+        assert not any(layer._forward_hooks for layer in hybrid_moe.model.layers)
 
 
 def test_an_outer_adapter_survives_an_inner_failure(hybrid_moe):
