@@ -268,8 +268,6 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     Raises :class:`UnsupportedGeneration` (a ``ValueError``) for a keyword or
     value our loops cannot serve, naming it and what is allowed.
     """
-    from transformers import GenerationConfig
-
     kwargs = dict(kwargs)
     loop_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in LOOP_KEYWORDS}
     stopping_criteria = kwargs.pop("stopping_criteria", None)
@@ -279,13 +277,31 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     _check_call_keywords(kwargs)
     prompt_len = _prompt_length(input_ids)
     _check_attention_mask(attention_mask, prompt_len)
-
     max_new = kwargs.get("max_new_tokens")
     if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
     temperature = kwargs.get("temperature")
     if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+
+    config, explicit, explicit_max_length, legacy_temperature = _merged_config(target, generation_config, kwargs)
+    max_new = _max_new_tokens(config, explicit_max_length, prompt_len, target)
+    stop_ids = _stop_ids(config, loop_kwargs.pop("stop_token_ids", None))
+    stopping_criteria = _checked_criteria(stopping_criteria)
+    if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                     and callable(getattr(streamer, "end", None))):
+        raise UnsupportedGeneration("streamer", "streamer must have put(value) and end() (transformers' protocol)")
+    sampling = _sampling(config, explicit, legacy_temperature, target, kwargs.get("temperature"))
+    return GenerationPlan(max_new_tokens=max_new, sampling=sampling, stop_token_ids=stop_ids,
+                          stopping_criteria=stopping_criteria, streamer=streamer,
+                          return_dict_in_generate=bool(config.return_dict_in_generate), loop_kwargs=loop_kwargs)
+
+
+def _merged_config(target, generation_config, kwargs):
+    """``(config, explicit, explicit_max_length, legacy_temperature)``: the call's keywords over
+    ``generation_config`` over the model's, then transformers' global defaults (``explicit``: before the
+    defaults); every field our loops cannot serve refused by name."""
+    from transformers import GenerationConfig
 
     model_config = getattr(target, "generation_config", None) or GenerationConfig()
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
@@ -319,8 +335,12 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     if config.speculation_type not in (None, "dflash"):
         raise UnsupportedGeneration("speculation_type", f"speculation_type={config.speculation_type!r}: only None "
                                                         "or 'dflash' (our loops)")
+    return config, explicit, explicit_max_length, legacy_temperature
 
-    # length
+
+def _max_new_tokens(config, explicit_max_length: bool, prompt_len: int, target) -> int:
+    """New tokens at most: ``max_new_tokens``, else ``max_length`` minus the prompt (transformers' default
+    ``max_length`` counts new tokens, capped by the model's ``max_position_embeddings``)."""
     if config.max_new_tokens is not None:
         max_new = config.max_new_tokens
     else:
@@ -336,29 +356,29 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
                                                       f"{prompt_len}-token prompt: raise it, or use max_new_tokens")
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
+    return max_new
 
-    # stops
+
+def _stop_ids(config, stop_token_ids) -> tuple:
+    """eos ids then our extra stop ids, deduplicated; min_length / min_new_tokens refused with an eos."""
     eos = _token_ids(config.eos_token_id, "eos_token_id")
-    extra = _token_ids(loop_kwargs.pop("stop_token_ids", None), "stop_token_ids")
-    stop_ids = tuple(dict.fromkeys(eos + extra))
+    extra = _token_ids(stop_token_ids, "stop_token_ids")
     for name in ("min_length", "min_new_tokens"):
         value = getattr(config, name)
         if value and eos:
             raise UnsupportedGeneration(name, f"{name}={value!r}: holding back the eos token is not implemented; "
                                               f"{name} must be 0 when an eos token is set")
+    return tuple(dict.fromkeys(eos + extra))
+
+
+def _checked_criteria(stopping_criteria):
+    """``stopping_criteria`` when callable (an empty list: None), else refused."""
     if stopping_criteria is not None and not callable(stopping_criteria):
         raise UnsupportedGeneration("stopping_criteria", "stopping_criteria must be a transformers StoppingCriteria"
                                                          "(List) or a callable (input_ids, scores) -> bool tensor")
     if stopping_criteria is not None and isinstance(stopping_criteria, (list, tuple)) and len(stopping_criteria) == 0:
-        stopping_criteria = None
-    if streamer is not None and not (callable(getattr(streamer, "put", None))
-                                     and callable(getattr(streamer, "end", None))):
-        raise UnsupportedGeneration("streamer", "streamer must have put(value) and end() (transformers' protocol)")
-
-    sampling = _sampling(config, explicit, legacy_temperature, target, kwargs.get("temperature"))
-    return GenerationPlan(max_new_tokens=max_new, sampling=sampling, stop_token_ids=stop_ids,
-                          stopping_criteria=stopping_criteria, streamer=streamer,
-                          return_dict_in_generate=bool(config.return_dict_in_generate), loop_kwargs=loop_kwargs)
+        return None
+    return stopping_criteria
 
 
 def _vocab_size(target) -> Optional[int]:
