@@ -99,26 +99,31 @@ def test_model_forward_while_adapter_is_open_is_the_models_own():
 
 
 def test_reference_masks_are_small_and_gqa_is_native():
-    """Reference backend: masks only ``[T, prefix + T]`` of non-first passes; SDPA with enable_gqa, no K/V copies."""
+    """Reference backend: one ``[T, S]`` visibility mask per round pass (shared by its layers, not one per
+    layer), none for the first prefill chunk; SDPA with enable_gqa, no K/V copies."""
+    from dflash_kernels import static_ops
+
     target = tiny_target("qwen3", layers=2, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     shapes, sdpa_kwargs = [], []
-    real_vis, real_sdpa = kernel_reference.tree_visibility, torch.nn.functional.scaled_dot_product_attention
+    real_vis, real_sdpa = static_ops.visibility, torch.nn.functional.scaled_dot_product_attention
 
-    def vis(bits, prefix_len, n_tree, **kw):
-        mask = real_vis(bits, prefix_len, n_tree, **kw)
-        shapes.append((prefix_len, n_tree, tuple(mask.shape)))
+    def vis(bits, prefix, n_rows, n_keys, **kw):
+        mask = real_vis(bits, prefix, n_rows, n_keys, **kw)
+        shapes.append((n_rows, n_keys, tuple(mask.shape)))
         return mask
 
     def sdpa(*args, **kwargs):
         sdpa_kwargs.append(kwargs)
         return real_sdpa(*args, **kwargs)
 
-    with dflash_kernels.force_backend("reference"), mock.patch.object(kernel_reference, "tree_visibility", vis), \
+    with dflash_kernels.force_backend("reference"), mock.patch.object(static_ops, "visibility", vis), \
             mock.patch.object(attention_module.F, "scaled_dot_product_attention", sdpa), \
             mock.patch.object(torch.Tensor, "repeat_interleave", side_effect=AssertionError("K/V copied per head")):
-        dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=10, tree_budget=5)
-    assert shapes and all(prefix > 0 and shape == (n, prefix + n) for prefix, n, shape in shapes)
+        result = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=10, tree_budget=5)
+    # per round: one mask for the drafter's pass, one for the target's verify (no window here)
+    assert len(shapes) == 2 * result.num_rounds
+    assert all(shape == (n, S) and S % 256 == 0 for n, S, shape in shapes)
     assert all(kw.get("enable_gqa") for kw in sdpa_kwargs)
     assert any(kw.get("is_causal") for kw in sdpa_kwargs)  # the prefill: no mask at all
 

@@ -54,12 +54,17 @@ def test_incremental_forward_matches_full_forward():
     torch.testing.assert_close(h2, h_full[6:], rtol=1e-5, atol=1e-5)
 
 
-def test_hooks_are_removed_on_close():
+def test_capture_adds_no_hooks_and_returns_the_mapped_layers():
+    """The pass returns the captured layers' outputs itself: the model never gets a hook from us."""
     model = tiny_target("qwen3", layers=4)
-    adapter = TargetAdapter(model, [1, 2])
-    assert len(model.model.layers[1]._forward_hooks) == 1
-    adapter.close()
-    assert len(model.model.layers[1]._forward_hooks) == 0
+    ids = torch.randint(0, 90, (5,))
+    with TargetAdapter(model, [2, 1]) as adapter:
+        assert not any(layer._forward_hooks for layer in model.model.layers)
+        cache = adapter.new_cache(8)
+        hidden, captured = adapter.run_pass(ids, torch.arange(5), cache)
+    own = model(ids[None], output_hidden_states=True).hidden_states  # [embeddings, layer 0, layer 1, ...]
+    torch.testing.assert_close(captured[0], own[3][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(captured[1], own[2][0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_without_decoder_parts_is_a_clear_error():

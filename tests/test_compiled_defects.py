@@ -96,14 +96,14 @@ def test_round_that_could_overflow_is_refused_before_it_runs(reference_ops, monk
     """Caches made too small on purpose: the host loop refuses the round before it writes past either cache."""
     real = compiled.cache_rows
 
-    def too_small(method, block_size, budget, total):
-        t, d = real(method, block_size, budget, total)
+    def too_small(shape, total):
+        t, d = real(shape, total)
         return (total - 10, d) if side == "target" else (t, total - 10)
 
     monkeypatch.setattr(compiled, "cache_rows", too_small)
     target, draft = pair(block_size=8)
     prompt = long_prompt(254 if side == "target" else 249)
-    with pytest.raises(CacheFullError, match=f"{side}.*compiled round"):
+    with pytest.raises(CacheFullError, match=f"the {side} cache of this round"):
         dflash.generate(target, draft, prompt, method="ddtree", max_new_tokens=2, block_size=8, tree_budget=2,
                         compile="static")
 
@@ -118,12 +118,12 @@ def test_pool_is_a_bounded_lru(reference_ops, monkeypatch):
                               compile="static")
         assert torch.equal(out.output_ids, ref), block_size
         assert len(pool_of(target)) <= 3
-    assert [k[2] for k in pool_of(target).keys()] == [6, 7, 8]
+    assert [k[0].block_size for k in pool_of(target).keys()] == [6, 7, 8]
     # a hit moves its entry to the back: the least recently used one goes next
     again = dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=6, block_size=6, compile="static")
     assert again.compile_time == 0.0
     dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=6, block_size=3, compile="static")
-    assert [k[2] for k in pool_of(target).keys()] == [8, 6, 3]
+    assert [k[0].block_size for k in pool_of(target).keys()] == [8, 6, 3]
 
 
 def test_pool_capacity_from_the_environment():
