@@ -29,7 +29,6 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import dflash_kernels
-from dflash_kernels import static_ops
 
 from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
 from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
@@ -141,11 +140,11 @@ class DraftAttention(nn.Module):
         if cache is not None and cache.static:  # fixed-shape pass: device-side lengths (compiled rounds)
             k_all, v_all, prefix = cache.write_static(self.layer_idx, k, v, C, context_count)
             if cache.visible is not None:  # reference backend: the pass's mask, made once in forward_static
-                out = static_ops.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
+                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
             else:
-                out = static_ops.tree_attention_static(q, k_all, v_all, all_visible_bits(B, q.device), prefix,
-                                                       scale=self.scaling, positions=block_positions, window=window,
-                                                       backend="triton")
+                out = dflash_kernels.tree_attention(q, k_all, v_all, all_visible_bits(B, q.device), prefix,
+                                                    scale=self.scaling, positions=block_positions, window=window,
+                                                    backend="triton")
             return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, num_context=C)
@@ -288,8 +287,9 @@ class DFlashDraftModel(nn.Module):
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees the committed context and the whole block: [B, S] per distinct window
             bits = all_visible_bits(B, block.device)
-            cache.visible = {w: static_ops.visibility(bits, cache.length_t + context_count, B, cache.max_len,
-                                                      positions=block_positions, window=w)
+            cache.visible = {w: dflash_kernels.tree_visibility(bits, cache.length_t + context_count, B,
+                                                               n_keys=cache.max_len, positions=block_positions,
+                                                               window=w)
                              for w in {layer.sliding_window for layer in self.layers}}
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_kernels import static_ops
+import dflash_kernels
 
 from .cache import DraftKVCache
 
@@ -48,8 +48,8 @@ class StaticDraftKVCache(DraftKVCache):
         # two writes, in stream order: the context rows (padding included) first, then the block rows, which
         # overwrite the padding rows they meet; within each write the destination rows are distinct
         if C:
-            static_ops.kv_write_(self.kv, layer_idx, self.length_t + self.rows[:C], k[:, :C], v[:, :C])
-        static_ops.kv_write_(self.kv, layer_idx, prefix + self.rows[:B], k[:, C:], v[:, C:])
+            dflash_kernels.kv_write_(self.kv, layer_idx, self.length_t + self.rows[:C], k[:, :C], v[:, :C])
+        dflash_kernels.kv_write_(self.kv, layer_idx, prefix + self.rows[:B], k[:, C:], v[:, C:])
         layer = self.kv[layer_idx]
         return layer[0], layer[1], prefix
 

@@ -10,10 +10,10 @@ length ``length_t [1]`` int64 on the device:
   index (``index_copy_`` at ``L + arange(T)``), and hands attention the WHOLE
   layer ``[1, Hkv, S, D]`` plus ``L``; attention reads keys ``[0, L)`` and
   the pass's rows as a chain or a tree and masks every key past ``L + T``
-  (:func:`dflash_kernels.static_ops.tree_attention_static`), as paged /
+  (:func:`dflash_kernels.tree_attention` with a device ``prefix_len``), as paged /
   flash-decoding kernels mask by length;
 * the round commits on the device: ``length_t += accepted + 1`` (chain) or,
-  after :func:`dflash_kernels.static_ops.compact_kv_static_` moved the path's
+  after :func:`dflash_kernels.compact_kv_` (a device ``dst_start``) moved the path's
   rows, ``length_t += path_len`` (tree).
 
 The prompt is prefilled eagerly before :meth:`freeze` (its shapes vary with
@@ -33,7 +33,6 @@ from typing import List, Optional, Tuple
 import torch
 
 import dflash_kernels
-from dflash_kernels import static_ops
 
 from .attention import PASS_KWARG, AttentionPass
 from .cache import TargetKVCache
@@ -49,7 +48,7 @@ class StaticTargetKVCache(TargetKVCache):
         if not self.static:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         T = key_states.shape[-2]
-        static_ops.kv_write_(self.kv, layer_idx, self.length_t + self.rows[:T], key_states[0], value_states[0])
+        dflash_kernels.kv_write_(self.kv, layer_idx, self.length_t + self.rows[:T], key_states[0], value_states[0])
         layer = self.kv[layer_idx]
         return layer[0][None], layer[1][None]
 
@@ -78,7 +77,8 @@ def static_forward(adapter, ids: torch.Tensor, positions: torch.Tensor, cache: S
     if backend != "triton":  # one visibility mask per distinct window, shared by every layer of the pass
         T, S = ids.shape[0], cache.max_len
         tree_pos = positions if tree_bits is not None else None
-        visible = {w: static_ops.visibility(tree_bits, cache.length_t, T, S, positions=tree_pos, window=w)
+        visible = {w: dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
+                                                     window=w)
                    for w in set(adapter.windows)}
     attention_pass = AttentionPass(
         prefix_len=cache.length_t,
