@@ -132,7 +132,6 @@ def main(argv=None) -> int:
         return 2
     import dflash_kernels as dk
     from dflash_kernels import reference as ref
-    from dflash_kernels.tree_attention import tree_attention_mask
 
     if "triton" not in dk.available_backends(device):
         print(f"gpu_kernel_check: Triton cannot run on {device} here", file=sys.stderr)
@@ -365,6 +364,8 @@ ATTENTION_SOFTCAP = 2.0  # bf16 unit-variance q/k at scale D**-0.5: scores of a 
 
 def check_tree(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, timing: dict) -> None:
     import torch.nn.functional as F
+
+    from dflash_kernels.tree_attention import tree_attention_mask
 
     # host side: C++ build and walk against the Python reference
     gen = torch.Generator().manual_seed(2)
