@@ -2,11 +2,11 @@
 
 Run: ``python -m pytest bench/bench_static.py --benchmark-columns=median,rounds``
 
-:func:`dflash_kernels.tree_attention_static` (a 16-row chain and a 65-node tree
-over a whole 8192-row cache, 4096 committed), :func:`dflash_kernels.lm_head_sample_static`
-and :func:`dflash_kernels.lm_head_sample_processed_static` (16 rows, top-k 50),
-:func:`dflash_kernels.compact_kv_static_` (16 accepted rows of every layer) and
-:func:`dflash_kernels.gumbel_noise_block` (the noise alone). With CUDA: Qwen3-8B
+:func:`dflash_kernels.tree_attention` with a device prefix (a 16-row chain and a 65-node tree
+over a whole 8192-row cache, 4096 committed), :func:`dflash_kernels.lm_head_sample`
+and :func:`dflash_kernels.lm_head_sample_processed` with a device seed (16 rows, top-k 50),
+:func:`dflash_kernels.compact_kv_` with a device destination (16 accepted rows of every layer) and
+:func:`dflash_kernels.lm_head.gumbel_noise_block` (the noise alone). With CUDA: Qwen3-8B
 shapes (32/8 heads, head dim 128, hidden 4096, vocab 151936, 36 layers), bf16,
 Triton vs reference. Without CUDA: small shapes, the reference only (the
 interpreter is a correctness tool, not a speed path). The whole compiled round
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dflash_kernels as dk
+from dflash_kernels.lm_head import gumbel_noise_block
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -47,7 +48,7 @@ def _tree_bits(n, gen):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("kind", ["chain16", "tree65"])
-def test_tree_attention_static(benchmark, provider, kind):
+def test_tree_attention_device_prefix(benchmark, provider, kind):
     gen = torch.Generator().manual_seed(0)
     T = 16 if kind == "chain16" else 65
     q = torch.randn(1, HQ, T, D, generator=gen).to(DEVICE, DTYPE)
@@ -55,8 +56,8 @@ def test_tree_attention_static(benchmark, provider, kind):
     v = torch.randn(1, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
     bits = None if kind == "chain16" else _tree_bits(T, gen)
     prefix = torch.tensor([PREFIX], device=DEVICE)
-    benchmark.group = f"tree_attention_static {kind}"
-    run(benchmark, provider, dk.tree_attention_static, q, k, v, bits, prefix)
+    benchmark.group = f"tree_attention device prefix {kind}"
+    run(benchmark, provider, dk.tree_attention, q, k, v, bits, prefix)
 
 
 def _head(n=16, seed=0):
@@ -67,31 +68,32 @@ def _head(n=16, seed=0):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_lm_head_sample_static(benchmark, provider):
+def test_lm_head_sample_device_seed(benchmark, provider):
     hidden, weight, seed = _head()
-    benchmark.group = "lm_head_sample_static"
-    run(benchmark, provider, dk.lm_head_sample_static, hidden, weight, 0.7, seed)
+    benchmark.group = "lm_head_sample device seed"
+    run(benchmark, provider, dk.lm_head_sample, hidden, weight, 0.7, seed=seed, check_bounds=False)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_lm_head_sample_processed_static(benchmark, provider):
+def test_lm_head_sample_processed_device_seed(benchmark, provider):
     hidden, weight, seed = _head()
-    benchmark.group = "lm_head_sample_processed_static"
-    run(benchmark, provider, dk.lm_head_sample_processed_static, hidden, weight, 0.7, seed, top_k=50, top_p=0.9)
+    benchmark.group = "lm_head_sample_processed device seed"
+    run(benchmark, provider, dk.lm_head_sample_processed, hidden, weight, 0.7, seed=seed, top_k=50, top_p=0.9,
+        check_bounds=False)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_compact_kv_static_(benchmark, provider):
+def test_compact_kv_device_destination(benchmark, provider):
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(L, 2, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
     start = torch.tensor([PREFIX], device=DEVICE)
     src = (PREFIX + torch.tensor(sorted(torch.randperm(64, generator=gen)[:16].tolist()))).to(DEVICE)
-    benchmark.group = "compact_kv_static_"
-    run(benchmark, provider, dk.compact_kv_static_, kv, src, start, torch.tensor([12], device=DEVICE))
+    benchmark.group = "compact_kv_ device destination"
+    run(benchmark, provider, dk.compact_kv_, kv, src, start, num_rows=torch.tensor([12], device=DEVICE), check=False)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_gumbel_noise_block(benchmark, provider):
     seed = torch.tensor([99], device=DEVICE)
     benchmark.group = "gumbel_noise_block"
-    run(benchmark, provider, dk.gumbel_noise_block, seed, 0, 16, 0, V)
+    run(benchmark, provider, gumbel_noise_block, seed, 0, 16, 0, V)

@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels import reference as ref  # noqa: E402
+from dflash_kernels.tree_attention import tree_attention_mask  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -79,7 +80,7 @@ def inputs(prefix_len, n_tree, mode):
 
 def sdpa_dense_mask(q, k, v, bits, prefix_len, positions=None, window=None):
     if bits is not None and window is None and CUDA:
-        mask = dk.tree_attention_mask(bits, prefix_len, q.dtype) == 0
+        mask = tree_attention_mask(bits, prefix_len, q.dtype) == 0
     else:
         mask = ref.tree_visibility(bits, prefix_len, q.shape[2], positions=positions, window=window,
                                    device=q.device)

@@ -4,13 +4,23 @@ Every op has a pure-torch reference in :mod:`dflash_kernels.reference` (the
 spec in code) and a fast path (Triton kernels, C++ for the tree build) chosen
 by :mod:`dflash_kernels._dispatch`. This package knows nothing about models.
 
+Each op has one public name here, takes ints or device tensors where a
+compiled round needs the latter (``lm_head_sample(..., seed=int|Tensor)``,
+``tree_attention(..., prefix_len=int|Tensor)``, ``compact_kv_(kv, rows,
+dst_start=int|Tensor, num_rows=None|Tensor)``), and an optional ``backend=``
+that fixes the backend. Under ``torch.compile`` the Triton path goes through
+the op's ``torch.library`` registration (:mod:`dflash_kernels.ops`, the one
+module that registers ops).
+
 Public ops (each family's module defines ``__all__``):
 
 * gather + concat of captured layers: :mod:`.gather`
 * final RMSNorm + lm_head at selected positions, fused with argmax / top-K /
   sampling / cross-entropy: :mod:`.lm_head`
-* DDTree: tree build and walk (C++), ancestor bitmask, tree attention,
-  KV compaction: :mod:`.tree`, :mod:`.tree_attention`, :mod:`.kv_compaction`
+* DDTree: tree build and walk (C++; on the device: ``build_tree_device`` /
+  ``walk_tree_device``), ancestor bitmask, tree attention and its torch
+  visibility / masked-attention path, KV compaction and the cache row write
+  (``kv_write_``, C++): :mod:`.tree`, :mod:`.tree_attention`, :mod:`.kv_compaction`
 * hybrid targets' Gated-DeltaNet layers: tree scan, path replay, tree conv,
   conv window: :mod:`.gated_delta`
 """
@@ -26,7 +36,6 @@ from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
 from .gated_delta import *  # noqa: F401,F403
-from . import ops  # noqa: F401  (torch.library registrations)
-from . import ops_gated_delta  # noqa: F401  (torch.library registrations of the Gated-DeltaNet ops)
+from . import ops  # noqa: F401  (every torch.library registration: torch.ops.dflash.*)
 
 __version__ = "0.1.0"

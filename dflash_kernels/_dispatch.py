@@ -5,11 +5,20 @@
   imported (that is how the test suite runs them on CPU tensors).
 * ``reference``: the pure-torch ops of :mod:`dflash_kernels.reference`.
 
-The default is ``triton`` when the tensors live on a CUDA device and Triton
-imports, or when the interpreter is on; otherwise ``reference``. Force a path
+Triton is a dependency of the package (every kernel module imports it); the
+reference backend needs no GPU, not Triton's absence. The default is
+``triton`` when the tensors live on a CUDA device or the interpreter is on;
+otherwise ``reference``. Force a path
 with ``DFLASH_BACKEND=triton|reference`` in the environment, or in code with
 ``force_backend("reference")`` (a context manager that also works as a plain
-call; ``force_backend(None)`` restores the default).
+call; ``force_backend(None)`` restores the default). A caller that fixes the
+backend once (a compiled round, for a whole generation) passes it to an op as
+``backend=``, which :func:`resolve_backend` honours.
+
+Under ``torch.compile`` (:func:`tracing`), an op on the Triton backend calls its
+``torch.library`` custom op (:mod:`dflash_kernels.ops`): one opaque node in the
+graph, its launches captured by a CUDA graph; on the reference backend the
+pure-torch reference is traced inline (inductor fuses it with its neighbours).
 """
 
 from __future__ import annotations
@@ -36,29 +45,12 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_triton_ok: Optional[bool] = None
-
-
-def triton_importable() -> bool:
-    """True when ``import triton`` works (cached)."""
-    global _triton_ok
-    if _triton_ok is None:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-
-            _triton_ok = True
-        except Exception:  # pragma: no cover - depends on the install
-            _triton_ok = False
-    return _triton_ok
-
-
 def available_backends(device: Optional[torch.device] = None) -> list:
     """Backends that can run on ``device`` (default: CUDA if present, else CPU)."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = []
-    if triton_importable() and (device.type == "cuda" or triton_interpreting()):
+    if device.type == "cuda" or triton_interpreting():
         out.append("triton")
     out.append("reference")
     return out
@@ -89,8 +81,6 @@ def get_backend(device: torch.device) -> str:
     """The backend an op on tensors of ``device`` runs on now."""
     name = _forced or _check_name(os.environ.get("DFLASH_BACKEND") or None)
     if name == "triton":
-        if not triton_importable():
-            raise RuntimeError("backend 'triton' was forced but triton does not import")
         if device.type != "cuda" and not triton_interpreting():
             raise RuntimeError(
                 f"backend 'triton' was forced for tensors on {device}, but Triton needs a CUDA device or "
@@ -100,3 +90,15 @@ def get_backend(device: torch.device) -> str:
     if name == "reference":
         return "reference"
     return "triton" if "triton" in available_backends(device) else "reference"
+
+
+def resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """``backend`` when the caller fixed one ('triton' or 'reference'), else :func:`get_backend` of ``device``."""
+    if backend is None:
+        return get_backend(device)
+    return _check_name(backend)
+
+
+def tracing() -> bool:
+    """True while ``torch.compile`` traces the caller (ops then go through their registered custom ops)."""
+    return torch.compiler.is_compiling()

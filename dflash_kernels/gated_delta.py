@@ -104,7 +104,7 @@ import triton
 import triton.language as tl
 
 from . import reference as _reference
-from ._dispatch import get_backend
+from ._dispatch import get_backend, tracing
 
 __all__ = ["gated_delta_tree", "gated_delta_replay_", "causal_conv_tree", "conv_window_after"]
 
@@ -489,6 +489,9 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if scratch.device != q.device:
             raise ValueError(f"{op}: scratch is on {scratch.device} but q is on {q.device}")
     if get_backend(q.device) == "triton":
+        if tracing():
+            return torch.ops.dflash.gated_delta_tree(q, k, v, g, beta, state, parents, scratch, scale, qk_l2norm,
+                                                     store_states, False)
         return _tree_triton(q, k, v, g, beta, state, parents, scale, qk_l2norm, scratch, store_states)
     return _reference.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm,
                                        scratch=scratch)
@@ -552,6 +555,9 @@ def gated_delta_replay_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             j = int(bad.nonzero()[0, 0])
             raise ValueError(f"{op}: rows[{j}] = {int(picked[j])} is not a row of the verify pass [0, {n})")
     if get_backend(state.device) == "triton":
+        if tracing():
+            torch.ops.dflash.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale, qk_l2norm, False)
+            return None
         if not lead:
             state, k, v, g, beta = state[None], k[None], v[None], g[None], beta[None]
         _replay_triton(state, k, v, g, beta, rows, num_rows, qk_l2norm)
@@ -633,6 +639,8 @@ def causal_conv_tree(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
         if check:
             _check_parent_values(op, parents, x.shape[0])
     if get_backend(x.device) == "triton":
+        if tracing():
+            return torch.ops.dflash.causal_conv_tree(x, window, weight, parents, bias, activation, False)
         return _conv_triton(x, window, weight, parents, bias, activation)
     return _reference.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation)
 

@@ -69,7 +69,7 @@ copies of a later chunk in flight across the barrier; hoisting a later
 chunk's plain loads would be harmless anyway, by case 2).
 
 Device-side destination (``dst_start`` an int tensor ``[1]``; the op
-``torch.ops.dflash.compact_kv_static_``, for a compiled / CUDA-graph step):
+``torch.ops.dflash.compact_kv_.tensor``, for a compiled / CUDA-graph step):
 the kernel loads ``d0 = dst_start[0]`` (and the count) at its start, before
 its first store, and every destination address is ``d0 + i``: the value is
 fixed for the whole launch, so the argument above holds with ``d(i) = d0 + i``
@@ -95,11 +95,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _C  # noqa: F401  (registers the C++ op dflash::kv_write_, csrc/kv_write.cpp)
 from . import reference as _reference
-from ._dispatch import get_backend
+from ._dispatch import resolve_backend, tracing
 from .reference.kv_compaction import check_kv_layout
 
-__all__ = ["compact_kv_", "compact_kv_static_"]
+__all__ = ["compact_kv_", "kv_write_"]
 
 #: Rows per chunk: fixed, so that the path length never picks a new binary.
 BLOCK_A = 16
@@ -337,8 +338,9 @@ def compact_kv_triton(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: 
     return _launch(kv, src_positions, dst_start, num_rows)
 
 
-def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *,
-                num_rows: Optional[torch.Tensor] = None, check: bool = True) -> torch.Tensor:
+def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start, *,
+                num_rows: Optional[torch.Tensor] = None, check: bool = True,
+                backend: Optional[str] = None) -> torch.Tensor:
     """In place, every layer/key-value/head: ``kv[..., dst_start + i, :] = kv[..., src_positions[i], :]``, ``i < n``.
 
     Args:
@@ -352,8 +354,9 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
         dst_start: first destination position (typically the position of
             the first row to keep after the committed prefix): an int, or an
             int64/int32 tensor ``[1]`` / ``[]`` on ``kv.device`` read in-kernel
-            (then ``src_positions`` must be on ``kv.device`` too): see
-            :func:`compact_kv_static_`.
+            (then ``src_positions`` must be on ``kv.device`` too): a compiled /
+            CUDA-graph step, whose launch depends on ``A`` and the cache shape
+            only (pass ``check=False`` there: the check reads values on the host).
         num_rows: optional int64/int32 tensor ``[1]`` or ``[]`` on
             ``kv.device``: only rows ``i < n = min(num_rows, A)`` move (the
             count stays on the device; values below 0 move nothing). None:
@@ -362,31 +365,38 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
             and ``num_rows`` on the host: a sync for device tensors; the debug
             path). False trusts the input: only shapes, dtypes and devices are
             checked, no tensor value is read on the host (no sync).
+        backend: 'triton' or 'reference' to fix the backend (a compiled round
+            does), None: :func:`dflash_kernels.get_backend`.
+
+    Under ``torch.compile`` the call is the custom op ``dflash::compact_kv_`` on
+    both backends: traced index math on the cache would be functionalized into
+    a copy of the whole cache.
 
     Returns:
         ``kv``, compacted. Positions past ``dst_start + n`` keep stale values.
     """
+    if tracing():  # (the op validates when it runs: the layout check reads storage pointers)
+        if isinstance(dst_start, torch.Tensor):
+            torch.ops.dflash.compact_kv_.tensor(kv, src_positions, dst_start, num_rows)
+        else:
+            torch.ops.dflash.compact_kv_.default(kv, src_positions, dst_start, num_rows, check)
+        return kv
     _check_metadata(kv, src_positions, dst_start, num_rows)
     if check:
         _check_values(kv, src_positions, dst_start, num_rows)
-    if get_backend(kv.device) == "triton":
+    if resolve_backend(backend, kv.device) == "triton":
         return _launch(kv, src_positions, dst_start, num_rows)
     return _reference.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows)
 
 
-def compact_kv_static_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor,
-                       num_rows: Optional[torch.Tensor] = None, *, check: bool = False) -> torch.Tensor:
-    """:func:`compact_kv_` with every per-round value a device tensor, for a compiled / CUDA-graph step.
+def kv_write_(kv: torch.Tensor, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``key/value [Hkv, T, D]`` into rows ``rows [T]`` (device int64, distinct) of layer ``layer`` of
+    ``kv [L, 2, Hkv, S, D]``, in place: ``kv[layer, 0, :, rows] = key``, ``kv[layer, 1, :, rows] = value``
+    (the C++ op ``torch.ops.dflash.kv_write_``, csrc/kv_write.cpp; the same on every backend).
 
-    ``src_positions [A]`` (absolute cache rows), ``dst_start [1]`` and
-    ``num_rows [1]`` (optional) are int tensors on ``kv.device``; the Triton
-    kernel reads ``dst_start`` and ``num_rows`` from memory (its launch depends
-    on ``A`` and the cache shape only), the reference
-    (:func:`dflash_kernels.reference.compact_kv_static_`) is index math.
-    ``check`` defaults to False here (True reads the values on the host, a
-    sync). Rows ``i >= n`` are untouched. Returns ``kv``.
+    An op (not the ``index_copy_`` it runs) because a traced in-place write
+    through a view of the cache is functionalized into a copy of the WHOLE
+    cache per layer; an op with a mutable argument is re-inplaced by inductor:
+    the graph writes the ``T`` rows and nothing else.
     """
-    if not isinstance(dst_start, torch.Tensor):
-        raise TypeError(f"compact_kv_static_: dst_start must be an int64 tensor [1], got {type(dst_start).__name__} "
-                        "(use compact_kv_ for an int)")
-    return compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
+    torch.ops.dflash.kv_write_(kv, layer, rows, key, value)

@@ -32,8 +32,8 @@ Pipeline (Triton backend):
      -log(-log(U))``, ``U`` from Philox keyed by a seed and counted by
      ``row * V + vocab_id``, generated in-kernel (no ``[N, V]`` noise tensor).
      Reproducible for a given seed whatever the tiling.
-     Device seed (``seed`` an int64 tensor ``[1]``, :func:`lm_head_sample_static`,
-     for a compiled / CUDA-graph step): every program loads the seed from
+     Device seed (``seed`` an int64 tensor ``[1]``, for a compiled /
+     CUDA-graph step): every program loads the seed from
      memory and draws ``G[n, j] = -log(E)``, ``E = -log(1 - e)``, ``e`` from
      Philox-4x32-10 with key = the seed's 64 bits and counter ``(j, n, 0, 0)``
      (:func:`_philox_gumbel`): the same noise as
@@ -76,30 +76,24 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
 
-from ._dispatch import get_backend, triton_interpreting
+from ._dispatch import get_backend, resolve_backend, tracing, triton_interpreting
 from .reference import lm_head as _reference
-from .reference.lm_head import (check_k, check_lm_head_args, check_seed_tensor, check_softcap,
-                                check_targets, check_temperature, resolve_logit_dtype, rms_norm, seed_from)
+from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_targets, check_temperature,
+                                head_inputs, resolve_logit_dtype, rms_norm, seed_from)
+# float32 tanh from exp (a few ulps; the interpreter has no tanh): the final-logit softcap
+from .tree_attention import tanh_f32
 
 __all__ = [
     "lm_head_logits",
     "lm_head_argmax",
     "lm_head_topk",
     "lm_head_sample",
-    "lm_head_sample_static",
     "lm_head_cross_entropy",
-    "gumbel_noise_block",
 ]
 
-try:  # triton is optional: without it every op runs the reference
-    import triton
-    import triton.language as tl
-
-    # float32 tanh from exp (a few ulps; the interpreter has no tanh): the final-logit softcap
-    from .tree_attention import tanh_f32
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
 
 # Largest number of fp32 logits one chunk may hold (top-K and cross-entropy):
 # 2**25 elements = 128 MiB of fp32 logits (plus, for CE, the same count of
@@ -189,283 +183,283 @@ def _dot_fp32(dot_dtype: torch.dtype) -> bool:
 
 # --------------------------------------------------------------------------- kernels
 
-if triton is not None:
 
-    @triton.jit
-    def _round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
-        """fp32 ``x`` rounded to ``dtype`` (returned as fp32).
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (returned as fp32).
 
-        With RNE_BF16 a bf16 target is rounded to nearest-even by bit
-        arithmetic first, because Triton's interpreter truncates fp32->bf16
-        casts; compiled code has RNE_BF16 off and uses the hardware cast.
-        """
-        if RNE_BF16 and dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(dtype).to(tl.float32)
+    With RNE_BF16 a bf16 target is rounded to nearest-even by bit
+    arithmetic first, because Triton's interpreter truncates fp32->bf16
+    casts; compiled code has RNE_BF16 off and uses the hardware cast.
+    """
+    if RNE_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
 
-    @triton.jit
-    def _philox_gumbel(seed, rows, cols):
-        """fp32 Gumbel noise ``[R, C]`` of output rows ``rows [R, 1]`` and vocab ids ``cols [1, C]`` (int32).
+@triton.jit
+def _philox_gumbel(seed, rows, cols):
+    """fp32 Gumbel noise ``[R, C]`` of output rows ``rows [R, 1]`` and vocab ids ``cols [1, C]`` (int32).
 
-        ``seed``: an int64 scalar (loaded from memory), the Philox key (low,
-        high 32 bits). Counter ``(col, row, 0, 0)``, 10 rounds (``tl.philox``,
-        the Random123 Philox-4x32), word 0 ``x``; ``e = (fp32(x) + 0.5) *
-        2**-32``; ``E = e (1 + e (1/2 + e (1/3 + e/4)))`` below
-        ``NOISE_SERIES_BELOW``, else ``-log(1 - e)``; ``G = -log(E)``. Bit for bit
-        the integer steps of :func:`dflash_kernels.reference.gumbel_noise`
-        (the logs may differ by an ulp).
-        """
-        c0 = tl.broadcast_to(cols, (rows.shape[0], cols.shape[1]))
-        c1 = tl.broadcast_to(rows, (rows.shape[0], cols.shape[1]))
-        zero = tl.zeros(c0.shape, dtype=tl.int32)
-        x, _, _, _ = tl.philox(seed, c0, c1, zero, zero)
-        e = (x.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-        series = e * (1.0 + e * (0.5 + e * (0.3333333432674408 + e * 0.25)))
-        expo = tl.where(e < 0.03125, series, -tl.log(1.0 - e))  # 0.03125 = NOISE_SERIES_BELOW
-        return -tl.log(expo)
+    ``seed``: an int64 scalar (loaded from memory), the Philox key (low,
+    high 32 bits). Counter ``(col, row, 0, 0)``, 10 rounds (``tl.philox``,
+    the Random123 Philox-4x32), word 0 ``x``; ``e = (fp32(x) + 0.5) *
+    2**-32``; ``E = e (1 + e (1/2 + e (1/3 + e/4)))`` below
+    ``NOISE_SERIES_BELOW``, else ``-log(1 - e)``; ``G = -log(E)``. Bit for bit
+    the integer steps of :func:`dflash_kernels.reference.gumbel_noise`
+    (the logs may differ by an ulp).
+    """
+    c0 = tl.broadcast_to(cols, (rows.shape[0], cols.shape[1]))
+    c1 = tl.broadcast_to(rows, (rows.shape[0], cols.shape[1]))
+    zero = tl.zeros(c0.shape, dtype=tl.int32)
+    x, _, _, _ = tl.philox(seed, c0, c1, zero, zero)
+    e = (x.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    series = e * (1.0 + e * (0.5 + e * (0.3333333432674408 + e * 0.25)))
+    expo = tl.where(e < 0.03125, series, -tl.log(1.0 - e))  # 0.03125 = NOISE_SERIES_BELOW
+    return -tl.log(expo)
 
-    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_gumbel_noise_kernel"],
-                do_not_specialize_on_alignment=UNALIGNED_PTRS["_gumbel_noise_kernel"])
-    def _gumbel_noise_kernel(
-        seed_ptr,  # int64 [1]: the seed, read in-kernel
-        out_ptr, stride_o,  # fp32 [n_rows, n_cols]
-        n_rows, n_cols,
-        row0, col0,  # out[r, c] is the noise of output row row0 + r and vocab id col0 + c
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        """``out[r, c] = G(seed, row0 + r, col0 + c)`` (:func:`_philox_gumbel`); one [BLOCK_R, BLOCK_C] tile.
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_gumbel_noise_kernel"],
+            do_not_specialize_on_alignment=UNALIGNED_PTRS["_gumbel_noise_kernel"])
+def _gumbel_noise_kernel(
+    seed_ptr,  # int64 [1]: the seed, read in-kernel
+    out_ptr, stride_o,  # fp32 [n_rows, n_cols]
+    n_rows, n_cols,
+    row0, col0,  # out[r, c] is the noise of output row row0 + r and vocab id col0 + c
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``out[r, c] = G(seed, row0 + r, col0 + c)`` (:func:`_philox_gumbel`); one [BLOCK_R, BLOCK_C] tile.
 
-        Loads ``seed_ptr`` (never written) and stores only its own tile of the fresh ``out``.
-        """
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        seed = tl.load(seed_ptr)
-        g = _philox_gumbel(seed, (row0 + rows)[:, None], (col0 + cols)[None, :])
-        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], g, mask=mask)
+    Loads ``seed_ptr`` (never written) and stores only its own tile of the fresh ``out``.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    seed = tl.load(seed_ptr)
+    g = _philox_gumbel(seed, (row0 + rows)[:, None], (col0 + cols)[None, :])
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], g, mask=mask)
 
-    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_norm_rows_kernel"])
-    def _norm_rows_kernel(
-        x_ptr,  # hidden [T, H], unit stride in the last dim
-        stride_x,
-        pos_ptr,  # int64 [N] rows of hidden (unused without HAS_POS)
-        nw_ptr,  # norm weight [H] (unused without HAS_NORM)
-        out_ptr,  # a [N, H] contiguous, in the dot dtype
-        N,
-        H,
-        eps,
-        HAS_POS: tl.constexpr,
-        HAS_NORM: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        RNE_BF16: tl.constexpr,
-    ):
-        """a[r] = (nw * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)).to(x.dtype), x = hidden[pos[r]]; BLOCK_R rows."""
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_mask = rows < N
-        if HAS_POS:
-            src = tl.load(pos_ptr + rows, mask=r_mask, other=0)
-        else:
-            src = rows
-        x_rows = x_ptr + src[:, None] * stride_x
-        o_rows = out_ptr + rows[:, None] * H
-        in_ty = x_ptr.dtype.element_ty
-        offs = tl.arange(0, BLOCK_H)
-        rstd = tl.zeros([BLOCK_R], dtype=tl.float32)
-        if HAS_NORM:
-            sq = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_H):
-                mask = r_mask[:, None] & (k0 + offs < H)[None, :]
-                x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-                sq += x * x
-            rstd = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=1) / H + eps)
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_norm_rows_kernel"])
+def _norm_rows_kernel(
+    x_ptr,  # hidden [T, H], unit stride in the last dim
+    stride_x,
+    pos_ptr,  # int64 [N] rows of hidden (unused without HAS_POS)
+    nw_ptr,  # norm weight [H] (unused without HAS_NORM)
+    out_ptr,  # a [N, H] contiguous, in the dot dtype
+    N,
+    H,
+    eps,
+    HAS_POS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    """a[r] = (nw * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)).to(x.dtype), x = hidden[pos[r]]; BLOCK_R rows."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = rows < N
+    if HAS_POS:
+        src = tl.load(pos_ptr + rows, mask=r_mask, other=0)
+    else:
+        src = rows
+    x_rows = x_ptr + src[:, None] * stride_x
+    o_rows = out_ptr + rows[:, None] * H
+    in_ty = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_H)
+    rstd = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if HAS_NORM:
+        sq = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_H):
-            h_mask = k0 + offs < H
-            mask = r_mask[:, None] & h_mask[None, :]
+            mask = r_mask[:, None] & (k0 + offs < H)[None, :]
             x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                w = tl.load(nw_ptr + k0 + offs, mask=h_mask, other=0.0).to(tl.float32)
-                x = _round_to(w[None, :] * _round_to(x * rstd[:, None], in_ty, RNE_BF16), in_ty, RNE_BF16)
-            tl.store(o_rows + k0 + offs[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+            sq += x * x
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=1) / H + eps)
+    for k0 in range(0, H, BLOCK_H):
+        h_mask = k0 + offs < H
+        mask = r_mask[:, None] & h_mask[None, :]
+        x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            w = tl.load(nw_ptr + k0 + offs, mask=h_mask, other=0.0).to(tl.float32)
+            x = _round_to(w[None, :] * _round_to(x * rstd[:, None], in_ty, RNE_BF16), in_ty, RNE_BF16)
+        tl.store(o_rows + k0 + offs[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _tile_coords(N, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """(row tile, vocab tile) of this program; GROUP_M row tiles share a band of weight tiles in L2."""
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(N, BLOCK_M)
-        num_n = tl.cdiv(n_cols, BLOCK_N)
-        width = GROUP_M * num_n
-        group = pid // width
-        first_m = group * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
-        return pid_m, pid_n
+@triton.jit
+def _tile_coords(N, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, vocab tile) of this program; GROUP_M row tiles share a band of weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
 
-    @triton.jit
-    def _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
-        """fp32 [BLOCK_M, BLOCK_N] tile of a @ w.T (rows offs_m < N, vocab ids offs_n < V_END)."""
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < N
-        n_mask = offs_n < V_END
-        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_mask = offs_k < H - k0
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        return acc
+@triton.jit
+def _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile of a @ w.T (rows offs_m < N, vocab ids offs_n < V_END)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < N
+    n_mask = offs_n < V_END
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
 
-    # row count, vocab chunk bounds and the partials' row stride (tiles per chunk) vary per call
-    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_logits_kernel"])
-    def _logits_kernel(
-        a_ptr, stride_am,  # a [N, H] (dot dtype)
-        w_ptr, stride_wn,  # weight [V, H]
-        out_ptr, stride_om,  # fp32 logits chunk [N, V_END - V0]
-        pmax_ptr, psum_ptr, stride_pm,  # fp32 [N, n_tiles] logsumexp partials
-        N, V0, V_END, H,
-        softcap,  # HAS_SOFTCAP only: logits = softcap * tanh(acc / softcap)
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr,
-    ):
-        """out[:, j] = logits[:, V0 + j]; per tile t: pmax = max_j, psum = sum_j exp(logit - pmax).
+# row count, vocab chunk bounds and the partials' row stride (tiles per chunk) vary per call
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_logits_kernel"])
+def _logits_kernel(
+    a_ptr, stride_am,  # a [N, H] (dot dtype)
+    w_ptr, stride_wn,  # weight [V, H]
+    out_ptr, stride_om,  # fp32 logits chunk [N, V_END - V0]
+    pmax_ptr, psum_ptr, stride_pm,  # fp32 [N, n_tiles] logsumexp partials
+    N, V0, V_END, H,
+    softcap,  # HAS_SOFTCAP only: logits = softcap * tanh(acc / softcap)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """out[:, j] = logits[:, V0 + j]; per tile t: pmax = max_j, psum = sum_j exp(logit - pmax).
 
-        ``logits = acc`` (fp32 ``a @ w.T``), or ``softcap * tanh(acc / softcap)`` with HAS_SOFTCAP.
-        """
-        pid_m, pid_n = _tile_coords(N, V_END - V0, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = V0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
-        if HAS_SOFTCAP:
-            acc = tanh_f32(acc / softcap) * softcap
-        m_mask = offs_m < N
-        n_mask = offs_n < V_END
-        rows64 = offs_m.to(tl.int64)
-        out_ptrs = out_ptr + rows64[:, None] * stride_om + (offs_n - V0)[None, :]
-        tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
-        x = tl.where(n_mask[None, :], acc, float("-inf"))
-        row_max = tl.max(x, axis=1)
-        row_sum = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
-        tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
-        tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
+    ``logits = acc`` (fp32 ``a @ w.T``), or ``softcap * tanh(acc / softcap)`` with HAS_SOFTCAP.
+    """
+    pid_m, pid_n = _tile_coords(N, V_END - V0, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = V0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+    if HAS_SOFTCAP:
+        acc = tanh_f32(acc / softcap) * softcap
+    m_mask = offs_m < N
+    n_mask = offs_n < V_END
+    rows64 = offs_m.to(tl.int64)
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + (offs_n - V0)[None, :]
+    tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    x = tl.where(n_mask[None, :], acc, float("-inf"))
+    row_max = tl.max(x, axis=1)
+    row_sum = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
+    tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
+    tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
 
-    # a fresh seed per call and the row count (it varies per decoding round) must not recompile
-    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"],
-                do_not_specialize_on_alignment=UNALIGNED_PTRS["_argmax_kernel"])
-    def _argmax_kernel(
-        a_ptr, stride_am,  # a [N, H] (dot dtype)
-        w_ptr, stride_wn,  # weight [V, H]
-        pval_ptr, pidx_ptr, stride_pm,  # fp32 / int32 [N, n_tiles]: per-tile best score and its vocab id
-        N, V, H,
-        inv_temperature,  # GUMBEL only
-        seed,  # GUMBEL only: Philox key
-        softcap,  # HAS_SOFTCAP only
-        seed_ptr,  # GUMBEL and DEVICE_SEED only: int64 [1], the seed read from memory
-        GUMBEL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        DOT_FP32: tl.constexpr,
-        LOGIT_DTYPE: tl.constexpr,  # the logits' dtype: the fp32 accumulator is rounded to it first
-        RNE_BF16: tl.constexpr,  # interpreter: round to bf16 by bit arithmetic (see _round_to)
-        HAS_SOFTCAP: tl.constexpr,
-        DEVICE_SEED: tl.constexpr = False,
-    ):
-        """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
+# a fresh seed per call and the row count (it varies per decoding round) must not recompile
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"],
+            do_not_specialize_on_alignment=UNALIGNED_PTRS["_argmax_kernel"])
+def _argmax_kernel(
+    a_ptr, stride_am,  # a [N, H] (dot dtype)
+    w_ptr, stride_wn,  # weight [V, H]
+    pval_ptr, pidx_ptr, stride_pm,  # fp32 / int32 [N, n_tiles]: per-tile best score and its vocab id
+    N, V, H,
+    inv_temperature,  # GUMBEL only
+    seed,  # GUMBEL only: Philox key
+    softcap,  # HAS_SOFTCAP only
+    seed_ptr,  # GUMBEL and DEVICE_SEED only: int64 [1], the seed read from memory
+    GUMBEL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    LOGIT_DTYPE: tl.constexpr,  # the logits' dtype: the fp32 accumulator is rounded to it first
+    RNE_BF16: tl.constexpr,  # interpreter: round to bf16 by bit arithmetic (see _round_to)
+    HAS_SOFTCAP: tl.constexpr,
+    DEVICE_SEED: tl.constexpr = False,
+):
+    """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
 
-        With HAS_SOFTCAP the fp32 accumulator first becomes ``softcap *
-        tanh(acc / softcap)``. logits = round(that) to LOGIT_DTYPE (nearest even, as a bf16/fp16
-        GEMM writes its output; no rounding for fp32), then s = logits, or
-        logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL (U = tl.rand keyed by ``seed``),
-        or with GUMBEL and DEVICE_SEED logits * inv_temperature + G(seed_ptr[0], row, j)
-        (:func:`_philox_gumbel`, the seed loaded once per program before any store).
+    With HAS_SOFTCAP the fp32 accumulator first becomes ``softcap *
+    tanh(acc / softcap)``. logits = round(that) to LOGIT_DTYPE (nearest even, as a bf16/fp16
+    GEMM writes its output; no rounding for fp32), then s = logits, or
+    logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL (U = tl.rand keyed by ``seed``),
+    or with GUMBEL and DEVICE_SEED logits * inv_temperature + G(seed_ptr[0], row, j)
+    (:func:`_philox_gumbel`, the seed loaded once per program before any store).
 
-        Overlap: the program reads ``a``, ``w`` (and ``seed_ptr``) and writes
-        only its own ``(rows, tile)`` entries of the fresh ``pval`` / ``pidx``.
-        """
-        pid_m, pid_n = _tile_coords(N, V, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
-        m_mask = offs_m < N
-        n_mask = offs_n < V
-        if HAS_SOFTCAP:
-            acc = tanh_f32(acc / softcap) * softcap
-        if LOGIT_DTYPE != tl.float32:
-            acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
-        if GUMBEL:
-            if DEVICE_SEED:
-                acc = acc * inv_temperature + _philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
-            else:
-                # int32 counters: the launcher keeps N * V < 2**31 per launch.
-                counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
-                u = tl.rand(seed, counter)
-                acc = acc * inv_temperature - tl.log(-tl.log(u))
-        score = tl.where(n_mask[None, :], acc, float("-inf"))
-        best = tl.max(score, axis=1)
-        cand = tl.where((score == best[:, None]) & n_mask[None, :], offs_n[None, :], V)
-        idx = tl.min(cand, axis=1)
-        idx = tl.where(idx < V, idx, pid_n * BLOCK_N)  # NaN rows: still a valid id
-        rows64 = offs_m.to(tl.int64)
-        tl.store(pval_ptr + rows64 * stride_pm + pid_n, best, mask=m_mask)
-        tl.store(pidx_ptr + rows64 * stride_pm + pid_n, idx, mask=m_mask)
+    Overlap: the program reads ``a``, ``w`` (and ``seed_ptr``) and writes
+    only its own ``(rows, tile)`` entries of the fresh ``pval`` / ``pidx``.
+    """
+    pid_m, pid_n = _tile_coords(N, V, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+    m_mask = offs_m < N
+    n_mask = offs_n < V
+    if HAS_SOFTCAP:
+        acc = tanh_f32(acc / softcap) * softcap
+    if LOGIT_DTYPE != tl.float32:
+        acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
+    if GUMBEL:
+        if DEVICE_SEED:
+            acc = acc * inv_temperature + _philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
+        else:
+            # int32 counters: the launcher keeps N * V < 2**31 per launch.
+            counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
+            u = tl.rand(seed, counter)
+            acc = acc * inv_temperature - tl.log(-tl.log(u))
+    score = tl.where(n_mask[None, :], acc, float("-inf"))
+    best = tl.max(score, axis=1)
+    cand = tl.where((score == best[:, None]) & n_mask[None, :], offs_n[None, :], V)
+    idx = tl.min(cand, axis=1)
+    idx = tl.where(idx < V, idx, pid_n * BLOCK_N)  # NaN rows: still a valid id
+    rows64 = offs_m.to(tl.int64)
+    tl.store(pval_ptr + rows64 * stride_pm + pid_n, best, mask=m_mask)
+    tl.store(pidx_ptr + rows64 * stride_pm + pid_n, idx, mask=m_mask)
 
-    # the chunk's row count and its first row vary from chunk to chunk
-    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_ce_grad_kernel"])
-    def _ce_grad_kernel(
-        logits_ptr, stride_l,  # fp32 [N, V] chunk
-        lse_ptr,  # fp32 [N] logsumexp per row
-        target_ptr,  # int64 [row0 + N]: all rows' targets (the chunk's start at row0)
-        scale_ptr,  # fp32 [row0 + N]: loss weight, 0 for ignored rows (same indexing)
-        grad_ptr, stride_g,  # [N, V] in the dot dtype
-        N, V, row0,
-        softcap,  # HAS_SOFTCAP only
-        BLOCK_R: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr,
-    ):
-        """grad[r, j] = scale[row0 + r] * (exp(logits[r, j] - lse[r]) - (j == target[row0 + r])), one tile.
+# the chunk's row count and its first row vary from chunk to chunk
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_ce_grad_kernel"])
+def _ce_grad_kernel(
+    logits_ptr, stride_l,  # fp32 [N, V] chunk
+    lse_ptr,  # fp32 [N] logsumexp per row
+    target_ptr,  # int64 [row0 + N]: all rows' targets (the chunk's start at row0)
+    scale_ptr,  # fp32 [row0 + N]: loss weight, 0 for ignored rows (same indexing)
+    grad_ptr, stride_g,  # [N, V] in the dot dtype
+    N, V, row0,
+    softcap,  # HAS_SOFTCAP only
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """grad[r, j] = scale[row0 + r] * (exp(logits[r, j] - lse[r]) - (j == target[row0 + r])), one tile.
 
-        With HAS_SOFTCAP the logits are the capped ``y = c * tanh(x / c)`` of
-        the raw ``x``, and the gradient wrt ``x`` gets ``dy/dx = 1 - (y / c)^2``.
+    With HAS_SOFTCAP the logits are the capped ``y = c * tanh(x / c)`` of
+    the raw ``x``, and the gradient wrt ``x`` gets ``dy/dx = 1 - (y / c)^2``.
 
-        The tile is [BLOCK_R, BLOCK_V]; ``row0`` is an offset rather than a
-        sliced pointer so that the chunk start never changes the pointer
-        alignment the binary was specialized on.
-        """
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        r_mask = rows < N
-        mask = r_mask[:, None] & (cols < V)[None, :]
-        x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
-        lse = tl.load(lse_ptr + rows, mask=r_mask, other=0.0)
-        target = tl.load(target_ptr + row0 + rows, mask=r_mask, other=-1)
-        scale = tl.load(scale_ptr + row0 + rows, mask=r_mask, other=0.0)
-        p = tl.exp(x - lse[:, None])
-        g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale[:, None]
-        if HAS_SOFTCAP:
-            t = tl.where(mask, x / softcap, 0.0)  # (masked lanes hold -inf)
-            g = g * (1.0 - t * t)
-        tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
+    The tile is [BLOCK_R, BLOCK_V]; ``row0`` is an offset rather than a
+    sliced pointer so that the chunk start never changes the pointer
+    alignment the binary was specialized on.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    r_mask = rows < N
+    mask = r_mask[:, None] & (cols < V)[None, :]
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
+    lse = tl.load(lse_ptr + rows, mask=r_mask, other=0.0)
+    target = tl.load(target_ptr + row0 + rows, mask=r_mask, other=-1)
+    scale = tl.load(scale_ptr + row0 + rows, mask=r_mask, other=0.0)
+    p = tl.exp(x - lse[:, None])
+    g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale[:, None]
+    if HAS_SOFTCAP:
+        t = tl.where(mask, x / softcap, 0.0)  # (masked lanes hold -inf)
+        g = g * (1.0 - t * t)
+    tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def _operand_a(hidden, norm_weight, eps, positions, dot_dtype) -> torch.Tensor:
+def _operand_a(head: HeadInputs, dot_dtype) -> torch.Tensor:
     """The GEMM's A operand ``[N, H]`` in ``dot_dtype`` (normed, gathered rows)."""
+    hidden, norm_weight, eps, positions = head.hidden, head.norm_weight, head.eps, head.positions
     if norm_weight is None and positions is None and hidden.dtype == dot_dtype and hidden.stride(1) == 1:
         return hidden
     if hidden.stride(1) != 1:
@@ -596,7 +590,7 @@ def gumbel_noise_block(seed: torch.Tensor, row0: int, n_rows: int, col0: int, n_
         raise TypeError(f"gumbel_noise_block: seed must be an int64 tensor [1], got {type(seed).__name__}")
     seed = check_seed_tensor(seed, seed.device, "gumbel_noise_block")
     device = seed.device
-    if get_backend(device) == "reference" or triton is None:
+    if get_backend(device) == "reference":
         return _reference.gumbel_noise(seed, torch.arange(row0, row0 + n_rows, device=device),
                                        torch.arange(col0, col0 + n_cols, device=device))
     out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=device)
@@ -620,49 +614,48 @@ def _sample_rows_per_launch(vocab: int) -> int:
     return max(1, _INT32_MAX // vocab)
 
 
-def _prepare(hidden, weight, norm_weight, eps, positions):
-    dot_dtype = dot_dtype_for(hidden.dtype, weight.dtype)
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    a = _operand_a(hidden, norm_weight, eps, positions, dot_dtype)
-    return a, weight, dot_dtype
+def _prepare(head: HeadInputs):
+    """``(a [N, H], weight [V, H] unit last stride, dot dtype)`` of a launch."""
+    dot_dtype = dot_dtype_for(head.hidden.dtype, head.weight.dtype)
+    weight = head.weight if head.weight.stride(1) == 1 else head.weight.contiguous()
+    return _operand_a(head, dot_dtype), weight, dot_dtype
 
 
-def _logits_triton(hidden, weight, norm_weight, eps, positions, logit_dtype=torch.float32, softcap=None):
-    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+def _logits_triton(head: HeadInputs, logit_dtype=torch.float32):
+    a, weight, dot_dtype = _prepare(head)
     N, V = a.shape[0], weight.shape[0]
-    out = torch.empty(N, V, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(N, V, dtype=torch.float32, device=a.device)
     if N > 0:
-        _logits_chunk(a, weight, out, 0, V, dot_dtype, softcap)
+        _logits_chunk(a, weight, out, 0, V, dot_dtype, head.softcap)
     return out if logit_dtype == torch.float32 else out.to(logit_dtype)  # torch's cast rounds to nearest even
 
 
-def _argmax_triton(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap=None):
-    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+def _argmax_triton(head: HeadInputs, logit_dtype):
+    a, weight, dot_dtype = _prepare(head)
     if a.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=hidden.device)
-    return _argmax_launch(a, weight, dot_dtype, gumbel=False, logit_dtype=logit_dtype, softcap=softcap)
+        return torch.empty(0, dtype=torch.int64, device=a.device)
+    return _argmax_launch(a, weight, dot_dtype, gumbel=False, logit_dtype=logit_dtype, softcap=head.softcap)
 
 
-def _sample_triton(hidden, weight, temperature, norm_weight, eps, positions, seed, logit_dtype, softcap=None):
-    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+def _sample_triton(head: HeadInputs, temperature, seed: int, logit_dtype):
+    a, weight, dot_dtype = _prepare(head)
     N, V = a.shape[0], weight.shape[0]
-    out = torch.empty(N, dtype=torch.int64, device=hidden.device)
+    out = torch.empty(N, dtype=torch.int64, device=a.device)
     step = _sample_rows_per_launch(V)
     for chunk, r0 in enumerate(range(0, N, step)):
         out[r0:r0 + step] = _argmax_launch(a[r0:r0 + step], weight, dot_dtype, gumbel=True,
                                            logit_dtype=logit_dtype, inv_temperature=1.0 / temperature,
-                                           seed=_kernel_seed(seed, chunk), softcap=softcap)
+                                           seed=_kernel_seed(seed, chunk), softcap=head.softcap)
     return out
 
 
-def _sample_static_triton(hidden, weight, temperature, norm_weight, eps, positions, seed, logit_dtype, softcap=None):
+def _sample_device_seed_triton(head: HeadInputs, temperature, seed: torch.Tensor, logit_dtype):
     """One launch over every row: the noise is keyed by (seed, row, vocab id), with no int32 counter bound."""
-    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+    a, weight, dot_dtype = _prepare(head)
     if a.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=hidden.device)
+        return torch.empty(0, dtype=torch.int64, device=a.device)
     return _argmax_launch(a, weight, dot_dtype, gumbel=True, logit_dtype=logit_dtype,
-                          inv_temperature=1.0 / temperature, softcap=softcap, seed_tensor=seed)
+                          inv_temperature=1.0 / temperature, softcap=head.softcap, seed_tensor=seed)
 
 
 def topk_chunk_plan(n_rows: int, vocab: int, chunk_elements: Optional[int] = None) -> Tuple[int, int]:
@@ -675,15 +668,15 @@ def topk_chunk_plan(n_rows: int, vocab: int, chunk_elements: Optional[int] = Non
     return rows, vocab_chunk
 
 
-def _topk_triton(hidden, weight, k, norm_weight, eps, positions, chunk_elements, softcap=None):
-    a, weight, dot_dtype = _prepare(hidden, weight, norm_weight, eps, positions)
+def _topk_triton(head: HeadInputs, k, chunk_elements):
+    a, weight, dot_dtype = _prepare(head)
     N, V = a.shape[0], weight.shape[0]
-    values = torch.empty(N, k, dtype=torch.float32, device=hidden.device)
-    ids = torch.empty(N, k, dtype=torch.int64, device=hidden.device)
+    values = torch.empty(N, k, dtype=torch.float32, device=a.device)
+    ids = torch.empty(N, k, dtype=torch.int64, device=a.device)
     if N == 0:
         return values, ids
     rows_per, vocab_per = topk_chunk_plan(N, V, chunk_elements)
-    buf = torch.empty(min(rows_per, N), vocab_per, dtype=torch.float32, device=hidden.device)
+    buf = torch.empty(min(rows_per, N), vocab_per, dtype=torch.float32, device=a.device)
     for r0 in range(0, N, rows_per):
         a_rows = a[r0:r0 + rows_per]
         nr = a_rows.shape[0]
@@ -691,7 +684,7 @@ def _topk_triton(hidden, weight, k, norm_weight, eps, positions, chunk_elements,
         for v0 in range(0, V, vocab_per):
             v_end = min(V, v0 + vocab_per)
             chunk = buf[:nr, :v_end - v0]
-            chunk_lse = _logits_chunk(a_rows, weight, chunk, v0, v_end, dot_dtype, softcap)
+            chunk_lse = _logits_chunk(a_rows, weight, chunk, v0, v_end, dot_dtype, head.softcap)
             lse = chunk_lse if lse is None else torch.logaddexp(lse, chunk_lse)
             c_vals, c_ids = torch.topk(chunk, min(k, v_end - v0), dim=1)
             c_ids += v0
@@ -798,10 +791,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def _cross_entropy_triton(hidden, weight, targets, weights, norm_weight, eps, positions, ignore_index,
-                          chunk_elements, softcap=None):
-    dot_dtype = dot_dtype_for(hidden.dtype, weight.dtype)
-    weight = weight.detach()
+def _cross_entropy_triton(head: HeadInputs, targets, weights, ignore_index, chunk_elements):
+    hidden, norm_weight, eps, positions = head.hidden, head.norm_weight, head.eps, head.positions
+    dot_dtype = dot_dtype_for(hidden.dtype, head.weight.dtype)
+    weight = head.weight.detach()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     if torch.is_grad_enabled() and hidden.requires_grad:
@@ -814,18 +807,19 @@ def _cross_entropy_triton(hidden, weight, targets, weights, norm_weight, eps, po
         if a.stride(1) != 1:
             a = a.contiguous()
     else:
-        a = _operand_a(hidden.detach(), norm_weight, eps, positions, dot_dtype)
+        a = _operand_a(head.detached(), dot_dtype)
     scale = (targets != ignore_index).float()
     if weights is not None:
         scale = scale * weights.detach().float()
-    return _FusedLinearCrossEntropy.apply(a, weight, targets, scale.contiguous(), dot_dtype, chunk_elements, softcap)
+    return _FusedLinearCrossEntropy.apply(a, weight, targets, scale.contiguous(), dot_dtype, chunk_elements,
+                                          head.softcap)
 
 
 # --------------------------------------------------------------------------- public ops
 
 
 def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                   logit_dtype=torch.float32, softcap=None) -> torch.Tensor:
+                   logit_dtype=torch.float32, softcap=None, backend=None) -> torch.Tensor:
     """``[N, V]`` logits of ``rms_norm(hidden[positions]) @ weight.T`` (the full output, by request).
 
     Accumulated in fp32; returned as fp32 by default, or rounded (nearest
@@ -834,18 +828,23 @@ def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
     (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
     on the fp32 accumulator, before the rounding.
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
+    does), None: :func:`dflash_kernels.get_backend`.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    if get_backend(hidden.device) == "reference":
-        return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
-    return _logits_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype, softcap)
+    if resolve_backend(backend, hidden.device) == "reference":
+        return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=head.positions,
+                                         check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
+    if tracing():
+        return torch.ops.dflash.lm_head_logits(hidden, weight, norm_weight, head.positions, eps, False, logit_dtype,
+                                               head.softcap)
+    return _logits_triton(head.detached(), logit_dtype)
 
 
 def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                   logit_dtype=None, softcap=None) -> torch.Tensor:
+                   logit_dtype=None, softcap=None, backend=None) -> torch.Tensor:
     """int64 ``[N]`` greedy tokens: ``argmax`` of the logits, lowest id on ties. No logits are stored.
 
     ``logit_dtype``: the dtype the logits are compared in, as Hugging Face's
@@ -860,18 +859,24 @@ def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
     on the fp32 accumulator, before the rounding (so capped logits that tie once rounded pick the
     lowest id). ``check_bounds=False`` reads no tensor value on the host (no sync).
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
+    does), None: :func:`dflash_kernels.get_backend`.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    if get_backend(hidden.device) == "reference":
-        return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                                         check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
-    return _argmax_triton(hidden.detach(), weight.detach(), norm_weight, eps, positions, logit_dtype, softcap)
+    if resolve_backend(backend, hidden.device) == "reference":
+        return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=head.positions,
+                                         check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
+    if tracing():
+        return torch.ops.dflash.lm_head_argmax(hidden, weight, norm_weight, head.positions, eps, False, logit_dtype,
+                                               head.softcap)
+    return _argmax_triton(head.detached(), logit_dtype)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
-                 chunk_elements: Optional[int] = None, softcap=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 chunk_elements: Optional[int] = None, softcap=None,
+                 backend=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs fp32 [N, k], ids int64 [N, k])``: top-k of the full-vocab log-softmax, best first.
 
     ``chunk_elements`` bounds the fp32 logits held at once (default
@@ -879,18 +884,23 @@ def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=Non
     ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
     (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
     on the fp32 accumulator, before the log-softmax.
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
+    does), None: :func:`dflash_kernels.get_backend`.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     check_k(k, weight.shape[0])
-    softcap = check_softcap(softcap)
-    if get_backend(hidden.device) == "reference":
-        return _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=positions,
-                                       check_bounds=False, softcap=softcap)
-    return _topk_triton(hidden.detach(), weight.detach(), k, norm_weight, eps, positions, chunk_elements, softcap)
+    if resolve_backend(backend, hidden.device) == "reference":
+        return _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=head.positions,
+                                       check_bounds=False, softcap=head.softcap)
+    if tracing():
+        return torch.ops.dflash.lm_head_topk(hidden, weight, k, norm_weight, head.positions, eps, False,
+                                             chunk_elements, head.softcap)
+    return _topk_triton(head.detached(), k, chunk_elements)
 
 
 def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True, logit_dtype=None, softcap=None) -> torch.Tensor:
+                   seed=None, check_bounds=True, logit_dtype=None, softcap=None, backend=None) -> torch.Tensor:
     """int64 ``[N]``: one token per row drawn from ``softmax(logits / temperature)``.
 
     ``logits`` are rounded to ``logit_dtype`` first (default None: the dtype
@@ -906,58 +916,48 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     ``seed``; neither: torch's default generator) and generates Gumbel noise
     in-kernel from it, so equal seeds give equal samples. The reference path
     uses ``torch.multinomial`` with the same generator/seed (same
-    distribution, different draws). ``seed`` an int64 tensor ``[1]``:
-    :func:`lm_head_sample_static` (both backends draw the same Gumbel noise).
+    distribution, different draws).
+
+    ``seed`` an int64 (int32) tensor ``[1]`` / ``[]`` on hidden's device (a
+    compiled / CUDA-graph step): read in-kernel, never on the host:
+    ``token[n] = argmax_j(logits[n, j] * inv_t + G(seed, n, j))``, ``inv_t`` =
+    fp32 ``1 / T``, ``G`` the counter-based Gumbel noise of
+    :func:`dflash_kernels.reference.gumbel_noise` (Philox-4x32 of (vocab id,
+    output row), keyed by the seed's value), one launch for every row. A CUDA
+    graph of the call replays new noise when the caller changes the seed
+    tensor; equal values give equal samples, the same noise on both backends.
+    Pass ``check_bounds=False`` there (the positions' range check reads them on
+    the host).
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
+    does), None: :func:`dflash_kernels.get_backend`.
     """
-    if isinstance(seed, torch.Tensor):
-        if generator is not None:
-            raise ValueError("pass either generator or seed to lm_head_sample, not both")
-        return lm_head_sample_static(hidden, weight, temperature, seed, norm_weight=norm_weight, eps=eps,
-                                     positions=positions, check_bounds=check_bounds, logit_dtype=logit_dtype,
-                                     softcap=softcap)
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed to lm_head_sample, not both")
+    device_seed = isinstance(seed, torch.Tensor)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     t = check_temperature(temperature)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    if get_backend(hidden.device) == "reference":
-        return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=positions,
+    if device_seed:
+        seed = check_seed_tensor(seed, hidden.device)
+    if resolve_backend(backend, hidden.device) == "reference":
+        return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=head.positions,
                                          generator=generator, seed=seed, check_bounds=False, logit_dtype=logit_dtype,
-                                         softcap=softcap)
-    key = seed_from(generator, seed)
-    return _sample_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, key, logit_dtype, softcap)
-
-
-def lm_head_sample_static(hidden, weight, temperature, seed, *, norm_weight=None, eps=1e-6, positions=None,
-                          check_bounds=False, logit_dtype=None, softcap=None) -> torch.Tensor:
-    """int64 ``[N]``: one draw per row from ``softmax(logits / temperature)``, keyed by a device seed tensor.
-
-    ``seed``: int64 (int32) tensor ``[1]`` / ``[]`` on hidden's device, read
-    in-kernel (never on the host): ``token[n] = argmax_j(logits[n, j] * inv_t
-    + G(seed, n, j))``, ``inv_t`` = fp32 ``1 / T``, ``G`` the counter-based
-    Gumbel noise of :func:`dflash_kernels.reference.gumbel_noise` (Philox-4x32
-    of (vocab id, output row), keyed by the seed's value). So a CUDA graph of
-    this call replays new noise when the caller changes the seed tensor;
-    equal values give equal samples, on both backends the same noise.
-    Logits, ``logit_dtype`` and ``softcap`` as :func:`lm_head_sample`.
-    ``check_bounds`` defaults to False (the positions' range check reads them
-    on the host); with it off nothing is read on the host.
-    """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    t = check_temperature(temperature)
-    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    seed = check_seed_tensor(seed, hidden.device)
-    if get_backend(hidden.device) == "reference":
-        return _reference.lm_head_sample_static(hidden, weight, t, seed, norm_weight=norm_weight, eps=eps,
-                                                positions=positions, check_bounds=False, logit_dtype=logit_dtype,
-                                                softcap=softcap)
-    return _sample_static_triton(hidden.detach(), weight.detach(), t, norm_weight, eps, positions, seed, logit_dtype,
-                                 softcap)
+                                         softcap=head.softcap)
+    if tracing():
+        if not device_seed:
+            raise TypeError("lm_head_sample under torch.compile takes seed as an int64 tensor [1] on hidden's "
+                            f"device (a generator or an int seed draws on the host), got {type(seed).__name__}")
+        return torch.ops.dflash.lm_head_sample.tensor(hidden, weight, t, seed, norm_weight, head.positions, eps,
+                                                      logit_dtype, head.softcap)
+    if device_seed:
+        return _sample_device_seed_triton(head.detached(), t, seed, logit_dtype)
+    return _sample_triton(head.detached(), t, seed_from(generator, seed), logit_dtype)
 
 
 def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
                           ignore_index=-100, check_bounds=True, chunk_elements: Optional[int] = None,
-                          softcap=None) -> torch.Tensor:
+                          softcap=None, backend=None) -> torch.Tensor:
     """fp32 ``[N]`` losses ``weights * (logsumexp(logits) - logits[target])`` (0 at ``ignore_index``).
 
     Differentiable wrt ``hidden`` only: ``weight`` and ``norm_weight`` are
@@ -968,17 +968,20 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
     (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
     on the fp32 accumulator, before the loss; the gradient goes through the tanh
     (``d/dx = 1 - tanh^2``).
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
+    does), None: :func:`dflash_kernels.get_backend`.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    softcap = check_softcap(softcap)
-    n = hidden.shape[0] if positions is None else positions.numel()
-    targets, weights = check_targets(targets, weights, n, weight.shape[0], hidden.device, ignore_index)
-    if get_backend(hidden.device) == "reference":
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
+    targets, weights = check_targets(targets, weights, head.rows, head.vocab, hidden.device, ignore_index)
+    if resolve_backend(backend, hidden.device) == "reference":
         return _reference.lm_head_cross_entropy(hidden, weight, targets, weights=weights, norm_weight=norm_weight,
-                                                eps=eps, positions=positions, ignore_index=ignore_index,
-                                                check_bounds=False, softcap=softcap)
-    return _cross_entropy_triton(hidden, weight, targets.contiguous(), weights, norm_weight, eps, positions,
-                                 ignore_index, chunk_elements, softcap)
+                                                eps=eps, positions=head.positions, ignore_index=ignore_index,
+                                                check_bounds=False, softcap=head.softcap)
+    if tracing():
+        return torch.ops.dflash.lm_head_cross_entropy(hidden, weight, targets, weights, norm_weight, head.positions,
+                                                      eps, ignore_index, False, chunk_elements, head.softcap)
+    return _cross_entropy_triton(head, targets.contiguous(), weights, ignore_index, chunk_elements)
 
 
 # --------------------------------------------------------------------------- compile enumeration
@@ -1020,8 +1023,6 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
     (vocab id, row)) is listed with and without the cap, and the
     :func:`gumbel_noise_block` kernel once per distinct row stride.
     """
-    if triton is None:
-        return []
     from .gather import runtime_int_specialization
 
     out, seen = [], set()

@@ -1,52 +1,60 @@
-"""``torch.library`` registrations of the public ops: ``torch.ops.dflash.<name>``.
+"""Every ``torch.library`` registration of the package: ``torch.ops.dflash.<name>``.
 
-Each op here is a :func:`torch.library.custom_op` whose implementation calls
-the public function of the same name (so it validates its inputs the same way
-and runs on the same backend, Triton or the reference, as
-:func:`dflash_kernels.get_backend` picks), plus what ``torch.compile`` needs to
-trace a call without looking inside it:
+The public ops (:mod:`dflash_kernels`) run their Triton launchers directly in
+eager mode; while ``torch.compile`` traces them (on the Triton backend) they
+call the custom op of the same name registered here, whose implementation is
+the public function again (same validation, same backend choice as
+:func:`dflash_kernels.get_backend` makes at run time). For each op this module
+holds what ``torch.compile`` needs to trace a call without looking inside it:
 
 * a fake (meta) implementation giving the output shapes, dtypes and devices
   from the input shapes alone (``register_fake``);
 * the mutated arguments in the schema (``mutates_args``): ``compact_kv_``
-  writes ``kv``, ``gather_concat_out`` writes ``out``; both return nothing
-  (``-> ()``), the one form of a mutating custom op that every supported torch
-  registers (tagged in-place / ``out=`` ops that return their mutated input, and
-  keyword-only tensor arguments, exist only from torch 2.13), so their fakes
-  return None too and callers keep their own reference to the buffer;
+  writes ``kv``, ``gather_concat.into`` writes ``out``,
+  ``gated_delta_replay_`` ``state``, ``gated_delta_tree`` its ``scratch``,
+  the C++ ``kv_write_`` (csrc/kv_write.cpp) ``kv``. The in-place ops return
+  nothing (``-> ()``), the one form of a mutating custom op that every
+  supported torch registers (tagged in-place / ``out=`` ops that return their
+  mutated input, and keyword-only tensor arguments, exist only from torch
+  2.13), so their fakes return None too and callers keep their own reference
+  to the buffer; a mutated argument is never defaulted (torch before 2.13
+  bumps its version counter by position);
 * a backward for ``lm_head_cross_entropy`` (``register_autograd``): the
   gradient with respect to ``hidden`` through the row gather and the final
   norm, ``weight`` / ``norm_weight`` / the loss ``weights`` frozen, as the
   public function's autograd does.
 
+One op name per public op. Where a public op takes an int or a tensor for a
+per-round value, the two schemas are two overloads of that name (as aten's
+``add.Tensor`` / ``add.Scalar``): ``.default`` with the int, ``.tensor`` with
+an int64 device tensor ``[1]`` read in-kernel (a compiled / CUDA-graph step,
+where no Python value may change from round to round):
+
+* ``tree_attention.tensor``: the committed length, K/V the whole cache views;
+* ``lm_head_sample.tensor``: the seed (the noise a pure function of its value);
+* ``compact_kv_.tensor``: the first destination row (unchecked);
+* ``build_tree_device.tables``: the device build over index tables the round
+  owns (the tensors of a :class:`~dflash_kernels.tree_device.TreeTables`);
+* ``gather_concat.into``: ``gather_concat(out=...)``, writing ``out``.
+
+``lm_head_sample_processed`` has only the tensor-seed schema (an int seed or a
+generator draws its noise on the host).
+
 Why ``custom_op`` and not ``triton_op``: ``triton_op`` traces its Python body
 under ``torch.compile`` with fake tensors, and the launchers read host values
 of their inputs (``gather_concat``'s pointer table of ``data_ptr()`` s, the
 lm_head's vocab chunk loops, the debug checks) and launch kernels directly
-rather than through ``torch.library.wrap_triton``; the public functions would
-have to change for that. A ``custom_op`` is opaque to the compiler: the graph
-holds one node per call and the launcher runs at run time.
+rather than through ``torch.library.wrap_triton``. A ``custom_op`` is opaque
+to the compiler: the graph holds one node per call and the launcher runs at
+run time.
 
 Schema types: Python ints are ``SymInt``, floats ``float``, optional tensors
 ``Tensor?``, ``gather_concat``'s layers ``Tensor[]``, dtypes ``ScalarType``.
 Differences from the public signatures, where the schema cannot express
 theirs: ``positions`` / ``rows`` must be tensors (not Python lists); the
-sampler takes an int ``seed`` (no ``torch.Generator`` in a schema);
-``walk_tree`` returns its bonus token as a 0-d int64 CPU tensor instead of a
-Python int; ``gather_concat(out=...)`` is the separate op
-``gather_concat_out(layers, out, rows, check_bounds)``, and the mutating ops
-return nothing.
-
-Static forms (a compiled / CUDA-graph decoding step, where no Python value
-may change from round to round): ``tree_attention_static`` (the committed
-length a device tensor, K/V the whole cache views), ``lm_head_sample_static``
-and ``lm_head_sample_processed_static`` (the seed a device tensor, the noise
-a pure function of its value), ``compact_kv_static_`` (the first destination
-row a device tensor); ``build_tree_device_static`` (registered in
-:mod:`dflash_kernels.static_ops`: the device tree build over index tables the
-round owns). Their inputs are never read on the host (no range
-checks: ``check_bounds`` / ``check`` are off), and their launches depend on
-shapes only.
+samplers take a seed (no ``torch.Generator`` in a schema); ``walk_tree``
+returns its bonus token as a 0-d int64 CPU tensor instead of a Python int;
+the mutating ops return nothing.
 
 Output sizes: every op's output shape follows from input shapes and ints,
 including the C++ ``build_tree`` (its heap pops the whole tree before it runs
@@ -65,16 +73,17 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_)
+from . import gated_delta as _gd
 from . import gather as _gather
 from . import kv_compaction as _kv
 from . import lm_head as _lm
 from . import sampling as _sampling
 from . import tree as _tree
 from . import tree_device as _tree_device
-from .reference.lm_head import resolve_logit_dtype
+from .reference.lm_head import HeadInputs, resolve_logit_dtype
 # (not ``from . import tree_attention``: the package attribute of that name is the function)
-from .tree_attention import (tree_attention as _tree_attention, tree_attention_mask as _tree_attention_mask,
-                             tree_attention_static as _tree_attention_static)
+from .tree_attention import tree_attention as _tree_attention
 
 __all__: list = []  # the ops live in torch.ops.dflash
 
@@ -102,16 +111,16 @@ def _gather_concat_fake(layers, rows=None, check_bounds=True):
     return first.new_empty(n_rows, len(layers) * first.shape[1])
 
 
-@torch.library.custom_op(f"{_NS}::gather_concat_out", mutates_args={"out"})
-def gather_concat_out(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
+@torch.library.custom_op(f"{_NS}::gather_concat.into", mutates_args={"out"})
+def gather_concat_into(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
                       check_bounds: bool = True) -> None:
     """:func:`dflash_kernels.gather_concat` with ``out=``: writes the ``[R, n*H]`` buffer ``out`` (any row
     stride) in place; returns nothing (the caller holds ``out``)."""
     _gather.gather_concat(layers, rows, out, check_bounds=check_bounds)
 
 
-@gather_concat_out.register_fake
-def _gather_concat_out_fake(layers, out, rows=None, check_bounds=True):
+@gather_concat_into.register_fake
+def _gather_concat_into_fake(layers, out, rows=None, check_bounds=True):
     return None
 
 
@@ -182,38 +191,37 @@ def _lm_head_sample_fake(hidden, weight, temperature, seed, norm_weight=None, po
     return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
 
 
-@torch.library.custom_op(f"{_NS}::lm_head_sample_static", mutates_args=())
-def lm_head_sample_static(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
+@torch.library.custom_op(f"{_NS}::lm_head_sample.tensor", mutates_args=())
+def lm_head_sample_tensor(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
                           norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
                           logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_sample_static`: int64 ``[N]`` draws keyed by the device tensor ``seed``
-    (int64 ``[1]``, read in-kernel); ``positions`` are not range-checked (no host read)."""
-    return _lm.lm_head_sample_static(hidden, weight, temperature, seed, norm_weight=norm_weight, eps=eps,
-                                     positions=positions, check_bounds=False, logit_dtype=logit_dtype,
-                                     softcap=softcap)
+    """:func:`dflash_kernels.lm_head_sample` with ``seed=`` a device tensor (int64 ``[1]``, read in-kernel):
+    int64 ``[N]`` draws; ``positions`` are not range-checked (no host read)."""
+    return _lm.lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                              seed=seed, check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
 
 
-@lm_head_sample_static.register_fake
-def _lm_head_sample_static_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
+@lm_head_sample_tensor.register_fake
+def _lm_head_sample_tensor_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
                                 logit_dtype=None, softcap=None):
     return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
 
 
-@torch.library.custom_op(f"{_NS}::lm_head_sample_processed_static", mutates_args=())
-def lm_head_sample_processed_static(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
+@torch.library.custom_op(f"{_NS}::lm_head_sample_processed", mutates_args=())
+def lm_head_sample_processed(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
                                     top_p: Optional[float], min_p: Optional[float], seed: Tensor,
                                     norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
                                     eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
                                     softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_sample_processed_static`: int64 ``[N]`` draws from the processed
-    distribution (temperature, top-k, top-p, min-p), keyed by the device tensor ``seed``."""
-    return _sampling.lm_head_sample_processed_static(hidden, weight, temperature, seed, top_k=top_k, top_p=top_p,
-                                                     min_p=min_p, norm_weight=norm_weight, eps=eps,
-                                                     positions=positions, logit_dtype=logit_dtype, softcap=softcap)
+    """:func:`dflash_kernels.lm_head_sample_processed` with ``seed=`` a device tensor: int64 ``[N]`` draws from
+    the processed distribution (temperature, top-k, top-p, min-p); ``positions`` are not range-checked."""
+    return _sampling.lm_head_sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                              norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
+                                              logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
 
 
-@lm_head_sample_processed_static.register_fake
-def _lm_head_sample_processed_static_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
+@lm_head_sample_processed.register_fake
+def _lm_head_sample_processed_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
                                           positions=None, eps=1e-6, logit_dtype=None, softcap=None):
     return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
 
@@ -237,8 +245,9 @@ def _lm_head_cross_entropy_fake(hidden, weight, targets, weights=None, norm_weig
     return hidden.new_empty(_rows(positions, hidden), dtype=torch.float32)
 
 
-def _ce_grad_rows(grad_loss, x, weight, targets, weights, norm_weight, eps, ignore_index, chunk_elements, softcap):
-    """``d (sum_r grad_loss_r * loss_r) / d x`` for the selected rows ``x [N, H]`` (before the norm).
+def _ce_grad_rows(grad_loss, head: HeadInputs, targets, weights, ignore_index, chunk_elements):
+    """``d (sum_r grad_loss_r * loss_r) / d x`` for the selected rows ``x [N, H]`` (``head.hidden``, already
+    gathered: ``head.positions`` is None; before the norm).
 
     Per row chunk (at most ``chunk_elements`` fp32 logits, the forward's bound): the capped fp32 logits
     ``z`` from :func:`dflash_kernels.lm_head_logits` (same backend as the forward), ``dz = g * w *
@@ -247,6 +256,7 @@ def _ce_grad_rows(grad_loss, x, weight, targets, weights, norm_weight, eps, igno
     vocab rows at a time). Then back through HF's RMSNorm with its casts, exactly the steps autograd takes
     through :func:`dflash_kernels.reference.rms_norm`.
     """
+    x, weight, norm_weight, eps, softcap = head.hidden, head.weight, head.norm_weight, head.eps, head.softcap
     n, h = x.shape
     vocab = weight.shape[0]
     grad_a = torch.zeros(n, h, dtype=torch.float32, device=x.device)
@@ -293,8 +303,8 @@ def lm_head_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
     targets = targets.to(torch.int64)
     pos = None if positions is None else positions.to(device=hidden.device, dtype=torch.int64)
     x = hidden.detach() if pos is None else hidden.detach().index_select(0, pos)
-    grad_x = _ce_grad_rows(grad_loss, x, weight.detach(), targets, weights, norm_weight, eps, ignore_index,
-                           chunk_elements, softcap)
+    head = HeadInputs(x, weight.detach(), norm_weight, eps, None, softcap)
+    grad_x = _ce_grad_rows(grad_loss, head, targets, weights, ignore_index, chunk_elements)
     if pos is None:
         return grad_x.contiguous()
     return torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device).index_add_(0, pos, grad_x)
@@ -393,7 +403,7 @@ def _walk_tree_fake(parents, token_ids, target_choice):
 def build_tree_device(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.build_tree_device`: ``(token_ids [N], depths [N], parents [N+1])`` int64 on
     the inputs' device, ``N = tree_size(D, K, budget)``."""
-    return _tree.build_tree_device(top_logprobs, top_ids, budget)
+    return _tree_device.build_tree_device(top_logprobs, top_ids, budget)
 
 
 @build_tree_device.register_fake
@@ -403,11 +413,30 @@ def _build_tree_device_fake(top_logprobs, top_ids, budget):
     return new(n), new(n), new(n + 1)
 
 
+@torch.library.custom_op(f"{_NS}::build_tree_device.tables", mutates_args=())
+def build_tree_device_tables(top_logprobs: Tensor, top_ids: Tensor, budget: int, slots: Tensor, ranks: Tensor,
+                             depth_of: Tensor, parent_base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.build_tree_device` over index tables the caller holds (the tensors of a
+    :class:`~dflash_kernels.tree_device.TreeTables`; its host ints follow from the shapes and ``budget``)."""
+    D, K = top_logprobs.shape
+    n = _tree_device.tree_size(D, K, budget)
+    prefix, kept = _tree_device._host_layout(n, K, D)
+    tables = _tree_device.TreeTables(n, K, D, prefix, kept, slots, ranks, depth_of, parent_base)
+    return _tree_device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
+
+
+@build_tree_device_tables.register_fake
+def _build_tree_device_tables_fake(top_logprobs, top_ids, budget, slots, ranks, depth_of, parent_base):
+    n = _static_tree_size(top_logprobs, budget)
+    new = lambda size: top_logprobs.new_empty(size, dtype=torch.int64)  # noqa: E731
+    return new(n), new(n), new(n + 1)
+
+
 @torch.library.custom_op(f"{_NS}::walk_tree_device", mutates_args=())
 def walk_tree_device(parents: Tensor, token_ids: Tensor, target_choice: Tensor, max_depth: int,
                      bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.walk_tree_device`: ``(path [D+1], path_len [1], committed [D+1])`` int64."""
-    return _tree.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
+    return _tree_device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
 
 
 @walk_tree_device.register_fake
@@ -435,33 +464,21 @@ def _tree_attention_fake(query, key, value, bits, prefix_len, scale=None, positi
     return query.new_empty(query.shape)
 
 
-@torch.library.custom_op(f"{_NS}::tree_attention_static", mutates_args=())
-def tree_attention_static(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: Tensor,
+@torch.library.custom_op(f"{_NS}::tree_attention.tensor", mutates_args=())
+def tree_attention_tensor(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: Tensor,
                           scale: Optional[float] = None, positions: Optional[Tensor] = None,
                           window: Optional[int] = None, softcap: Optional[float] = None,
                           sinks: Optional[Tensor] = None) -> Tensor:
-    """:func:`dflash_kernels.tree_attention_static`: the committed length ``prefix_len`` an int64 device tensor
+    """:func:`dflash_kernels.tree_attention` with the committed length ``prefix_len`` an int64 device tensor
     ``[1]`` (read in-kernel), K/V the whole cache views ``[.., Hkv, S_max, D]``; query-shaped output."""
-    return _tree_attention_static(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+    return _tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                   softcap=softcap, sinks=sinks)
 
 
-@tree_attention_static.register_fake
-def _tree_attention_static_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None,
+@tree_attention_tensor.register_fake
+def _tree_attention_tensor_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None,
                                 softcap=None, sinks=None):
     return query.new_empty(query.shape)
-
-
-@torch.library.custom_op(f"{_NS}::tree_attention_mask", mutates_args=())
-def tree_attention_mask(bits: Tensor, prefix_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """:func:`dflash_kernels.tree_attention_mask`: the additive ``[T, prefix_len + T]`` mask of ``dtype``."""
-    return _tree_attention_mask(bits, prefix_len, dtype)
-
-
-@tree_attention_mask.register_fake
-def _tree_attention_mask_fake(bits, prefix_len, dtype=torch.float32):
-    t = bits.shape[0]
-    return bits.new_empty(t, prefix_len + t, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- KV compaction
@@ -479,15 +496,83 @@ def _compact_kv_fake(kv, src_positions, dst_start, num_rows=None, check=True):
     return None
 
 
-@torch.library.custom_op(f"{_NS}::compact_kv_static_", mutates_args={"kv"})
-def compact_kv_static_(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
+@torch.library.custom_op(f"{_NS}::compact_kv_.tensor", mutates_args={"kv"})
+def compact_kv_tensor(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
                        num_rows: Optional[Tensor] = None) -> None:
-    """:func:`dflash_kernels.compact_kv_static_`: ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute
+    """:func:`dflash_kernels.compact_kv_` with ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute
     ``src_positions`` device tensors, read in-kernel, unchecked (no host read); moves the rows in place
     (returns nothing)."""
-    _kv.compact_kv_static_(kv, src_positions, dst_start, num_rows, check=False)
+    _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=False)
 
 
-@compact_kv_static_.register_fake
-def _compact_kv_static_fake(kv, src_positions, dst_start, num_rows=None):
+@compact_kv_tensor.register_fake
+def _compact_kv_tensor_fake(kv, src_positions, dst_start, num_rows=None):
     return None
+
+
+@torch.library.register_fake("dflash::kv_write_")
+def _kv_write_fake(kv, layer, rows, key, value) -> None:
+    """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing."""
+    return None
+
+
+# --------------------------------------------------------------------------- Gated-DeltaNet
+#
+# ``gated_delta_tree``: ``[N, Hv, Dv]`` in ``v``'s dtype; writes ``scratch`` when one is passed
+# (``parents`` and ``scratch`` required positional arguments, None allowed). ``gated_delta_replay_``:
+# advances ``state`` in place. ``causal_conv_tree``: ``[N, C]`` in ``x``'s dtype. ``conv_window_after``:
+# a new ``window``-shaped tensor. The row count of a replay stays on the device: no unbacked sizes.
+
+
+@torch.library.custom_op(f"{_NS}::gated_delta_tree", mutates_args={"scratch"})
+def gated_delta_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                     parents: Optional[Tensor], scratch: Optional[Tensor], scale: Optional[float] = None,
+                     qk_l2norm: bool = True, store_states: str = "all", check: bool = False) -> Tensor:
+    """:func:`dflash_kernels.gated_delta_tree`: ``[N, Hv, Dv]`` outputs in ``v``'s dtype (``scratch`` written).
+
+    ``parents`` and ``scratch`` are required (either may be None): a mutated argument must always be
+    passed, since torch before 2.13 bumps its version counter by position and fails on a defaulted one."""
+    return _gd.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm,
+                                scratch=scratch, store_states=store_states, check=check)
+
+
+@gated_delta_tree.register_fake
+def _gated_delta_tree_fake(q, k, v, g, beta, state, parents, scratch, scale=None, qk_l2norm=True,
+                           store_states="all", check=False):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op(f"{_NS}::gated_delta_replay_", mutates_args={"state"})
+def gated_delta_replay_(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, rows: Tensor,
+                        num_rows: Tensor, scale: Optional[float] = None, qk_l2norm: bool = True,
+                        check: bool = False) -> None:
+    """:func:`dflash_kernels.gated_delta_replay_`: ``state`` advanced in place through the accepted rows."""
+    _gd.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale=scale, qk_l2norm=qk_l2norm, check=check)
+
+
+@gated_delta_replay_.register_fake
+def _gated_delta_replay_fake(state, q, k, v, g, beta, rows, num_rows, scale=None, qk_l2norm=True, check=False):
+    return None
+
+
+@torch.library.custom_op(f"{_NS}::causal_conv_tree", mutates_args=())
+def causal_conv_tree(x: Tensor, window: Tensor, weight: Tensor, parents: Optional[Tensor] = None,
+                     bias: Optional[Tensor] = None, activation: Optional[str] = "silu", check: bool = False) -> Tensor:
+    """:func:`dflash_kernels.causal_conv_tree`: ``[N, C]`` in ``x``'s dtype."""
+    return _gd.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation, check=check)
+
+
+@causal_conv_tree.register_fake
+def _causal_conv_tree_fake(x, window, weight, parents=None, bias=None, activation="silu", check=False):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{_NS}::conv_window_after", mutates_args=())
+def conv_window_after(window: Tensor, x: Tensor, rows: Tensor, num_rows: Tensor) -> Tensor:
+    """:func:`dflash_kernels.conv_window_after`: a new ``[K-1, C]`` (``[L, K-1, C]``) window."""
+    return _gd.conv_window_after(window, x, rows, num_rows)
+
+
+@conv_window_after.register_fake
+def _conv_window_after_fake(window, x, rows, num_rows):
+    return window.new_empty(window.shape)

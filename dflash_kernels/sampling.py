@@ -31,8 +31,8 @@ only. So for ``logit_dtype`` bf16 / fp16 (every half-precision model):
    support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
    the call's generator (``seed`` seeds a private one): an exact draw from
    ``softmax(s)`` over the support. With a device seed tensor
-   (:func:`lm_head_sample_processed_static`) ``G`` is instead the counter-based
-   noise :func:`dflash_kernels.gumbel_noise_block` of (seed value, output row, vocab
+   (``seed=`` an int64 tensor ``[1]``) ``G`` is instead the counter-based
+   noise :func:`dflash_kernels.lm_head.gumbel_noise_block` of (seed value, output row, vocab
    id), generated on the device by a Triton launch that reads the seed from
    memory: the same noise as the reference's, so both backends draw the same
    token from bit-equal logits. The rank of a tied token at ``key*`` is a
@@ -65,15 +65,14 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import get_backend
+from ._dispatch import resolve_backend, tracing
 from .lm_head import gumbel_noise_block, lm_head_logits
 from .reference import sampling as _reference
-from .reference.lm_head import (check_lm_head_args, check_seed_tensor, check_softcap, check_temperature,
-                                resolve_logit_dtype)
+from .reference.lm_head import HeadInputs, check_seed_tensor, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args, processed_scores
 
 # (sample_processed_plan: a planning helper, imported from this module)
-__all__ = ["lm_head_sample_processed", "lm_head_sample_processed_static"]
+__all__ = ["lm_head_sample_processed"]
 
 #: fp32 values per logits chunk (and per noise chunk): 2**25 = 128 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
@@ -157,9 +156,10 @@ def _select(counts: torch.Tensor, scores: torch.Tensor, vocab: int, top_k, top_p
     return NUM_BINS - 1 - last, r, c
 
 
-def _chunk_logits(hidden, weight, v0, v1, norm_weight, eps, positions, logit_dtype, softcap):
-    return lm_head_logits(hidden, weight[v0:v1], norm_weight=norm_weight, eps=eps, positions=positions,
-                          check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+def _head_logits(head: HeadInputs, logit_dtype) -> torch.Tensor:
+    """``[N, V']`` logits of ``head`` in ``logit_dtype`` (the lm_head op, positions already checked)."""
+    return lm_head_logits(head.hidden, head.weight, norm_weight=head.norm_weight, eps=head.eps,
+                          positions=head.positions, check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
 
 
 def _gumbel(shape, generator, device) -> torch.Tensor:
@@ -176,17 +176,16 @@ def _noise_source(generator, seed: Optional[torch.Tensor], device):
     return lambda row0, n_rows, v0, v1: _gumbel((n_rows, v1 - v0), generator, device)
 
 
-def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, positions, logit_dtype, softcap,
-                    noise, row0, plan, bin_scores):
+def _histogram_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, row0, plan, bin_scores):
     """Tokens ``[R]`` of one row chunk by the histogram method (module docstring, steps 1-3)."""
-    V = weight.shape[0]
-    R = hidden.shape[0] if positions is None else positions.numel()
-    device = hidden.device
+    V = head.vocab
+    R = head.rows
+    device = head.hidden.device
     vc = plan["vocab"]
     counts = torch.zeros(R, NUM_BINS, dtype=torch.int32, device=device)
     for v0 in range(0, V, vc):
         v1 = min(V, v0 + vc)
-        keys = _keys(_chunk_logits(hidden, weight, v0, v1, norm_weight, eps, positions, logit_dtype, softcap))
+        keys = _keys(_head_logits(head.vocab_chunk(v0, v1), logit_dtype))
         counts.scatter_add_(1, keys, torch.ones(keys.shape, dtype=torch.int32, device=device))
     key_star, r, c_star = _select(counts, bin_scores, V, top_k, top_p, min_p)
     del counts
@@ -195,7 +194,7 @@ def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, po
     best_id = torch.zeros(R, dtype=torch.int64, device=device)
     for v0 in range(0, V, vc):
         v1 = min(V, v0 + vc)
-        logits = _chunk_logits(hidden, weight, v0, v1, norm_weight, eps, positions, logit_dtype, softcap)
+        logits = _head_logits(head.vocab_chunk(v0, v1), logit_dtype)
         keys = _keys(logits)
         s = logits.float() / t
         tie = keys == key_star[:, None]
@@ -210,18 +209,16 @@ def _histogram_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, po
     return best_id
 
 
-def _dense_rows(hidden, weight, t, top_k, top_p, min_p, norm_weight, eps, positions, logit_dtype, softcap,
-                noise, row0):
+def _dense_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, row0):
     """Tokens ``[R]`` of one row chunk from its full-vocabulary logits (the fp32-logit path)."""
-    logits = lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                            check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+    logits = _head_logits(head, logit_dtype)
     s = processed_scores(logits, t, top_k, top_p, min_p)
     return torch.argmax(s + noise(row0, s.shape[0], 0, s.shape[1]), dim=1)
 
 
 def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
                              eps=1e-6, positions=None, seed=None, generator=None, logit_dtype=None, softcap=None,
-                             check_bounds=True, chunk_elements: Optional[int] = None) -> torch.Tensor:
+                             check_bounds=True, chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
     """int64 ``[N]``: one token per row from transformers' processed distribution of the logits.
 
     ``logits = rms_norm(hidden[positions]) @ weight.T`` (fp32 accumulation;
@@ -233,18 +230,23 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     transformers' warpers (:mod:`dflash_kernels.reference.sampling`), then one
     draw from the softmax. ``seed`` (int) or ``generator`` (a torch.Generator
     on hidden's device) make it reproducible; neither: the device's default
-    generator. ``seed`` an int64 tensor ``[1]`` on hidden's device: the
-    noise is keyed by its value on the device (:func:`lm_head_sample_processed_static`).
-    ``check_bounds=False`` reads nothing on the host. The reference
+    generator. ``seed`` an int64 tensor ``[1]`` / ``[]`` on hidden's device:
+    ``token[n] = argmax_j(s[n, j] + G(seed, n, j))`` over the processed support
+    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.lm_head.gumbel_noise_block`:
+    a pure function of the seed's value, the output row and the vocab id, made
+    on the device (the seed is never read on the host), so a captured graph
+    replays new noise when the caller changes the seed tensor; the same noise
+    on both backends. ``check_bounds=False`` reads nothing on the host. The reference
     backend runs the reference (dense logits, ``torch.multinomial``); the
     Triton backend the chunked method of the module docstring.
     ``chunk_elements`` bounds one logits chunk (default :data:`DEFAULT_CHUNK_ELEMENTS`).
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
+    does), None: :func:`dflash_kernels.get_backend`.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     t = check_temperature(temperature)
     top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
     device_seed = isinstance(seed, torch.Tensor)
@@ -252,13 +254,19 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
         seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
     elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or an int64 tensor [1], got {type(seed).__name__}")
-    if get_backend(hidden.device) == "reference":
+    if resolve_backend(backend, hidden.device) == "reference":
         return _reference.lm_head_sample_processed(
             hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
-            positions=positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=softcap,
+            positions=head.positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=head.softcap,
             check_bounds=False)
-    hidden, weight = hidden.detach(), weight.detach()
-    N = hidden.shape[0] if positions is None else positions.numel()
+    if tracing():
+        if not device_seed:
+            raise TypeError("lm_head_sample_processed under torch.compile takes seed as an int64 tensor [1] on "
+                            f"hidden's device (a generator or an int seed draws on the host), got {type(seed).__name__}")
+        return torch.ops.dflash.lm_head_sample_processed(hidden, weight, t, top_k, top_p, min_p, seed, norm_weight,
+                                                         head.positions, eps, logit_dtype, head.softcap)
+    head = head.detached()
+    N = head.rows
     out = torch.empty(N, dtype=torch.int64, device=hidden.device)
     if N == 0:
         return out
@@ -266,37 +274,13 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
         generator = torch.Generator(device=hidden.device)
         generator.manual_seed(seed % (2 ** 63))
     noise = _noise_source(generator, seed if device_seed else None, hidden.device)
-    plan = sample_processed_plan(N, weight.shape[0], logit_dtype, chunk_elements)
+    plan = sample_processed_plan(N, head.vocab, logit_dtype, chunk_elements)
     bin_scores = _bin_scores(logit_dtype, t, hidden.device) if plan["method"] == "histogram" else None
     for r0 in range(0, N, plan["rows"]):
         r1 = min(N, r0 + plan["rows"])
-        h, pos = (hidden[r0:r1], None) if positions is None else (hidden, positions[r0:r1])
+        rows = head.row_chunk(r0, r1)
         if plan["method"] == "histogram":
-            out[r0:r1] = _histogram_rows(h, weight, t, top_k, top_p, min_p, norm_weight, eps, pos, logit_dtype,
-                                         softcap, noise, r0, plan, bin_scores)
+            out[r0:r1] = _histogram_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0, plan, bin_scores)
         else:
-            out[r0:r1] = _dense_rows(h, weight, t, top_k, top_p, min_p, norm_weight, eps, pos, logit_dtype, softcap,
-                                     noise, r0)
+            out[r0:r1] = _dense_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0)
     return out
-
-
-def lm_head_sample_processed_static(hidden, weight, temperature, seed, *, top_k=None, top_p=None, min_p=None,
-                                    norm_weight=None, eps=1e-6, positions=None, logit_dtype=None, softcap=None,
-                                    check_bounds=False, chunk_elements: Optional[int] = None) -> torch.Tensor:
-    """:func:`lm_head_sample_processed` with the seed an int64 tensor ``[1]`` / ``[]`` on hidden's device.
-
-    ``token[n] = argmax_j(s[n, j] + G(seed, n, j))`` over the processed support
-    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.gumbel_noise_block`:
-    a pure function of the seed's value, the output row and the vocab id, made
-    on the device (the seed is never read on the host; ``check_bounds``
-    defaults to False for the same reason), so a captured graph replays new
-    noise when the caller changes the seed tensor. Same noise as the reference
-    (:func:`dflash_kernels.reference.lm_head_sample_processed_static`).
-    """
-    if not isinstance(seed, torch.Tensor):
-        raise TypeError(f"lm_head_sample_processed_static: seed must be an int64 tensor [1], got "
-                        f"{type(seed).__name__} (use lm_head_sample_processed for an int)")
-    return lm_head_sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                    norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
-                                    logit_dtype=logit_dtype, softcap=softcap, check_bounds=check_bounds,
-                                    chunk_elements=chunk_elements)

@@ -21,7 +21,7 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -29,9 +29,9 @@ import triton.language as tl
 
 from . import _C
 from . import reference as _reference
-from ._dispatch import get_backend
-
-from .tree_device import build_tree_device, tree_size, walk_tree_device
+from . import tree_device as _device
+from ._dispatch import resolve_backend, tracing
+from .tree_device import TreeTables, tree_size
 
 __all__ = [
     "build_tree",
@@ -184,7 +184,7 @@ def ancestor_bits_triton(parents: torch.Tensor) -> torch.Tensor:
     return bits
 
 
-def ancestor_bits(parents: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optional[str] = None) -> torch.Tensor:
     """Packed ancestor-or-self bitmask of a tree.
 
     Args:
@@ -198,10 +198,53 @@ def ancestor_bits(parents: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         only on the reference path with ``check=True`` (checking reads them on
         the host); ``check=False`` (trees the decode loop built itself) runs
         the reference as fixed-shape tensor ops with no host read.
+        ``backend``: 'triton' or 'reference' to fix the backend (a compiled
+        round does), None: :func:`dflash_kernels.get_backend`.
     """
     _check_parents(parents)
-    if get_backend(parents.device) == "triton":
+    if resolve_backend(backend, parents.device) == "triton":
+        if tracing():
+            return torch.ops.dflash.ancestor_bits(parents, check)
         return ancestor_bits_triton(parents)
     if not check:
         return _reference.ancestor_bits_doubling(parents)
     return _reference.ancestor_bits(parents)
+
+
+# The device build and walk are fixed-shape torch code without host reads (:mod:`dflash_kernels.tree_device`).
+# Traced on the reference backend they are inlined (inductor fuses the ~60 small ops of a build + bits + walk
+# into a few loops: ~85 us a round on one CPU thread, against ~870 us through the opaque ops); on the Triton
+# backend each is one custom-op node.
+
+
+def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, *,
+                      tables: Optional[TreeTables] = None,
+                      backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_ids [N], depths [N], parents [N+1])`` int64 on the inputs' device, ``N = tree_size(D, K, budget)``:
+    :func:`dflash_kernels.tree_device.build_tree_device` (the algorithm and the arguments).
+
+    ``tables``: the build's :class:`~dflash_kernels.tree_device.TreeTables`, held by the caller (a compiled
+    round holds them as long as its graphs, which read their addresses); made per call when omitted.
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
+    :func:`dflash_kernels.get_backend`.
+    """
+    if tracing() and resolve_backend(backend, top_logprobs.device) == "triton":
+        if tables is None:
+            return torch.ops.dflash.build_tree_device.default(top_logprobs, top_ids, budget)
+        return torch.ops.dflash.build_tree_device.tables(top_logprobs, top_ids, budget, tables.slots, tables.ranks,
+                                                         tables.depth_of, tables.parent_base)
+    return _device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
+
+
+def walk_tree_device(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor, max_depth: int,
+                     bits: Optional[torch.Tensor] = None, *,
+                     backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(path [D+1], path_len [1], committed [D+1])`` int64: the accepted path of a verified tree, on the inputs'
+    device, fixed shapes, no host sync (:func:`dflash_kernels.tree_device.walk_tree_device`).
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
+    :func:`dflash_kernels.get_backend`.
+    """
+    if tracing() and resolve_backend(backend, parents.device) == "triton":
+        return torch.ops.dflash.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
+    return _device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)

@@ -35,7 +35,7 @@ a sink logit to its softmax denominator (gpt-oss).
   ordered on one stream, so every partial is complete before it is read, and
   the merge writes each output row from one program.
 * Device-side prefix (``prefix_len`` an int64 tensor ``[1]`` / ``[]``, for
-  a compiled / CUDA-graph step; op ``torch.ops.dflash.tree_attention_static``):
+  a compiled / CUDA-graph step; op ``torch.ops.dflash.tree_attention.tensor``):
   K/V are the whole cache views ``[Hkv, S_max, D]``, the pass's rows are
   ``[p, p + T)``. The grid (row tiles, kv heads, splits) depends only on
   ``T`` and ``S_max`` (the split count from ``S_max - T`` prefix keys); every
@@ -50,8 +50,11 @@ a sink logit to its softmax denominator (gpt-oss).
   whatever they hold (NaN, inf) cannot reach the output.
 * :func:`warmup_tree_attention`: compiles every variant a generation at
   given shapes can hit, so none compiles mid-generation.
-* :func:`tree_attention_mask`: the dense additive mask, for attention backends
-  that need one (SDPA, eager).
+* :func:`tree_visibility` / :func:`masked_attention`: the visibility rule as a
+  bool ``[T, S]`` and SDPA under it, in torch ops (the reference path of a
+  pass: one visibility per window, reused by every layer).
+* :func:`tree_attention_mask`: the dense additive mask (a test and benchmark
+  helper, imported from this module).
 
 The reference of both is :mod:`dflash_kernels.reference.tree_attention`.
 """
@@ -68,9 +71,11 @@ import triton
 import triton.language as tl
 
 from . import reference as _reference
-from ._dispatch import get_backend, triton_interpreting
+from ._dispatch import get_backend, resolve_backend, tracing, triton_interpreting
 
-__all__ = ["tree_attention", "tree_attention_static", "tree_attention_mask", "warmup_tree_attention"]
+#: (tree_attention_mask, the dense additive mask of a tree, is a helper of the tests and benchmarks: imported from
+#: this module, not part of the package namespace)
+__all__ = ["tree_attention", "tree_visibility", "masked_attention", "warmup_tree_attention"]
 
 _LOG2E = 1.4426950408889634
 _MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -819,6 +824,7 @@ def tree_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of T query tokens over ``[prefix ; tree]`` keys.
 
@@ -834,10 +840,12 @@ def tree_attention(
             no bitmask is read).
         prefix_len: keys before the tree keys, visible to every query (subject to the window).
             Or an int64 (int32) tensor ``[1]`` / ``[]`` on the query's device
-            (the static form, :func:`tree_attention_static`): then key/value
-            are the whole cache views ``[Hkv, S_max, D]``, ``S_max >= p + T``
-            (not checked: that would read ``p``), the pass's rows at
-            ``[p, p + T)``, rows ``>= p + T`` never read.
+            (a compiled / CUDA-graph step): then key/value are the whole
+            cache views ``[Hkv, S_max, D]``, ``S_max >= p + T`` (not checked:
+            that would read ``p``), the pass's rows at ``[p, p + T)``, rows
+            ``>= p + T`` never read. The launch (grid, split count, binary)
+            depends on ``T`` and ``S_max`` only and ``p`` is read in-kernel, so
+            a CUDA graph of the call replays for any ``p``.
         scale: softmax scale, default ``D ** -0.5``.
         positions: ``[T]`` int32/int64 absolute positions of the tree tokens on
             the query's device (default ``prefix_len + arange(T)``); prefix key
@@ -855,6 +863,8 @@ def tree_attention(
             visible scores and the sink. A row that sees no key outputs 0 (as
             transformers' eager gpt-oss attention does, its sink taking all the
             weight).
+        backend: 'triton' or 'reference' to fix the backend (a compiled round
+            does), None: :func:`dflash_kernels.get_backend`.
 
     Returns:
         ``softmax(q k^T * scale + mask) v`` (capped / with the sink column as
@@ -864,40 +874,46 @@ def tree_attention(
     """
     q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
                                                sinks)
-    if get_backend(query.device) == "triton":
+    if resolve_backend(backend, query.device) == "triton":
+        if tracing():
+            op = torch.ops.dflash.tree_attention
+            op = op.tensor if isinstance(prefix_len, torch.Tensor) else op.default
+            return op(query, key, value, bits, prefix_len, scale, positions, window, softcap, sinks)
         return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks)
     return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                      softcap=softcap, sinks=sinks)
 
 
-def tree_attention_static(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    bits: Optional[torch.Tensor],
-    prefix_len: torch.Tensor,
-    scale: Optional[float] = None,
-    *,
-    positions: Optional[torch.Tensor] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """:func:`tree_attention` with the committed length a device tensor, over the whole cache views.
+def tree_visibility(bits: Optional[torch.Tensor], prefix_len, n_tree: int, *, n_keys: Optional[int] = None,
+                    positions: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                    device=None) -> torch.Tensor:
+    """Which keys each of a pass's ``T = n_tree`` rows sees: bool ``[T, prefix_len + T]``, or ``[T, n_keys]``
+    over a whole cache of ``n_keys = S_max`` rows when ``prefix_len`` is a device tensor ``[1]``.
 
-    ``prefix_len``: int64 (or int32) tensor ``[1]`` / ``[]`` on the query's
-    device, ``p``; ``key, value``: ``[Hkv, S_max, D]`` (or with a batch dim of
-    1), the pass's T rows at ``[p, p + T)``, ``S_max >= p + T``; rows ``>= p + T``
-    are never read. The launch (grid, split count, binary) depends on
-    ``T`` and ``S_max`` only, and ``p`` is read in-kernel, so a CUDA graph of
-    it replays for any ``p``. Everything else as :func:`tree_attention`; the
-    reference is :func:`dflash_kernels.reference.tree_attention_static`.
+    The rule of :func:`tree_attention` (:func:`dflash_kernels.reference.tree_visibility`; ``bits=None``: a
+    causal chain), in fixed-shape torch ops on every backend. A pass computes it once per distinct window and
+    every layer reuses it (:func:`masked_attention`).
     """
-    if not isinstance(prefix_len, torch.Tensor):
-        raise TypeError(f"tree_attention_static: prefix_len must be an int64 tensor [1], got "
-                        f"{type(prefix_len).__name__} (use tree_attention for an int)")
-    return tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
-                          softcap=softcap, sinks=sinks)
+    return _reference.tree_visibility(bits, prefix_len, n_tree, positions=positions, window=window, device=device,
+                                      n_keys=n_keys)
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, *,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of a pass over the whole cache with a precomputed ``visible [T, S]`` (:func:`tree_visibility`).
+
+    ``query [1, Hq, T, D]`` or ``[Hq, T, D]``, ``key/value [1, Hkv, S, D]`` or
+    ``[Hkv, S, D]`` (GQA: ``Hq % Hkv == 0``): ``softmax(q k^T * scale +
+    where(visible, 0, -inf)) v``, SDPA with the boolean mask in the model's
+    dtype, as the eager reference path runs it. Rows past the pass's keys get
+    weight 0; they hold zeros or stale finite values of earlier passes (the
+    caches are zero-initialized and only ever written with K/V). Pure torch on
+    every backend (traced inline by ``torch.compile``).
+    """
+    if query.dim() == 3:  # [Hq, T, D] (the drafter's layout)
+        return masked_attention(query[None], key[None], value[None], visible, scale=scale)[0]
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale,
+                                                            enable_gqa=True)
 
 
 def warmup_tree_attention(

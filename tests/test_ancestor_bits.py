@@ -12,7 +12,7 @@ import torch
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
 from dflash_kernels.tree import ancestor_bits_triton
-from dflash_kernels.tree_attention import tree_attention_mask_triton
+from dflash_kernels.tree_attention import tree_attention_mask, tree_attention_mask_triton
 
 # The Triton launchers need CUDA tensors on a GPU machine, CPU ones under the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,7 +129,7 @@ def test_dense_mask_matches_reference(n_nodes, prefix_len, dtype):
     got = tree_attention_mask_triton(bits, prefix_len, dtype)
     assert got.dtype == dtype and got.shape == (n_nodes, prefix_len + n_nodes)
     assert torch.equal(got, expected)
-    assert torch.equal(dk.tree_attention_mask(bits, prefix_len, dtype), expected)
+    assert torch.equal(tree_attention_mask(bits, prefix_len, dtype), expected)
 
 
 def test_dense_mask_semantics():
@@ -144,7 +144,7 @@ def test_dense_mask_semantics():
         [1, 1, 1, 1, 0, 1],
     ]
     assert set(mask.unique().tolist()) == {0.0, hidden}
-    assert torch.equal(dk.tree_attention_mask(ref.ancestor_bits(parents), 2, torch.float32), mask)
+    assert torch.equal(tree_attention_mask(ref.ancestor_bits(parents), 2, torch.float32), mask)
     # Softmax over the finite mask never produces NaN.
     assert torch.isfinite(torch.softmax(mask + torch.randn_like(mask), dim=-1)).all()
 
@@ -152,11 +152,11 @@ def test_dense_mask_semantics():
 def test_dense_mask_errors():
     bits = ref.ancestor_bits(torch.tensor([-1, 0], device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
-        dk.tree_attention_mask(bits, 0, torch.int32)
+        tree_attention_mask(bits, 0, torch.int32)
     with pytest.raises(ValueError, match="prefix_len"):
-        dk.tree_attention_mask(bits, -1, torch.float32)
+        tree_attention_mask(bits, -1, torch.float32)
     with pytest.raises(ValueError, match="int32"):
-        dk.tree_attention_mask(bits.long(), 0, torch.float32)
+        tree_attention_mask(bits.long(), 0, torch.float32)
 
 
 @pytest.mark.parametrize("n_nodes", [1, 2, 31, 32, 33, 65, 257, 1025])

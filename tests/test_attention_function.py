@@ -101,15 +101,13 @@ def test_model_forward_while_adapter_is_open_is_the_models_own():
 def test_reference_masks_are_small_and_gqa_is_native():
     """Reference backend: one ``[T, S]`` visibility mask per round pass (shared by its layers, not one per
     layer), none for the first prefill chunk; SDPA with enable_gqa, no K/V copies."""
-    from dflash_kernels import static_ops
-
     target = tiny_target("qwen3", layers=2, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     shapes, sdpa_kwargs = [], []
-    real_vis, real_sdpa = static_ops.visibility, torch.nn.functional.scaled_dot_product_attention
+    real_vis, real_sdpa = dflash_kernels.tree_visibility, torch.nn.functional.scaled_dot_product_attention
 
-    def vis(bits, prefix, n_rows, n_keys, **kw):
-        mask = real_vis(bits, prefix, n_rows, n_keys, **kw)
+    def vis(bits, prefix, n_rows, n_keys=None, **kw):
+        mask = real_vis(bits, prefix, n_rows, n_keys=n_keys, **kw)
         shapes.append((n_rows, n_keys, tuple(mask.shape)))
         return mask
 
@@ -117,7 +115,7 @@ def test_reference_masks_are_small_and_gqa_is_native():
         sdpa_kwargs.append(kwargs)
         return real_sdpa(*args, **kwargs)
 
-    with dflash_kernels.force_backend("reference"), mock.patch.object(static_ops, "visibility", vis), \
+    with dflash_kernels.force_backend("reference"), mock.patch.object(dflash_kernels, "tree_visibility", vis), \
             mock.patch.object(attention_module.F, "scaled_dot_product_attention", sdpa), \
             mock.patch.object(torch.Tensor, "repeat_interleave", side_effect=AssertionError("K/V copied per head")):
         result = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=10, tree_budget=5)

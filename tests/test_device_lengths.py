@@ -1,4 +1,4 @@
-"""Device-side lengths and seeds: the static forms of tree attention, sampling and compaction.
+"""Device-side lengths and seeds: the tensor forms of tree attention, sampling and compaction.
 
 A compiled / CUDA-graph step may not change any Python value from round to round, so the committed length,
 the first destination row of the compaction and the sampling seed are device tensors the kernels read from
@@ -32,6 +32,8 @@ from dflash_kernels import available_backends, force_backend
 from dflash_kernels import kv_compaction as kv_module
 from dflash_kernels import lm_head as lm_module
 from dflash_kernels import reference as ref
+from dflash_kernels.lm_head import gumbel_noise_block
+from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
 from kernel_stub import KernelStub
 
@@ -107,7 +109,7 @@ def test_static_attention_equals_the_int_form(variant, dtype, backend):
     want = ref.tree_attention(q, live_k, live_v, bits, prefix, **kw)
     with force_backend(backend):
         got = dk.tree_attention(q, cache[0], cache[1], bits, _t([prefix]), **kw)
-        got_static = dk.tree_attention_static(q[None], cache[0][None], cache[1][None], bits, _t(prefix), **kw)
+        got_static = dk.tree_attention(q[None], cache[0][None], cache[1][None], bits, _t(prefix), **kw)
     assert got.shape == q.shape and got.dtype == dtype and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **ATT_TOL[dtype])
     torch.testing.assert_close(got_static[0].float(), want.float(), **ATT_TOL[dtype])
@@ -148,10 +150,10 @@ def test_static_attention_gqa_and_strided_cache_views(group):
 def test_reference_static_attention_masks_before_use():
     """The reference zeroes the dead rows before the matmul: not even NaN * 0 reaches the softmax."""
     q, cache = _attention_case(t=4, prefix=3, smax=12)
-    out = ref.tree_attention_static(q, cache[0], cache[1], _tree_bits(4), _t([3]), softcap=1.5,
+    out = ref.tree_attention(q, cache[0], cache[1], _tree_bits(4), _t([3]), softcap=1.5,
                                     sinks=torch.zeros(q.shape[0], device=DEVICE))
     assert torch.isfinite(out).all()
-    vis = ref.tree_visibility_static(_tree_bits(4), _t([3]), 4, 12)
+    vis = ref.tree_visibility(_tree_bits(4), _t([3]), 4, n_keys=12)
     assert vis.shape == (4, 12) and not vis[:, 7:].any() and vis[:, :3].all()
     torch.testing.assert_close(vis[:, :7], ref.tree_visibility(_tree_bits(4), 3, 4))
 
@@ -184,8 +186,6 @@ def test_static_attention_errors():
         dk.tree_attention(q, cache[0], cache[1], None, _t([3, 4]))
     with pytest.raises(ValueError, match="S_max >= T"):
         dk.tree_attention(q, cache[0, :, :4], cache[1, :, :4], None, _t([0]))
-    with pytest.raises(TypeError, match="tensor"):
-        dk.tree_attention_static(q, cache[0], cache[1], None, 3)
     with pytest.raises(ValueError, match="prefix_len \\+ T"):  # the int form keeps its exact-length rule
         dk.tree_attention(q, cache[0], cache[1], None, 3)
     if DEVICE == "cpu":
@@ -201,7 +201,7 @@ def test_reference_static_attention_compiles_without_graph_breaks_and_replays_an
     counter = CompileCounter()
 
     def step(q, k, v, bits, prefix):
-        return ref.tree_attention_static(q, k, v, bits, prefix, window=7, softcap=2.5)
+        return ref.tree_attention(q, k, v, bits, prefix, window=7, softcap=2.5)
 
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     prefix = _t([9])
@@ -238,7 +238,7 @@ def test_static_compaction_equals_the_int_form(case, backend):
     with force_backend(backend):
         assert dk.compact_kv_(got, _t(src), _t([dst]), num_rows=num_rows, check=False) is got
         again = kv.clone()
-        dk.compact_kv_static_(again, _t(src), _t(dst), num_rows)
+        dk.compact_kv_(again, _t(src), _t(dst), num_rows=num_rows, check=False)
     assert torch.equal(got, want) and torch.equal(again, want)
     outside = torch.ones(kv.shape[3], dtype=torch.bool)
     outside[dst:dst + len(moved)] = False  # every row but the destinations keeps its value
@@ -255,8 +255,6 @@ def test_static_compaction_check_reads_and_validates():
         dk.compact_kv_(kv, _t([3]), _t([3, 3]), check=False)
     with pytest.raises(ValueError, match="share storage"):  # an int64 view of kv's own bytes
         dk.compact_kv_(kv, _t([3]), kv.view(-1)[:2].view(torch.int64), check=False)
-    with pytest.raises(TypeError, match="tensor"):
-        dk.compact_kv_static_(kv, _t([3]), 3)
 
 
 def test_triton_static_compaction_reads_nothing_on_the_host(monkeypatch):
@@ -266,14 +264,14 @@ def test_triton_static_compaction_reads_nothing_on_the_host(monkeypatch):
     src = torch.empty(20, dtype=torch.int64, device="meta")
     meta1 = lambda: torch.empty(1, dtype=torch.int64, device="meta")  # noqa: E731
     with force_backend("triton"):
-        assert dk.compact_kv_static_(kv, src, meta1(), meta1()) is kv
+        assert dk.compact_kv_(kv, src, meta1(), num_rows=meta1(), check=False) is kv
     (grid, args, kwargs), = stub.launches
     assert kwargs["DST_IN_MEMORY"] and kwargs["HAS_COUNT"] and args[5] == 0  # the int dst_start is unused
 
 
 def test_reference_static_compaction_compiles_and_replays_any_destination():
     counter = CompileCounter()
-    compiled = torch.compile(lambda kv, s, d, n: ref.compact_kv_static_(kv, s, d, num_rows=n), backend=counter,
+    compiled = torch.compile(lambda kv, s, d, n: ref.compact_kv_(kv, s, d, num_rows=n), backend=counter,
                              fullgraph=True)
     base = torch.randn(2, 2, 2, 30, 4, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     dst, count = _t([0]), _t([0])
@@ -336,7 +334,7 @@ def test_device_noise_kernel_equals_the_reference(backend):
     seed = _t([0x5EED])
     want = ref.gumbel_noise(seed, torch.arange(3, 20, device=DEVICE), torch.arange(100, 1300, device=DEVICE))
     with force_backend(backend):
-        got = dk.gumbel_noise_block(seed, 3, 17, 100, 1200)
+        got = gumbel_noise_block(seed, 3, 17, 100, 1200)
     assert got.shape == (17, 1200) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)  # the integer words are equal; logs to an ulp
 
@@ -376,10 +374,10 @@ def test_seeded_sample_backends_agree_and_are_reproducible(dtype, softcap, backe
     positions = _t([5, 0, 0, 3, 1, 4, 2, 2])
     kw = dict(norm_weight=norm, positions=positions, softcap=softcap)
     seed = _t([424242])
-    want = ref.lm_head_sample_static(hidden, weight, 0.9, seed, **kw)
+    want = ref.lm_head_sample(hidden, weight, 0.9, check_bounds=False, seed=seed, **kw)
     with force_backend(backend):
         a = dk.lm_head_sample(hidden, weight, 0.9, seed=seed, **kw)
-        b = dk.lm_head_sample_static(hidden, weight, 0.9, _t(424242), **kw)  # a 0-d seed: the same value
+        b = dk.lm_head_sample(hidden, weight, 0.9, check_bounds=False, seed=_t(424242), **kw)  # a 0-d seed: the same value
         c = dk.lm_head_sample(hidden, weight, 0.9, seed=_t([424243]), **kw)
     assert a.dtype == torch.int64 and a.shape == (8,)
     assert torch.equal(a, want) and torch.equal(b, want)
@@ -409,7 +407,7 @@ def test_chi_square_pvalues_are_uniform_across_seeds():
     positions = torch.full((800,), 2, dtype=torch.int64, device=DEVICE)
     logits = ref.lm_head_logits(hidden, weight, norm_weight=norm, positions=positions[:1], logit_dtype=None)
     probs = torch.softmax(logits.float()[0] / 0.8, dim=-1)
-    pvalues = torch.tensor([chi_square_pvalue(ref.lm_head_sample_static(hidden, weight, 0.8, _t([s]), norm_weight=norm,
+    pvalues = torch.tensor([chi_square_pvalue(ref.lm_head_sample(hidden, weight, 0.8, check_bounds=False, seed=_t([s]), norm_weight=norm,
                                                                         positions=positions), probs)
                             for s in range(80)])
     assert (pvalues < 0.05).float().mean() <= 0.15 and 0.35 < pvalues.mean() < 0.65
@@ -421,7 +419,7 @@ def test_seeded_sample_over_many_seeds_draws_from_softmax():
     logits = ref.lm_head_logits(hidden, weight, norm_weight=norm, positions=_t([1]))
     probs = torch.softmax(logits[0] / 1.3, dim=-1)
     seeds = torch.arange(2000, device=DEVICE)
-    draws = torch.stack([ref.lm_head_sample_static(hidden, weight, 1.3, seeds[i:i + 1], norm_weight=norm,
+    draws = torch.stack([ref.lm_head_sample(hidden, weight, 1.3, check_bounds=False, seed=seeds[i:i + 1], norm_weight=norm,
                                                    positions=_t([1]))[0] for i in range(2000)])
     assert chi_square_pvalue(draws, probs) > 1e-3
 
@@ -440,7 +438,7 @@ def test_seeded_processed_sample_draws_from_the_processed_distribution(setting, 
     hidden, weight, norm = _lm_case(V=40, dtype=torch.bfloat16)
     n = 1500 if backend == "reference" or DEVICE == "cuda" else 600
     positions = torch.full((n,), 1, dtype=torch.int64, device=DEVICE)
-    logits = model_logits(hidden, weight, norm, 1e-6, positions[:1], torch.bfloat16, None)
+    logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), torch.bfloat16)
     expected = processed_probs(logits, T, k, p, m)[0]
     with force_backend(backend):
         samples = dk.lm_head_sample_processed(hidden, weight, T, top_k=k, top_p=p, min_p=m, norm_weight=norm,
@@ -454,11 +452,11 @@ def test_seeded_processed_sample_backends_agree_and_chunks_do_not_matter(dtype, 
     hidden, weight, norm = _lm_case(V=700, dtype=dtype)
     positions = _t([3, 1, 5, 0, 5, 5, 2])
     kw = dict(top_k=50, top_p=0.9, min_p=0.01, norm_weight=norm, positions=positions)
-    want = ref.lm_head_sample_processed_static(hidden, weight, 0.8, _t([9]), **kw)
+    want = ref.lm_head_sample_processed(hidden, weight, 0.8, check_bounds=False, seed=_t([9]), **kw)
     with force_backend(backend):
         a = dk.lm_head_sample_processed(hidden, weight, 0.8, seed=_t([9]), **kw)
-        b = dk.lm_head_sample_processed_static(hidden, weight, 0.8, _t([9]), chunk_elements=3 * 256, **kw)
-        c = dk.lm_head_sample_processed_static(hidden, weight, 0.8, _t([10]), **kw)
+        b = dk.lm_head_sample_processed(hidden, weight, 0.8, check_bounds=False, seed=_t([9]), chunk_elements=3 * 256, **kw)
+        c = dk.lm_head_sample_processed(hidden, weight, 0.8, check_bounds=False, seed=_t([10]), **kw)
     assert torch.equal(a, want) and torch.equal(b, want) and not torch.equal(a, c)
 
 
@@ -471,8 +469,6 @@ def test_seed_tensor_errors():
             fn(hidden, weight, 1.0, seed=_t([1, 2]))
         with pytest.raises(ValueError, match="not both"):
             fn(hidden, weight, 1.0, seed=_t([1]), generator=torch.Generator(device=DEVICE))
-    with pytest.raises(TypeError, match="tensor"):
-        dk.lm_head_sample_processed_static(hidden, weight, 1.0, 5)
 
 
 def test_triton_seeded_sample_reads_nothing_on_the_host(monkeypatch):
@@ -483,7 +479,7 @@ def test_triton_seeded_sample_reads_nothing_on_the_host(monkeypatch):
     hidden, weight, norm = meta(40, 256), meta(1000, 256), meta(256)
     positions, seed = meta(9, dtype=torch.int64), meta(1, dtype=torch.int64)
     with force_backend("triton"):
-        ids = dk.lm_head_sample_static(hidden, weight, 0.7, seed, norm_weight=norm, positions=positions)
+        ids = dk.lm_head_sample(hidden, weight, 0.7, check_bounds=False, seed=seed, norm_weight=norm, positions=positions)
     assert ids.shape == (9,) and ids.dtype == torch.int64
     (grid, args, kwargs), = argmax_stub.launches
     assert kwargs["GUMBEL"] and kwargs["DEVICE_SEED"]
@@ -496,8 +492,8 @@ def test_reference_samplers_compile_without_graph_breaks_and_replay_new_noise():
     counter = CompileCounter()
 
     def step(hidden, weight, seed):
-        plain = ref.lm_head_sample_static(hidden, weight, 0.9, seed, norm_weight=norm, positions=positions)
-        processed = ref.lm_head_sample_processed_static(hidden, weight, 0.9, seed, top_k=20, top_p=0.95,
+        plain = ref.lm_head_sample(hidden, weight, 0.9, check_bounds=False, seed=seed, norm_weight=norm, positions=positions)
+        processed = ref.lm_head_sample_processed(hidden, weight, 0.9, check_bounds=False, seed=seed, top_k=20, top_p=0.95,
                                                         min_p=0.02, norm_weight=norm, positions=positions)
         return plain, processed
 
@@ -516,19 +512,18 @@ def test_reference_samplers_compile_without_graph_breaks_and_replay_new_noise():
 # ---------------------------------------------------------------------------------------------- custom ops
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_static_ops_compile_into_one_graph(backend):
-    """The four static ops in one fullgraph compile (aot_eager: fakes and the kv mutation functionalized)."""
+def test_tensor_overloads_compile_into_one_graph(backend):
+    """The four tensor overloads in one fullgraph compile (aot_eager: fakes and the kv mutation functionalized)."""
     q, cache = _attention_case(t=5, prefix=6, smax=20, poison=False)
     bits = _tree_bits(5)
     hidden, weight, norm = _lm_case(V=50)
     kv = torch.randn(2, 2, 2, 20, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def step(q, k, v, prefix, seed, kv, rows, count):
-        att = OPS.tree_attention_static(q, k, v, bits, prefix, None, None, None, None, None)
-        tok = OPS.lm_head_sample_static(hidden, weight, 0.7, seed, norm, None, 1e-6, None, None)
-        pro = OPS.lm_head_sample_processed_static(hidden, weight, 0.7, 5, 0.9, None, seed, norm, None, 1e-6, None,
-                                                  None)
-        OPS.compact_kv_static_(kv, rows + prefix, prefix, count)
+        att = OPS.tree_attention.tensor(q, k, v, bits, prefix, None, None, None, None, None)
+        tok = OPS.lm_head_sample.tensor(hidden, weight, 0.7, seed, norm, None, 1e-6, None, None)
+        pro = OPS.lm_head_sample_processed(hidden, weight, 0.7, 5, 0.9, None, seed, norm, None, 1e-6, None, None)
+        OPS.compact_kv_.tensor(kv, rows + prefix, prefix, count)
         return att.sum(), tok, pro
 
     args = (q, cache[0], cache[1], _t([6]), _t([1]), kv, _t([0, 2, 3]), _t([2]))

@@ -362,7 +362,7 @@ def test_self_overlapping_kv_is_refused(name, backend, static):
     before = base.clone()
     src = torch.tensor([3, 5, 6], device=DEVICE)
     dst = torch.tensor([3], device=DEVICE) if static else 3
-    op = dk.compact_kv_static_ if static else dk.compact_kv_
+    op = dk.compact_kv_
     with force_backend(backend):
         with pytest.raises(ValueError, match="overlaps itself") as err:
             op(kv, src, dst, check=False)
@@ -383,7 +383,7 @@ def test_self_overlap_is_found_from_metadata_alone(name):
     with pytest.raises(ValueError, match="overlaps itself"):
         ref.compact_kv_(kv, src, 3)
     with pytest.raises(ValueError, match="overlaps itself"):
-        ref.compact_kv_static_(kv, src, torch.tensor([3], device="meta"))
+        ref.compact_kv_(kv, src, torch.tensor([3], device="meta"))
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -426,7 +426,7 @@ def test_legitimate_views_are_compacted_in_place(name, backend, static):
     src = torch.tensor([9, 11, 12, 30], device=DEVICE)
     dst = torch.tensor([8], device=DEVICE) if static else 8
     with force_backend(backend):
-        out = (dk.compact_kv_static_ if static else dk.compact_kv_)(view, src, dst)
+        out = dk.compact_kv_(view, src, dst, check=not static)
     assert out is view and torch.equal(view, want)
     mask = torch.ones_like(base, dtype=torch.bool)
     view_mask = mask.as_strided(view.shape, view.stride(), view.storage_offset())

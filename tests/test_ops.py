@@ -1,4 +1,4 @@
-"""torch.library registrations (dflash_kernels/ops.py): opcheck, equality with the public ops, fakes,
+"""torch.library registrations (dflash_kernels/ops.py, the one registration module): opcheck, equality with the public ops, fakes,
 the cross-entropy backward, and graph-break-free torch.compile of the static-shape ops.
 
 Every check runs on both backends: the reference, and Triton under the CPU interpreter (conftest.py sets
@@ -97,7 +97,7 @@ def cases():
     return [
         ("gather_concat", OPS.gather_concat, (layers, rows), {}, lambda l, r: dk.gather_concat(l, r)),
         ("gather_concat_all_rows", OPS.gather_concat, (layers,), {}, lambda l: dk.gather_concat(l)),
-        ("gather_concat_out", OPS.gather_concat_out, (layers, torch.empty(3, 24), rows), {},
+        ("gather_concat_into", OPS.gather_concat.into, (layers, torch.empty(3, 24), rows), {},
          lambda l, out, r: dk.gather_concat(l, r, out=out)),
         ("lm_head_logits", OPS.lm_head_logits, (hidden, weight), dict(lm, softcap=5.0),
          lambda h, w, **kw: dk.lm_head_logits(h, w, **kw)),
@@ -130,28 +130,26 @@ def cases():
         ("tree_attention_window", OPS.tree_attention, (query, key, value, bits, prefix, 0.3),
          dict(positions=att_pos, window=2, softcap=3.0, sinks=sinks),
          lambda *a, **kw: dk.tree_attention(*a, **kw)),
-        ("tree_attention_mask", OPS.tree_attention_mask, (bits, prefix, torch.bfloat16), {},
-         dk.tree_attention_mask),
         ("compact_kv_", OPS.compact_kv_, (kv, src, dst), {}, lambda *a: dk.compact_kv_(*a)),
         ("compact_kv_count", OPS.compact_kv_, (kv, src, dst, torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
-        # the static forms: device prefix / seed / destination
-        ("tree_attention_static", OPS.tree_attention_static, (s_query, s_key, s_value, s_bits, s_prefix), {},
+        # the tensor overloads: device prefix / seed / destination
+        ("tree_attention_tensor", OPS.tree_attention.tensor, (s_query, s_key, s_value, s_bits, s_prefix), {},
          lambda *a: dk.tree_attention(*a)),
-        ("tree_attention_static_chain", OPS.tree_attention_static,
+        ("tree_attention_tensor_chain", OPS.tree_attention.tensor,
          (s_query[None], s_key[None], s_value[None], None, s_prefix.reshape(())), {}, lambda *a: dk.tree_attention(*a)),
-        ("tree_attention_static_window", OPS.tree_attention_static, (s_query, s_key, s_value, s_bits, s_prefix, 0.3),
+        ("tree_attention_tensor_window", OPS.tree_attention.tensor, (s_query, s_key, s_value, s_bits, s_prefix, 0.3),
          dict(positions=s_pos, window=2, softcap=3.0, sinks=s_sinks), lambda *a, **kw: dk.tree_attention(*a, **kw)),
-        ("lm_head_sample_static", OPS.lm_head_sample_static, (hidden, weight, 0.8, torch.tensor([1234])),
+        ("lm_head_sample_tensor", OPS.lm_head_sample.tensor, (hidden, weight, 0.8, torch.tensor([1234])),
          dict(lm, softcap=5.0), lambda h, w, t, s, **kw: dk.lm_head_sample(h, w, t, seed=s, **kw)),
-        ("lm_head_sample_processed_static", OPS.lm_head_sample_processed_static,
+        ("lm_head_sample_processed", OPS.lm_head_sample_processed,
          (hidden, weight, 0.8, 5, 0.9, 0.05, torch.tensor([7])), lm,
          lambda h, w, t, k, p, m, s, **kw: dk.lm_head_sample_processed(h, w, t, top_k=k, top_p=p, min_p=m, seed=s,
                                                                         **kw)),
-        ("lm_head_sample_processed_static_bf16", OPS.lm_head_sample_processed_static,
+        ("lm_head_sample_processed_bf16", OPS.lm_head_sample_processed,
          (hidden.bfloat16(), weight.bfloat16(), 1.1, None, 0.8, None, torch.tensor([8])), {},
          lambda h, w, t, k, p, m, s: dk.lm_head_sample_processed(h, w, t, top_k=k, top_p=p, min_p=m, seed=s)),
-        ("compact_kv_static_", OPS.compact_kv_static_, (kv, src, torch.tensor([dst]), torch.tensor([2])), {},
+        ("compact_kv_tensor", OPS.compact_kv_.tensor, (kv, src, torch.tensor([dst]), torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
     ]
 
@@ -174,26 +172,42 @@ def _flat(out):
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+#: The registered op of every public op (``torch.ops.dflash.<name>``), with its overloads.
+REGISTERED = {"gather_concat": {"default", "into"}, "lm_head_logits": {"default"}, "lm_head_argmax": {"default"},
+              "lm_head_topk": {"default"}, "lm_head_sample": {"default", "tensor"},
+              "lm_head_sample_processed": {"default"}, "lm_head_cross_entropy": {"default"},
+              "lm_head_cross_entropy_backward": {"default"}, "ancestor_bits": {"default"},
+              "tree_positions": {"default"}, "build_tree": {"default"}, "walk_tree": {"default"},
+              "build_tree_device": {"default", "tables"}, "walk_tree_device": {"default"},
+              "tree_attention": {"default", "tensor"}, "compact_kv_": {"default", "tensor"},
+              "kv_write_": {"default"}, "gated_delta_tree": {"default"}, "gated_delta_replay_": {"default"},
+              "causal_conv_tree": {"default"}, "conv_window_after": {"default"}}
+
+
 def test_every_public_op_is_registered():
-    names = {"gather_concat", "gather_concat_out", "lm_head_logits", "lm_head_argmax", "lm_head_topk",
-             "lm_head_sample", "lm_head_cross_entropy", "lm_head_cross_entropy_backward", "ancestor_bits",
-             "tree_positions", "build_tree", "walk_tree", "build_tree_device", "walk_tree_device",
-             "tree_attention", "tree_attention_mask", "compact_kv_", "tree_attention_static",
-             "lm_head_sample_static", "lm_head_sample_processed_static", "compact_kv_static_"}
-    for name in names:
+    for name, overloads in REGISTERED.items():
         assert hasattr(OPS, name), name
+        assert set(getattr(OPS, name).overloads()) == overloads, name
+    # the static aliases are gone: one name per op
+    for old in ("tree_attention_static", "lm_head_sample_static", "lm_head_sample_processed_static",
+                "compact_kv_static_", "build_tree_device_static", "gather_concat_out", "tree_attention_mask"):
+        assert not hasattr(dk, old) and old not in dir(OPS), old
     # mutating ops return nothing: the one form every supported torch registers (no Tag.inplace / Tag.out,
     # no keyword-only tensors before torch 2.13)
-    for name in ("compact_kv_", "compact_kv_static_"):
-        schema = str(getattr(OPS, name).default._schema)
-        assert "Tensor(a0!) kv" in schema and schema.endswith("-> ()")
-    # the per-round values of the static forms are tensors (a compiled step never specializes on them)
-    assert "Tensor prefix_len" in str(OPS.tree_attention_static.default._schema)
-    assert "Tensor seed" in str(OPS.lm_head_sample_static.default._schema)
-    assert "Tensor seed" in str(OPS.lm_head_sample_processed_static.default._schema)
-    assert "Tensor dst_start" in str(OPS.compact_kv_static_.default._schema)
+    for op in (OPS.compact_kv_.default, OPS.compact_kv_.tensor, OPS.kv_write_.default):
+        schema = str(op._schema)
+        assert ("Tensor(a0!) kv" in schema or "Tensor(a!) kv" in schema) and schema.endswith("-> ()"), schema
+    assert str(OPS.gated_delta_replay_.default._schema).endswith("-> ()")
+    # the per-round values of the tensor overloads are tensors (a compiled step never specializes on them)
+    assert "Tensor prefix_len" in str(OPS.tree_attention.tensor._schema)
+    assert "SymInt prefix_len" in str(OPS.tree_attention.default._schema)
+    assert "Tensor seed" in str(OPS.lm_head_sample.tensor._schema)
+    assert "SymInt seed" in str(OPS.lm_head_sample.default._schema)
+    assert "Tensor seed" in str(OPS.lm_head_sample_processed.default._schema)
+    assert "Tensor dst_start" in str(OPS.compact_kv_.tensor._schema)
+    assert "SymInt dst_start" in str(OPS.compact_kv_.default._schema)
     assert "Tensor(a1!) out, Tensor? rows=None, bool check_bounds=True) -> ()" in str(
-        OPS.gather_concat_out.default._schema)
+        OPS.gather_concat.into._schema)
     assert "Tensor[] layers" in str(OPS.gather_concat.default._schema)
 
 
@@ -201,12 +215,14 @@ def test_every_public_op_is_registered():
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_opcheck(case, backend):
     _, op, args, kwargs, _ = case
+    if isinstance(op, torch._ops.OpOverloadPacket):  # opcheck takes one overload
+        op = op.default
     with force_backend(backend):
         torch.library.opcheck(op, _clone(args), _clone(kwargs))
 
 
 #: The cases whose op mutates an argument and returns nothing: the index of that argument.
-MUTATED_ARG = {"gather_concat_out": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_static_": 0}
+MUTATED_ARG = {"gather_concat_into": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_tensor": 0}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -299,7 +315,7 @@ def _compiled_breaks(fn, *args):
 
 
 def _gather_step(layers, rows, out):
-    OPS.gather_concat_out(layers, out[1:], rows, False)
+    OPS.gather_concat.into(layers, out[1:], rows, False)
     return OPS.gather_concat(layers, rows, False) * 2
 
 
@@ -318,9 +334,18 @@ def _compact_step(kv, src, dst):
 
 def _static_step(query, key, value, bits, prefix, hidden, weight, seed, kv, src, dst, count):
     """One static round's kernel ops: attention at a device prefix, a seeded sample, a device-destination compaction."""
-    out = OPS.tree_attention_static(query, key, value, bits, prefix, None, None, None, None, None)
-    tokens = OPS.lm_head_sample_static(hidden, weight, 0.7, seed + 1, None, None, 1e-6, None, None)
-    OPS.compact_kv_static_(kv, src, dst, count)
+    out = OPS.tree_attention.tensor(query, key, value, bits, prefix, None, None, None, None, None)
+    tokens = OPS.lm_head_sample.tensor(hidden, weight, 0.7, seed + 1, None, None, 1e-6, None, None)
+    OPS.compact_kv_.tensor(kv, src, dst, count)
+    return out.sum(0), tokens, kv.sum()
+
+
+def _public_step(query, key, value, bits, prefix, hidden, weight, seed, kv, src, dst, count):
+    """The same round through the public ops (a tensor where the round needs one): traced without a break,
+    the Triton path through the registered ops, the reference inlined."""
+    out = dk.tree_attention(query, key, value, bits, prefix)
+    tokens = dk.lm_head_sample(hidden, weight, 0.7, seed=seed + 1, check_bounds=False)
+    dk.compact_kv_(kv, src, dst, num_rows=count, check=False)
     return out.sum(0), tokens, kv.sum()
 
 
@@ -343,6 +368,8 @@ def _compile_cases():
         ("tree_attention", _attention_step, (query, key, value, bits, prefix)),
         ("compact_kv_", _compact_step, _kv_inputs()),
         ("static_step", _static_step, _static_attention_inputs()[:5] + (hidden, weight, torch.tensor([3]))
+         + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
+        ("public_step", _public_step, _static_attention_inputs()[:5] + (hidden, weight, torch.tensor([3]))
          + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
         ("build_tree_device", _tree_step, (logprobs, ids, choice)),
     ]

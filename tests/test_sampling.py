@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 import dflash_kernels
 from dflash_kernels import force_backend, lm_head_sample_processed
+from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
 from dflash_kernels.sampling import sample_processed_plan
 
@@ -135,7 +136,7 @@ def _chi_case(backend, setting, dtype, n):
     T, k, p, m = setting
     hidden, weight, norm = sample_inputs(dtype=dtype)
     positions = torch.full((n,), 1, dtype=torch.int64, device=DEVICE)
-    logits = model_logits(hidden, weight, norm, 1e-6, positions[:1], dtype, None)
+    logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), dtype)
     expected = hf_probs(logits, T, k, p, m)[0]
     with force_backend(backend):
         samples = lm_head_sample_processed(hidden, weight, T, top_k=k, top_p=p, min_p=m, norm_weight=norm,
@@ -159,7 +160,7 @@ def test_chi_square_detects_a_wrong_distribution():
     # the statistic is strong enough to reject a wrong temperature and a wrong nucleus
     hidden, weight, norm = sample_inputs()
     positions = torch.full((3000,), 1, dtype=torch.int64, device=DEVICE)
-    logits = model_logits(hidden, weight, norm, 1e-6, positions[:1], torch.bfloat16, None)
+    logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), torch.bfloat16)
     with force_backend("reference"):
         samples = lm_head_sample_processed(hidden, weight, 1.0, top_k=8, norm_weight=norm, positions=positions,
                                            seed=5)
@@ -181,7 +182,7 @@ def test_triton_vocab_chunks_give_the_same_distribution():
     # several vocab chunks and row chunks: the running tie rank and the running argmax across chunks
     hidden, weight, norm = sample_inputs(V=600)
     positions = torch.full((300,), 2, dtype=torch.int64, device=DEVICE)
-    logits = model_logits(hidden, weight, norm, 1e-6, positions[:1], torch.bfloat16, None)
+    logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), torch.bfloat16)
     expected = hf_probs(logits, 1.0, 50, 0.9, None)[0]
     with force_backend("triton"):
         samples = lm_head_sample_processed(hidden, weight, 1.0, top_k=50, top_p=0.9, norm_weight=norm,
@@ -199,7 +200,7 @@ def test_support_on_a_real_vocabulary(backend):
     weight = (torch.randn(V, H, generator=g) * 0.6).to(torch.bfloat16).to(DEVICE)
     hidden = torch.randn(2, H, generator=g).to(torch.bfloat16).to(DEVICE)
     positions = torch.tensor([0] * 6 + [1] * 6, device=DEVICE)
-    logits = model_logits(hidden, weight, None, 1e-6, None, torch.bfloat16, None)
+    logits = model_logits(HeadInputs(hidden, weight, None, 1e-6, None, None), torch.bfloat16)
     settings = [(0.6, 20, 0.95, None), (1.0, None, 0.9, None), (0.7, None, None, 0.05)]
     if backend == "triton":  # (the interpreter: one setting; the reference covers all three)
         settings = settings[:1]
@@ -231,7 +232,7 @@ def test_reproducible_with_seed(backend):
 
 def test_no_filter_equals_plain_sampling_distribution():
     hidden, weight, norm = sample_inputs(V=24)
-    logits = model_logits(hidden, weight, norm, 1e-6, torch.tensor([0]), torch.bfloat16, None)
+    logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, torch.tensor([0]), None), torch.bfloat16)
     ref = processed_probs(logits, 0.8, 0, 1.0, None)
     torch.testing.assert_close(ref, torch.softmax(logits.float() / 0.8, dim=-1))
 

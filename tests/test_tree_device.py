@@ -132,17 +132,15 @@ def test_tables_passed_in_give_the_same_tree_and_are_checked(monkeypatch):
         dk.build_tree_device(lp, ids, 40, tables=tuple(tables))
 
 
-def test_the_static_op_builds_over_the_callers_tables():
-    from dflash_kernels import static_ops
-
+def test_the_tables_overload_builds_over_the_callers_tables():
     gen = torch.Generator().manual_seed(8)
     lp, ids = distinct_draft(5, 8, gen)
     tables = tree_tables(5, 8, 12, lp.device)
     want = dk.build_tree(lp, ids, 12)
     for backend in ("reference", "triton"):
-        assert same(static_ops.build_tree_device(lp, ids, 12, tables=tables, backend=backend), want), backend
+        assert same(dk.build_tree_device(lp, ids, 12, tables=tables, backend=backend), want), backend
     args = (lp, ids, 12, tables.slots, tables.ranks, tables.depth_of, tables.parent_base)
-    torch.library.opcheck(torch.ops.dflash.build_tree_device_static, args)
+    torch.library.opcheck(torch.ops.dflash.build_tree_device.tables, args)
 
 
 @pytest.mark.parametrize("n,k,depth", [(1, 1, 1), (14, 2, 3), (15, 1, 15), (1024, 1024, 15), (1024, 32, 15), (100, 3, 6)])

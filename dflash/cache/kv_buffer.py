@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_kernels import static_ops
+import dflash_kernels
 
 __all__ = ["CacheFullError", "KVBuffer"]
 
@@ -95,7 +95,7 @@ class KVBuffer:
         """Write ``k, v [Hkv, T, D]`` at rows ``start + arange(T)`` (``start [1]`` on the device; the rows are
         distinct, so the scatter has no overlap); return the whole layer's ``(k, v) [Hkv, max_len, D]``."""
         T = k.shape[-2]
-        static_ops.kv_write_(self.kv, layer_idx, start + self.rows[:T], k, v)
+        dflash_kernels.kv_write_(self.kv, layer_idx, start + self.rows[:T], k, v)
         layer = self.kv[layer_idx]
         return layer[0], layer[1]
 

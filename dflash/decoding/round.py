@@ -61,7 +61,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 import dflash_kernels
-from dflash_kernels import static_ops
 from dflash_kernels import tree_device
 
 from ..cache import CacheFullError
@@ -219,13 +218,14 @@ class Round:
         W = self.adapter.lm_head.weight
         s = self.sampling
         if s.greedy:
-            return static_ops.lm_head_argmax(rows, W, backend=self.backend, **kw)
+            return dflash_kernels.lm_head_argmax(rows, W, check_bounds=False, backend=self.backend, **kw)
         self.seed.add_(1)
         if s.active():
-            return static_ops.lm_head_sample_processed_static(rows, W, s.temperature, self.seed, top_k=s.top_k,
-                                                              top_p=s.top_p, min_p=s.min_p, backend=self.backend,
-                                                              **kw)
-        return static_ops.lm_head_sample_static(rows, W, s.temperature, self.seed, backend=self.backend, **kw)
+            return dflash_kernels.lm_head_sample_processed(rows, W, s.temperature, seed=self.seed, top_k=s.top_k,
+                                                           top_p=s.top_p, min_p=s.min_p, check_bounds=False,
+                                                           backend=self.backend, **kw)
+        return dflash_kernels.lm_head_sample(rows, W, s.temperature, seed=self.seed, check_bounds=False,
+                                             backend=self.backend, **kw)
 
     # ---------------------------------------------------------------- steps
     def draft(self) -> None:
@@ -236,14 +236,16 @@ class Round:
         out = self.draft_model.draft_block(self.adapter.embed(ids), self.ctx, self.ctx_count, self.dcache)
         W = self.adapter.lm_head.weight
         if self.method == "dflash":
-            self.proposals.copy_(static_ops.lm_head_argmax(out, W, positions=self.draft_rows, backend=self.backend))
+            self.proposals.copy_(dflash_kernels.lm_head_argmax(out, W, positions=self.draft_rows, check_bounds=False,
+                                                               backend=self.backend))
             return
-        logprobs, ids = static_ops.lm_head_topk(out, W, self.K, positions=self.draft_rows, backend=self.backend)
+        logprobs, ids = dflash_kernels.lm_head_topk(out, W, self.K, positions=self.draft_rows, check_bounds=False,
+                                                    backend=self.backend)
         if self.host_tree:
             tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, self.budget)
         else:
-            tokens, depths, parents = static_ops.build_tree_device(logprobs, ids, self.budget,
-                                                                   tables=self.tree_tables, backend=self.backend)
+            tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, self.budget,
+                                                                       tables=self.tree_tables, backend=self.backend)
         self.tokens.copy_(tokens)
         self.depths.copy_(depths)
         self.parents.copy_(parents)
@@ -272,15 +274,15 @@ class Round:
         length = self.cache.length_t
         ids = torch.cat([self.last, self.tokens])
         positions = length + torch.cat([self.depths.new_zeros(1), self.depths])  # the root at depth 0
-        bits = static_ops.ancestor_bits(self.parents, backend=self.backend)
+        bits = dflash_kernels.ancestor_bits(self.parents, check=False, backend=self.backend)
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits,
                                                  tree_parents=self.parents)
         choices = self.choose(hidden)
         if self.host_tree:
             path, path_len, committed = self._walk_on_host(choices)
         else:
-            path, path_len, committed = static_ops.walk_tree_device(self.parents, self.tokens, choices, self.D,
-                                                                    bits, backend=self.backend)
+            path, path_len, committed = dflash_kernels.walk_tree_device(self.parents, self.tokens, choices,
+                                                                        self.D, bits, backend=self.backend)
         self.path.copy_(path)
         self.cache.compact_advance(path, path_len)
         self.ctx.copy_(torch.cat([c.index_select(0, path) for c in captured], dim=1))

@@ -29,7 +29,6 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import dflash_kernels
-from dflash_kernels import static_ops
 
 from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
 from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
@@ -141,11 +140,11 @@ class DraftAttention(nn.Module):
         if cache is not None:
             k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
             if cache.visible is not None:  # reference backend
-                out = static_ops.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
+                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
             else:
-                out = static_ops.tree_attention_static(q, k_all, v_all, cache.block_bits(B), prefix,
-                                                       scale=self.scaling, positions=block_positions, window=window,
-                                                       backend="triton")
+                out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B), prefix,
+                                                    scale=self.scaling, positions=block_positions, window=window,
+                                                    backend="triton")
         else:
             mask = attn_mask.to(q.dtype) if attn_mask is not None else None
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
@@ -260,8 +259,9 @@ class DFlashDraftModel(nn.Module):
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees the committed context and the whole block: [B, S] per distinct window
             bits = cache.block_bits(B)
-            cache.visible = {w: static_ops.visibility(bits, cache.length_t + context_count, B, cache.max_len,
-                                                      positions=block_positions, window=w)
+            cache.visible = {w: dflash_kernels.tree_visibility(bits, cache.length_t + context_count, B,
+                                                               n_keys=cache.max_len, positions=block_positions,
+                                                               window=w)
                              for w in {layer.sliding_window for layer in self.layers}}
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,

@@ -41,7 +41,6 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 import dflash_kernels
-from dflash_kernels import static_ops
 
 from ..drafter.config import validate_target_layer_ids
 from .attention import PASS_KWARG, AttentionPass, attention_patches
@@ -237,7 +236,8 @@ class TargetAdapter:
         if cache.static and backend != "triton":
             T, S = ids.shape[0], cache.max_len
             tree_pos = positions if tree_bits is not None else None
-            visible = {w: static_ops.visibility(tree_bits, cache.length_t, T, S, positions=tree_pos, window=w)
+            visible = {w: dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
+                                                     window=w)
                        for w in set(self.windows)}
         attention_pass = AttentionPass(
             prefix_len=cache.length_t if cache.static else cache.length,

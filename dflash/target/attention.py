@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 import dflash_kernels
 from dflash_kernels import reference as kernel_reference
-from dflash_kernels import static_ops  # noqa: F401  (dflash_kernels.static_ops below)
 
 from .families import UnsupportedTargetFeature
 from .patches import Patch, original
@@ -150,9 +149,9 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     _check_module_kwargs(module, kwargs, window, softcap, sinks)
     if attention_pass.static:
         if attention_pass.visible is not None and softcap is None and sinks is None:
-            out = static_ops.masked_attention(query, key, value, attention_pass.visible[window], scale=scaling)
+            out = dflash_kernels.masked_attention(query, key, value, attention_pass.visible[window], scale=scaling)
             return out.transpose(1, 2), None
-        out = static_ops.tree_attention_static(
+        out = dflash_kernels.tree_attention(
             query, key, value, attention_pass.bits, attention_pass.prefix_len, scale=scaling,
             positions=attention_pass.positions, window=window, softcap=softcap, sinks=sinks,
             backend=attention_pass.backend)

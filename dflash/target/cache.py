@@ -8,12 +8,12 @@ HF attention calls ``cache.update(key, value, layer_idx, ...)`` with ``key
 * an eager pass (the prefill) writes rows ``[length, length + T)`` and gets
   ``[1, Hkv, length + T, D]`` views; :meth:`commit` keeps them;
 * a round pass (after :meth:`freeze`) writes rows ``length_t + arange(T)`` by
-  index (:func:`dflash_kernels.static_ops.kv_write_`) and gets the WHOLE
+  index (:func:`dflash_kernels.kv_write_`) and gets the WHOLE
   layer ``[1, Hkv, S, D]``; the attention masks every key past
   ``length_t + T``. The round commits on the device:
   :meth:`advance` (``length_t += n``: the DFlash chain's ``a + 1`` rows, an
   AR step's 1) or :meth:`compact_advance` (the DDTree path's rows moved to
-  follow the prefix by one :func:`dflash_kernels.static_ops.compact_kv_static_`
+  follow the prefix by one :func:`dflash_kernels.compact_kv_`
   launch over every layer, then ``length_t += path_len``).
 
 Rows past the committed length are scratch: the next pass overwrites them.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_kernels import static_ops
+import dflash_kernels
 
 from ..cache import CacheFullError, KVBuffer
 
@@ -73,6 +73,6 @@ class TargetKVCache(KVBuffer):
         int64 and ``count [1]`` on the device): one compaction over every layer moves row ``rows[i]`` to
         ``length_t + i``, then ``length_t += count``. Rows of ``rows`` past ``count`` are ignored."""
         start = self.length_t
-        static_ops.compact_kv_static_(self.kv, rows + start, start, count)
+        dflash_kernels.compact_kv_(self.kv, rows + start, start, num_rows=count, check=False)
         self.length_t.add_(count)
 

@@ -4,7 +4,7 @@ After verification the target's cache holds the prefix followed by every tree
 node's K/V; only the accepted path is kept. Its rows are moved, for all layers
 at once, to sit contiguously right after the prefix.
 
-Device-side destination (:func:`compact_kv_static_`, or :func:`compact_kv_`
+Device-side destination (:func:`compact_kv_`
 with ``dst_start`` a tensor): for a captured step the first destination row
 is an int tensor ``[1]`` on the cache's device, the sources are device
 absolute rows, and nothing is read on the host: pure index math over fixed
@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["compact_kv_", "compact_kv_static_"]
+__all__ = ["compact_kv_"]
 
 
 def nested_strides(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -73,7 +73,7 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
             layout that does not overlap itself (:func:`check_kv_layout`).
         src_positions: ``[A]`` int (CPU or ``kv.device``), over the moved
             rows strictly increasing, ``src_positions[i] >= dst_start + i``.
-        dst_start: first destination position (a tensor: see :func:`compact_kv_static_`).
+        dst_start: first destination position (an int tensor: see :func:`_compact_device_dst_`).
         num_rows: optional int tensor ``[1]`` / ``[]`` on ``kv.device``:
             ``n = clamp(num_rows, 0, A)`` rows move; None: ``n = A``. Honoured
             without reading it on the host (no sync): rows ``i >= n`` copy
@@ -86,7 +86,7 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
         overlap of source and destination ranges does not matter here.
     """
     if isinstance(dst_start, torch.Tensor):
-        return compact_kv_static_(kv, src_positions, dst_start, num_rows=num_rows)
+        return _compact_device_dst_(kv, src_positions, dst_start, num_rows=num_rows)
     check_kv_layout(kv, "compact_kv_")
     src = src_positions.to(device=kv.device, dtype=torch.int64)
     a = src.numel()
@@ -102,7 +102,7 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
     return kv
 
 
-def compact_kv_static_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor, *,
+def _compact_device_dst_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor, *,
                        num_rows: Optional[torch.Tensor] = None, check: bool = True) -> torch.Tensor:
     """:func:`compact_kv_` with ``dst_start`` an int tensor ``[1]`` / ``[]`` on ``kv.device``: no host read.
 
@@ -125,7 +125,7 @@ def compact_kv_static_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start:
     ``s(i) = Smax - 1`` (``d(i) <= s(i) < Smax``), so every writer of that row
     writes its own old value: the result does not depend on the write order.
     """
-    check_kv_layout(kv, "compact_kv_static_")
+    check_kv_layout(kv, "compact_kv_")
     smax = kv.shape[3]
     src = src_positions.to(device=kv.device, dtype=torch.int64).reshape(-1)
     a = src.numel()

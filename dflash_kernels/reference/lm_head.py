@@ -33,7 +33,7 @@ and the consumers of ``logits``:
   per row (0 where ``target == ignore_index``), differentiable wrt ``hidden``
   only (``weight``, ``norm_weight`` and ``weights`` are constants).
 
-Device seed (``seed`` an int64 tensor ``[1]`` / ``[]``; :func:`lm_head_sample_static`):
+Device seed (``lm_head_sample(..., seed=)`` with ``seed`` an int64 tensor ``[1]`` / ``[]``):
 the draw is Gumbel-max, ``argmax(logits.to(logit_dtype).float() * (1 / T) + G)``
 (``1 / T`` rounded to fp32 once, as the kernel multiplies), with the noise
 ``G[n, j] = gumbel_noise(seed, n, j)`` a pure function of the seed's VALUE,
@@ -44,11 +44,13 @@ captured graph replays new noise when the caller changes the seed tensor.
 These materialize the full ``[N, V]`` logits: they are the spec, not the fast
 path. The argument checks are shared with the Triton launchers
 (:func:`check_lm_head_args` and friends), so both paths accept the same inputs
-and fail with the same messages.
+and fail with the same messages. The six inputs that define the logits travel
+between the internal functions as one :class:`HeadInputs`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Optional, Tuple
@@ -64,8 +66,8 @@ __all__ = [
     "lm_head_argmax",
     "lm_head_topk",
     "lm_head_sample",
-    "lm_head_sample_static",
     "lm_head_cross_entropy",
+    "HeadInputs",
     "philox_uint32",
     "uniform_noise",
     "gumbel_noise",
@@ -127,6 +129,55 @@ def resolve_logit_dtype(hidden: torch.Tensor, weight: torch.Tensor, logit_dtype)
         raise TypeError(f"logit_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; "
                         f"got {logit_dtype!r}")
     return logit_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadInputs:
+    """What defines the logits of an lm_head call, validated:
+    ``logits = cap(rms_norm(hidden[positions]; norm_weight, eps) @ weight.T)``.
+
+    ``hidden [T, H]``, ``weight [V, H]``, ``norm_weight [H]`` or None (no final
+    norm), ``eps`` (the norm's), ``positions [N]`` int64 on hidden's device or
+    None (every row, ``N = T``), ``softcap`` None or ``c > 0`` (``cap(z) = c *
+    tanh(z / c)``). Made by :func:`head_inputs`; the public ops keep their
+    keyword arguments and hand this to their backends.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    norm_weight: Optional[torch.Tensor]
+    eps: float
+    positions: Optional[torch.Tensor]
+    softcap: Optional[float]
+
+    @property
+    def rows(self) -> int:
+        """``N``: the selected rows (``positions``' length, else every row of ``hidden``)."""
+        return self.hidden.shape[0] if self.positions is None else self.positions.shape[0]
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    def detached(self) -> "HeadInputs":
+        """The same inputs with ``hidden`` and ``weight`` cut from autograd (the non-differentiable ops)."""
+        return dataclasses.replace(self, hidden=self.hidden.detach(), weight=self.weight.detach())
+
+    def row_chunk(self, r0: int, r1: int) -> "HeadInputs":
+        """Selected rows ``r0:r1`` (of the ``N``)."""
+        if self.positions is None:
+            return dataclasses.replace(self, hidden=self.hidden[r0:r1])
+        return dataclasses.replace(self, positions=self.positions[r0:r1])
+
+    def vocab_chunk(self, v0: int, v1: int) -> "HeadInputs":
+        """Vocabulary ids ``v0:v1`` (rows of ``weight``)."""
+        return dataclasses.replace(self, weight=self.weight[v0:v1])
+
+
+def head_inputs(hidden, weight, norm_weight, eps, positions, softcap, *, check_bounds: bool = True) -> HeadInputs:
+    """:class:`HeadInputs` of a call, after :func:`check_lm_head_args` and :func:`check_softcap`."""
+    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    return HeadInputs(hidden, weight, norm_weight, eps, positions, check_softcap(softcap))
 
 
 def check_softcap(softcap) -> Optional[float]:
@@ -316,11 +367,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return (weight * normed.to(x.dtype)).to(x.dtype)
 
 
-def _normed_rows(hidden, norm_weight, eps, positions) -> torch.Tensor:
-    rows = hidden if positions is None else hidden.index_select(0, positions)
-    if norm_weight is None:
+def normed_rows(head: HeadInputs) -> torch.Tensor:
+    """``a [N, H]``: the selected rows of ``hidden`` through the final norm (differentiable wrt ``hidden``)."""
+    rows = head.hidden if head.positions is None else head.hidden.index_select(0, head.positions)
+    if head.norm_weight is None:
         return rows
-    return rms_norm(rows, norm_weight.detach(), eps)
+    return rms_norm(rows, head.norm_weight.detach(), head.eps)
 
 
 def soft_cap(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
@@ -330,49 +382,44 @@ def soft_cap(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
     return softcap * torch.tanh(logits / softcap)
 
 
-def _logits(hidden, weight, norm_weight, eps, positions, softcap=None) -> torch.Tensor:
-    a = _normed_rows(hidden, norm_weight, eps, positions)
-    return soft_cap(a.float() @ weight.detach().float().T, softcap)
+def _logits(head: HeadInputs) -> torch.Tensor:
+    """fp32 ``[N, V]`` capped logits."""
+    return soft_cap(normed_rows(head).float() @ head.weight.detach().float().T, head.softcap)
 
 
-def _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap=None) -> torch.Tensor:
+def _rounded_logits(head: HeadInputs, logit_dtype) -> torch.Tensor:
     """Logits in ``logit_dtype``: for the model dtype, the GEMM transformers runs (``F.linear`` in that
     dtype, whose fp32 accumulator the library rounds once), so ties break exactly as in ``generate()``.
     With ``softcap`` the fp32 logits are capped, then rounded once."""
-    a = _normed_rows(hidden, norm_weight, eps, positions)
-    w = weight.detach()
-    if softcap is None and logit_dtype != torch.float32 and a.dtype == w.dtype == logit_dtype:
+    a = normed_rows(head)
+    w = head.weight.detach()
+    if head.softcap is None and logit_dtype != torch.float32 and a.dtype == w.dtype == logit_dtype:
         return torch.nn.functional.linear(a, w)
-    return soft_cap(a.float() @ w.float().T, softcap).to(logit_dtype)
+    return soft_cap(a.float() @ w.float().T, head.softcap).to(logit_dtype)
 
 
 def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
                    logit_dtype=torch.float32, softcap=None):
     """``[N, V]`` logits of the (normed) rows at ``positions``, soft-capped with ``softcap``: fp32, or
     rounded to ``logit_dtype``."""
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    return _logits(hidden, weight, norm_weight, eps, positions, softcap).to(logit_dtype)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
+    return _logits(head).to(resolve_logit_dtype(hidden, weight, logit_dtype))
 
 
 def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
                    logit_dtype=None, softcap=None):
     """int64 ``[N]``: ``argmax`` of the (capped) logits rounded to ``logit_dtype`` (lowest index on ties)."""
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    return torch.argmax(_rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap), dim=-1)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
+    return torch.argmax(_rounded_logits(head, resolve_logit_dtype(hidden, weight, logit_dtype)), dim=-1)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None,
                  check_bounds=True, softcap=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs fp32 [N, k], ids int64 [N, k])``: top-k of the full-vocab log-softmax of the (capped)
     logits, best first."""
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     check_k(k, weight.shape[0])
-    softcap = check_softcap(softcap)
-    logprobs = torch.log_softmax(_logits(hidden, weight, norm_weight, eps, positions, softcap), dim=-1)
+    logprobs = torch.log_softmax(_logits(head), dim=-1)
     values, ids = torch.topk(logprobs, k, dim=-1, largest=True, sorted=True)
     return values, ids
 
@@ -382,23 +429,19 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     """int64 ``[N]``: one draw per row from ``softmax(logits.to(logit_dtype).float() / temperature)``
     (``logits`` soft-capped first with ``softcap``).
 
-    Reproducible: with ``seed`` a private generator seeded with it is used;
-    otherwise ``generator`` (or torch's default generator). ``seed`` a tensor:
-    :func:`lm_head_sample_static`.
+    Reproducible: with ``seed`` an int a private generator seeded with it is
+    used; otherwise ``generator`` (or torch's default generator). ``seed`` an
+    int64 tensor ``[1]`` / ``[]`` on hidden's device: the Gumbel-max draw keyed
+    by its value (:func:`sample_device_seed`; nothing read on the host).
     """
-    if isinstance(seed, torch.Tensor):
-        if generator is not None:
-            raise ValueError("pass either generator or seed to lm_head_sample, not both")
-        return lm_head_sample_static(hidden, weight, temperature, seed, norm_weight=norm_weight, eps=eps,
-                                     positions=positions, check_bounds=check_bounds, logit_dtype=logit_dtype,
-                                     softcap=softcap)
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    t = check_temperature(temperature)
-    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed to lm_head_sample, not both")
-    logits = _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap).float()
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
+    t = check_temperature(temperature)
+    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    if isinstance(seed, torch.Tensor):
+        return sample_device_seed(head, t, check_seed_tensor(seed, hidden.device), logit_dtype)
+    logits = _rounded_logits(head, logit_dtype).float()
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
     if seed is not None:
@@ -408,27 +451,22 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-def lm_head_sample_static(hidden, weight, temperature, seed, *, norm_weight=None, eps=1e-6, positions=None,
-                          check_bounds=False, logit_dtype=None, softcap=None) -> torch.Tensor:
-    """int64 ``[N]``: one draw per row from ``softmax(logits.to(logit_dtype).float() / T)``, the seed a tensor.
+def sample_device_seed(head: HeadInputs, t: float, seed: torch.Tensor, logit_dtype: torch.dtype) -> torch.Tensor:
+    """int64 ``[N]``: one draw per row from ``softmax(logits.to(logit_dtype).float() / t)``, the seed a tensor.
 
     ``token[n] = argmax_j(x[n, j] * inv_t + gumbel_noise(seed, n, j))`` with
-    ``x`` the (capped, rounded) logits, ``inv_t`` = fp32 ``1 / T``, the lowest
+    ``x`` the (capped, rounded) logits, ``inv_t`` = fp32 ``1 / t``, the lowest
     id on ties. ``seed``: int64 tensor ``[1]`` / ``[]`` on hidden's device:
-    equal values give equal draws, and nothing is read on the host
-    (``check_bounds`` defaults to False here: the positions' range check would
-    read them), so ``torch.compile(fullgraph=True)`` traces it.
+    equal values give equal draws, and nothing is read on the host (with
+    ``check_bounds=False`` at the public op), so ``torch.compile(fullgraph=True)``
+    traces it.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    t = check_temperature(temperature)
-    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    seed = check_seed_tensor(seed, hidden.device)
-    logits = _rounded_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap).float()
+    device = head.hidden.device
+    logits = _rounded_logits(head, logit_dtype).float()
     n, vocab = logits.shape
-    noise = gumbel_noise(seed, torch.arange(n, device=hidden.device), torch.arange(vocab, device=hidden.device))
+    noise = gumbel_noise(seed, torch.arange(n, device=device), torch.arange(vocab, device=device))
     # 1 / T rounded to fp32 once, as the kernel's fp32 argument (a 0-d tensor: no Python float of a tensor)
-    inv_t = torch.full((), 1.0 / t, dtype=torch.float32, device=hidden.device)
+    inv_t = torch.full((), 1.0 / t, dtype=torch.float32, device=device)
     return torch.argmax(logits * inv_t + noise, dim=-1)
 
 
@@ -440,11 +478,9 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
     ``weights`` are detached); with ``softcap`` the logits are capped first
     and autograd goes through the tanh.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    softcap = check_softcap(softcap)
-    n = hidden.shape[0] if positions is None else positions.numel()
-    targets, weights = check_targets(targets, weights, n, weight.shape[0], hidden.device, ignore_index)
-    logits = _logits(hidden, weight, norm_weight, eps, positions, softcap)
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
+    targets, weights = check_targets(targets, weights, head.rows, head.vocab, hidden.device, ignore_index)
+    logits = _logits(head)
     loss = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
     if weights is not None:
         loss = loss * weights.detach().float()

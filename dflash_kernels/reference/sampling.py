@@ -18,7 +18,7 @@ the warpers as temperature, top-k, top-p, min-p; every filtered score is
     min-p (m given): P = softmax(s); s[i] = -inf where P[i] < m * max(P)   (never the top token)
 
 and the token is one draw from ``softmax(s)`` (``torch.multinomial``; with a
-device seed tensor, :func:`lm_head_sample_processed_static`: Gumbel-max
+device seed tensor, ``lm_head_sample_processed(..., seed=tensor)``: Gumbel-max
 ``argmax(s + gumbel_noise(seed, row, id))``, the noise of
 :func:`dflash_kernels.reference.gumbel_noise`). These
 build the full ``[N, V]`` logits: the spec, not the fast path
@@ -43,15 +43,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from .lm_head import (check_lm_head_args, check_seed_tensor, check_softcap, check_temperature, gumbel_noise,
-                      resolve_logit_dtype, rms_norm, seed_from, soft_cap)
+from .lm_head import (HeadInputs, check_seed_tensor, check_temperature, gumbel_noise, head_inputs, normed_rows,
+                      resolve_logit_dtype, seed_from, soft_cap)
 
 __all__ = [
     "check_sampling_args",
     "processed_scores",
     "processed_probs",
     "lm_head_sample_processed",
-    "lm_head_sample_processed_static",
 ]
 
 
@@ -118,19 +117,18 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_k=None, top_p=
     return torch.softmax(processed_scores(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
-def model_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap) -> torch.Tensor:
+def model_logits(head: HeadInputs, logit_dtype) -> torch.Tensor:
     """``[N, V]`` logits in ``logit_dtype`` as the model computes them.
 
     Normed rows (HF RMSNorm), then ``F.linear`` in the model dtype when
     hidden, weight and ``logit_dtype`` agree and there is no softcap (the GEMM
     transformers runs); otherwise the fp32 product, soft-capped, rounded once.
     """
-    rows = hidden if positions is None else hidden.index_select(0, positions)
-    a = rows if norm_weight is None else rms_norm(rows, norm_weight.detach(), eps)
-    w = weight.detach()
-    if softcap is None and a.dtype == w.dtype == logit_dtype:
+    a = normed_rows(head)
+    w = head.weight.detach()
+    if head.softcap is None and a.dtype == w.dtype == logit_dtype:
         return torch.nn.functional.linear(a, w)
-    return soft_cap(a.float() @ w.float().T, softcap).to(logit_dtype)
+    return soft_cap(a.float() @ w.float().T, head.softcap).to(logit_dtype)
 
 
 def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
@@ -141,23 +139,20 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     ``logits`` as :func:`model_logits` (``logit_dtype`` None: the promotion of
     hidden's and the weight's dtypes; ``softcap`` c: ``c * tanh(x / c)`` on the
     fp32 logits before the rounding). ``seed``: a private generator seeded
-    with it; else ``generator`` (else torch's default one). ``seed`` a tensor:
-    :func:`lm_head_sample_processed_static`.
+    with it; else ``generator`` (else torch's default one). ``seed`` an int64
+    tensor ``[1]`` / ``[]``: the Gumbel-max draw keyed by its value
+    (:func:`processed_device_seed`).
     """
-    if isinstance(seed, torch.Tensor):
-        if generator is not None:
-            raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
-        return lm_head_sample_processed_static(
-            hidden, weight, temperature, seed, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight,
-            eps=eps, positions=positions, logit_dtype=logit_dtype, softcap=softcap, check_bounds=check_bounds)
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
+    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     t = check_temperature(temperature)
     top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
-    logits = model_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap)
+    if isinstance(seed, torch.Tensor):
+        seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
+        return processed_device_seed(head, t, top_k, top_p, min_p, seed, logit_dtype)
+    logits = model_logits(head, logit_dtype)
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
     if seed is not None:
@@ -167,24 +162,18 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-def lm_head_sample_processed_static(hidden, weight, temperature, seed, *, top_k=None, top_p=None, min_p=None,
-                                    norm_weight=None, eps=1e-6, positions=None, logit_dtype=None, softcap=None,
-                                    check_bounds=False) -> torch.Tensor:
+def processed_device_seed(head: HeadInputs, t: float, top_k, top_p, min_p, seed: torch.Tensor,
+                          logit_dtype: torch.dtype) -> torch.Tensor:
     """int64 ``[N]``: :func:`lm_head_sample_processed` with the seed an int64 tensor ``[1]`` / ``[]``.
 
     ``token[n] = argmax_j(s[n, j] + gumbel_noise(seed, n, j))`` with ``s =
-    processed_scores(logits, T, top_k, top_p, min_p)`` (``-inf`` where filtered),
+    processed_scores(logits, t, top_k, top_p, min_p)`` (``-inf`` where filtered),
     the lowest id on ties: an exact draw from ``softmax(s)``. A pure function
-    of the seed's value; no generator, no host read (``check_bounds`` defaults
-    to False here), fixed shapes: ``torch.compile(fullgraph=True)`` traces it.
+    of the seed's value; no generator, no host read (with ``check_bounds=False``
+    at the public op), fixed shapes: ``torch.compile(fullgraph=True)`` traces it.
     """
-    positions = check_lm_head_args(hidden, weight, norm_weight, eps, positions, check_bounds=check_bounds)
-    t = check_temperature(temperature)
-    top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
-    logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    softcap = check_softcap(softcap)
-    seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
-    logits = model_logits(hidden, weight, norm_weight, eps, positions, logit_dtype, softcap)
+    hidden = head.hidden
+    logits = model_logits(head, logit_dtype)
     n, vocab = logits.shape
     s = processed_scores(logits, t, top_k, top_p, min_p)
     noise = gumbel_noise(seed, torch.arange(n, device=hidden.device), torch.arange(vocab, device=hidden.device))

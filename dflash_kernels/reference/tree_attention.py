@@ -21,15 +21,14 @@ to ``torch.nn.functional.scaled_dot_product_attention`` with GQA, or, with an
 attention softcap or sinks (which SDPA cannot apply), computes the softmax
 explicitly in float32 (:func:`_explicit_attention`).
 
-Device-side prefix (:func:`tree_attention_static`, or :func:`tree_attention`
-with ``prefix_len`` a tensor): for a step that ``torch.compile(fullgraph=True)``
+Device-side prefix (:func:`tree_attention` with ``prefix_len`` a tensor): for a step that ``torch.compile(fullgraph=True)``
 or a CUDA graph captures, the committed length is an int64 device tensor
 ``p`` (shape ``[1]`` or ``[]``) and K/V are the WHOLE preallocated cache views
 ``[Hkv, S_max, D]`` (``S_max >= p + T``): the tree keys are rows ``[p, p + T)``,
 rows ``>= p + T`` are invisible (their contents, NaN or inf included, never
 reach the output: they are zeroed before the matmul, not only masked).
 Visibility of cache row ``k`` to query ``i`` is the rule above with ``k``
-compared to the tensor ``p`` (:func:`tree_visibility_static`), built from
+compared to the tensor ``p`` (:func:`tree_visibility` with ``n_keys``), built from
 ``torch.arange(S_max)``: no host read, no data-dependent shape.
 """
 
@@ -40,8 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention_mask", "tree_attention", "tree_visibility", "tree_attention_static",
-           "tree_visibility_static"]
+__all__ = ["tree_attention_mask", "tree_attention", "tree_visibility"]
 
 
 def _tree_bits_visible(bits: torch.Tensor, n_tree: int) -> torch.Tensor:
@@ -58,6 +56,7 @@ def tree_visibility(
     positions: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     device=None,
+    n_keys: Optional[int] = None,
 ) -> torch.Tensor:
     """Which keys each query sees: the spec of :func:`dflash_kernels.tree_attention`'s mask.
 
@@ -74,9 +73,21 @@ def tree_visibility(
         device: where to build the result; default the device of ``bits``,
             else of ``positions``, else the CPU.
 
+        n_keys: with ``prefix_len`` a tensor (the device-prefix form), the
+            cache rows ``S_max`` the result covers (:func:`_visibility_device_prefix`).
+
     Returns:
-        ``[T, prefix_len + T]`` bool, True where query ``i`` sees key ``k``.
+        ``[T, prefix_len + T]`` bool, True where query ``i`` sees key ``k``
+        (``[T, n_keys]`` for a tensor ``prefix_len``).
     """
+    if isinstance(prefix_len, torch.Tensor):
+        if n_keys is None:
+            raise ValueError("tree_visibility: a tensor prefix_len needs n_keys (the cache rows S_max to cover)")
+        return _visibility_device_prefix(bits, prefix_len, n_tree, n_keys, positions=positions, window=window,
+                                         device=device)
+    if n_keys is not None and n_keys != prefix_len + n_tree:
+        raise ValueError(f"tree_visibility: with an int prefix_len the keys are prefix_len + T = "
+                         f"{prefix_len + n_tree}, got n_keys={n_keys}")
     if device is None:
         device = bits.device if bits is not None else (positions.device if positions is not None else "cpu")
     device = torch.device(device)
@@ -168,7 +179,7 @@ def tree_attention(
             query head ``h`` reads kv head ``h // (Hq // Hkv)``.
         bits: ``[T, W]`` int32 bitmask, or None for a causal chain.
         prefix_len: number of keys before the tree keys; a tensor: the
-            device-prefix form, see :func:`tree_attention_static`.
+            device-prefix form, see :func:`_attention_device_prefix`.
         scale: softmax scale, default ``D ** -0.5``.
         positions, window: sliding window, see :func:`tree_visibility`.
         softcap: None or ``c > 0``: scores ``s = q.k * scale`` become
@@ -186,8 +197,8 @@ def tree_attention(
         (itself always does); with either, a row that sees none gives 0.
     """
     if isinstance(prefix_len, torch.Tensor):
-        return tree_attention_static(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
-                                     softcap=softcap, sinks=sinks)
+        return _attention_device_prefix(query, key, value, bits, prefix_len, scale, positions=positions,
+                                        window=window, softcap=softcap, sinks=sinks)
     q, k, v = _unbatched(query, key, value)
     t = q.shape[1]
     k = k[:, : prefix_len + t].float()
@@ -218,7 +229,7 @@ def _prefix_scalar(prefix_len: torch.Tensor, device) -> torch.Tensor:
     return prefix_len.reshape(()).to(device=device, dtype=torch.int64)
 
 
-def tree_visibility_static(
+def _visibility_device_prefix(
     bits: Optional[torch.Tensor],
     prefix_len: torch.Tensor,
     n_tree: int,
@@ -270,7 +281,7 @@ def tree_visibility_static(
     return visible
 
 
-def tree_attention_static(
+def _attention_device_prefix(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -308,5 +319,5 @@ def tree_attention_static(
     zero = torch.zeros((), dtype=torch.float32, device=q.device)
     k = torch.where(live, k.float(), zero)
     v = torch.where(live, v.float(), zero)
-    visible = tree_visibility_static(bits, p, t, s_max, positions=positions, window=window, device=q.device)
+    visible = _visibility_device_prefix(bits, p, t, s_max, positions=positions, window=window, device=q.device)
     return _attend(query, q, k, v, visible, scale, softcap, sinks)
