@@ -73,7 +73,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_)
+from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_, dflash::philox_uint32)
 from . import gated_delta as _gd
 from . import gather as _gather
 from . import kv_compaction as _kv
@@ -514,6 +514,12 @@ def _compact_kv_tensor_fake(kv, src_positions, dst_start, num_rows=None):
 def _kv_write_fake(kv, layer, rows, key, value) -> None:
     """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing."""
     return None
+
+
+@torch.library.register_fake("dflash::philox_uint32")
+def _philox_uint32_fake(seed, rows, cols):
+    """The C++ op of csrc/philox.cpp: int64 ``[R, C]`` words."""
+    return rows.new_empty((rows.shape[0], cols.shape[0]), dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------- Gated-DeltaNet

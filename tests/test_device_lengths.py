@@ -317,6 +317,23 @@ def test_philox_words_equal_an_independent_implementation():
                 assert int(got[i, j]) == _philox_python((c, r, 0, 0), (u & 0xFFFFFFFF, u >> 32))[0]
 
 
+def test_cpu_philox_op_equals_the_tensor_reference():
+    """The C++ op the CPU samplers call (csrc/philox.cpp) gives the reference's words bit for bit, including
+    the first-word known answer, keys with the high bit set and counters at 2**32 - 1; its fake traces."""
+    op = torch.ops.dflash.philox_uint32
+    assert int(op(torch.tensor(0), torch.tensor([0]), torch.tensor([0]))) == 0x6627E8D5
+    g = torch.Generator().manual_seed(1)
+    for seed in (0, 1, -1, 2 ** 62 + 12345, -(2 ** 63), 0x0123456789ABCDEF):
+        rows = torch.randint(0, 2 ** 32, (6,), generator=g)
+        rows[0] = 2 ** 32 - 1
+        cols = torch.randint(0, 2 ** 32, (301,), generator=g)
+        cols[-1] = 2 ** 32 - 1
+        assert torch.equal(op(torch.tensor([seed]), rows, cols), ref.philox_uint32(torch.tensor([seed]), rows, cols))
+    torch.library.opcheck(op, (torch.tensor([3]), torch.arange(4), torch.arange(9)))
+    assert torch.equal(ref.philox_words(torch.tensor([9]), torch.arange(3), torch.arange(5)),
+                       ref.philox_uint32(torch.tensor([9]), torch.arange(3), torch.arange(5)))
+
+
 def test_gumbel_noise_is_standard_gumbel_and_precise_in_the_tail():
     seed = torch.tensor([7])
     g = ref.gumbel_noise(seed, torch.arange(64), torch.arange(4096)).double()
