@@ -74,6 +74,7 @@ class World:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     backend: Optional[str] = None  # None: world 1, no process group
+    owns_group: bool = False  # this World created the process group (and so destroys it on close)
 
     @property
     def is_main(self) -> bool:
@@ -107,7 +108,7 @@ class World:
             dist.barrier()
 
     def close(self) -> None:
-        if self.distributed and dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -115,7 +116,8 @@ def init_world(device: Optional[str] = None) -> World:
     """Join torchrun's process group when ``WORLD_SIZE > 1``; pick this rank's device.
 
     ``device``: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available). A
-    CUDA rank uses ``cuda:LOCAL_RANK`` and NCCL, a CPU rank gloo.
+    CUDA rank uses ``cuda:LOCAL_RANK`` and NCCL, a CPU rank gloo. A group
+    the caller already initialised is used as it is (and left open).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -138,9 +140,13 @@ def init_world(device: Optional[str] = None) -> World:
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
     backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend=backend, device_id=dev if use_cuda else None)
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
+    elif dist.get_backend() != backend:
+        raise ValueError(f"the process group uses {dist.get_backend()}, this rank's device {dev} needs {backend}")
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend,
+                 owns_group=owns)
 
 
 def wrap_drafter(draft: torch.nn.Module, world: World, parallel: str):
@@ -158,7 +164,7 @@ def wrap_drafter(draft: torch.nn.Module, world: World, parallel: str):
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [world.device.index] if world.device.type == "cuda" else None
-        return DistributedDataParallel(draft, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(draft, device_ids=ids)
     from torch.distributed.fsdp import fully_shard
 
     for layer in draft.layers:
