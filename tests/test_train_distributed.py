@@ -1,8 +1,8 @@
 """Drafter training under torchrun on the CPU (gloo, 2 processes) against one process.
 
 One torchrun launch trains three world-2 runs (DDP; FSDP2 with the target sharded and gradient
-accumulation over micro-batches; DDP stopped at step 2 as a preempted job); the world-1 runs happen
-in this process. At the same global batch the weights must agree up to fp32 summation order, and a
+accumulation over micro-batches; DDP stopped at step 2 as a preempted job), and the README's torchrun
+command as a smoke version (tests/test_recipes.py); the world-1 runs happen in this process. At the same global batch the weights must agree up to fp32 summation order, and a
 run resumed (on another world size) must reach the weights of an uninterrupted run.
 """
 
@@ -58,12 +58,28 @@ def setup(tmp_path_factory):
         "fsdp": ["--steps", "3", "--parallel", "fsdp", "--shard-target", "--micro-batch-size", "1"],
         "ddp_stopped": ["--steps", "4", "--stop-at", "2", "--parallel", "ddp"],
     }
+    batch = [common + ["--out", str(d / name)] + extra for name, extra in runs.items()]
+    # the README's torchrun command, as a smoke version, in the same launch (its inputs written first)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_recipes import inputs_of, run_step, smoke_plan
+
+    plan = smoke_plan(ROOT / "README.md", d / "readme")
+    for step in [s for s in plan if s[3] is not None and s[4] == "run"]:
+        assert step[1] == "train" and step[3] == ["--nproc-per-node", "2"], step[0]
+        cwd = os.getcwd()
+        os.chdir(ROOT)  # the README's paths are relative to the repository
+        try:
+            for needed in inputs_of(plan, step):
+                run_step(needed)
+        finally:
+            os.chdir(cwd)
+        batch.append(step[2])
     spec = d / "runs.json"
-    spec.write_text(json.dumps([common + ["--out", str(d / name)] + extra for name, extra in runs.items()]))
+    spec.write_text(json.dumps(batch))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(ROOT / "tests" / "train_world.py"), str(spec)],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return d, common
 
@@ -102,6 +118,12 @@ def test_world2_matches_world1(setup, world1, run):
         "training_state-00000003.safetensors", "training_state.json"]
     lines = (d / run / "train_log.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+
+
+def test_readme_torchrun_command_ran(setup):
+    d, _ = setup
+    outs = list((d / "readme").glob("*/train_log.json"))
+    assert outs and all(json.loads(p.read_text())["world_size"] == 2 for p in outs)
 
 
 def test_micro_batches_accumulate_to_the_same_step(setup, world1):
