@@ -1,4 +1,4 @@
-"""The training state on disk: safetensors + JSON, verified before use, never unpickled; gradient checkpointing."""
+"""The training state on disk (safetensors + JSON, verified before use, never unpickled), gradient checkpointing, logs."""
 
 from __future__ import annotations
 
@@ -159,3 +159,37 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6)
     assert sorted(n for n, _ in draft.named_parameters()) == sorted(grads[0])  # names unchanged
+
+
+def test_logs_jsonl_tensorboard_and_heldout_tau(run, tmp_path, monkeypatch):
+    """One JSON line per --log-every steps (loss, block tau, tokens/s), the same scalars to TensorBoard when
+    it is installed (a stand-in module here), and the held-out tau of a byte-level target without prompts."""
+    import sys
+    import types
+
+    calls = []
+
+    class Writer:
+        def __init__(self, logdir):
+            calls.append(("dir", logdir))
+
+        def add_scalar(self, key, value, step):
+            calls.append((key, value, step))
+
+        def close(self):
+            calls.append("closed")
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    d, common = run
+    args = [a for a in common if a != "--no-tensorboard"]
+    out = tmp_path / "o"
+    assert main(args + ["--out", str(out), "--steps", "2", "--log-every", "1", "--eval-every", "2",
+                        "--eval-num-prompts", "1", "--eval-prompt-len", "16", "--eval-new-tokens", "8"]) == 0
+    lines = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert all(x["loss"] > 0 and x["block_tau"] >= 1 and x["tokens_per_s"] > 0 for x in lines)
+    assert lines[1]["eval_tau_T0"] >= 1
+    assert calls[0] == ("dir", str(out / "tensorboard")) and calls[-1] == "closed"
+    assert {c[0] for c in calls[1:-1]} >= {"train/loss", "train/block_tau", "train/tokens_per_s", "train/eval_tau_T0"}
