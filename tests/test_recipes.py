@@ -211,3 +211,19 @@ def test_recipes_run_as_smoke_versions(doc, tmp_path, monkeypatch):
             assert step[3] == ["--nproc-per-node", "2"], f"{step[0]}: the CPU test runs 2 processes"
             continue
         run_step(step)
+
+
+def _python_blocks(text: str):
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS[1:], ids=lambda p: str(p.relative_to(ROOT)))
+def test_asset_readme_python_snippets_run(doc, monkeypatch):
+    """The assets' READMEs show offline loading code: it runs as written."""
+    monkeypatch.chdir(ROOT)
+    blocks = _python_blocks(doc.read_text())
+    for code in blocks:
+        namespace: dict = {}
+        exec(compile(code, f"{doc.name} snippet", "exec"), namespace)  # noqa: S102 (our own documentation)
+    if "from dflash.tiny import load_tiny_target" in doc.read_text():
+        assert blocks

@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -352,21 +352,24 @@ def _train(args, world: World) -> dict:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     log = _RunLog(out_dir, world.is_main, not args.no_tensorboard, resume=args.resume)
 
-    def whole_drafter() -> DFlashDraftModel:
-        """A drafter holding the whole weights on this rank (the drafter itself unless it is sharded)."""
-        if not is_sharded(draft.fc.weight):
+    sharded = is_sharded(draft.fc.weight)
+
+    def eval_drafter() -> DFlashDraftModel:
+        """A whole drafter in the target's dtype on this rank: the drafter itself when it already is one."""
+        if not sharded and target_dtype == torch.float32:
             return draft
-        full = full_parameters(draft)
-        copy = DFlashDraftModel(draft.config).to(device)
-        copy.load_state_dict(full, strict=False)
-        return copy.float()
+        copy = DFlashDraftModel(draft.config)
+        copy.load_state_dict(full_parameters(draft), strict=False)
+        return copy.to(device=device, dtype=target_dtype)
 
     def save(elapsed_s: float) -> None:
-        params = full_parameters(draft)
-        tensors = {f"model.{k}": v for k, v in params.items()}
-        tensors.update(_optimizer_tensors(optimizer))
+        """Rank 0 writes the drafter and the state; under FSDP every rank first helps gather them."""
+        if sharded or world.is_main:
+            params = full_parameters(draft)
+            tensors = {f"model.{k}": v for k, v in params.items()}
+            tensors.update(_optimizer_tensors(optimizer))
         if world.is_main:
-            publish = draft if not is_sharded(draft.fc.weight) else DFlashDraftModel(draft.config)
+            publish = draft if not sharded else DFlashDraftModel(draft.config)
             if publish is not draft:
                 publish.load_state_dict(params, strict=False)
             publish.save_pretrained(str(out_dir), dtype=SAVE_DTYPES[args.save_dtype])
@@ -423,7 +426,7 @@ def _train(args, world: World) -> dict:
         block_tau = tau_sum / max(blocks, 1.0)
         entry = None
         if eval_prompts and step % args.eval_every == 0:
-            last_eval = distributed_tau(world, target, whole_drafter(), eval_prompts, args.eval_new_tokens)
+            last_eval = distributed_tau(world, target, eval_drafter(), eval_prompts, args.eval_new_tokens)
         if (eval_prompts and step % args.eval_every == 0) or step % args.log_every == 0:
             entry = dict(step=step, minutes=round(elapsed() / 60, 2), lr=lr,
                          loss=round(window["loss"] / window["weight"], 4),
@@ -489,9 +492,10 @@ def _final_eval(args, result: dict, target, tokenizer, vocab: int, draft, out_di
         warnings.warn("no evaluation prompts (give --eval-prompts): final evaluation skipped")
         return
     torch.manual_seed(args.seed)
-    device = next(target.parameters()).device
-    untrained = DFlashDraftModel(draft.config).float().eval().to(device)
-    trained = DFlashDraftModel.from_pretrained(str(out_dir), dtype=torch.float32, device=device)
+    param = next(target.parameters())
+    device, dtype = param.device, param.dtype
+    untrained = DFlashDraftModel(draft.config).eval().to(device=device, dtype=dtype)
+    trained = DFlashDraftModel.from_pretrained(str(out_dir), dtype=dtype, device=device)
     t0 = time.perf_counter()
     with dflash_kernels.force_backend("reference") if device.type == "cpu" else contextlib.nullcontext():
         result["final_eval"] = {
@@ -499,7 +503,8 @@ def _final_eval(args, result: dict, target, tokenizer, vocab: int, draft, out_di
             "new_tokens": args.final_eval_new_tokens,
             "set": "held-out stdlib packages (json, email, asyncio, xml), heldout_prompts(seed=0)"
             if not args.eval_prompts else args.eval_prompts,
-            "weights": "saved file reloaded in fp32; untrained = fresh init, same config and seed",
+            "weights": f"saved file reloaded in {str(dtype).replace('torch.', '')}; untrained = fresh init, "
+                       "same config and seed",
             "tau": final_eval_table(target, trained, untrained, prompts, args.ddtree_budgets,
                                     args.final_eval_new_tokens, args.seed),
         }
