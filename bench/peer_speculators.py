@@ -11,9 +11,9 @@ then a cosine over the wall-clock budget, decay gamma 4 for B=8. Its drafter has
 parameter names, so ``eval`` loads it into ours and measures tau on the held-out prompts, beside our
 drafter and an untrained one::
 
-    /work/venv-speculators/bin/python bench/peer_speculators.py train --data DATA.jsonl --out SPEC_DIR --minutes 5
+    /work/venv-speculators/bin/python bench/peer_speculators.py train --data DATA.jsonl --out SPEC_DIR --minutes 8
     python -m dflash train --target dflash/assets/tiny/target --data DATA.jsonl --out OURS_DIR --layers 2 \\
-        --block-size 8 --target-layer-ids 1,3 --minutes 5 --batch-size 8 --blocks-per-seq 32 --cache-target \\
+        --block-size 8 --target-layer-ids 1,3 --minutes 8 --batch-size 8 --blocks-per-seq 32 --cache-target \\
         --save-dtype fp32 --threads 1
     python bench/peer_speculators.py eval --ours OURS_DIR --peer SPEC_DIR --out RESULT.json
 
