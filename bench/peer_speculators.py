@@ -11,13 +11,13 @@ then a cosine over the wall-clock budget, decay gamma 4 for B=8. Its drafter has
 parameter names, so ``eval`` loads it into ours and measures tau on the held-out prompts, beside our
 drafter and an untrained one::
 
-    /work/venv-speculators/bin/python bench/peer_speculators.py train --data DATA.jsonl --out SPEC_DIR --minutes 8
+    SPECULATORS_VENV/bin/python bench/peer_speculators.py train --data DATA.jsonl --out SPEC_DIR --minutes 8
     python -m dflash train --target dflash/assets/tiny/target --data DATA.jsonl --out OURS_DIR --layers 2 \\
         --block-size 8 --target-layer-ids 1,3 --minutes 8 --batch-size 8 --blocks-per-seq 32 --cache-target \\
         --save-dtype fp32 --threads 1
     python bench/peer_speculators.py eval --ours OURS_DIR --peer SPEC_DIR --out RESULT.json
 
-(``train`` runs in the venv that has ``speculators``, the other two in this package's.)
+(``train`` runs in a venv with ``speculators==0.9.0``, the other two in this package's.)
 """
 
 from __future__ import annotations
