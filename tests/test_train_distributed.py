@@ -1,9 +1,10 @@
 """Drafter training under torchrun on the CPU (gloo, 2 processes) against one process.
 
-One torchrun launch trains three world-2 runs (DDP; FSDP2 with the target sharded and gradient
-accumulation over micro-batches; DDP stopped at step 2 as a preempted job), and the README's torchrun
-command as a smoke version (tests/test_recipes.py); the world-1 runs happen in this process. At the same global batch the weights must agree up to fp32 summation order, and a
-run resumed (on another world size) must reach the weights of an uninterrupted run.
+One torchrun launch trains three world-2 runs (DDP; FSDP2 with the target sharded, gradient
+checkpointing and gradient accumulation over micro-batches; DDP stopped at step 2 as a preempted job)
+and the README's torchrun command as a smoke version (tests/test_recipes.py); the world-1 runs happen
+in this process. At the same global batch the weights must agree up to fp32 summation order, and a run
+resumed (on another world size) must reach the weights of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def setup(tmp_path_factory):
               "--quiet", "--log-every", "1", "--save-every", "0", "--threads", "1", "--no-tensorboard"]
     runs = {
         "ddp": ["--steps", "3", "--parallel", "ddp"],
-        "fsdp": ["--steps", "3", "--parallel", "fsdp", "--shard-target", "--micro-batch-size", "1"],
+        "fsdp": ["--steps", "3", "--parallel", "fsdp", "--shard-target", "--micro-batch-size", "1",
+                 "--grad-checkpoint"],
         "ddp_stopped": ["--steps", "4", "--stop-at", "2", "--parallel", "ddp"],
     }
     batch = [common + ["--out", str(d / name)] + extra for name, extra in runs.items()]
@@ -76,7 +78,10 @@ def setup(tmp_path_factory):
         batch.append(step[2])
     spec = d / "runs.json"
     spec.write_text(json.dumps(batch))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    # the reference kernels, as in this process (the Triton interpreter would only slow the ranks down)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               DFLASH_BACKEND="reference")
+    env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(ROOT / "tests" / "train_world.py"), str(spec)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
