@@ -3,7 +3,7 @@
 Commands are read from the files themselves (fenced and indented code blocks, and inline code that
 starts with ``python -m dflash`` or ``torchrun``), so a command edited or added there is run here. A
 command runs with its own arguments plus :data:`SMOKE` overrides appended (argparse keeps the last
-value), outputs redirected under a temporary directory (a path is renamed the same way everywhere, so
+value; a default output directory is named there too), outputs redirected under a temporary directory (a path is renamed the same way everywhere, so
 the data command's ``--out`` is the train command's ``--data``). Commands for a model that is not in
 the repository (``path/to/...``) are parsed by their command's own parser instead. Commands that are not
 the package's (installs, the test suite, the scripts under ``bench/``) are listed in :data:`NOT_RUN`
@@ -37,7 +37,7 @@ SMOKE = {
     "demo": ["--max-new-tokens", "8"],
     "generate": ["--prompt", "def f(x):", "--max-new-tokens", "8"],
     "bench": ["--num-prompts", "1", "--max-new-tokens", "8", "--budgets", "4", "--temperatures", "0",
-              "--block-sizes", "8", "--no-progress", "--warmup-tokens", "2"],
+              "--block-sizes", "8", "--no-progress", "--warmup-tokens", "2", "--out", "runs/bench"],
 }
 SMOKE["dflash.tiny.pretrain"] = SMOKE["train-target"]
 PATH_FLAGS = ("--out", "--state-dir", "--data")
@@ -174,9 +174,9 @@ def smoke_plan(doc: Path, tmp: Path):
             continue
         argv = shlex.split(cmd)
         entry, args = _entry(argv)
-        args = _redirect(args, tmp, renamed)
+        args = _redirect(args + SMOKE[entry] if how == "run" else args, tmp, renamed)
         launcher = argv[1:argv.index("-m")] if argv[0] == "torchrun" else None
-        plan.append((cmd, entry, args + SMOKE[entry] if how == "run" else args, launcher, how))
+        plan.append((cmd, entry, args, launcher, how))
     return plan
 
 
