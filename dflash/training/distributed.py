@@ -167,10 +167,19 @@ def wrap_drafter(draft: torch.nn.Module, world: World, parallel: str):
         return DistributedDataParallel(draft, device_ids=ids)
     from torch.distributed.fsdp import fully_shard
 
+    mesh = _mesh(world)
     for layer in draft.layers:
-        fully_shard(layer)
-    fully_shard(draft)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(draft, mesh=mesh)
     return draft
+
+
+def _mesh(world: World):
+    """The 1-D device mesh of all ranks on this rank's device type (FSDP2 would otherwise pick CUDA whenever
+    it is available, even for a gloo group of CPU ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(world.device.type, (world.world_size,))
 
 
 @contextlib.contextmanager
@@ -203,8 +212,9 @@ def shard_target_layers(layers: Sequence[torch.nn.Module], world: World) -> None
         return
     from torch.distributed.fsdp import fully_shard
 
+    mesh = _mesh(world)
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
