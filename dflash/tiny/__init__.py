@@ -1,2 +1,9 @@
 """The shipped tiny byte-level pair: tokenizer (:mod:`.tokenizer`), stdlib corpus (:mod:`.corpus`),
-target pretraining (:mod:`.pretrain`), loaders of the shipped weights (:mod:`.models`, :mod:`.pair`)."""
+target pretraining (:mod:`.pretrain`), loaders of the shipped weights (:mod:`.models`, :mod:`.pair`).
+
+``from dflash.tiny import load_tiny_target, load_tiny_tokenizer, load_tiny_drafter`` loads them offline.
+"""
+
+from .models import TINY_DRAFTER_DIR, TINY_TARGET_DIR, load_tiny_drafter, load_tiny_target, load_tiny_tokenizer
+
+__all__ = ["TINY_TARGET_DIR", "TINY_DRAFTER_DIR", "load_tiny_target", "load_tiny_tokenizer", "load_tiny_drafter"]

@@ -65,5 +65,5 @@ def load_tiny_drafter(dtype: torch.dtype = torch.float32, device: str | torch.de
     directory = Path(path) if path is not None else TINY_DRAFTER_DIR
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
         raise FileNotFoundError(f"{directory} lacks config.json / model.safetensors; train it with the command in "
-                                "dflash/training/train.py's module docstring (python -m dflash train ...)")
+                                "dflash.training.train module docstring (python -m dflash train ...)")
     return DFlashDraftModel.from_pretrained(str(directory), dtype=dtype, device=device)

@@ -1,1 +1,7 @@
-"""Drafter training: the block training step and trainer CLI (:mod:`.train`), the training data (:mod:`.data`)."""
+"""Drafter training, one module per job, each importing only those above it in this list:
+
+:mod:`.records` (the JSONL format and reader), :mod:`.regenerate` (chat data rewritten by the target),
+:mod:`.data` (``python -m dflash.training.data``), :mod:`.objective` (the block loss, its math and shapes),
+:mod:`.evaluation` (tau), :mod:`.checkpointing` (gradient checkpointing), :mod:`.distributed` (torchrun,
+DDP, FSDP2, reductions), :mod:`.state` (safetensors + JSON training state), :mod:`.loop` (the trainer),
+:mod:`.train` (``python -m dflash train``)."""
