@@ -5,8 +5,10 @@ Run: ``python -m pytest bench/bench_static.py --benchmark-columns=median,rounds`
 :func:`dflash_kernels.tree_attention` with a device prefix (a 16-row chain and a 65-node tree
 over a whole 8192-row cache, 4096 committed), :func:`dflash_kernels.lm_head_sample`
 and :func:`dflash_kernels.lm_head_sample_processed` with a device seed (16 rows, top-k 50),
-:func:`dflash_kernels.compact_kv_` with a device destination (16 accepted rows of every layer) and
-:func:`dflash_kernels.lm_head.gumbel_noise_block` (the noise alone). With CUDA: Qwen3-8B
+:func:`dflash_kernels.compact_kv_` with a device destination (16 accepted rows of every layer),
+:func:`dflash_kernels.lm_head.gumbel_noise_block` (the noise alone), :func:`dflash_kernels.kv_write_`
+(one layer's 16 rows) and :func:`dflash_kernels.masked_attention` (the reference backend's attention
+over the whole cache). With CUDA: Qwen3-8B
 shapes (32/8 heads, head dim 128, hidden 4096, vocab 151936, 36 layers), bf16,
 Triton vs reference. Without CUDA: small shapes, the reference only (the
 interpreter is a correctness tool, not a speed path). The whole compiled round
@@ -97,3 +99,28 @@ def test_gumbel_noise_block(benchmark, provider):
     seed = torch.tensor([99], device=DEVICE)
     benchmark.group = "gumbel_noise_block"
     run(benchmark, provider, gumbel_noise_block, seed, 0, 16, 0, V)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_kv_write_one_layer(benchmark, provider):
+    """A round pass's cache write of one layer: 16 rows at the device length (the C++ op on every backend)."""
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(L, 2, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
+    key = torch.randn(HKV, 16, D, generator=gen).to(DEVICE, DTYPE)
+    value = torch.randn(HKV, 16, D, generator=gen).to(DEVICE, DTYPE)
+    rows = PREFIX + torch.arange(16, device=DEVICE)
+    benchmark.group = "kv_write_ 16 rows"
+    run(benchmark, provider, dk.kv_write_, kv, 1, rows, key, value)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_masked_attention_whole_cache(benchmark, provider):
+    """The reference backend's round attention: SDPA over the whole cache under one [T, S] visibility mask."""
+    gen = torch.Generator().manual_seed(0)
+    T = 16
+    q = torch.randn(1, HQ, T, D, generator=gen).to(DEVICE, DTYPE)
+    k = torch.randn(1, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
+    v = torch.randn(1, HKV, S, D, generator=gen).to(DEVICE, DTYPE)
+    visible = dk.tree_visibility(None, torch.tensor([PREFIX], device=DEVICE), T, n_keys=S)
+    benchmark.group = "masked_attention chain16"
+    run(benchmark, provider, dk.masked_attention, q, k, v, visible)
