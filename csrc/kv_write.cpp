@@ -11,7 +11,7 @@
 // custom op's dispatch costs ~60 us per call there, about the tiny pair's whole attention; as an op
 // with a mutable argument (a!) it is re-inplaced by inductor (the traced alternative, index_copy_ on a
 // view of the cache, is functionalized into a copy of the WHOLE cache per layer). The fake (meta)
-// implementation lives in dflash_kernels/static_ops.py. One implementation serves every device
+// implementation lives in dflash_kernels/ops.py. One implementation serves every device
 // (CompositeExplicitAutograd: two index_copy_ calls of the device's own kernels).
 #include <torch/extension.h>
 #include <torch/library.h>

@@ -1,4 +1,4 @@
-"""Compiled rounds (``generate(compile=True)``): whole-graph steps, the same tokens as the eager loops.
+"""Compiled rounds (``generate(compile=True)``): the round's steps as whole graphs, the eager round's tokens.
 
 * graph breaks and graphs are counted with ``torch._dynamo`` counters while
   the steps are traced (``backend="eager"``: tracing only, fast); the draft and
@@ -7,8 +7,9 @@
 * a generation whose acceptance varies round by round (a rigged drafter)
   compiles nothing after its first round, and a second generation with the
   same settings compiles nothing at all;
-* the inductor-compiled steps give the eager loops' tokens and acceptance
-  lengths (fp32, greedy) and the target's greedy output;
+* the inductor-compiled steps give the eager round's tokens and acceptance
+  lengths (fp32, greedy and sampled with one seed) and the target's greedy
+  output; every family and the hybrids equal eager at T = 0 and T = 0.7;
 * the fixed-shape steps run eagerly (``compile="static"``) are lossless on the
   reference ops, on the Triton kernels (interpreter) and in bf16; sampling
   is reproducible under a seed and a replayed step draws new noise.

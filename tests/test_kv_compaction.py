@@ -437,13 +437,13 @@ def test_legitimate_views_are_compacted_in_place(name, backend, static):
 def test_package_caches_pass_the_layout_check():
     """The caches the package compacts: TargetKVCache, a HybridKVCache's attention slots, a pooled static view."""
     from dflash.target.cache import TargetKVCache
-    from dflash.target.cache import TargetKVCache as StaticTargetKVCache
+    from dflash.target.cache import TargetKVCache
     from tiny_models import tiny_target
 
     config = tiny_target("qwen3", layers=2, hidden=32).config
     caches = [TargetKVCache(config, 40, torch.float32, DEVICE).kv]
-    pool = torch.zeros(3, *StaticTargetKVCache.kv_shape(config, 40), device=DEVICE)
-    caches.append(StaticTargetKVCache(config, 40, torch.float32, DEVICE, kv=pool[1]).kv)
+    pool = torch.zeros(3, *TargetKVCache.kv_shape(config, 40), device=DEVICE)
+    caches.append(TargetKVCache(config, 40, torch.float32, DEVICE, kv=pool[1]).kv)
     for kv in caches:
         kv.normal_()
         want = expected_by_hand(kv, [5, 7, 8], 4)
