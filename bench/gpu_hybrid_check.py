@@ -16,7 +16,7 @@ Checks (relative error ``|ours - theirs| / |theirs|``, bound ``--tol``, bf16 def
   forward on the same sequence), commit ``a + 1`` rows for ``a`` in ``--accept``: every linear layer's
   recurrent state and conv window vs transformers' own ``DynamicCache`` after decoding those tokens one by one;
 * ``tree``: a ``--tree``-node random tree (parents drawn among the 8 previous nodes), verified in one pass,
-  the path to its last node kept by the device compaction (``compact_rows``, device count): states vs
+  the path to its last node kept by the device compaction (``compact_advance``, device count): states vs
   transformers' decode of that path's tokens.
 
 Latency (CUDA events, median of ``--reps`` after a warm-up; the committed state restored between reps,
@@ -242,6 +242,7 @@ def main(argv=None) -> int:
             cache.linear.state.copy_(saved[0])
             cache.linear.conv.copy_(saved[1])
             cache.length = saved[2]
+            cache.length_t.fill_(saved[2])  # both lengths: the eager passes read the first, compaction the second
             cache.linear.pending = None
 
         block = ids[P : P + B]
@@ -267,8 +268,8 @@ def main(argv=None) -> int:
             branch_logits = model(branch[None]).logits[0, P:]
         check("tree verify logits (last node's path)", rel_err(adapter.logits(h[path_t]), branch_logits),
               f"{N + 1} nodes, path of {len(path)}")
-        cache.compact_rows(path_t, torch.tensor([len(path)], device=device))
-        cache.commit(len(path))
+        cache.compact_advance(path_t, torch.tensor([len(path)], device=device))
+        cache.mirror(cache.length + len(path))
         e_state, e_conv = state_errors(cache, hf_cache_after(model, ids[:P], tree_tokens[path_t]))
         check(f"tree commit (path {len(path)}) state", e_state, "recurrent, worst layer")
         check(f"tree commit (path {len(path)}) conv", e_conv, "window, worst layer")
@@ -314,8 +315,8 @@ def main(argv=None) -> int:
         count = torch.tensor([len(path)], device=device)
 
         def tree_commit():
-            cache.compact_rows(path_t, count)
-            cache.commit(len(path))
+            cache.compact_advance(path_t, count)
+            cache.mirror(cache.length + len(path))
 
         restore()
         tree_verify()

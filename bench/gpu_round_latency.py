@@ -169,6 +169,7 @@ def our_round(adapter, cache, sc: Scenario):
     import dflash_kernels as dk
 
     cache.length = sc.prefix  # rows past the prefix are scratch
+    cache.length_t.fill_(sc.prefix)
     if sc.chain:
         hidden = adapter.forward(sc.ids_d, sc.pos_d, cache)
         choices = adapter.choose(hidden)
@@ -185,10 +186,10 @@ def our_round(adapter, cache, sc: Scenario):
                                                      bits=bits)
         n = torch.full((1,), sc.accepted.numel(), dtype=torch.int64, device=choices.device)
         padded = torch.cat([sc.accepted_d, sc.accepted_d[-1:].expand(int(sc.depths.max()) + 1 - n.numel())])
-        cache.compact_rows(padded, n)
+        cache.compact_advance(padded, n)
         features = adapter.context_features(rows=padded, trusted_rows=True)[: sc.accepted.numel()]
         torch.cat([committed, path_len]).tolist()
-        cache.commit(sc.accepted.numel())
+        cache.mirror(cache.length + sc.accepted.numel())
     return choices, features
 
 

@@ -301,7 +301,7 @@ def test_round_latency_fails_when_compaction_is_skipped(monkeypatch, capsys):
     from dflash.target.cache import TargetKVCache
 
     latency = load_script("gpu_round_latency")
-    monkeypatch.setattr(TargetKVCache, "compact_rows", lambda self, rows, num_rows: None)
+    monkeypatch.setattr(TargetKVCache, "compact_advance", lambda self, rows, count: None)
     with dflash_kernels.force_backend("reference"):
         rc = latency.main(["--device", "cpu", "--tiny", "--budgets", "16", "--repeats", "1"])
     assert rc == 1

@@ -14,7 +14,7 @@ proved, and by which test:
   greedy token for token, on the reference ops and on the Triton kernels
   (interpreter): ``test_hybrid_is_lossless``;
 * the committed states: after a chain verify and ``commit(n)`` (every ``n``),
-  and after a tree verify and ``compact_rows`` / ``commit_rows`` of a branch,
+  and after a tree verify and ``compact_advance`` of a branch (eager and round passes),
   every linear layer's conv window and recurrent state equal transformers'
   own ``DynamicCache`` after decoding the same tokens one by one:
   ``test_chain_commit_*``, ``test_tree_commit_*``;
@@ -236,23 +236,24 @@ TREE_PATHS = [[0], [0, 1, 2], [0, 3, 4, 5], [0, 3, 6], [0, 1, 7]]
 
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 def test_tree_commit_leaves_the_state_of_the_path(family, target, backend_name):
-    """After a tree verify, keeping a root -> node path (the device compaction with a padded path and a device
-    count, and the host commit) leaves the states transformers holds after decoding that path's tokens."""
+    """After a tree verify, keeping a root -> node path (the compaction with a padded path and a device count)
+    leaves the states transformers holds after decoding that path's tokens: after an eager pass and after a
+    round pass on the frozen cache (device lengths)."""
     prompt = PROMPT[:-1]  # the root (TREE_TOKENS[0]) is the last committed token, not yet in the cache
-    cases = [(path, side) for path in TREE_PATHS for side in ("device", "host")]
+    cases = [(path, side) for path in TREE_PATHS for side in ("eager", "round")]
     if backend_name == "triton":  # the interpreter is slow: each path once, both sides on the deepest branch
-        cases = [(p, "device" if i % 2 else "host") for i, p in enumerate(TREE_PATHS)] + [([0, 3, 4, 5], "host")]
+        cases = [(p, "round" if i % 2 else "eager") for i, p in enumerate(TREE_PATHS)] + [([0, 3, 4, 5], "eager")]
     with backend(backend_name), torch.inference_mode(), TargetAdapter(target) as adapter:
         for path, side in cases:
             cache = adapter.new_cache(32)
             adapter.prefill(torch.tensor(prompt), cache)
+            if side == "round":
+                cache.freeze()
             _tree(adapter, cache)
-            if side == "device":  # the DDTree walk's padded path and its count, both on the device
-                padded = torch.tensor(path + [0] * (5 - len(path)))
-                cache.compact_rows(padded, torch.tensor([len(path)]))
-                cache.commit(len(path))
-            else:
-                cache.commit_rows(torch.tensor(path))
+            padded = torch.tensor(path + [0] * (5 - len(path)))  # the DDTree walk's padded path and its count
+            cache.compact_advance(padded, torch.tensor([len(path)]))
+            cache.mirror(len(prompt) + len(path))
+            assert int(cache.length_t) == len(prompt) + len(path)
             assert cache.length == len(prompt) + len(path)
             want = hf_decoded_cache(target, prompt, [TREE_TOKENS[i] for i in path])
             assert_states_equal(cache, want, f"path {path} ({side})")

@@ -406,6 +406,7 @@ class HybridKVCache(TargetKVCache):
             raise RuntimeError(f"commit({n}): no forward since the last commit on this hybrid cache")
         self.linear.pending = None
         self.length += n
+        self.length_t.fill_(self.length)
 
     def advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
         """Round commit of a chain: the linear layers advance through ``rows[:count]`` of the stash (device
