@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import List
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -281,209 +281,314 @@ def _check_args(args, world: World) -> None:
 
 
 def _train(args, world: World) -> dict:
-    from tqdm import tqdm
+    """Set the run up on this rank, take its optimizer steps, save, and return the train log."""
+    run = _TrainRun(args, world)
+    run.run_steps()
+    return run.finish()
 
-    from ..tiny.pair import load_target
 
-    _check_args(args, world)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    device = world.device
-    out_dir = Path(args.out)
-    state_dir = Path(args.state_dir) if args.state_dir else out_dir / STATE_SUBDIR
-    minutes = args.minutes if (args.minutes is not None or args.steps is not None) else 20.0
-    bf16 = (device.type == "cuda") if args.bf16 is None else args.bf16
-    if bf16 and device.type != "cuda":
-        raise ValueError("--bf16 (autocast) is for CUDA devices; on the CPU train in fp32")
-    target_dtype = getattr(torch, args.target_dtype) if args.target_dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+class _StepResult(NamedTuple):
+    """One optimizer step's numbers, reduced over ranks (``seconds`` is this rank's wall time for the step)."""
 
-    target = load_target(args.target, dtype=target_dtype, device=device)
-    target.requires_grad_(False)
-    tokenizer = _load_tokenizer(args)
-    vocab = target.config.vocab_size
+    lr: float
+    loss: float  # loss_sum / weight: the step's normalised loss
+    loss_sum: float  # sum of weighted per-token cross-entropies over the global batch
+    weight: float  # W_s, the global batch's weight sum
+    tau_sum: float  # sum over blocks of (1 + leading correct predictions)
+    blocks: float
+    tokens: float  # supervised tokens
+    seconds: float
 
-    state = None
-    if args.resume:
-        state = load_state(state_dir)
-        draft = _drafter_from_state(state, state_dir)
-    elif args.init:
-        draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
-    else:
-        draft = _new_drafter(args, target, tokenizer)
-    draft = draft.float().to(device).train()
-    B = draft.block_size
-    if args.grad_checkpoint:
-        enable_gradient_checkpointing(draft)
 
-    sequences = read_training_jsonl(args.data, vocab, B, tokenizer=tokenizer, max_length=args.max_length)
-    adapter = TargetAdapter(target, list(draft.target_layer_ids) + [
-        resolve_logit_layer(args.logit_layer, draft.target_layer_ids, target.config.num_hidden_layers)])
-    from ..decoding import check_pair as _check_pair
+class _TrainRun:
+    """One training run on this rank: target, drafter, data, optimizer, log sinks and the step counter.
 
-    _check_pair(adapter, draft)
-    if args.shard_target:
-        shard_target_layers(adapter.layers, world)
-    cfg = BlockTrainingConfig(block_size=B, blocks_per_seq=args.blocks_per_seq, gamma=args.gamma,
-                              logit_layer=adapter.capture_layer_ids[-1], context_noise=args.context_noise)
-    cache = adapter.new_cache(max(s.input_ids.numel() for s in sequences))
-    store = {} if args.cache_target else None
-    weight_sums = [sequence_weight_sum(s, cfg) for s in sequences]
+    Construction does the whole set-up (a resumed run restores the drafter, the optimizer, the step, the
+    elapsed time and the history); :meth:`run_steps` trains until the step limit or the schedule's end;
+    :meth:`finish` writes the last checkpoint and returns the train log.
+    """
 
-    forward = wrap_drafter(draft, world, args.parallel)
-    groups = _param_groups(draft, args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    step, elapsed_before, history = 0, 0.0, []
-    if state is not None:
-        _restore_optimizer(optimizer, state, state_dir)
-        step, elapsed_before, history = state.step, state.elapsed, list(state.history)
+    def __init__(self, args, world: World):
+        _check_args(args, world)
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(args.seed)
+        self.args, self.world = args, world
+        self._resolve_options()
+        state = self._load_models()
+        self._prepare_data()
+        self._build_optimizer(state)
+        self._plan_batches()
+        self.window = dict(loss=0.0, weight=0.0, tau=0.0, blocks=0.0, tokens=0.0, seconds=0.0, steps=0)
+        self.last_eval = float("nan")
+        self.start = time.perf_counter()
 
-    eval_prompts = None
-    if args.eval_every:
-        eval_prompts = _eval_prompts(args, tokenizer, vocab, args.eval_num_prompts, seed=1)
-        if eval_prompts is None and world.is_main:
-            warnings.warn("no evaluation prompts (give --eval-prompts): periodic tau evaluation is off")
+    # ----------------------------------------------------------------------- set-up
 
-    share = args.batch_size // world.world_size
-    micro = min(args.micro_batch_size or share, share)
-    mine = rank_positions(args.batch_size, world)
-    chunks = [mine[i:i + micro] for i in range(0, share, micro)]
-    scale = gradient_scale(world)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    log = _RunLog(out_dir, world.is_main, not args.no_tensorboard, resume=args.resume)
+    def _resolve_options(self) -> None:
+        """Device, directories, the time budget and the dtypes the arguments select."""
+        args = self.args
+        self.device = device = self.world.device
+        self.out_dir = Path(args.out)
+        self.state_dir = Path(args.state_dir) if args.state_dir else self.out_dir / STATE_SUBDIR
+        self.minutes = args.minutes if (args.minutes is not None or args.steps is not None) else 20.0
+        self.bf16 = (device.type == "cuda") if args.bf16 is None else args.bf16
+        if self.bf16 and device.type != "cuda":
+            raise ValueError("--bf16 (autocast) is for CUDA devices; on the CPU train in fp32")
+        self.target_dtype = getattr(torch, args.target_dtype) if args.target_dtype else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
 
-    sharded = is_sharded(draft.fc.weight)
+    def _load_models(self) -> Optional[TrainingState]:
+        """The frozen target, the tokenizer and the fp32 drafter (fresh, ``--init`` or resumed); returns the
+        resumed training state, or None."""
+        from ..tiny.pair import load_target
 
-    def eval_drafter() -> DFlashDraftModel:
+        args = self.args
+        self.target = load_target(args.target, dtype=self.target_dtype, device=self.device)
+        self.target.requires_grad_(False)
+        self.tokenizer = _load_tokenizer(args)
+        self.vocab = self.target.config.vocab_size
+        state = None
+        if args.resume:
+            state = load_state(self.state_dir)
+            draft = _drafter_from_state(state, self.state_dir)
+        elif args.init:
+            draft = DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32)
+        else:
+            draft = _new_drafter(args, self.target, self.tokenizer)
+        self.draft = draft.float().to(self.device).train()
+        self.block_size = self.draft.block_size
+        if args.grad_checkpoint:
+            enable_gradient_checkpointing(self.draft)
+        return state
+
+    def _prepare_data(self) -> None:
+        """The training sequences, the target adapter (checked against the drafter; sharded on request), the
+        objective's config, the capture cache and each sequence's weight sum."""
+        from ..decoding import check_pair as _check_pair
+
+        args, draft, target = self.args, self.draft, self.target
+        self.sequences = read_training_jsonl(args.data, self.vocab, self.block_size, tokenizer=self.tokenizer,
+                                             max_length=args.max_length)
+        self.adapter = TargetAdapter(target, list(draft.target_layer_ids) + [
+            resolve_logit_layer(args.logit_layer, draft.target_layer_ids, target.config.num_hidden_layers)])
+        _check_pair(self.adapter, draft)
+        if args.shard_target:
+            shard_target_layers(self.adapter.layers, self.world)
+        self.cfg = BlockTrainingConfig(block_size=self.block_size, blocks_per_seq=args.blocks_per_seq,
+                                       gamma=args.gamma, logit_layer=self.adapter.capture_layer_ids[-1],
+                                       context_noise=args.context_noise)
+        self.cache = self.adapter.new_cache(max(s.input_ids.numel() for s in self.sequences))
+        self.store = {} if args.cache_target else None
+        self.weight_sums = [sequence_weight_sum(s, self.cfg) for s in self.sequences]
+
+    def _build_optimizer(self, state: Optional[TrainingState]) -> None:
+        """The parallel forward, AdamW over the drafter, and the step, elapsed time and history (restored from
+        ``state`` when resuming)."""
+        self.forward = wrap_drafter(self.draft, self.world, self.args.parallel)
+        groups = _param_groups(self.draft, self.args.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, lr=self.args.lr, betas=(0.9, 0.95))
+        self.step, self.elapsed_before, self.history = 0, 0.0, []
+        if state is not None:
+            _restore_optimizer(self.optimizer, state, self.state_dir)
+            self.step, self.elapsed_before, self.history = state.step, state.elapsed, list(state.history)
+
+    def _plan_batches(self) -> None:
+        """The periodic evaluation prompts, this rank's micro-batches of global-batch positions, the gradient
+        scale, the autocast context and the log sinks."""
+        args, world = self.args, self.world
+        self.eval_prompts = None
+        if args.eval_every:
+            self.eval_prompts = _eval_prompts(args, self.tokenizer, self.vocab, args.eval_num_prompts, seed=1)
+            if self.eval_prompts is None and world.is_main:
+                warnings.warn("no evaluation prompts (give --eval-prompts): periodic tau evaluation is off")
+        share = args.batch_size // world.world_size
+        self.micro = min(args.micro_batch_size or share, share)
+        mine = rank_positions(args.batch_size, world)
+        self.chunks = [mine[i:i + self.micro] for i in range(0, share, self.micro)]
+        self.scale = gradient_scale(world)
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if self.bf16 \
+            else contextlib.nullcontext
+        self.log = _RunLog(self.out_dir, world.is_main, not args.no_tensorboard, resume=args.resume)
+        self.sharded = is_sharded(self.draft.fc.weight)
+
+    # ----------------------------------------------------------------------- clock and schedule
+
+    def elapsed(self) -> float:
+        """Training seconds so far, including those of the runs this one resumes."""
+        return self.elapsed_before + time.perf_counter() - self.start
+
+    def progress(self) -> float:
+        """The schedule's fraction done: the larger of steps / ``--steps`` and rank 0's time / ``--minutes``."""
+        fr = []
+        if self.args.steps is not None:
+            fr.append(self.step / self.args.steps)
+        if self.minutes is not None:
+            fr.append(self.world.broadcast_float(self.elapsed()) / (self.minutes * 60))
+        return max(fr)
+
+    # ----------------------------------------------------------------------- training
+
+    def run_steps(self) -> None:
+        """Optimizer steps until ``--stop-at`` or the schedule's end: logs, evaluations, checkpoints, the bar."""
+        from tqdm import tqdm
+
+        args, world = self.args, self.world
+        bar = tqdm(total=args.steps, initial=self.step, desc="drafter", unit="step",
+                   disable=args.quiet or not world.is_main, mininterval=1.0 if sys.stderr.isatty() else 30.0,
+                   dynamic_ncols=True)
+        stop_at = args.stop_at if args.stop_at is not None else math.inf
+        while self.step < stop_at and self.progress() < 1.0:
+            done = self._optimizer_step()
+            self._log_step(done)
+            if args.save_every and self.step % args.save_every == 0:
+                self.save(self.elapsed())
+            bar.update(1)
+            bar.set_postfix(loss=f"{done.loss:.3f}", block_tau=f"{done.tau_sum / max(done.blocks, 1.0):.2f}",
+                            tok_s=f"{done.tokens / max(done.seconds, 1e-9):.0f}",
+                            eval_tau=f"{self.last_eval:.2f}", refresh=False)
+        bar.close()
+
+    def _optimizer_step(self) -> _StepResult:
+        """One step on the global batch ``I_step``: set the learning rate, accumulate the micro-batch gradients,
+        check the loss, clip, step AdamW and advance the step counter."""
+        args = self.args
+        t_step = time.perf_counter()
+        lr = lr_at(self.progress(), self.step, args.lr, args.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        idx = batch_indices(self.step, args.batch_size, len(self.sequences), args.seed)
+        W = sum(self.weight_sums[i] for i in idx)
+        loss_sum, tau_sum, blocks, tokens = self._accumulate_gradients(idx, W)
+        loss = loss_sum / W
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss} at step {self.step}; lower --lr")
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return _StepResult(lr=lr, loss=loss, loss_sum=loss_sum, weight=W, tau_sum=tau_sum, blocks=blocks,
+                           tokens=tokens, seconds=time.perf_counter() - t_step)
+
+    def _accumulate_gradients(self, idx: List[int], W: float) -> List[float]:
+        """Backward over this rank's micro-batches of ``idx`` (normalised by the global weight sum ``W``;
+        gradients sync on the last); returns the loss, tau, block and token sums over all ranks."""
+        sums = [0.0, 0.0, 0.0, 0.0]  # weighted loss, sum of (1 + leading correct), blocks, supervised tokens
+        for c, chunk in enumerate(self.chunks):
+            gens = [sequence_generator(self.args.seed, self.step, j) for j in chunk]
+            with gradient_sync(self.forward, self.draft, enabled=c == len(self.chunks) - 1), self.autocast():
+                out = step_loss(self.draft, self.adapter, [self.sequences[idx[j]] for j in chunk], self.cfg,
+                                cache=self.cache, store=self.store, generators=gens, normalizer=W,
+                                forward=self.forward)
+                (out.loss * self.scale).backward()
+            sums = [a + b for a, b in zip(sums, (out.loss_sum, out.tau_sum, out.num_blocks, out.supervised_tokens))]
+        return self.world.all_reduce_sum(sums)
+
+    def _log_step(self, done: _StepResult) -> None:
+        """Add the step to the log window; on an evaluation step measure tau; on a log or evaluation step
+        write the window's entry (history, JSONL, TensorBoard, stderr when not a terminal) and reset it."""
+        args, world, window = self.args, self.world, self.window
+        for key, value in (("loss", done.loss_sum), ("weight", done.weight), ("tau", done.tau_sum),
+                           ("blocks", done.blocks), ("tokens", done.tokens), ("seconds", done.seconds),
+                           ("steps", 1)):
+            window[key] += value
+        eval_due = self.eval_prompts and self.step % args.eval_every == 0
+        if eval_due:
+            self.last_eval = distributed_tau(world, self.target, self.eval_drafter(), self.eval_prompts,
+                                             args.eval_new_tokens)
+        if not (eval_due or self.step % args.log_every == 0):
+            return
+        entry = dict(step=self.step, minutes=round(self.elapsed() / 60, 2), lr=done.lr,
+                     loss=round(window["loss"] / window["weight"], 4),
+                     block_tau=round(window["tau"] / max(window["blocks"], 1.0), 3),
+                     tokens_per_s=round(window["tokens"] / max(window["seconds"], 1e-9), 1))
+        if eval_due:
+            entry["eval_tau_T0"] = round(self.last_eval, 3)
+        self.window = dict.fromkeys(window, 0.0)
+        self.history.append(entry)
+        self.log.write(entry)
+        if world.is_main and not sys.stderr.isatty() and not args.quiet:
+            print(json.dumps(entry), file=sys.stderr, flush=True)
+
+    def eval_drafter(self) -> DFlashDraftModel:
         """A whole drafter in the target's dtype on this rank: the drafter itself when it already is one."""
-        if not sharded and target_dtype == torch.float32:
-            return draft
-        copy = DFlashDraftModel(draft.config)
-        copy.load_state_dict(full_parameters(draft), strict=False)
-        return copy.to(device=device, dtype=target_dtype)
+        if not self.sharded and self.target_dtype == torch.float32:
+            return self.draft
+        copy = DFlashDraftModel(self.draft.config)
+        copy.load_state_dict(full_parameters(self.draft), strict=False)
+        return copy.to(device=self.device, dtype=self.target_dtype)
 
-    def save(elapsed_s: float) -> None:
+    # ----------------------------------------------------------------------- saving and the summary
+
+    def save(self, elapsed_s: float) -> None:
         """Rank 0 writes the drafter and the state; under FSDP every rank first helps gather them."""
-        if sharded or world.is_main:
+        draft, optimizer = self.draft, self.optimizer
+        if self.sharded or self.world.is_main:
             params = full_parameters(draft)
             tensors = {f"model.{k}": v for k, v in params.items()}
             tensors.update(_optimizer_tensors(optimizer))
-        if world.is_main:
-            publish = draft if not sharded else DFlashDraftModel(draft.config)
+        if self.world.is_main:
+            publish = draft if not self.sharded else DFlashDraftModel(draft.config)
             if publish is not draft:
                 publish.load_state_dict(params, strict=False)
-            publish.save_pretrained(str(out_dir), dtype=SAVE_DTYPES[args.save_dtype])
-            save_state(state_dir, TrainingState(step=step, elapsed=elapsed_s, history=history,
-                                                config=draft.config.to_dict(), optimizer=_optimizer_meta(optimizer),
-                                                tensors=tensors))
-        world.barrier()
+            publish.save_pretrained(str(self.out_dir), dtype=SAVE_DTYPES[self.args.save_dtype])
+            save_state(self.state_dir, TrainingState(step=self.step, elapsed=elapsed_s, history=self.history,
+                                                     config=draft.config.to_dict(),
+                                                     optimizer=_optimizer_meta(optimizer), tensors=tensors))
+        self.world.barrier()
 
-    start = time.perf_counter()
+    def finish(self) -> dict:
+        """The last checkpoint, then the train log; rank 0 adds the weights' size and the final evaluation
+        (on request) and writes ``train_log.json``."""
+        train_seconds = self.elapsed()
+        self.save(train_seconds)
+        self.log.close()
+        result = self.summary(train_seconds)
+        if self.world.is_main:
+            result["drafter"]["weights_bytes"] = (self.out_dir / "model.safetensors").stat().st_size
+            if self.args.final_eval:
+                _final_eval(self.args, result, self.target, self.tokenizer, self.vocab, self.draft, self.out_dir)
+            (self.out_dir / LOG_NAME).write_text(json.dumps(result, indent=2) + "\n")
+        self.adapter.close()
+        return result
 
-    def elapsed() -> float:
-        return elapsed_before + time.perf_counter() - start
+    def summary(self, train_seconds: float) -> dict:
+        """The train log: the command, the run's size and time, the last logged loss and tau, the data, the
+        drafter, the hyperparameters, the versions and the history."""
+        args, world = self.args, self.world
+        last = [h for h in self.history if "loss" in h][-1:] or [dict(loss=float("nan"), block_tau=float("nan"))]
+        return {
+            "command": ("torchrun --nproc-per-node %d -m dflash train " % world.world_size if world.distributed
+                        else "python -m dflash train ") + " ".join(getattr(args, "argv", [])),
+            "seed": args.seed,
+            "steps": self.step,
+            "world_size": world.world_size,
+            "parallel": args.parallel if world.distributed else None,
+            "train_minutes": round(train_seconds / 60, 2),
+            "train_loss_last_log": last[0]["loss"],
+            "block_tau_last_log": last[0]["block_tau"],
+            "data": {"file": str(args.data), "sequences": len(self.sequences),
+                     "tokens": int(sum(s.input_ids.numel() for s in self.sequences)),
+                     "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in self.sequences))},
+            "drafter": {"layers": self.draft.config.num_hidden_layers, "block_size": self.block_size,
+                        "target_layer_ids": list(self.draft.target_layer_ids), "logit_layer": self.cfg.logit_layer,
+                        "parameters": sum(p.numel() for p in self.draft.parameters()),
+                        "storage_dtype": args.save_dtype},
+            "hyperparameters": self._hyperparameters(),
+            "threads": args.threads,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": __import__("transformers").__version__},
+            "history": self.history,
+        }
 
-    def progress() -> float:
-        fr = []
-        if args.steps is not None:
-            fr.append(step / args.steps)
-        if minutes is not None:
-            fr.append(world.broadcast_float(elapsed()) / (minutes * 60))
-        return max(fr)
-
-    bar = tqdm(total=args.steps, initial=step, desc="drafter", unit="step", disable=args.quiet or not world.is_main,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
-    window = dict(loss=0.0, weight=0.0, tau=0.0, blocks=0.0, tokens=0.0, seconds=0.0, steps=0)
-    last_eval = float("nan")
-    stop_at = args.stop_at if args.stop_at is not None else math.inf
-    while step < stop_at and progress() < 1.0:
-        t_step = time.perf_counter()
-        lr = lr_at(progress(), step, args.lr, args.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        idx = batch_indices(step, args.batch_size, len(sequences), args.seed)
-        W = sum(weight_sums[i] for i in idx)
-        sums = [0.0, 0.0, 0.0, 0.0]  # weighted loss, sum of (1 + leading correct), blocks, supervised tokens
-        for c, chunk in enumerate(chunks):
-            gens = [sequence_generator(args.seed, step, j) for j in chunk]
-            with gradient_sync(forward, draft, enabled=c == len(chunks) - 1), autocast():
-                out = step_loss(draft, adapter, [sequences[idx[j]] for j in chunk], cfg, cache=cache, store=store,
-                                generators=gens, normalizer=W, forward=forward)
-                (out.loss * scale).backward()
-            sums = [a + b for a, b in zip(sums, (out.loss_sum, out.tau_sum, out.num_blocks, out.supervised_tokens))]
-        loss_sum, tau_sum, blocks, tokens = world.all_reduce_sum(sums)
-        loss = loss_sum / W
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss} at step {step}; lower --lr")
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        seconds = time.perf_counter() - t_step
-        for key, value in (("loss", loss_sum), ("weight", W), ("tau", tau_sum), ("blocks", blocks),
-                           ("tokens", tokens), ("seconds", seconds), ("steps", 1)):
-            window[key] += value
-        block_tau = tau_sum / max(blocks, 1.0)
-        entry = None
-        if eval_prompts and step % args.eval_every == 0:
-            last_eval = distributed_tau(world, target, eval_drafter(), eval_prompts, args.eval_new_tokens)
-        if (eval_prompts and step % args.eval_every == 0) or step % args.log_every == 0:
-            entry = dict(step=step, minutes=round(elapsed() / 60, 2), lr=lr,
-                         loss=round(window["loss"] / window["weight"], 4),
-                         block_tau=round(window["tau"] / max(window["blocks"], 1.0), 3),
-                         tokens_per_s=round(window["tokens"] / max(window["seconds"], 1e-9), 1))
-            if eval_prompts and step % args.eval_every == 0:
-                entry["eval_tau_T0"] = round(last_eval, 3)
-            window = dict.fromkeys(window, 0.0)
-            history.append(entry)
-            log.write(entry)
-            if world.is_main and not sys.stderr.isatty() and not args.quiet:
-                print(json.dumps(entry), file=sys.stderr, flush=True)
-        if args.save_every and step % args.save_every == 0:
-            save(elapsed())
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", block_tau=f"{block_tau:.2f}", tok_s=f"{tokens / max(seconds, 1e-9):.0f}",
-                        eval_tau=f"{last_eval:.2f}", refresh=False)
-    bar.close()
-    train_seconds = elapsed()
-    save(train_seconds)
-    log.close()
-    last = [h for h in history if "loss" in h][-1:] or [dict(loss=float("nan"), block_tau=float("nan"))]
-
-    result = {
-        "command": ("torchrun --nproc-per-node %d -m dflash train " % world.world_size if world.distributed
-                    else "python -m dflash train ") + " ".join(getattr(args, "argv", [])),
-        "seed": args.seed,
-        "steps": step,
-        "world_size": world.world_size,
-        "parallel": args.parallel if world.distributed else None,
-        "train_minutes": round(train_seconds / 60, 2),
-        "train_loss_last_log": last[0]["loss"],
-        "block_tau_last_log": last[0]["block_tau"],
-        "data": {"file": str(args.data), "sequences": len(sequences),
-                 "tokens": int(sum(s.input_ids.numel() for s in sequences)),
-                 "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in sequences))},
-        "drafter": {"layers": draft.config.num_hidden_layers, "block_size": B,
-                    "target_layer_ids": list(draft.target_layer_ids), "logit_layer": cfg.logit_layer,
-                    "parameters": sum(p.numel() for p in draft.parameters()),
-                    "storage_dtype": args.save_dtype},
-        "hyperparameters": {"batch_size": args.batch_size, "micro_batch_size": micro, "blocks_per_seq": args.blocks_per_seq,
-                            "lr": args.lr, "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
-                            "grad_clip": args.grad_clip, "gamma": default_gamma(B) if args.gamma is None else args.gamma,
-                            "context_noise": args.context_noise, "minutes": minutes, "max_steps": args.steps,
-                            "bf16_autocast": bf16, "gradient_checkpointing": bool(args.grad_checkpoint)},
-        "threads": args.threads,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": __import__("transformers").__version__},
-        "history": history,
-    }
-    if world.is_main:
-        result["drafter"]["weights_bytes"] = (out_dir / "model.safetensors").stat().st_size
-        if args.final_eval:
-            _final_eval(args, result, target, tokenizer, vocab, draft, out_dir)
-        (out_dir / LOG_NAME).write_text(json.dumps(result, indent=2) + "\n")
-    adapter.close()
-    return result
+    def _hyperparameters(self) -> dict:
+        """The train log's ``hyperparameters``: the batch, schedule and objective settings the run used."""
+        args = self.args
+        return {"batch_size": args.batch_size, "micro_batch_size": self.micro, "blocks_per_seq": args.blocks_per_seq,
+                "lr": args.lr, "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
+                "grad_clip": args.grad_clip,
+                "gamma": default_gamma(self.block_size) if args.gamma is None else args.gamma,
+                "context_noise": args.context_noise, "minutes": self.minutes, "max_steps": args.steps,
+                "bf16_autocast": self.bf16, "gradient_checkpointing": bool(args.grad_checkpoint)}
 
 
 def _final_eval(args, result: dict, target, tokenizer, vocab: int, draft, out_dir: Path) -> None:

@@ -82,9 +82,8 @@ def _int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dflash train",
-                                description="Train a DFlash drafter for a frozen target.")
+def _add_file_arguments(p: argparse.ArgumentParser) -> None:
+    """The data, output, initialisation, resume and checkpoint options."""
     io = p.add_argument_group("data and files")
     io.add_argument("--target", required=True, help="local target directory (HF causal LM)")
     io.add_argument("--data", required=True, help="training JSONL: {'input_ids': [...], 'loss_mask': [...]} "
@@ -101,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--cache-target", action="store_true",
                     help="keep each sequence's target features and labels in memory after its first pass "
                          "(T*n*H floats per sequence; later epochs skip the target)")
+
+
+def _add_architecture_arguments(p: argparse.ArgumentParser) -> None:
+    """The fresh drafter's shape (ignored with --init / --resume)."""
     arch = p.add_argument_group("drafter architecture (ignored with --init / --resume)")
     arch.add_argument("--layers", type=int, default=2)
     arch.add_argument("--block-size", type=int, default=8)
@@ -111,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     arch.add_argument("--head-dim", type=int, default=None, help="default: the target's")
     arch.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     arch.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask id")
+
+
+def _add_optimization_arguments(p: argparse.ArgumentParser) -> None:
+    """The schedule, batch, objective and AdamW options."""
     opt = p.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=None, help="number of optimizer steps")
     opt.add_argument("--minutes", type=float, default=None, help="wall-clock budget (default 20 without --steps)")
@@ -133,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--threads", type=int, default=1,
                      help="torch threads (default 1: on a shared or small CPU more threads often run slower)")
+
+
+def _add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """The device, dtype and parallel-layout options."""
     run = p.add_argument_group("devices and parallelism (torchrun --nproc-per-node N -m dflash train ...)")
     run.add_argument("--parallel", choices=PARALLEL_CHOICES, default="ddp",
                      help="under torchrun: ddp (replicated drafter) or fsdp (FSDP2 fully_shard per layer)")
@@ -147,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the frozen target's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     run.add_argument("--grad-checkpoint", action="store_true",
                      help="recompute drafter layer activations in the backward (long sequences, less memory)")
+
+
+def _add_evaluation_arguments(p: argparse.ArgumentParser) -> None:
+    """The periodic and final tau evaluation and the log options."""
     ev = p.add_argument_group("evaluation and logs")
     ev.add_argument("--log-every", type=int, default=50, help="a log entry (JSONL, TensorBoard) every N steps")
     ev.add_argument("--no-tensorboard", action="store_true",
@@ -162,6 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--final-eval-new-tokens", type=int, default=128)
     ev.add_argument("--ddtree-budgets", type=_int_list, default=[8, 32])
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m dflash train`` parser: files, architecture, optimization, devices, evaluation."""
+    p = argparse.ArgumentParser(prog="python -m dflash train",
+                                description="Train a DFlash drafter for a frozen target.")
+    _add_file_arguments(p)
+    _add_architecture_arguments(p)
+    _add_optimization_arguments(p)
+    _add_device_arguments(p)
+    _add_evaluation_arguments(p)
     return p
 
 
