@@ -99,8 +99,8 @@ def test_model_forward_while_adapter_is_open_is_the_models_own():
 
 
 def test_reference_masks_are_small_and_gqa_is_native():
-    """Reference backend: one ``[T, S]`` visibility mask per round pass (shared by its layers, not one per
-    layer), none for the first prefill chunk; SDPA with enable_gqa, no K/V copies."""
+    """Reference backend: one ``[T, L + T]`` visibility mask per eager round pass (shared by its layers, not
+    one per layer), none for the first prefill chunk; SDPA with enable_gqa, no K/V copies."""
     target = tiny_target("qwen3", layers=2, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     shapes, sdpa_kwargs = [], []
@@ -121,7 +121,8 @@ def test_reference_masks_are_small_and_gqa_is_native():
         result = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=10, tree_budget=5)
     # per round: one mask for the drafter's pass, one for the target's verify (no window here)
     assert len(shapes) == 2 * result.num_rounds
-    assert all(shape == (n, S) and S % 256 == 0 for n, S, shape in shapes)
+    # an eager round's keys stop at the host-known length + T, not the 256-row cache bucket
+    assert all(shape == (n, S) and S < 256 for n, S, shape in shapes)
     assert all(kw.get("enable_gqa") for kw in sdpa_kwargs)
     assert any(kw.get("is_causal") for kw in sdpa_kwargs)  # the prefill: no mask at all
 

@@ -58,6 +58,9 @@ class KVBuffer:
         self.rows = torch.arange(self.max_len, device=kv.device)
         #: True between :meth:`freeze` and :meth:`thaw`: passes are round passes
         self.static = False
+        #: eager round passes: attend over the rows the host mirror says can be visible (``length + T``), not
+        #: the whole cache (a traced round, whose shapes may not change, sets this False)
+        self.key_bound = True
 
     def _check_room(self, new: int) -> None:
         if self.length + new > self.max_len:
@@ -91,13 +94,20 @@ class KVBuffer:
         self.length_t.fill_(self.length)
 
     # ------------------------------------------------- round passes
-    def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor):
+    def key_rows(self, new: int) -> int:
+        """Rows a round pass writing ``new`` rows past the committed ones attends over: the whole cache
+        (``max_len``, fixed: traced rounds), or with :attr:`key_bound` the ``length + new`` the host mirror
+        bounds them by (keys past them are masked either way, so both give the same attention)."""
+        return min(self.max_len, self.length + int(new)) if self.key_bound else self.max_len
+
+    def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, keys: int):
         """Write ``k, v [Hkv, T, D]`` at rows ``start + arange(T)`` (``start [1]`` on the device; the rows are
-        distinct, so the scatter has no overlap); return the whole layer's ``(k, v) [Hkv, max_len, D]``."""
+        distinct, so the scatter has no overlap); return the layer's first ``keys`` rows ``(k, v) [Hkv, keys,
+        D]`` (:meth:`key_rows`)."""
         T = k.shape[-2]
         dflash_kernels.kv_write_(self.kv, layer_idx, start + self.rows[:T], k, v)
         layer = self.kv[layer_idx]
-        return layer[0], layer[1]
+        return layer[0, :, :keys], layer[1, :, :keys]
 
     def freeze(self) -> None:
         """From now on passes are round passes (``length_t`` holds the committed length)."""

@@ -200,6 +200,8 @@ class RoundSteps:
             self._draft, self._verify = _draft_step, _verify_step
         else:
             rnd.host_tree = False  # a traced round builds and walks the tree with the device ops
+            for cache in rnd._caches():  # and attends over whole caches (its shapes may not change)
+                cache.key_bound = False
             self._draft, self._verify = _compiled(_draft_step, rnd.device), _compiled(_verify_step, rnd.device)
 
     def _run_draft(self):

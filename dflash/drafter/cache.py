@@ -53,16 +53,18 @@ class DraftKVCache(KVBuffer):
                     count: torch.Tensor):
         """Write ``k, v [Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block).
 
-        Returns ``(k_all, v_all [Hkv, S, D], prefix [1])``: the whole layer and
-        the number of keys before the block rows (``length_t + count``).
+        Returns ``(k_all, v_all [Hkv, S', D], prefix [1])``: the layer's first
+        ``S' =`` :meth:`key_rows` ``(C + B)`` rows and the number of keys before
+        the block rows (``length_t + count``).
         """
         C = num_context
         prefix = self.length_t + count
+        keys = self.key_rows(k.shape[1])  # the pass's C + B rows past the committed context bound its keys
         # two writes in stream order: the context rows (padding included), then the block rows, which overwrite
         # the padding rows they meet; within each write the destination rows are distinct
         if C:
-            self.write_rows(layer_idx, k[:, :C], v[:, :C], self.length_t)
-        k_all, v_all = self.write_rows(layer_idx, k[:, C:], v[:, C:], prefix)
+            self.write_rows(layer_idx, k[:, :C], v[:, :C], self.length_t, keys)
+        k_all, v_all = self.write_rows(layer_idx, k[:, C:], v[:, C:], prefix, keys)
         return k_all, v_all, prefix
 
     def advance(self, count: torch.Tensor) -> None:

@@ -260,8 +260,8 @@ class DFlashDraftModel(nn.Module):
             # every block row sees the committed context and the whole block: [B, S] per distinct window
             bits = cache.block_bits(B)
             cache.visible = {w: dflash_kernels.tree_visibility(bits, cache.length_t + context_count, B,
-                                                               n_keys=cache.max_len, positions=block_positions,
-                                                               window=w)
+                                                               n_keys=cache.key_rows(C + B),
+                                                               positions=block_positions, window=w)
                              for w in {layer.sliding_window for layer in self.layers}}
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,

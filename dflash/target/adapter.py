@@ -234,7 +234,8 @@ class TargetAdapter:
         features = self._has_attn_features
         visible = None
         if cache.static and backend != "triton":
-            T, S = ids.shape[0], cache.max_len
+            T = ids.shape[0]
+            S = cache.key_rows(T)
             tree_pos = positions if tree_bits is not None else None
             visible = {w: dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
                                                      window=w)

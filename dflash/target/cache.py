@@ -51,7 +51,8 @@ class TargetKVCache(KVBuffer):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         slot = self.kv_slot(layer_idx)
         if self.static:
-            k, v = self.write_rows(slot, key_states[0], value_states[0], self.length_t)
+            T = key_states.shape[-2]
+            k, v = self.write_rows(slot, key_states[0], value_states[0], self.length_t, self.key_rows(T))
         else:
             k, v = self.write(slot, key_states[0], value_states[0])
         return k[None], v[None]
