@@ -237,8 +237,11 @@ class TargetAdapter:
             T = ids.shape[0]
             S = cache.key_rows(T)
             tree_pos = positions if tree_bits is not None else None
-            visible = {w: dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
-                                                     window=w)
+            # one causal row over exactly its keys (an eager AR step) sees them all: no mask where no window
+            sees_all = cache.key_bound and tree_bits is None and T == 1
+            visible = {w: None if sees_all and w is None else
+                       dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
+                                                      window=w)
                        for w in set(self.windows)}
         attention_pass = AttentionPass(
             prefix_len=cache.length_t if cache.static else cache.length,
