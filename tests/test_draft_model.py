@@ -21,13 +21,19 @@ CHECKPOINT_NAMES = [
 
 
 def _run_rounds(draft, feats, splits, B, cache):
-    """Feed context in chunks (as the generate loop does) and return each round's block output."""
-    outs, done = [], 0
-    for end in splits:
-        pos = torch.arange(done, end + B)
+    """Feed context in chunks as a generation does (the first chunk ingested as the prompt's, each later one
+    as a round's waiting context, padded to 8 rows of which ``count`` are real) and return each round's block
+    output."""
+    outs, done = [], splits[0]
+    draft.ingest_context(feats[:done], cache)
+    cache.freeze()
+    for i, end in enumerate(splits):
+        count = end - done if i else 0
+        waiting = torch.zeros(8, feats.shape[1])
+        waiting[:count] = feats[done:end] if i else feats[:0]
         block = torch.randn(B, draft.config.hidden_size, generator=torch.Generator().manual_seed(end))
-        ctx = feats[done:end]
-        outs.append((block, end, draft(block, ctx, pos, cache=cache)))
+        outs.append((block, end, draft.draft_block(block, waiting, torch.tensor([count]), cache)))
+        cache.mirror(end)  # the host mirror a generation refreshes from its payload
         done = end
     return outs
 

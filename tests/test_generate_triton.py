@@ -40,7 +40,8 @@ def test_dflash_on_the_kernels_is_lossless(family):
     with mock.patch.object(dflash_kernels, "gather_concat", wraps=dflash_kernels.gather_concat) as gather:
         res = dflash.generate(target, rigged, PROMPT, max_new_tokens=12)
     assert torch.equal(res.output_ids, ref)
-    assert gather.call_count == res.num_rounds + 1  # prefill + one per round
+    # the prefill's features in one gather launch; a round copies its captured rows inside its traceable step
+    assert gather.call_count == 1
 
 
 def test_ddtree_on_the_kernels_is_lossless_and_uses_tree_attention():
