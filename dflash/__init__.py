@@ -12,12 +12,13 @@ Subpackages, each importing only the ones listed after it: ``benchmark``,
 package ``cache``). See docs/ARCHITECTURE.md.
 """
 
-from .decoding import (DFlashDraftModel, GenerationResult, SamplingSettings, UnsupportedGeneration, apply, generate,
+from .decoding import (DFlash2DraftModel, DFlashDraftModel, GenerationResult, SamplingSettings, UnsupportedGeneration, apply, generate,
                        stream, unapply, warmup)
 from .drafter import DraftConfigError, default_target_layer_ids, make_draft_config
 from .target import TargetAdapter, TargetStructureError
 
 __all__ = [
+    "DFlash2DraftModel",
     "DFlashDraftModel",
     "DraftConfigError",
     "GenerationResult",

@@ -37,3 +37,11 @@ class DFlashDraftModel(model.DFlashDraftModel):
         result = generate(target, self, input_ids, method="dflash", max_new_tokens=max_new_tokens,
                           temperature=temperature, stop_token_ids=stop_token_ids, **kwargs)
         return result.output_ids
+
+
+class DFlash2DraftModel(model.DFlash2DraftModel, DFlashDraftModel):
+    """The DFlash2 drafter (:class:`dflash.drafter.model.DFlash2DraftModel`) plus :meth:`spec_generate`."""
+
+
+DFlashDraftModel.dflash2_class = DFlash2DraftModel
+DFlash2DraftModel.dflash2_class = DFlash2DraftModel

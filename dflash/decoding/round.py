@@ -150,7 +150,8 @@ class Round:
         self.dcache = DraftKVCache(draft.config, S_draft, dtype=draft_dtype, device=device,
                                    kv=alloc("draft", DraftKVCache.kv_shape(draft.config, S_draft), draft_dtype,
                                             device))
-        self.dcache.block_bits(B)  # made before tracing: a traced step only looks it up
+        for causal in {layer.causal for layer in draft.layers}:  # made before tracing: a traced step looks them up
+            self.dcache.block_bits(B, causal)
         width = len(adapter.capture_layer_ids) * adapter.hidden_size
         self.ctx = torch.zeros(B, width, dtype=adapter.dtype, device=device)
         self.ctx_count = torch.zeros(1, **long)

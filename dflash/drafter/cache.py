@@ -40,13 +40,22 @@ class DraftKVCache(KVBuffer):
         super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
         self._block_bits = {}
 
-    def block_bits(self, B: int) -> torch.Tensor:
-        """``[B, ceil(B/32)]`` int32, every bit set: each block query sees every block key (made once per
-        cache and block size, before any traced pass reads it)."""
-        bits = self._block_bits.get(B)
+    def block_bits(self, B: int, causal: bool = False) -> torch.Tensor:
+        """``[B, ceil(B/32)]`` int32 block visibility: every bit set (each block query sees every block key),
+        or with ``causal`` bit ``j'`` of row ``j`` set iff ``j' <= j``. Made once per cache, block size and
+        kind, before any traced pass reads it."""
+        bits = self._block_bits.get((B, causal))
         if bits is None:
-            bits = self._block_bits[B] = torch.full((B, (B + 31) // 32), -1, dtype=torch.int32,
-                                                    device=self.kv.device)
+            if causal:
+                seen = torch.ones(B, B, dtype=torch.bool).tril()
+                words = torch.zeros(B, (B + 31) // 32, dtype=torch.int64)
+                for j in range(B):
+                    words[:, j // 32] |= seen[:, j].long() << (j % 32)
+                words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as int32 bit patterns
+                bits = words.to(device=self.kv.device, dtype=torch.int32)
+            else:
+                bits = torch.full((B, (B + 31) // 32), -1, dtype=torch.int32, device=self.kv.device)
+            self._block_bits[(B, causal)] = bits
         return bits
 
     def write_block(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,

@@ -110,6 +110,8 @@ def make_draft_config(
         kwargs["layer_types"] = list(layer_types)
         kwargs["sliding_window"] = sliding_window
         kwargs["use_sliding_window"] = any(t == "sliding_attention" for t in layer_types)
+        # written out: left unset, the reference makes sliding-window layers causal
+        kwargs["is_causal"] = False
     kwargs.update(extra)
     config = qwen3_config(kwargs)
     check_draft_config(config)
@@ -129,6 +131,20 @@ def qwen3_config(values: Dict[str, Any]) -> Qwen3Config:
         raise DraftConfigError(f"invalid drafter config: {e}") from e
 
 
+def dflash_value(config, name: str, default: Any = None) -> Any:
+    """A DFlash key: ``dflash_config[name]`` when present, else the top-level attribute, else ``default``.
+
+    Published configs place the drafter's own keys (``block_size``, the DFlash2
+    keys, ``input_embedding_scale``, ...) either inside ``dflash_config`` or at
+    the top level; both are read, ``dflash_config`` first.
+    """
+    inner = getattr(config, "dflash_config", None) or {}
+    if name in inner and inner[name] is not None:
+        return inner[name]
+    value = getattr(config, name, None) if not isinstance(config, dict) else config.get(name)
+    return default if value is None else value
+
+
 def draft_layer_ids(config: Qwen3Config) -> List[int]:
     """``dflash_config.target_layer_ids`` if given, else the published default."""
     dflash_config = getattr(config, "dflash_config", None) or {}
@@ -141,13 +157,14 @@ def draft_layer_ids(config: Qwen3Config) -> List[int]:
 def check_draft_config(config: Qwen3Config) -> None:
     """Validate the DFlash keys of a drafter config, with messages naming the key."""
     for key in ("num_target_layers", "block_size"):
-        if getattr(config, key, None) is None:
+        if dflash_value(config, key) is None:
             raise DraftConfigError(f"drafter config is missing '{key}' (required by the DFlash checkpoint format)")
     dflash_config = getattr(config, "dflash_config", None)
     if not isinstance(dflash_config, dict) or "mask_token_id" not in dflash_config:
         raise DraftConfigError("drafter config needs dflash_config = {'mask_token_id': int, 'target_layer_ids': [...]}")
-    if int(config.block_size) < 2:
-        raise DraftConfigError(f"block_size must be >= 2 (anchor + at least one drafted token), got {config.block_size}")
+    block_size = int(dflash_value(config, "block_size"))
+    if block_size < 2:
+        raise DraftConfigError(f"block_size must be >= 2 (anchor + at least one drafted token), got {block_size}")
     mask_id = int(dflash_config["mask_token_id"])
     if not 0 <= mask_id < config.vocab_size:
         raise DraftConfigError(f"mask_token_id {mask_id} is outside the vocabulary (size {config.vocab_size})")

@@ -130,6 +130,7 @@ def zlab_config_from_native(raw: Dict[str, Any], target_config=None) -> Dict[str
     out["layer_types"] = list(layer_types)
     sliding = any(t == "sliding_attention" for t in layer_types)
     out["use_sliding_window"] = sliding
+    out["is_causal"] = False  # the native assistant's mask is bidirectional
     out["sliding_window"] = int(raw.get("sliding_window", 2048)) + 1 if sliding else None
     if "rope_parameters" not in out:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}  # the native class's default

@@ -30,7 +30,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import dflash_kernels
 
-from .config import DraftConfigError, check_draft_config, draft_layer_ids, qwen3_config
+from .config import DraftConfigError, check_draft_config, dflash_value, draft_layer_ids, qwen3_config
+from .dflash2 import CandidateSelector, GroupedDynamicCausalConv, is_dflash2
 from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
                       write_weights, zlab_config_from_native)
 
@@ -117,6 +118,7 @@ class DraftAttention(nn.Module):
         window: Optional[int] = None,
         block_positions: Optional[torch.Tensor] = None,
         context_count: Optional[torch.Tensor] = None,
+        causal: bool = False,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
@@ -140,9 +142,10 @@ class DraftAttention(nn.Module):
         if cache is not None:
             k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
             if cache.visible is not None:  # reference backend
-                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window], scale=self.scaling)
+                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal],
+                                                      scale=self.scaling)
             else:
-                out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B), prefix,
+                out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal), prefix,
                                                     scale=self.scaling, positions=block_positions, window=window,
                                                     backend="triton")
         else:
@@ -153,6 +156,16 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """Pre-norm attention then MLP, residual around each.
+
+    ``causal``: block queries see only block keys at or before them (z-lab's
+    ``is_causal``; unset, sliding-window layers are causal and full-attention
+    layers are not, as the reference decides). DFlash2 layers
+    (``attention_conv`` / ``mlp_conv`` set) wrap each sublayer in a
+    :class:`~dflash.drafter.dflash2.GroupedDynamicCausalConv` along each block
+    of ``block_size`` rows: ``y = finish(f(prepare(norm(x))))``.
+    """
+
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
         self.self_attn = DraftAttention(config, layer_idx)
@@ -162,34 +175,57 @@ class DraftLayer(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         kind = layer_types[layer_idx] if layer_types else "full_attention"
         self.sliding_window = config.sliding_window if kind == "sliding_attention" else None
+        is_causal = dflash_value(config, "is_causal")
+        self.causal = kind == "sliding_attention" if is_causal is None else bool(is_causal)
+        self.block_size = int(dflash_value(config, "block_size"))
+        self.attention_conv: Optional[GroupedDynamicCausalConv] = None
+        self.mlp_conv: Optional[GroupedDynamicCausalConv] = None
+
+    def _wrapped(self, conv, sublayer, h):
+        """``sublayer(h)``, inside ``conv``'s prepare / finish when the layer has one (rows in blocks of B)."""
+        if conv is None:
+            return sublayer(h)
+        rows, H = h.shape
+        x, d1 = conv.prepare(h.view(rows // self.block_size, self.block_size, H))
+        return conv.finish(sublayer(x.view(rows, H)).view(x.shape), d1).view(rows, H)
 
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
                 context_count=None):
-        h = self.input_layernorm(block)
-        block = block + self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,
-                                       window=self.sliding_window, block_positions=block_positions,
-                                       context_count=context_count)
-        return block + self.mlp(self.post_attention_layernorm(block))
+        attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
+                                          window=self.sliding_window, block_positions=block_positions,
+                                          context_count=context_count, causal=self.causal)
+        block = block + self._wrapped(self.attention_conv, attend, self.input_layernorm(block))
+        return block + self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block))
 
 
-def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``[Q, K]`` mask hiding keys more than ``window - 1`` positions behind a query.
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], dtype: torch.dtype,
+                        causal: bool = False) -> torch.Tensor:
+    """Additive ``[Q, K]`` mask hiding keys more than ``window - 1`` positions behind a query (``window``
+    None: no window).
 
-    Keys ahead of the query (later block positions) stay visible: the drafter is not causal.
+    Keys ahead of the query (later block positions) stay visible unless ``causal``.
     """
-    hidden = (q_pos[:, None] - k_pos[None, :]) >= window
+    gap = q_pos[:, None] - k_pos[None, :]
+    hidden = gap >= window if window is not None else torch.zeros_like(gap, dtype=torch.bool)
+    if causal:
+        hidden = hidden | (gap < 0)
     return torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, torch.finfo(dtype).min)
 
 
 class DFlashDraftModel(nn.Module):
     """DFlash block-diffusion drafter (Qwen3-style layers reading target features)."""
 
+    #: the ``architectures`` entry of the z-lab format
+    architecture = "DFlashDraftModel"
+    #: what :meth:`from_pretrained` builds for a DFlash2 checkpoint (set below, and by subclasses)
+    dflash2_class: type = None
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         check_draft_config(config)
         self.config = config
         self.target_layer_ids = draft_layer_ids(config)
-        self.block_size = int(config.block_size)
+        self.block_size = int(dflash_value(config, "block_size"))
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         H = config.hidden_size
         self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
@@ -230,8 +266,8 @@ class DFlashDraftModel(nn.Module):
         block_positions = positions[context.shape[0]:]
         for layer in self.layers:
             mask = attn_mask
-            if layer.sliding_window is not None:
-                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype)
+            if layer.sliding_window is not None or layer.causal:
+                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype, layer.causal)
                 mask = window if mask is None else mask + window
             block = layer(block, context, cos, sin, attn_mask=mask, block_positions=block_positions)
         return self.norm(block)
@@ -257,12 +293,13 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rope(positions, block)
         cache.visible = None
         if dflash_kernels.get_backend(block.device) != "triton":
-            # every block row sees the committed context and the whole block: [B, S] per distinct window
-            bits = cache.block_bits(B)
-            cache.visible = {w: dflash_kernels.tree_visibility(bits, cache.length_t + context_count, B,
-                                                               n_keys=cache.key_rows(C + B),
-                                                               positions=block_positions, window=w)
-                             for w in {layer.sliding_window for layer in self.layers}}
+            # every block row sees the committed context and the whole block (causal layers: the block up to
+            # itself): [B, S] per distinct (window, causal)
+            cache.visible = {(w, c): dflash_kernels.tree_visibility(cache.block_bits(B, c),
+                                                                    cache.length_t + context_count, B,
+                                                                    n_keys=cache.key_rows(C + B),
+                                                                    positions=block_positions, window=w)
+                             for w, c in {(layer.sliding_window, layer.causal) for layer in self.layers}}
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
                           context_count=context_count)
@@ -307,7 +344,10 @@ class DFlashDraftModel(nn.Module):
         }
         if format == "zlab":
             config = self.config.to_dict()
-            config["architectures"] = ["DFlashDraftModel"]
+            config["architectures"] = [self.architecture]
+        elif self.architecture != "DFlashDraftModel":
+            raise DraftConfigError(f"the transformers DFlash assistant format holds DFlash drafters only, not "
+                                   f"{self.architecture}; write it in the zlab format")
         else:
             config = native_config_from_zlab(self.config)
             state = to_native_names(state)
@@ -339,6 +379,10 @@ class DFlashDraftModel(nn.Module):
         with open(config_path) as f:
             raw = json.load(f)
         state, _ = read_weights(directory)
+        for name in ("predecessor_codebook", "successor_codebook"):  # published DFlash2 names lack ".weight"
+            bare = f"candidate_selector.{name}"
+            if bare in state:
+                state[bare + ".weight"] = state.pop(bare)
         fmt = detect_format(raw, state.keys())
         if fmt == "transformers":
             raw = zlab_config_from_native(raw, target_config)
@@ -347,7 +391,7 @@ class DFlashDraftModel(nn.Module):
         raw.pop("auto_map", None)
         raw.pop("model_type", None)
         config = qwen3_config(raw)
-        model = cls(config)
+        model = cls.class_for(config)(config)
         expected = {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
         shown = to_native_names if fmt == "transformers" else (lambda d: d)
         missing = sorted(shown({k: None for k in set(expected) - set(state)}))
@@ -370,5 +414,47 @@ class DFlashDraftModel(nn.Module):
             dtype = next(iter(state.values())).dtype
         return model.to(device=device, dtype=dtype).eval()
 
+    @classmethod
+    def class_for(cls, config) -> type:
+        """The class that holds a drafter of ``config``: ``cls``, or its DFlash2 counterpart for a DFlash2
+        config (:func:`~dflash.drafter.dflash2.is_dflash2`); a DFlash2 class asked for a DFlash config is an
+        error."""
+        dflash2 = is_dflash2(config)
+        if dflash2 and not issubclass(cls, DFlash2DraftModel):
+            return cls.dflash2_class
+        if not dflash2 and issubclass(cls, DFlash2DraftModel):
+            raise DraftConfigError("this checkpoint is a DFlash drafter (no conv_kernel_size / conv_group_size / "
+                                   "selector_rank / selector_top_k): load it with DFlashDraftModel")
+        return cls
+
     def extra_repr(self) -> str:
         return f"target_layer_ids={self.target_layer_ids}, block_size={self.block_size}, mask_token_id={self.mask_token_id}"
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The DFlash2 drafter: every layer's attention and MLP inside a grouped dynamic causal convolution, and a
+    :class:`~dflash.drafter.dflash2.CandidateSelector` choosing the proposals (:mod:`dflash.drafter.dflash2`).
+
+    Weights beyond DFlash's: ``layers.{i}.{attention,mlp}_conv.base_kernel [2, K, H]``,
+    ``layers.{i}.{attention,mlp}_conv.kernel_projection.weight [2*K*G, H]``,
+    ``candidate_selector.{predecessor,successor}_codebook.weight [V, r]``,
+    ``candidate_selector.hidden_projection.weight [r, H]``.
+    """
+
+    architecture = "DFlash2DraftModel"
+
+    def __init__(self, config: Qwen3Config):
+        if not is_dflash2(config):
+            raise DraftConfigError("a DFlash2 drafter config needs conv_kernel_size, conv_group_size, selector_rank "
+                                   "and selector_top_k (in dflash_config or at the top level)")
+        super().__init__(config)
+        K, g = int(dflash_value(config, "conv_kernel_size")), int(dflash_value(config, "conv_group_size"))
+        if K > self.block_size:
+            raise DraftConfigError(f"conv_kernel_size {K} exceeds block_size {self.block_size}")
+        for layer in self.layers:
+            layer.attention_conv = GroupedDynamicCausalConv(config.hidden_size, K, g)
+            layer.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, K, g)
+        self.candidate_selector = CandidateSelector(config)
+
+
+DFlashDraftModel.dflash2_class = DFlash2DraftModel
