@@ -23,6 +23,9 @@ Public ops (each family's module defines ``__all__``):
   (``kv_write_``, C++): :mod:`.tree`, :mod:`.tree_attention`, :mod:`.kv_compaction`
 * hybrid targets' Gated-DeltaNet layers: tree scan, path replay, tree conv,
   conv window: :mod:`.gated_delta`
+* DFlash2 drafters: the grouped dynamic causal conv (``dynamic_conv``) and the
+  candidate selector's chain (``select_candidates``): :mod:`.dynamic_conv`,
+  :mod:`.selector`
 """
 
 import torch  # noqa: F401  (loads libtorch before the C++ extension)
@@ -36,6 +39,8 @@ from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
 from .gated_delta import *  # noqa: F401,F403
+from .dynamic_conv import *  # noqa: F401,F403
+from .selector import *  # noqa: F401,F403
 from . import ops  # noqa: F401  (every torch.library registration: torch.ops.dflash.*)
 
 __version__ = "0.1.0"

@@ -22,7 +22,12 @@ holds what ``torch.compile`` needs to trace a call without looking inside it:
 * a backward for ``lm_head_cross_entropy`` (``register_autograd``): the
   gradient with respect to ``hidden`` through the row gather and the final
   norm, ``weight`` / ``norm_weight`` / the loss ``weights`` frozen, as the
-  public function's autograd does.
+  public function's autograd does;
+* a backward for ``dynamic_conv`` (``register_autograd``): the gradients of
+  every tensor input, by the torch math of
+  :func:`dflash_kernels.reference.dynamic_conv_backward`. The public
+  function routes a call that needs gradients through the custom op, so the
+  Triton forward trains.
 
 One op name per public op. Where a public op takes an int or a tensor for a
 per-round value, the two schemas are two overloads of that name (as aten's
@@ -81,7 +86,10 @@ from . import lm_head as _lm
 from . import sampling as _sampling
 from . import tree as _tree
 from . import tree_device as _tree_device
+from .dynamic_conv import _forward as _dynamic_conv_forward
+from .reference.dynamic_conv import dynamic_conv_backward as _dynamic_conv_backward
 from .reference.lm_head import HeadInputs, resolve_logit_dtype
+from .selector import select_candidates as _select_candidates
 # (not ``from . import tree_attention``: the package attribute of that name is the function)
 from .tree_attention import tree_attention as _tree_attention
 
@@ -582,3 +590,56 @@ def conv_window_after(window: Tensor, x: Tensor, rows: Tensor, num_rows: Tensor)
 @conv_window_after.register_fake
 def _conv_window_after_fake(window, x, rows, num_rows):
     return window.new_empty(window.shape)
+
+
+# --------------------------------------------------------------------------- DFlash2
+#
+# ``dynamic_conv``: a new contiguous ``[nb, B, H]`` in ``x``'s dtype (``dynamic`` read through its strides), with
+# a backward. ``select_candidates``: ``(tokens int64, index int64, q fp32)`` shaped like ``unary`` minus / plus
+# its last dimension; ``seed`` (int64 ``[1]``) is required when ``temperature > 0``; no backward.
+
+
+@torch.library.custom_op(f"{_NS}::dynamic_conv", mutates_args=())
+def dynamic_conv(x: Tensor, dynamic: Tensor, base: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+    """:func:`dflash_kernels.dynamic_conv`: ``residual + conv(x, dynamic, base)`` ``[nb, B, H]`` in x's dtype,
+    on :func:`dflash_kernels.get_backend` of x's device."""
+    from ._dispatch import get_backend
+
+    return _dynamic_conv_forward(x.detach(), dynamic.detach(), base.detach(),
+                                 None if residual is None else residual.detach(), get_backend(x.device))
+
+
+@dynamic_conv.register_fake
+def _dynamic_conv_fake(x, dynamic, base, residual=None):
+    return x.new_empty(x.shape)
+
+
+def _dynamic_conv_setup_context(ctx, inputs, output):
+    x, dynamic, base, residual = inputs
+    ctx.save_for_backward(x, dynamic, base)
+    ctx.has_residual = residual is not None
+
+
+def _dynamic_conv_grad(ctx, grad):
+    x, dynamic, base = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:3]) + (ctx.has_residual and ctx.needs_input_grad[3],)
+    return _dynamic_conv_backward(grad, x, dynamic, base, needs)
+
+
+dynamic_conv.register_autograd(_dynamic_conv_grad, setup_context=_dynamic_conv_setup_context)
+
+
+@torch.library.custom_op(f"{_NS}::select_candidates", mutates_args=())
+def select_candidates(unary: Tensor, candidates: Tensor, projected: Tensor, predecessor: Tensor,
+                      successor: Tensor, anchor: Tensor, temperature: float,
+                      seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.select_candidates`: ``(tokens [.., D] int64, index [.., D] int64, q [.., D, k]
+    fp32)``."""
+    return _select_candidates(unary, candidates, projected, predecessor, successor, anchor, temperature, seed)
+
+
+@select_candidates.register_fake
+def _select_candidates_fake(unary, candidates, projected, predecessor, successor, anchor, temperature, seed=None):
+    lead = unary.shape[:-1]
+    return (unary.new_empty(lead, dtype=torch.int64), unary.new_empty(lead, dtype=torch.int64),
+            unary.new_empty(unary.shape, dtype=torch.float32))

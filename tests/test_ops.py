@@ -75,6 +75,19 @@ def _kv_inputs():
     return kv, torch.tensor([3, 5, 6]), 3
 
 
+def _dflash2_inputs():
+    """DFlash2: x, a half of the projection output (a strided view), base, residual; selector inputs."""
+    g = torch.Generator().manual_seed(7)
+    x, residual = torch.randn(2, 5, 48, generator=g), torch.randn(2, 5, 48, generator=g)
+    dyn = torch.randn(2, 5, 2, 3, 3, generator=g)[:, :, 1]
+    base = torch.randn(3, 48, generator=g)
+    unary = torch.randn(4, 3, generator=g)
+    candidates = torch.randint(0, 30, (4, 3), generator=g)
+    selector = (unary, candidates, torch.randn(4, 5, generator=g), torch.randn(30, 5, generator=g),
+                torch.randn(30, 5, generator=g), torch.tensor([2]))
+    return (x, dyn, base, residual), selector
+
+
 def cases():
     """``(id, op, args, kwargs, public)``: ``public(*args, **kwargs)`` is the public call the op stands for."""
     g = torch.Generator().manual_seed(4)
@@ -89,6 +102,8 @@ def cases():
     kv, src, dst = _kv_inputs()
     lm = dict(norm_weight=norm_weight, positions=positions)
     s_query, s_key, s_value, s_bits, s_prefix, s_pos, s_sinks = _static_attention_inputs()
+    conv, sel = _dflash2_inputs()
+    conv_grad = tuple(t.clone().requires_grad_(True) for t in conv)
 
     def walk_public(p, t, c):
         accepted, bonus = dk.walk_tree(p, t, c)
@@ -151,6 +166,11 @@ def cases():
          lambda h, w, t, k, p, m, s: dk.lm_head_sample_processed(h, w, t, top_k=k, top_p=p, min_p=m, seed=s)),
         ("compact_kv_tensor", OPS.compact_kv_.tensor, (kv, src, torch.tensor([dst]), torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+        ("dynamic_conv", OPS.dynamic_conv, conv[:3], {}, lambda *a: dk.dynamic_conv(*a)),
+        ("dynamic_conv_residual_grad", OPS.dynamic_conv, conv_grad, {}, lambda *a: dk.dynamic_conv(*a)),
+        ("select_candidates", OPS.select_candidates, sel + (0.0,), {}, lambda *a: dk.select_candidates(*a)),
+        ("select_candidates_sample", OPS.select_candidates, sel + (0.8, torch.tensor([5])), {},
+         lambda *a: dk.select_candidates(*a)),
     ]
 
 
@@ -181,7 +201,8 @@ REGISTERED = {"gather_concat": {"default", "into"}, "lm_head_logits": {"default"
               "build_tree_device": {"default", "tables"}, "walk_tree_device": {"default"},
               "tree_attention": {"default", "tensor"}, "compact_kv_": {"default", "tensor"},
               "kv_write_": {"default"}, "gated_delta_tree": {"default"}, "gated_delta_replay_": {"default"},
-              "causal_conv_tree": {"default"}, "conv_window_after": {"default"}}
+              "causal_conv_tree": {"default"}, "conv_window_after": {"default"}, "dynamic_conv": {"default"},
+              "select_candidates": {"default"}}
 
 
 def test_every_public_op_is_registered():
@@ -349,6 +370,15 @@ def _public_step(query, key, value, bits, prefix, hidden, weight, seed, kv, src,
     return out.sum(0), tokens, kv.sum()
 
 
+def _dflash2_step(x, dyn, base, residual, unary, candidates, projected, pred, succ, anchor, seed):
+    """A DFlash2 layer's two convs (the second with the residual) and the selector's seeded chain, through
+    the public ops."""
+    y = dk.dynamic_conv(x, dyn, base)
+    out = dk.dynamic_conv(y * 2, dyn, base, residual)
+    tokens, index, q = dk.select_candidates(unary, candidates, projected, pred, succ, anchor, 0.7, seed + 1)
+    return out.sum(0), tokens, index, q
+
+
 def _tree_step(logprobs, ids, choice):
     token_ids, depths, parents = OPS.build_tree_device(logprobs, ids, 9)
     bits = OPS.ancestor_bits(parents, False)
@@ -372,6 +402,7 @@ def _compile_cases():
         ("public_step", _public_step, _static_attention_inputs()[:5] + (hidden, weight, torch.tensor([3]))
          + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
         ("build_tree_device", _tree_step, (logprobs, ids, choice)),
+        ("dflash2", _dflash2_step, _dflash2_inputs()[0] + _dflash2_inputs()[1] + (torch.tensor([4]),)),
     ]
 
 

@@ -16,6 +16,10 @@ rank, ``k`` selector candidates, ``D = B - 1`` drafted positions):
   ``t - o``; nothing crosses a block boundary, context rows are never
   convolved). ``base_kernel [2, K, H]``; identity initialisation is
   ``base[:, 0] = 1``, every other tap and the projection 0 (a DFlash layer).
+  Both convs are :func:`dflash_kernels.dynamic_conv` (one launch each on the
+  Triton backend, the taps summed in fp32 and rounded once; ``finish`` takes
+  the layer's residual and returns ``residual + conv``, fused in the same
+  launch); the projection is one GEMM whose halves the op reads in place.
 * :class:`CandidateSelector` over the drafter's logits ``z [D, V]`` at block
   positions ``1..D`` and final block states ``h [D, H]``::
 
@@ -26,7 +30,11 @@ rank, ``k`` selector candidates, ``D = B - 1`` drafted positions):
       prev_1 = the anchor token, prev_{j+1} = x_j
 
   ``q_j`` is the drafter's distribution the verifier uses in rejection
-  sampling (zero outside ``c_j``). Adding a constant to every ``u_j[i]`` of
+  sampling (zero outside ``c_j``). The chain is
+  :func:`dflash_kernels.select_candidates` (one launch for all ``D``
+  positions on the Triton backend; sampling by inverse CDF with one uniform
+  per position, from a device seed), or, given explicit uniforms,
+  :func:`dflash_kernels.reference.select_chain`. Adding a constant to every ``u_j[i]`` of
   one position changes neither the argmax nor ``q_j``, so log-probabilities
   of the logits serve as ``u`` as well as the logits themselves.
 
@@ -42,10 +50,12 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+import dflash_kernels
+from dflash_kernels.reference import select_chain
+
 from .config import DraftConfigError, dflash_value
 
-__all__ = ["CandidateSelector", "GroupedDynamicCausalConv", "DFLASH2_KEYS", "dynamic_conv_reference", "is_dflash2",
-           "select_reference"]
+__all__ = ["CandidateSelector", "GroupedDynamicCausalConv", "DFLASH2_KEYS", "is_dflash2", "select_reference"]
 
 #: the config keys a DFlash2 drafter adds to a DFlash one
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -62,21 +72,6 @@ def is_dflash2(config) -> bool:
         raise DraftConfigError(f"drafter config sets the DFlash2 keys {present} but not {missing}: a DFlash2 drafter "
                                f"needs all of {', '.join(DFLASH2_KEYS)}")
     return bool(present)
-
-
-def dynamic_conv_reference(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """``conv(x, dynamic, base)`` of the module docstring: ``x [nb, B, H]``, ``dynamic [nb, B, K, G]``,
-    ``base [K, H]`` -> ``[nb, B, H]`` (in ``x``'s dtype, accumulated tap by tap in that dtype)."""
-    nb, B, H = x.shape
-    K, G = dynamic.shape[-2], dynamic.shape[-1]
-    g = H // G
-    xg = x.view(nb, B, G, g)
-    out = torch.zeros_like(xg)
-    for o in range(min(K, B)):
-        shifted = xg if o == 0 else torch.nn.functional.pad(xg[:, : B - o], (0, 0, 0, 0, o, 0))
-        out = out + base[o].view(1, 1, G, g).to(x.dtype) * shifted
-        out = torch.addcmul(out, dynamic[:, :, o, :, None].to(x.dtype), shifted)
-    return out.view(nb, B, H)
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -107,19 +102,22 @@ class GroupedDynamicCausalConv(nn.Module):
         return self.kernel_projection(x).view(nb, B, 2, self.kernel_size, self.groups)
 
     def prepare(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(conv(x, d0, base0) [nb, B, H], d1 [nb, B, K, G])`` for ``x [nb, B, H]``."""
+        """``(conv(x, d0, base0) [nb, B, H], d1 [nb, B, K, G])`` for ``x [nb, B, H]`` (``d1`` a view of the
+        projection output)."""
         d = self.dynamic(x)
-        return dynamic_conv_reference(x, d[:, :, 0], self.base_kernel[0]), d[:, :, 1]
+        return dflash_kernels.dynamic_conv(x, d[:, :, 0], self.base_kernel[0]), d[:, :, 1]
 
-    def finish(self, y: torch.Tensor, d1: torch.Tensor) -> torch.Tensor:
-        """``conv(y, d1, base1)`` for the sublayer's output ``y [nb, B, H]``."""
-        return dynamic_conv_reference(y, d1, self.base_kernel[1])
+    def finish(self, y: torch.Tensor, d1: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``conv(y, d1, base1)`` for the sublayer's output ``y [nb, B, H]``; ``residual + conv(...)`` (one
+        fused launch) when ``residual [nb, B, H]`` is given."""
+        return dflash_kernels.dynamic_conv(y, d1, self.base_kernel[1], residual)
 
 
 def select_reference(unary: torch.Tensor, candidates: torch.Tensor, projected: torch.Tensor,
                      predecessor: torch.Tensor, successor: torch.Tensor, anchor: torch.Tensor,
                      temperature: float = 0.0, uniforms: Optional[torch.Tensor] = None):
-    """The selector's chain, position by position (the module docstring's math).
+    """The selector's chain, position by position (the module docstring's math): the kernels layer's
+    :func:`dflash_kernels.reference.select_chain`.
 
     ``unary, candidates [D, k]``, ``projected [D, r]`` (``hidden_projection(h)``),
     ``predecessor, successor [V, r]`` (the codebooks), ``anchor [1]`` int64.
@@ -130,25 +128,7 @@ def select_reference(unary: torch.Tensor, candidates: torch.Tensor, projected: t
     (``q`` the softmax of the scores at ``temperature``, or of the scores
     themselves when greedy).
     """
-    D = unary.shape[0]
-    prev = anchor.reshape(1)
-    tokens, index, qs = [], [], []
-    for j in range(D):
-        scores = unary[j].float() + (successor[candidates[j]].float()
-                                      @ (predecessor[prev[0]].float() * projected[j].float()))
-        q = torch.softmax(scores / (temperature if temperature > 0 else 1.0), dim=-1)
-        if temperature > 0:
-            if uniforms is None:
-                raise ValueError("sampling needs uniforms [D]")
-            cdf = q.cumsum(0)
-            i = torch.clamp((cdf <= uniforms[j].float()).sum(), max=q.numel() - 1).reshape(1)
-        else:
-            i = scores.argmax().reshape(1)
-        prev = candidates[j].gather(0, i)
-        tokens.append(prev)
-        index.append(i)
-        qs.append(q)
-    return torch.cat(tokens), torch.cat(index), torch.stack(qs)
+    return select_chain(unary, candidates, projected, predecessor, successor, anchor, temperature, uniforms)
 
 
 class CandidateSelector(nn.Module):
@@ -179,8 +159,17 @@ class CandidateSelector(nn.Module):
         return unary + torch.einsum("...r,...kr->...k", context, self.successor_codebook(candidates))
 
     def select(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor,
-               temperature: float = 0.0, uniforms: Optional[torch.Tensor] = None):
-        """The chain of :func:`select_reference` for final block states ``hidden [D, H]`` and their top-k
-        ``unary, candidates [D, k]``."""
-        return select_reference(unary, candidates, self.hidden_projection(hidden), self.predecessor_codebook.weight,
-                                self.successor_codebook.weight, anchor, temperature, uniforms)
+               temperature: float = 0.0, uniforms: Optional[torch.Tensor] = None,
+               seed: Optional[torch.Tensor] = None):
+        """The chain of :func:`select_reference` for final block states ``hidden [D, H]`` (or ``[S, D, H]``)
+        and their top-k ``unary, candidates [D, k]`` (``[S, D, k]``).
+
+        Sampling draws from explicit ``uniforms`` (the reference chain) or, without them, from the device
+        ``seed`` (int64 ``[1]``) through :func:`dflash_kernels.select_candidates` on the backend
+        :func:`dflash_kernels.get_backend` picks; greedy always runs that op.
+        """
+        projected = self.hidden_projection(hidden)
+        pred, succ = self.predecessor_codebook.weight, self.successor_codebook.weight
+        if uniforms is not None:
+            return select_chain(unary, candidates, projected, pred, succ, anchor, temperature, uniforms)
+        return dflash_kernels.select_candidates(unary, candidates, projected, pred, succ, anchor, temperature, seed)

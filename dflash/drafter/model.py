@@ -181,21 +181,24 @@ class DraftLayer(nn.Module):
         self.attention_conv: Optional[GroupedDynamicCausalConv] = None
         self.mlp_conv: Optional[GroupedDynamicCausalConv] = None
 
-    def _wrapped(self, conv, sublayer, h):
-        """``sublayer(h)``, inside ``conv``'s prepare / finish when the layer has one (rows in blocks of B)."""
+    def _wrapped(self, conv, sublayer, h, residual):
+        """``residual + sublayer(h)``, the sublayer inside ``conv``'s prepare / finish when the layer has one
+        (rows in blocks of B; the residual add fused into ``finish``)."""
         if conv is None:
-            return sublayer(h)
+            return residual + sublayer(h)
         rows, H = h.shape
-        x, d1 = conv.prepare(h.view(rows // self.block_size, self.block_size, H))
-        return conv.finish(sublayer(x.view(rows, H)).view(x.shape), d1).view(rows, H)
+        blocks = (rows // self.block_size, self.block_size, H)
+        x, d1 = conv.prepare(h.view(blocks))
+        out = sublayer(x.view(rows, H)).view(blocks)
+        return conv.finish(out, d1, residual=residual.reshape(blocks)).view(rows, H)
 
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
                 context_count=None):
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
                                           window=self.sliding_window, block_positions=block_positions,
                                           context_count=context_count, causal=self.causal)
-        block = block + self._wrapped(self.attention_conv, attend, self.input_layernorm(block))
-        return block + self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block))
+        block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block)
+        return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block)
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], dtype: torch.dtype,

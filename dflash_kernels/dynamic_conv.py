@@ -1,0 +1,188 @@
+"""Grouped dynamic causal convolution along a block, in one Triton launch (the DFlash2 drafter's conv).
+
+Math and shapes: :mod:`dflash_kernels.reference.dynamic_conv`::
+
+    y[b, t, c] = residual[b, t, c] + sum_{o < K, o <= t} (base[o, c] + dynamic[b, t, o, c // g]) * x[b, t - o, c]
+
+A DFlash2 layer runs it twice around each sublayer: ``prepare`` convolves the
+sublayer's input with the first half of the projected kernels, ``finish`` its
+output with the second half, fused with the layer's residual add. The kernel
+projection (one matmul) stays a cuBLAS GEMM; ``dynamic`` is read through its
+strides, so the halves ``d[:, :, 0]`` / ``d[:, :, 1]`` of the projection's
+``[nb, B, 2, K, G]`` output are never copied.
+
+Kernel: grid ``(nb, cdiv(H, BLOCK_C))``; a program holds one block's
+``[BLOCK_T >= B, BLOCK_C]`` tile of the output in fp32 registers and adds the
+``K`` taps (``K`` a constexpr: the loop unrolls), each a shifted masked load of
+``x`` (rows ``t - o < 0`` read as 0: nothing crosses a block start), one
+``[BLOCK_C]`` row of ``base`` and the ``[BLOCK_T, BLOCK_C]`` gather of
+``dynamic`` at group ``c // g``; then one store in ``x``'s dtype. Every input
+element is read from global memory once per tap (the shifted re-reads hit
+L1/L2); no shared memory, no atomics.
+
+Autograd: the Triton forward has the backward of
+:func:`dflash_kernels.reference.dynamic_conv_backward` (torch ops, ``2K`` + a
+few launches) through the custom op ``torch.ops.dflash.dynamic_conv``
+(:mod:`dflash_kernels.ops`); the reference backend differentiates through its
+torch ops. fp64 inputs run the reference on every backend (the kernel computes
+in fp32).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as _reference
+from ._dispatch import resolve_backend, tracing
+from .reference.dynamic_conv import check_dynamic_conv
+
+__all__ = ["dynamic_conv"]
+
+#: Channels per program.
+BLOCK_C = 64
+NUM_WARPS = 4
+
+#: No kernel argument varies from call to call at a fixed model (the block count only sizes the grid).
+DO_NOT_SPECIALIZE: tuple = ()
+
+_TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@triton.jit
+def _dynamic_conv_kernel(
+    x_ptr, d_ptr, base_ptr, res_ptr, out_ptr,
+    B, H, GROUP,  # block rows, channels, channels per group (g)
+    stride_xn, stride_xt, stride_xc,
+    stride_dn, stride_dt, stride_do, stride_dg,
+    stride_bo, stride_bc,
+    stride_rn, stride_rt, stride_rc,
+    stride_on, stride_ot,  # out is a fresh contiguous [nb, B, H]: unit channel stride
+    K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``out[n, t, c]`` for one block ``n`` and one channel tile: the module docstring's sum in fp32."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = offs_t < B
+    c_ok = offs_c < H
+    row_mask = t_ok[:, None] & c_ok[None, :]
+    grp = offs_c // GROUP
+    x_blk = x_ptr + n * stride_xn
+    d_blk = d_ptr + n * stride_dn
+    if HAS_RESIDUAL:
+        acc = tl.load(res_ptr + n * stride_rn + offs_t[:, None] * stride_rt + offs_c[None, :] * stride_rc,
+                      mask=row_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for o in tl.static_range(K):
+        src = offs_t - o
+        src_mask = (t_ok & (src >= 0))[:, None] & c_ok[None, :]
+        xv = tl.load(x_blk + src[:, None] * stride_xt + offs_c[None, :] * stride_xc, mask=src_mask,
+                     other=0.0).to(tl.float32)
+        w = tl.load(d_blk + offs_t[:, None] * stride_dt + o * stride_do + grp[None, :] * stride_dg,
+                    mask=row_mask, other=0.0).to(tl.float32)
+        w += tl.load(base_ptr + o * stride_bo + offs_c * stride_bc, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        acc += w * xv
+    tl.store(out_ptr + n * stride_on + offs_t[:, None] * stride_ot + offs_c[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def block_t(block_rows: int) -> int:
+    """Row tile: the block size rounded up to a power of two (at least 2)."""
+    return max(2, triton.next_power_of_2(int(block_rows)))
+
+
+def _launch(x, dynamic, base, residual):
+    nb, B, H = x.shape
+    K, G = dynamic.shape[2], dynamic.shape[3]
+    out = torch.empty((nb, B, H), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    res = residual if residual is not None else x  # never read without HAS_RESIDUAL
+    grid = (nb, triton.cdiv(H, BLOCK_C))
+    _dynamic_conv_kernel[grid](
+        x, dynamic, base, res, out, B, H, H // G,
+        *x.stride(), *dynamic.stride(), *base.stride(), *res.stride(), out.stride(0), out.stride(1),
+        K=K, HAS_RESIDUAL=residual is not None, BLOCK_T=block_t(B), BLOCK_C=BLOCK_C, num_warps=NUM_WARPS,
+        num_stages=1,
+    )
+    return out
+
+
+def _forward(x, dynamic, base, residual, backend: str):
+    """The forward on ``backend`` (inputs checked; no autograd)."""
+    if backend == "triton" and x.dtype != torch.float64:
+        return _launch(x, dynamic, base, residual)
+    return _reference.dynamic_conv(x, dynamic, base, residual)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
+                 residual: Optional[torch.Tensor] = None, *, backend: Optional[str] = None) -> torch.Tensor:
+    """``residual + conv(x, dynamic, base)``: the grouped dynamic causal conv along each block.
+
+    Args:
+        x: ``[nb, B, H]`` float (fp32 / bf16 / fp16; fp64 runs the reference), any strides.
+        dynamic: ``[nb, B, K, G]`` of ``x``'s dtype, any strides (a slice of the projection output);
+            ``G`` divides ``H``, ``1 <= K <= B``.
+        base: ``[K, H]`` float.
+        residual: ``[nb, B, H]`` like ``x``, or None.
+        backend: 'triton' or 'reference' to fix the backend, None: :func:`dflash_kernels.get_backend`.
+
+    Returns:
+        a new contiguous ``[nb, B, H]`` in ``x``'s dtype (fp32 accumulation, one rounding).
+        Differentiable with respect to every tensor argument on both backends.
+    """
+    check_dynamic_conv(x, dynamic, base, residual)
+    which = resolve_backend(backend, x.device)
+    if which == "reference" or x.dtype == torch.float64:
+        return _reference.dynamic_conv(x, dynamic, base, residual)
+    if tracing() or _needs_grad(x, dynamic, base, residual):
+        return torch.ops.dflash.dynamic_conv(x, dynamic, base, residual)
+    return _launch(x, dynamic, base, residual)
+
+
+# --------------------------------------------------------------------------- compile-test enumeration
+
+#: DFlash2 drafter shapes ``(name, H, B, K, g)``: hidden size, block size, taps, channels per group.
+DFLASH2_SHAPES = (("H4096", 4096, 16, 4, 64), ("H2560", 2560, 16, 4, 32), ("H5120 K2", 5120, 16, 2, 128))
+
+
+def launch_configs(shapes=DFLASH2_SHAPES, dtypes=(torch.bfloat16, torch.float32)) -> List[dict]:
+    """Every binary :func:`dynamic_conv` launches at these shapes (for the sm_90 / sm_80 compile test).
+
+    Each entry: ``name``, ``kernel``, ``signature``, ``constexprs``, ``num_warps``,
+    ``num_stages``, ``divisible_by_16``. Integer arguments carry the Triton
+    runtime's specialization for the model's layout: ``x`` / ``residual``
+    contiguous ``[nb, B, H]`` (unit channel stride a constexpr), ``dynamic`` a
+    half of the contiguous projection output ``[nb, B, 2, K, G]``, ``base`` a
+    slice of the contiguous ``base_kernel [2, K, H]``; with and without the
+    residual.
+    """
+    from .gather import runtime_int_specialization
+
+    out = []
+    for shape_name, H, B, K, g in shapes:
+        G = H // g
+        ints = {"B": B, "H": H, "GROUP": g, "stride_xn": B * H, "stride_xt": H, "stride_xc": 1,
+                "stride_dn": B * 2 * K * G, "stride_dt": 2 * K * G, "stride_do": G, "stride_dg": 1,
+                "stride_bo": H, "stride_bc": 1, "stride_rn": B * H, "stride_rt": H, "stride_rc": 1,
+                "stride_on": B * H, "stride_ot": H}
+        types, divisible, ones = runtime_int_specialization(ints, DO_NOT_SPECIALIZE)
+        for dtype in dtypes:
+            t = "*" + _TRITON_TYPE[dtype]
+            for has_res in (False, True):
+                ptrs = {"x_ptr": t, "d_ptr": t, "base_ptr": t, "res_ptr": t, "out_ptr": t}
+                out.append(dict(
+                    name=f"dynamic_conv[{shape_name} {_TRITON_TYPE[dtype]} residual={has_res}]",
+                    kernel=_dynamic_conv_kernel, signature=dict(ptrs, **types),
+                    constexprs=dict(dict(K=K, HAS_RESIDUAL=has_res, BLOCK_T=block_t(B), BLOCK_C=BLOCK_C), **ones),
+                    num_warps=NUM_WARPS, num_stages=1, divisible_by_16=divisible))
+    return out
