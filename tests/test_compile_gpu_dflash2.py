@@ -12,6 +12,7 @@ per-block limit; the registers and shared memory of each are printed (``-s``).
 """
 
 import importlib
+import os
 
 import pytest
 
@@ -66,3 +67,58 @@ def test_compiles_without_spills(compiled, cfg, arch):
     print(f"{cfg['name']} sm_{arch}: {res['registers']} registers, {res['shared_bytes']} B shared")
     assert_fits(res, arch, cfg["name"])
     assert 0 < res["registers"] <= 128, f"{cfg['name']} on sm_{arch}: {res['registers']} registers"
+
+
+def _launch_key(fn):
+    """The compile key of the single Triton launch ``fn()`` makes (tests/triton_launches.py)."""
+    from triton_launches import LaunchKeys
+
+    with LaunchKeys() as rec:
+        fn()
+    assert len(rec.keys) == 1, rec.keys
+    return dict(next(iter(rec.keys))[1])
+
+
+def _assert_config_is_the_launch(cfg, key):
+    """Every argument of the enumerated binary is specialized as the runtime specializes the real launch."""
+    for name, value in key.items():
+        if name in ("num_warps", "num_stages"):  # launch options
+            assert cfg[name] == value, (cfg["name"], name, value)
+        elif name in cfg["constexprs"] and value[0] == "constexpr":
+            assert repr(cfg["constexprs"][name]) == value[1], (cfg["name"], name, value)
+        elif value[0] == "tensor":
+            assert value[2], f"{cfg['name']}: {name} is not 16-byte aligned at the real layout"
+        elif value[0] in ("i32", "i64") and len(value) == 3:
+            width, is_one, div16 = value
+            assert is_one == (cfg["constexprs"].get(name) == 1), (cfg["name"], name, value)
+            if not is_one:
+                assert cfg["signature"][name] == width, (cfg["name"], name, value)
+                assert div16 == (name in cfg["divisible_by_16"]), (cfg["name"], name, value)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="records interpreter launches")
+def test_enumerated_binaries_are_the_ones_that_run():
+    """The launchers' real calls at a config's shape (the projection's half of dynamic, base a slice of
+    base_kernel, contiguous top-k outputs) need exactly the binary the compile test builds."""
+    import torch
+
+    import dflash_kernels as dk
+
+    name, H, B, K, g = dynamic_conv.DFLASH2_SHAPES[2]
+    x = torch.randn(1, B, H, dtype=torch.bfloat16)
+    proj = torch.randn(1, B, 2, K, H // g, dtype=torch.bfloat16)
+    base = torch.randn(2, K, H, dtype=torch.bfloat16)
+    for residual in (None, x.clone()):
+        key = _launch_key(lambda: dk.dynamic_conv(x, proj[:, :, 1], base[1], residual, backend="triton"))
+        cfg = next(c for c in CONFIGS if c["name"] == f"dynamic_conv[{name} bf16 residual={residual is not None}]")
+        _assert_config_is_the_launch(cfg, key)
+    name, D, k, r, V = selector.SELECTOR_SHAPES[1]
+    logits = torch.randn(D, 200)
+    unary, candidates = logits.topk(k, dim=-1)
+    cb = torch.randn(V, r, dtype=torch.bfloat16)
+    args = (unary, candidates, torch.randn(D, r, dtype=torch.bfloat16), cb, cb, torch.tensor([3]))
+    for sample in (False, True):
+        key = _launch_key(lambda: dk.select_candidates(*args, 0.7 if sample else 0.0, torch.tensor([9]),
+                                                       backend="triton"))
+        cfg = next(c for c in CONFIGS if c["name"] == f"selector[{name} bf16 sample={sample}]")
+        _assert_config_is_the_launch(cfg, key)

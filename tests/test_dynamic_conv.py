@@ -7,7 +7,10 @@ import torch
 import dflash_kernels as dk
 from dflash_kernels import force_backend, reference as R
 
-TRITON = "triton" in dk.available_backends(torch.device("cpu"))
+#: where the kernel comparisons run: CUDA when present (compiled kernels with DFLASH_TEST_REAL_TRITON=1),
+#: else the CPU (the interpreter)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = "triton" in dk.available_backends(torch.device(DEVICE))
 needs_triton = pytest.mark.skipif(not TRITON, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 
 #: fast path vs reference, per input dtype (fp32 sums in either order; one rounding to bf16, which the
@@ -18,7 +21,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 SHAPES = [(2, 2, 48, 2, 8), (3, 5, 80, 4, 16), (1, 16, 48, 4, 16), (2, 16, 80, 1, 8), (2, 4, 48, 4, 8)]
 
 
-def _inputs(nb, B, H, K, g, dtype=torch.float32, seed=0):
+def _inputs(nb, B, H, K, g, dtype=torch.float32, seed=0, device="cpu"):
     """x, the projection output [nb, B, 2, K, G] (the op reads its halves in place), base [2, K, H], residual."""
     gen = torch.Generator().manual_seed(seed)
     G = H // g
@@ -26,7 +29,7 @@ def _inputs(nb, B, H, K, g, dtype=torch.float32, seed=0):
     proj = (torch.randn(nb, B, 2, K, G, generator=gen) * 0.5).to(dtype)
     base = torch.randn(2, K, H, generator=gen).to(dtype)
     residual = torch.randn(nb, B, H, generator=gen).to(dtype)
-    return x, proj, base, residual
+    return tuple(t.to(device) for t in (x, proj, base, residual))
 
 
 def _naive(x, dynamic, base, residual=None):
@@ -66,7 +69,7 @@ def test_identity_initialisation_and_block_start():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"nb{s[0]}-B{s[1]}-H{s[2]}-K{s[3]}-g{s[4]}" for s in SHAPES])
 def test_triton_matches_reference(shape, dtype):
-    x, proj, base, residual = _inputs(*shape, dtype=dtype)
+    x, proj, base, residual = _inputs(*shape, dtype=dtype, device=DEVICE)
     for half, res in ((0, None), (1, residual)):
         dyn = proj[:, :, half]
         assert not dyn.is_contiguous()  # the projection's half, read in place
@@ -112,7 +115,8 @@ def test_triton_gradients_match_reference(with_residual):
     """Training through the fast path: the Triton forward plus the registered backward equal autograd
     through the reference, for every input (the projection's output through its slice)."""
     def run(backend):
-        x, proj, base, residual = (t.clone().requires_grad_() for t in _inputs(3, 5, 48, 4, 16, seed=2))
+        x, proj, base, residual = (t.clone().requires_grad_() for t in _inputs(3, 5, 48, 4, 16, seed=2,
+                                                                                device=DEVICE))
         y = dk.dynamic_conv(x, proj[:, :, 1], base[1], residual if with_residual else None, backend=backend)
         (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
         return [y] + [t.grad for t in (x, proj, base) + ((residual,) if with_residual else ())]

@@ -10,7 +10,10 @@ import dflash_kernels as dk
 from dflash.drafter.dflash2 import CandidateSelector, select_reference
 from dflash_kernels import force_backend, reference as R
 
-TRITON = "triton" in dk.available_backends(torch.device("cpu"))
+#: where the kernel comparisons run: CUDA when present (compiled kernels with DFLASH_TEST_REAL_TRITON=1),
+#: else the CPU (the interpreter)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = "triton" in dk.available_backends(torch.device(DEVICE))
 needs_triton = pytest.mark.skipif(not TRITON, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 
 #: q of the fast path vs the reference (both fp32; the dot products summed in another order)
@@ -20,7 +23,7 @@ Q_TOL = dict(rtol=1e-5, atol=1e-6)
 SHAPES = [(None, 4, 3, 5, 40), (None, 15, 16, 67, 300), (3, 6, 1, 7, 50), (2, 1, 16, 33, 64)]
 
 
-def _inputs(S, D, k, r, V, dtype=torch.float32, seed=0):
+def _inputs(S, D, k, r, V, dtype=torch.float32, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     lead = (D,) if S is None else (S, D)
     unary = torch.randn(*lead, k, generator=g)
@@ -29,7 +32,7 @@ def _inputs(S, D, k, r, V, dtype=torch.float32, seed=0):
     predecessor = torch.randn(V, r, generator=g).to(dtype)
     successor = torch.randn(V, r, generator=g).to(dtype)
     anchor = torch.randint(0, V, (1 if S is None else S,), generator=g)
-    return unary, candidates.view(*lead, k), projected, predecessor, successor, anchor
+    return tuple(t.to(device) for t in (unary, candidates.view(*lead, k), projected, predecessor, successor, anchor))
 
 
 def _loop_greedy(unary, candidates, projected, predecessor, successor, anchor):
@@ -72,10 +75,10 @@ def test_greedy_ties_take_the_lowest_slot():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"S{s[0]}-D{s[1]}-k{s[2]}-r{s[3]}" for s in SHAPES])
 def test_triton_matches_reference(shape, dtype):
-    args = _inputs(*shape, dtype=dtype, seed=1)
+    args = _inputs(*shape, dtype=dtype, seed=1, device=DEVICE)
     if dtype == torch.bfloat16:
         args = (args[0].bfloat16(),) + args[1:]  # model-dtype unary scores too
-    seed = torch.tensor([2024])
+    seed = torch.tensor([2024], device=DEVICE)
     for temperature in (0.0, 0.7):
         got = dk.select_candidates(*args, temperature, seed, backend="triton")
         want = R.select_candidates(*args, temperature, seed)
@@ -85,7 +88,7 @@ def test_triton_matches_reference(shape, dtype):
     if shape[0] is None:  # the greedy chain equals the drafter's select_reference and the plain loop
         got = dk.select_candidates(*args, backend="triton")
         assert torch.equal(got[0], select_reference(*args)[0])
-        assert torch.equal(got[0], _loop_greedy(*args))
+        assert torch.equal(got[0].cpu(), _loop_greedy(*(t.cpu() for t in args)))
 
 
 @pytest.mark.parametrize("backend", dk.available_backends(torch.device("cpu")))
@@ -120,9 +123,11 @@ def test_sampled_slots_follow_q():
     assert chi2 < 21.1, (chi2, counts.tolist(), expected.tolist())  # df = 3: p = 1e-4
     if TRITON:  # the kernel draws the same slots (first 256 sequences: the interpreter runs programs one by one)
         n = 256
-        got = dk.select_candidates(unary[:n], candidates[:n], torch.zeros(n, 1, 3), zeros, zeros,
-                                   torch.zeros(n, dtype=torch.int64), 0.9, torch.tensor([11]), backend="triton")
-        assert torch.equal(got[1], index[:n])
+        on = lambda t: t.to(DEVICE)  # noqa: E731
+        got = dk.select_candidates(on(unary[:n]), on(candidates[:n]), on(torch.zeros(n, 1, 3)), on(zeros), on(zeros),
+                                   on(torch.zeros(n, dtype=torch.int64)), 0.9, on(torch.tensor([11])),
+                                   backend="triton")
+        assert torch.equal(got[1].cpu(), index[:n])
 
 
 def test_bad_inputs_are_clear_errors():
