@@ -100,8 +100,11 @@ def _selector_kernel(
         if SAMPLE:
             u_j = tl.sum(tl.where(offs_d == j, uniforms, 0.0), axis=0)
             cdf = tl.cumsum(q, axis=0)
+            # min(#{cdf <= u}, the last slot with q > 0): never a slot whose q underflowed to 0. (The max runs
+            # on fp32 slot numbers: as an int32 max, ptxas gives sm_80 an 8 B stack frame at one shape.)
             below = tl.sum(tl.where(k_ok & (cdf <= u_j), 1, 0), axis=0)
-            i = tl.minimum(below, k - 1)
+            last = tl.max(tl.where(q > 0, offs_k.to(tl.float32), 0.0), axis=0).to(tl.int32)
+            i = tl.minimum(below, last)
         else:
             i = tl.argmax(scores, axis=0, tie_break_left=True)
         tok = tl.sum(tl.where(offs_k == i, c, 0), axis=0)

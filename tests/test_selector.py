@@ -177,3 +177,15 @@ def test_module_select_uses_the_op():
             assert torch.equal(sampled[0], select_reference(*args, 0.8, u)[0]), backend
             assert torch.equal(explicit[0], sampled[0]), backend
             torch.testing.assert_close(sampled[2], select_reference(*args, 0.8, u)[2], **Q_TOL)
+
+
+def test_sampling_never_takes_a_zero_probability_slot():
+    """A uniform of 1 (past every rounded CDF step) takes the last slot whose q is > 0, not a trailing slot whose
+    probability underflowed (the kernel has the same rule; no seed reaches it in a test's time: u = 1 has
+    probability 2**-25)."""
+    unary = torch.tensor([[0.0, 1.0, -500.0, -600.0]])
+    candidates = torch.tensor([[4, 5, 6, 7]])
+    zeros = torch.zeros(8, 2)
+    args = (unary, candidates, torch.zeros(1, 2), zeros, zeros, torch.tensor([0]))
+    _, index, q = R.select_chain(*args, 1.0, torch.ones(1))
+    assert q[0, 3] == 0 and q[0, 2] == 0 and index.tolist() == [1]

@@ -12,8 +12,12 @@ per position; ``r`` selector rank; ``V`` vocabulary)::
     s_j[i] = unary[j, i] + sum_r predecessor[prev_j, r] * projected[j, r] * successor[candidates[j, i], r]
     q_j    = softmax(s_j / T)   (T = 1 when greedy)
     i_j    = argmax_i s_j[i], lowest slot on ties            (greedy, T == 0)
-           = #{i : cdf_j[i] <= u_j}, at most k - 1            (sampling, cdf_j = cumsum(q_j), u_j in (0, 1])
+           = min(#{i : cdf_j[i] <= u_j}, last_j)              (sampling, cdf_j = cumsum(q_j), u_j in (0, 1])
     x_j    = candidates[j, i_j];  prev_0 = anchor, prev_{j+1} = x_j
+
+``last_j`` is the last slot with ``q_j > 0``: a uniform at or past the
+rounded total ``cdf_j[k-1]`` (probability ~1e-7) takes that slot, never one
+whose probability underflowed to 0 (the verifier divides by ``q``).
 
 All arithmetic in fp32. Sampling is inverse-CDF with one uniform per position:
 with a device ``seed`` the uniforms are Philox words of counter ``(j,
@@ -118,7 +122,8 @@ def select_chain(unary, candidates, projected, predecessor, successor, anchor, t
         q = torch.softmax(scores / (t if t > 0 else 1.0), dim=-1)
         if t > 0:
             below = q.cumsum(-1) <= uniforms[:, j, None].float()
-            i = below.sum(-1).clamp(max=k - 1)
+            last = torch.where(q > 0, torch.arange(k, device=q.device), 0).amax(-1)  # never a q = 0 slot
+            i = torch.minimum(below.sum(-1), last)
         else:
             i = scores.argmax(-1)
         prev = candidates[:, j].gather(1, i[:, None])[:, 0].long()
