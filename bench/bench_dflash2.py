@@ -5,7 +5,8 @@ Run: ``python -m pytest bench/bench_dflash2.py --benchmark-columns=median,rounds
 
 Providers:
 
-* ``ours``: :func:`dflash_kernels.dynamic_conv` (the finish form: ``residual + conv``) and
+* ``ours``: :func:`dflash_kernels.dynamic_conv` (the finish form: ``residual + conv``; forward, and
+  forward + backward) and
   :func:`dflash_kernels.select_candidates` (greedy and sampling) on the Triton backend: one launch each.
 * ``torch``: the same ops on the reference backend (``2K`` + a few tensor ops per conv, ``~10 D`` per
   selector chain).
@@ -89,3 +90,25 @@ def test_select_candidates(benchmark, provider, temperature):
         benchmark(call)
     benchmark.group = f"select_candidates T={temperature}"
     benchmark.extra_info.update(positions=D, top_k=TOPK, rank=R, vocab=V, device=DEVICE, backend=backend)
+
+
+@pytest.mark.parametrize("provider", ["ours", "torch"])
+def test_dynamic_conv_train(benchmark, provider):
+    """Forward + backward of ``residual + conv`` (a training step's share): our Triton backward vs autograd
+    through the reference."""
+    nb = BLOCKS[-1]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(nb, B, H, generator=gen).to(DEVICE, DTYPE).requires_grad_()
+    residual = torch.randn(nb, B, H, generator=gen).to(DEVICE, DTYPE).requires_grad_()
+    proj = (torch.randn(nb, B, 2, K, H // G_SIZE, generator=gen) * 0.1).to(DEVICE, DTYPE).requires_grad_()
+    base = torch.randn(2, K, H, generator=gen).to(DEVICE, DTYPE).requires_grad_()
+    backend = OURS_BACKEND if provider == "ours" else "reference"
+
+    def step():
+        dynamic_conv(x, proj[:, :, 1], base[1], residual).float().square().sum().backward()
+
+    with force_backend(backend):
+        benchmark(synced(step))
+    benchmark.group = f"dynamic_conv train nb={nb}"
+    benchmark.extra_info.update(blocks=nb, block=B, hidden=H, taps=K, group_size=G_SIZE, device=DEVICE,
+                                backend=backend)

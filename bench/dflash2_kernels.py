@@ -8,6 +8,8 @@ Workloads (``H`` hidden, ``B`` block, ``K`` taps, ``g`` channels per group):
 * ``layer convs``: one DFlash2 drafter layer's conv work around its two sublayers, each
   ``x, d1 = prepare(h); out = finish(f(x), d1, residual)`` with ``f`` the identity (the sublayers
   are the same on both paths and left out); the kernel projection GEMM is in both counts;
+  ``train``: the same forward plus the backward of a loss on its output (parameter gradients
+  accumulate; the loss ops are in both counts);
 * ``selector``: the candidate selector's chain over ``D = B - 1`` positions (greedy and sampling at T = 0.7).
 
 Counts: device kernels a path launches, as torch's dispatcher sees them (every aten op that is not a view
@@ -156,6 +158,15 @@ def main(args) -> None:
         h = torch.randn(nb, B, H, generator=gen).to(device, dtype)
         residual = torch.randn(nb, B, H, generator=gen).to(device, dtype)
         rows.append((f"layer convs nb={nb}", lambda h=h, res=residual: _layer_convs(convs, h, res)))
+    nb = s["blocks"][-1]
+    h_train = torch.randn(nb, B, H, generator=gen).to(device, dtype).requires_grad_()
+    res_train = torch.randn(nb, B, H, generator=gen).to(device, dtype).requires_grad_()
+
+    def train_step():
+        with torch.enable_grad():
+            _layer_convs(convs, h_train, res_train).float().square().sum().backward()
+
+    rows.append((f"layer convs train nb={nb}", train_step))
     rows.append(("selector greedy", lambda: dk.select_candidates(*sel)))
     rows.append(("selector T=0.7", lambda: dk.select_candidates(*sel, 0.7, seed)))
 

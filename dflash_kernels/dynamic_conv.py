@@ -20,12 +20,16 @@ Kernel: grid ``(nb, cdiv(H, BLOCK_C))``; a program holds one block's
 element is read from global memory once per tap (the shifted re-reads hit
 L1/L2); no shared memory, no atomics.
 
-Autograd: the Triton forward has the backward of
-:func:`dflash_kernels.reference.dynamic_conv_backward` (torch ops, ``2K`` + a
-few launches) through the custom op ``torch.ops.dflash.dynamic_conv``
-(:mod:`dflash_kernels.ops`); the reference backend differentiates through its
-torch ops. fp64 inputs run the reference on every backend (the kernel computes
-in fp32).
+Autograd: calls that need gradients go through the custom op
+``torch.ops.dflash.dynamic_conv`` (:mod:`dflash_kernels.ops`), whose backward
+is :func:`dynamic_conv_backward`: one more launch of the same grid
+(:func:`_dynamic_conv_bwd_kernel`: ``dx`` from the rows ``o`` taps ahead,
+``ddynamic`` as per-group sums of ``grad * x`` inside the tile, which holds
+whole groups, and each block's share of ``dbase``, summed over blocks by one
+torch reduction), for power-of-two group sizes up to 256; other group sizes
+use the torch math of :func:`dflash_kernels.reference.dynamic_conv_backward`.
+The reference backend differentiates through its own torch ops. fp64 inputs
+run the reference on every backend (the kernels compute in fp32).
 """
 
 from __future__ import annotations
@@ -89,6 +93,113 @@ def _dynamic_conv_kernel(
         acc += w * xv
     tl.store(out_ptr + n * stride_on + offs_t[:, None] * stride_ot + offs_c[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _dynamic_conv_bwd_kernel(
+    gy_ptr, x_ptr, d_ptr, base_ptr, dx_ptr, dd_ptr, db_ptr,
+    B, H, G,
+    stride_gn, stride_gt, stride_gc,
+    stride_xn, stride_xt, stride_xc,
+    stride_dn, stride_dt, stride_do, stride_dg,
+    stride_bo, stride_bc,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Gradients of one block ``n``'s channel tile (``BLOCK_C`` a multiple of the group size ``GROUP``, so
+    the tile holds whole groups). Writes, all fresh contiguous buffers:
+
+    * ``dx [nb, B, H]`` (x's dtype): ``sum_o w[s + o, o, c] * gy[s + o, c]`` over ``s + o < B``;
+    * ``dd [nb, B, K, G]`` fp32: ``sum_{c in group} gy[t, c] * x[t - o, c]``;
+    * ``db [nb, K, H]`` fp32: this block's share of ``dbase``, ``sum_t gy[t, c] * x[t - o, c]``
+      (summed over blocks by the launcher).
+    """
+    n = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = offs_t < B
+    c_ok = offs_c < H
+    row_mask = t_ok[:, None] & c_ok[None, :]
+    grp = offs_c // GROUP
+    GPT: tl.constexpr = BLOCK_C // GROUP
+    offs_g = pid_c * GPT + tl.arange(0, GPT)
+    gy_blk = gy_ptr + n * stride_gn
+    x_blk = x_ptr + n * stride_xn
+    d_blk = d_ptr + n * stride_dn
+    gy = tl.load(gy_blk + offs_t[:, None] * stride_gt + offs_c[None, :] * stride_gc, mask=row_mask,
+                 other=0.0).to(tl.float32)
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for o in tl.static_range(K):
+        # dx: the rows o taps ahead read this row through tap o
+        ahead = offs_t + o
+        a_mask = (ahead < B)[:, None] & c_ok[None, :]
+        gya = tl.load(gy_blk + ahead[:, None] * stride_gt + offs_c[None, :] * stride_gc, mask=a_mask,
+                      other=0.0).to(tl.float32)
+        w = tl.load(d_blk + ahead[:, None] * stride_dt + o * stride_do + grp[None, :] * stride_dg, mask=a_mask,
+                    other=0.0).to(tl.float32)
+        w += tl.load(base_ptr + o * stride_bo + offs_c * stride_bc, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        dx += w * gya
+        # dd, db: this row's gradient times the input o taps back
+        back = offs_t - o
+        b_mask = (t_ok & (back >= 0))[:, None] & c_ok[None, :]
+        xv = tl.load(x_blk + back[:, None] * stride_xt + offs_c[None, :] * stride_xc, mask=b_mask,
+                     other=0.0).to(tl.float32)
+        prod = gy * xv
+        tl.store(db_ptr + (n * K + o) * H + offs_c, tl.sum(prod, axis=0), mask=c_ok)
+        per_group = tl.sum(tl.reshape(prod, (BLOCK_T, GPT, GROUP)), axis=2)
+        tl.store(dd_ptr + ((n * B + offs_t[:, None]) * K + o) * G + offs_g[None, :], per_group,
+                 mask=t_ok[:, None] & (offs_g < G)[None, :])
+    tl.store(dx_ptr + (n * B + offs_t[:, None]) * H + offs_c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=row_mask)
+
+
+#: Largest group size the Triton backward takes (a tile holds whole groups); larger ones, or group sizes that
+#: are not powers of two, use the torch backward.
+MAX_BWD_GROUP = 256
+
+
+def triton_backward_ok(H: int, G: int) -> bool:
+    """Whether the Triton backward handles ``G`` groups of ``H`` channels (power-of-two group size <= 256)."""
+    g = H // G
+    return g <= MAX_BWD_GROUP and g & (g - 1) == 0
+
+
+def _launch_backward(grad, x, dynamic, base):
+    nb, B, H = x.shape
+    K, G = dynamic.shape[2], dynamic.shape[3]
+    g = H // G
+    dev = x.device
+    dx = torch.empty((nb, B, H), dtype=x.dtype, device=dev)
+    dd = torch.empty((nb, B, K, G), dtype=torch.float32, device=dev)
+    db = torch.empty((nb, K, H), dtype=torch.float32, device=dev)
+    if dx.numel():
+        block_c = max(BLOCK_C, g)
+        _dynamic_conv_bwd_kernel[(nb, triton.cdiv(H, block_c))](
+            grad, x, dynamic, base, dx, dd, db, B, H, G,
+            *grad.stride(), *x.stride(), *dynamic.stride(), *base.stride(),
+            K=K, GROUP=g, BLOCK_T=block_t(B), BLOCK_C=block_c, num_warps=NUM_WARPS, num_stages=1,
+        )
+    return dx, dd.to(dynamic.dtype), db.sum(0).to(base.dtype)
+
+
+def dynamic_conv_backward(grad: torch.Tensor, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
+                          needs=(True, True, True, True), *, backend: Optional[str] = None):
+    """``(dx, ddynamic, dbase, dresidual)`` of :func:`dflash_kernels.reference.dynamic_conv_backward`.
+
+    On the Triton backend one launch computes all three input gradients (plus a sum of the per-block
+    ``dbase`` shares) for power-of-two group sizes up to :data:`MAX_BWD_GROUP`; otherwise (and for fp64)
+    the reference's torch ops. ``grad [nb, B, H]`` of x's dtype, any strides. None where ``needs`` says so.
+    """
+    nb, B, H, K, G = check_dynamic_conv(x, dynamic, base, who="dynamic_conv_backward")
+    if grad.shape != x.shape or grad.device != x.device:
+        raise ValueError(f"dynamic_conv_backward: grad must be [nb, B, H] = {list(x.shape)} on {x.device}, got "
+                         f"{list(grad.shape)} on {grad.device}")
+    which = resolve_backend(backend, x.device)
+    if which == "reference" or x.dtype == torch.float64 or not triton_backward_ok(H, G):
+        return _reference.dynamic_conv_backward(grad, x, dynamic, base, needs)
+    dx, dd, db = _launch_backward(grad, x, dynamic, base)
+    return (dx if needs[0] else None, dd if needs[1] else None, db if needs[2] else None,
+            grad.to(x.dtype) if len(needs) > 3 and needs[3] else None)
 
 
 def block_t(block_rows: int) -> int:
@@ -164,7 +275,7 @@ def launch_configs(shapes=DFLASH2_SHAPES, dtypes=(torch.bfloat16, torch.float32)
     contiguous ``[nb, B, H]`` (unit channel stride a constexpr), ``dynamic`` a
     half of the contiguous projection output ``[nb, B, 2, K, G]``, ``base`` a
     slice of the contiguous ``base_kernel [2, K, H]``; with and without the
-    residual.
+    residual; and the backward kernel (the gradient contiguous, as autograd hands it).
     """
     from .gather import runtime_int_specialization
 
@@ -176,8 +287,17 @@ def launch_configs(shapes=DFLASH2_SHAPES, dtypes=(torch.bfloat16, torch.float32)
                 "stride_bo": H, "stride_bc": 1, "stride_rn": B * H, "stride_rt": H, "stride_rc": 1,
                 "stride_on": B * H, "stride_ot": H}
         types, divisible, ones = runtime_int_specialization(ints, DO_NOT_SPECIALIZE)
+        bwd_ints = {"B": B, "H": H, "G": G, "stride_gn": B * H, "stride_gt": H, "stride_gc": 1,
+                    **{k: v for k, v in ints.items() if k[:8] in ("stride_x", "stride_d", "stride_b")}}
+        bwd_types, bwd_divisible, bwd_ones = runtime_int_specialization(bwd_ints, DO_NOT_SPECIALIZE)
         for dtype in dtypes:
             t = "*" + _TRITON_TYPE[dtype]
+            out.append(dict(
+                name=f"dynamic_conv_backward[{shape_name} {_TRITON_TYPE[dtype]}]", kernel=_dynamic_conv_bwd_kernel,
+                signature=dict({"gy_ptr": t, "x_ptr": t, "d_ptr": t, "base_ptr": t, "dx_ptr": t, "dd_ptr": "*fp32",
+                                "db_ptr": "*fp32"}, **bwd_types),
+                constexprs=dict(dict(K=K, GROUP=g, BLOCK_T=block_t(B), BLOCK_C=max(BLOCK_C, g)), **bwd_ones),
+                num_warps=NUM_WARPS, num_stages=1, divisible_by_16=bwd_divisible))
             for has_res in (False, True):
                 ptrs = {"x_ptr": t, "d_ptr": t, "base_ptr": t, "res_ptr": t, "out_ptr": t}
                 out.append(dict(

@@ -24,8 +24,9 @@ holds what ``torch.compile`` needs to trace a call without looking inside it:
   norm, ``weight`` / ``norm_weight`` / the loss ``weights`` frozen, as the
   public function's autograd does;
 * a backward for ``dynamic_conv`` (``register_autograd``): the gradients of
-  every tensor input, by the torch math of
-  :func:`dflash_kernels.reference.dynamic_conv_backward`. The public
+  every tensor input through the op ``dynamic_conv_backward`` (one Triton
+  launch, or the torch math of
+  :func:`dflash_kernels.reference.dynamic_conv_backward`). The public
   function routes a call that needs gradients through the custom op, so the
   Triton forward trains.
 
@@ -87,7 +88,7 @@ from . import sampling as _sampling
 from . import tree as _tree
 from . import tree_device as _tree_device
 from .dynamic_conv import _forward as _dynamic_conv_forward
-from .reference.dynamic_conv import dynamic_conv_backward as _dynamic_conv_backward
+from .dynamic_conv import dynamic_conv_backward as _dynamic_conv_backward
 from .reference.lm_head import HeadInputs, resolve_logit_dtype
 from .selector import select_candidates as _select_candidates
 # (not ``from . import tree_attention``: the package attribute of that name is the function)
@@ -614,6 +615,22 @@ def _dynamic_conv_fake(x, dynamic, base, residual=None):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op(f"{_NS}::dynamic_conv_backward", mutates_args=())
+def dynamic_conv_backward(grad: Tensor, x: Tensor, dynamic: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.dynamic_conv.dynamic_conv_backward`: ``(dx [nb, B, H], ddynamic [nb, B, K, G]
+    (contiguous), dbase [K, H])`` in the inputs' dtypes (one Triton launch where the group size allows)."""
+    from ._dispatch import get_backend
+
+    dx, dd, db, _ = _dynamic_conv_backward(grad, x, dynamic, base, (True, True, True, False),
+                                           backend=get_backend(x.device))
+    return dx, dd, db
+
+
+@dynamic_conv_backward.register_fake
+def _dynamic_conv_backward_fake(grad, x, dynamic, base):
+    return x.new_empty(x.shape), dynamic.new_empty(dynamic.shape), base.new_empty(base.shape)
+
+
 def _dynamic_conv_setup_context(ctx, inputs, output):
     x, dynamic, base, residual = inputs
     ctx.save_for_backward(x, dynamic, base)
@@ -622,8 +639,10 @@ def _dynamic_conv_setup_context(ctx, inputs, output):
 
 def _dynamic_conv_grad(ctx, grad):
     x, dynamic, base = ctx.saved_tensors
-    needs = tuple(ctx.needs_input_grad[:3]) + (ctx.has_residual and ctx.needs_input_grad[3],)
-    return _dynamic_conv_backward(grad, x, dynamic, base, needs)
+    dx, dd, db = torch.ops.dflash.dynamic_conv_backward(grad, x, dynamic, base)
+    needs = ctx.needs_input_grad
+    dres = grad.to(x.dtype) if ctx.has_residual and needs[3] else None
+    return dx if needs[0] else None, dd if needs[1] else None, db if needs[2] else None, dres
 
 
 dynamic_conv.register_autograd(_dynamic_conv_grad, setup_context=_dynamic_conv_setup_context)

@@ -1,4 +1,4 @@
-"""The DFlash2 kernels (dynamic conv, selector chain) compile for sm_90 and sm_80 without spills.
+"""The DFlash2 kernels (dynamic conv and its backward, selector chain) compile for sm_90 and sm_80 without spills.
 
 ``dflash_kernels.dynamic_conv.launch_configs`` and
 ``dflash_kernels.selector.launch_configs`` enumerate the binaries their
@@ -41,8 +41,13 @@ def compiled():
 
 def test_configs_cover_both_kernels_and_variants():
     conv = [cfg for cfg in CONFIGS if cfg["kernel"] is dynamic_conv._dynamic_conv_kernel]
+    bwd = [cfg for cfg in CONFIGS if cfg["kernel"] is dynamic_conv._dynamic_conv_bwd_kernel]
     sel = [cfg for cfg in CONFIGS if cfg["kernel"] is selector._selector_kernel]
-    assert len(conv) + len(sel) == len(CONFIGS)
+    assert len(conv) + len(bwd) + len(sel) == len(CONFIGS)
+    # the backward at every shape and dtype; its tile holds whole groups (128-channel groups: a 128 tile)
+    assert {(c["signature"]["x_ptr"], c["constexprs"]["GROUP"]) for c in bwd} == {
+        (t, g) for t in ("*bf16", "*fp32") for g in (32, 64, 128)}
+    assert all(c["constexprs"]["BLOCK_C"] % c["constexprs"]["GROUP"] == 0 for c in bwd)
     assert {(c["signature"]["x_ptr"], c["constexprs"]["HAS_RESIDUAL"]) for c in conv} == {
         (t, r) for t in ("*bf16", "*fp32") for r in (False, True)}
     assert {c["constexprs"]["K"] for c in conv} == {2, 4}
@@ -104,14 +109,20 @@ def test_enumerated_binaries_are_the_ones_that_run():
 
     import dflash_kernels as dk
 
-    name, H, B, K, g = dynamic_conv.DFLASH2_SHAPES[2]
+    # a narrow shape of the same layout (the enumeration is shape-generic; the interpreter runs every program)
+    shape = ("narrow", 1024, 16, 2, 128)
+    name, H, B, K, g = shape
+    configs = dynamic_conv.launch_configs(shapes=(shape,), dtypes=(torch.bfloat16,))
     x = torch.randn(1, B, H, dtype=torch.bfloat16)
     proj = torch.randn(1, B, 2, K, H // g, dtype=torch.bfloat16)
     base = torch.randn(2, K, H, dtype=torch.bfloat16)
     for residual in (None, x.clone()):
         key = _launch_key(lambda: dk.dynamic_conv(x, proj[:, :, 1], base[1], residual, backend="triton"))
-        cfg = next(c for c in CONFIGS if c["name"] == f"dynamic_conv[{name} bf16 residual={residual is not None}]")
+        cfg = next(c for c in configs if c["name"] == f"dynamic_conv[{name} bf16 residual={residual is not None}]")
         _assert_config_is_the_launch(cfg, key)
+    grad = torch.randn(1, B, H, dtype=torch.bfloat16)
+    key = _launch_key(lambda: dynamic_conv.dynamic_conv_backward(grad, x, proj[:, :, 1], base[1], backend="triton"))
+    _assert_config_is_the_launch(next(c for c in configs if c["name"] == f"dynamic_conv_backward[{name} bf16]"), key)
     name, D, k, r, V = selector.SELECTOR_SHAPES[1]
     logits = torch.randn(D, 200)
     unary, candidates = logits.topk(k, dim=-1)

@@ -1,6 +1,8 @@
 """The grouped dynamic causal conv (DFlash2): the reference against the math, the Triton kernel (the CPU
 interpreter; compiled on a GPU) against the reference, gradients, input errors, and the drafter modules."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -112,8 +114,9 @@ def test_gradcheck_registered_backward_fp64():
 @needs_triton
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_triton_gradients_match_reference(with_residual):
-    """Training through the fast path: the Triton forward plus the registered backward equal autograd
-    through the reference, for every input (the projection's output through its slice)."""
+    """Training through the fast path: the Triton forward plus the registered backward (the Triton backward
+    kernel at these group sizes) equal autograd through the reference, for every input (the projection's
+    output through its slice)."""
     def run(backend):
         x, proj, base, residual = (t.clone().requires_grad_() for t in _inputs(3, 5, 48, 4, 16, seed=2,
                                                                                 device=DEVICE))
@@ -123,6 +126,26 @@ def test_triton_gradients_match_reference(with_residual):
 
     for got, want in zip(run("triton"), run("reference")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+#: (nb, B, H, K, g) of the backward: power-of-two groups of 8 / 16 / 128 (one Triton launch), 12 (torch math)
+BWD_SHAPES = [(2, 5, 48, 4, 16), (3, 16, 80, 2, 8), (2, 4, 48, 4, 12), (1, 2, 256, 2, 128)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=[f"nb{s[0]}-B{s[1]}-H{s[2]}-K{s[3]}-g{s[4]}" for s in BWD_SHAPES])
+def test_triton_backward_matches_reference(shape, dtype):
+    bwd = importlib.import_module("dflash_kernels.dynamic_conv")
+    x, proj, base, grad = _inputs(*shape, dtype=dtype, seed=5, device=DEVICE)
+    assert bwd.triton_backward_ok(shape[2], shape[2] // shape[4]) == (shape[4] != 12)
+    got = bwd.dynamic_conv_backward(grad, x, proj[:, :, 0], base[0], backend="triton")
+    want = R.dynamic_conv_backward(grad, x, proj[:, :, 0], base[0])
+    for name, g, w, like in zip(("dx", "ddynamic", "dbase", "dresidual"), got, want, (x, proj[:, :, 0], base[0], x)):
+        assert g.dtype == like.dtype and g.shape == like.shape, name
+        # dbase sums nb * B products per element: the bf16 tolerance scales with it
+        tol = TOL[dtype] if dtype == torch.float32 or name != "dbase" else dict(rtol=3e-2, atol=5e-2)
+        torch.testing.assert_close(g.float(), w.float(), **tol, msg=name)
 
 
 def test_bad_inputs_are_clear_errors():

@@ -75,6 +75,13 @@ def _kv_inputs():
     return kv, torch.tensor([3, 5, 6]), 3
 
 
+def _dynamic_conv_module():
+    """The module (the package attribute of that name is the op)."""
+    import importlib
+
+    return importlib.import_module("dflash_kernels.dynamic_conv")
+
+
 def _dflash2_inputs():
     """DFlash2: x, a half of the projection output (a strided view), base, residual; selector inputs."""
     g = torch.Generator().manual_seed(7)
@@ -168,6 +175,8 @@ def cases():
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
         ("dynamic_conv", OPS.dynamic_conv, conv[:3], {}, lambda *a: dk.dynamic_conv(*a)),
         ("dynamic_conv_residual_grad", OPS.dynamic_conv, conv_grad, {}, lambda *a: dk.dynamic_conv(*a)),
+        ("dynamic_conv_backward", OPS.dynamic_conv_backward, (conv[3],) + conv[:3], {},
+         lambda g, x, d, b: _dynamic_conv_module().dynamic_conv_backward(g, x, d, b)[:3]),
         ("select_candidates", OPS.select_candidates, sel + (0.0,), {}, lambda *a: dk.select_candidates(*a)),
         ("select_candidates_sample", OPS.select_candidates, sel + (0.8, torch.tensor([5])), {},
          lambda *a: dk.select_candidates(*a)),
@@ -202,7 +211,7 @@ REGISTERED = {"gather_concat": {"default", "into"}, "lm_head_logits": {"default"
               "tree_attention": {"default", "tensor"}, "compact_kv_": {"default", "tensor"},
               "kv_write_": {"default"}, "gated_delta_tree": {"default"}, "gated_delta_replay_": {"default"},
               "causal_conv_tree": {"default"}, "conv_window_after": {"default"}, "dynamic_conv": {"default"},
-              "select_candidates": {"default"}}
+              "dynamic_conv_backward": {"default"}, "select_candidates": {"default"}}
 
 
 def test_every_public_op_is_registered():
