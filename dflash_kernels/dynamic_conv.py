@@ -158,6 +158,14 @@ def _dynamic_conv_bwd_kernel(
 MAX_BWD_GROUP = 256
 
 
+def backward_tile(group_size: int):
+    """``(BLOCK_C, num_warps)`` of the backward: 64 channels, or one whole group when groups are wider (with
+    8 warps from 128 channels: a [16, 128] fp32 tile of each of gy, dx and the products is 16 values a
+    thread at 4 warps)."""
+    block_c = max(BLOCK_C, int(group_size))
+    return block_c, NUM_WARPS if block_c <= 64 else 8
+
+
 def triton_backward_ok(H: int, G: int) -> bool:
     """Whether the Triton backward handles ``G`` groups of ``H`` channels (power-of-two group size <= 256)."""
     g = H // G
@@ -173,11 +181,11 @@ def _launch_backward(grad, x, dynamic, base):
     dd = torch.empty((nb, B, K, G), dtype=torch.float32, device=dev)
     db = torch.empty((nb, K, H), dtype=torch.float32, device=dev)
     if dx.numel():
-        block_c = max(BLOCK_C, g)
+        block_c, warps = backward_tile(g)
         _dynamic_conv_bwd_kernel[(nb, triton.cdiv(H, block_c))](
             grad, x, dynamic, base, dx, dd, db, B, H, G,
             *grad.stride(), *x.stride(), *dynamic.stride(), *base.stride(),
-            K=K, GROUP=g, BLOCK_T=block_t(B), BLOCK_C=block_c, num_warps=NUM_WARPS, num_stages=1,
+            K=K, GROUP=g, BLOCK_T=block_t(B), BLOCK_C=block_c, num_warps=warps, num_stages=1,
         )
     return dx, dd.to(dynamic.dtype), db.sum(0).to(base.dtype)
 
@@ -296,8 +304,8 @@ def launch_configs(shapes=DFLASH2_SHAPES, dtypes=(torch.bfloat16, torch.float32)
                 name=f"dynamic_conv_backward[{shape_name} {_TRITON_TYPE[dtype]}]", kernel=_dynamic_conv_bwd_kernel,
                 signature=dict({"gy_ptr": t, "x_ptr": t, "d_ptr": t, "base_ptr": t, "dx_ptr": t, "dd_ptr": "*fp32",
                                 "db_ptr": "*fp32"}, **bwd_types),
-                constexprs=dict(dict(K=K, GROUP=g, BLOCK_T=block_t(B), BLOCK_C=max(BLOCK_C, g)), **bwd_ones),
-                num_warps=NUM_WARPS, num_stages=1, divisible_by_16=bwd_divisible))
+                constexprs=dict(dict(K=K, GROUP=g, BLOCK_T=block_t(B), BLOCK_C=backward_tile(g)[0]), **bwd_ones),
+                num_warps=backward_tile(g)[1], num_stages=1, divisible_by_16=bwd_divisible))
             for has_res in (False, True):
                 ptrs = {"x_ptr": t, "d_ptr": t, "base_ptr": t, "res_ptr": t, "out_ptr": t}
                 out.append(dict(
