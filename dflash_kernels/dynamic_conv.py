@@ -22,8 +22,8 @@ L1/L2); no shared memory, no atomics.
 
 Autograd: calls that need gradients go through the custom op
 ``torch.ops.dflash.dynamic_conv`` (:mod:`dflash_kernels.ops`), whose backward
-is :func:`dynamic_conv_backward`: one more launch of the same grid
-(:func:`_dynamic_conv_bwd_kernel`: ``dx`` from the rows ``o`` taps ahead,
+is :func:`dynamic_conv_backward`: one more launch, a program per block and
+channel tile again (:func:`_dynamic_conv_bwd_kernel`: ``dx`` from the rows ``o`` taps ahead,
 ``ddynamic`` as per-group sums of ``grad * x`` inside the tile, which holds
 whole groups, and each block's share of ``dbase``, summed over blocks by one
 torch reduction), for power-of-two group sizes up to 256; other group sizes
