@@ -17,9 +17,7 @@ block's K/V are scratch, overwritten by the next round.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Optional
 
 import torch
@@ -32,11 +30,7 @@ import dflash_kernels
 
 from .config import DraftConfigError, check_draft_config, dflash_value, draft_layer_ids, qwen3_config
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv, is_dflash2
-from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
-                      write_weights, zlab_config_from_native)
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
+from .formats import FORMATS, read_checkpoint, shown_names, write_checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -328,72 +322,44 @@ class DFlashDraftModel(nn.Module):
                         max_shard_bytes: Optional[int] = None) -> None:
         """Write ``config.json`` and the safetensors weights in ``format``.
 
-        ``format``: ``"zlab"`` (the published format) or
-        ``"transformers"`` (transformers' native DFlash assistant, loadable by
-        ``MuseGlimmerAssistantModel.from_pretrained``); see
-        :mod:`dflash.drafter.formats` for the name mapping. ``max_shard_bytes``:
-        write shards of at most that size plus ``model.safetensors.index.json``.
+        ``format``: ``"zlab"`` (z-lab's published format), ``"transformers"``
+        (transformers' native DFlash assistant, loadable by
+        ``MuseGlimmerAssistantModel.from_pretrained``; DFlash only) or
+        ``"speculators"`` (vLLM speculators); see :mod:`dflash.drafter.formats`
+        for the mapping. ``max_shard_bytes``: write shards of at most that size
+        plus ``model.safetensors.index.json``.
         """
         if format not in FORMATS:
             raise DraftConfigError(f"unknown drafter format {format!r}; allowed: {', '.join(FORMATS)}")
-        os.makedirs(save_directory, exist_ok=True)
         state = {
             k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
             for k, v in self.state_dict().items()
             if "rotary_emb" not in k
         }
-        if format == "zlab":
-            config = self.config.to_dict()
-            config["architectures"] = [self.architecture]
-        elif self.architecture != "DFlashDraftModel":
-            raise DraftConfigError(f"the transformers DFlash assistant format holds DFlash drafters only, not "
-                                   f"{self.architecture}; write it in the zlab format")
-        else:
-            config = native_config_from_zlab(self.config)
-            state = to_native_names(state)
-        config["dtype"] = str(dtype if dtype is not None else next(iter(state.values())).dtype).replace("torch.", "")
-        write_weights(state, save_directory, max_shard_bytes)
-        with open(os.path.join(save_directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        write_checkpoint(save_directory, self.config, state, format, self.architecture, max_shard_bytes)
 
     @classmethod
     def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None, device=None,
                         target_config=None) -> "DFlashDraftModel":
-        """Load a drafter from a local directory (offline): ``config.json`` + safetensors, either format.
+        """Load a drafter from a local directory (offline): ``config.json`` + safetensors, any format.
 
-        The format (z-lab or transformers' native assistant) is detected from
-        ``config.json`` and the weight names (:func:`dflash.drafter.formats.detect_format`);
+        The format (z-lab, transformers' native assistant, speculators) is
+        detected from ``config.json`` (:func:`dflash.drafter.formats.detect_format`);
         sharded weights (``model.safetensors.index.json``) are read shard by
-        shard. ``target_config``: the target's config, needed only for a native
-        checkpoint whose config lacks ``num_target_layers`` / ``vocab_size``.
+        shard. ``target_config``: the target's config, filling
+        ``num_target_layers`` / ``vocab_size`` where the format does not carry
+        them; without it they stay None and the drafter is checked against its
+        target when paired (:func:`dflash.decoding.check_pair`).
 
         Raises :class:`DraftConfigError` naming the missing file, missing or
         unexpected weight names (as named in the checkpoint), or the weight whose
         shape does not match.
         """
-        if not os.path.isdir(directory):
-            raise DraftConfigError(f"drafter directory {directory!r} does not exist (loading is local only)")
-        config_path = os.path.join(directory, CONFIG_NAME)
-        if not os.path.isfile(config_path):
-            raise DraftConfigError(f"no {CONFIG_NAME} in drafter directory {directory!r}")
-        with open(config_path) as f:
-            raw = json.load(f)
-        state, _ = read_weights(directory)
-        for name in ("predecessor_codebook", "successor_codebook"):  # published DFlash2 names lack ".weight"
-            bare = f"candidate_selector.{name}"
-            if bare in state:
-                state[bare + ".weight"] = state.pop(bare)
-        fmt = detect_format(raw, state.keys())
-        if fmt == "transformers":
-            raw = zlab_config_from_native(raw, target_config)
-            state = from_native_names(state)
-        raw.pop("architectures", None)
-        raw.pop("auto_map", None)
-        raw.pop("model_type", None)
+        raw, state, fmt = read_checkpoint(directory, target_config)
         config = qwen3_config(raw)
         model = cls.class_for(config)(config)
         expected = {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
-        shown = to_native_names if fmt == "transformers" else (lambda d: d)
+        shown = shown_names(fmt)
         missing = sorted(shown({k: None for k in set(expected) - set(state)}))
         unexpected = sorted(shown({k: None for k in set(state) - set(expected)}))
         if missing:
@@ -447,6 +413,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         if not is_dflash2(config):
             raise DraftConfigError("a DFlash2 drafter config needs conv_kernel_size, conv_group_size, selector_rank "
                                    "and selector_top_k (in dflash_config or at the top level)")
+        if config.vocab_size is None:
+            raise DraftConfigError("a DFlash2 drafter needs vocab_size (its selector codebooks are [vocab_size, "
+                                   "selector_rank])")
         super().__init__(config)
         K, g = int(dflash_value(config, "conv_kernel_size")), int(dflash_value(config, "conv_group_size"))
         if K > self.block_size:

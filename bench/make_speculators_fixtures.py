@@ -1,0 +1,107 @@
+"""Write the speculators drafter fixtures under ``tests/fixtures/speculators/`` with speculators' own classes.
+
+Runs ONLY in a virtual environment that has ``speculators==0.9.0`` installed
+(it is not a dependency of this package)::
+
+    python3 -m venv /work/venv-spec
+    /work/venv-spec/bin/pip install torch==2.13.0 speculators==0.9.0
+    OMP_NUM_THREADS=1 /work/venv-spec/bin/python bench/make_speculators_fixtures.py
+
+For each of ``dflash`` and ``dflash2`` it builds speculators' drafter
+(``DFlashDraftModel`` / ``DFlash2DraftModel``, hidden 32, 2 layers, vocab 300,
+block 4, ``aux_hidden_state_layer_ids`` [2, 4], eager attention), fills every
+weight with seeded random values (the convolutions too, which speculators
+initialises to the identity), saves it with its own ``save_pretrained`` into
+``<kind>/``, and runs its training forward (``_backbone_forward``) on fixed
+inputs with every valid anchor selected (deterministic). ``<kind>/expected.safetensors``
+holds what a loader must reproduce:
+
+* ``features [T, 2*32]`` context features, ``input_ids [T]``, ``anchors [A]``,
+* ``embed [300, 32]`` / ``lm_head [300, 32]``: the verifier's embedding and
+  head (not part of the checkpoint),
+* ``hidden [A*4, 32]``: the final-normed block states, ``logits [A*4, 300]``,
+* DFlash2: ``predecessors [A*4]``, ``candidates [A*4, k]`` and ``scores [A*4, k]``
+  of the candidate selector for the teacher-forced predecessors.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the verifier named in the config is not fetched
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3Config
+
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+H, V, B, T = 32, 300, 4, 12
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "speculators")
+
+
+def layer_config() -> Qwen3Config:
+    cfg = Qwen3Config(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, vocab_size=V, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build(kind: str):
+    common = dict(
+        transformer_layer_config=layer_config(), draft_vocab_size=V, block_size=B,
+        aux_hidden_state_layer_ids=[2, 4], mask_token_id=V - 1,
+        speculators_config=SpeculatorsConfig(
+            algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=B - 1)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="tiny-verifier", architectures=["Qwen3ForCausalLM"])))
+    if kind == "dflash":
+        return DFlashDraftModel(DFlashSpeculatorConfig(**common))
+    return DFlash2DraftModel(DFlash2SpeculatorConfig(**common, conv_kernel_size=2, conv_group_size=8,
+                                                     selector_rank=8, selector_top_k=5))
+
+
+def main() -> int:
+    for kind in ("dflash", "dflash2"):
+        torch.manual_seed(0 if kind == "dflash" else 1)
+        model = build(kind).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.8, 1.2)
+                elif "base_kernel" in name:
+                    p.normal_(0.0, 0.5)
+                else:
+                    p.normal_(0.0, 0.1)
+        directory = os.path.join(OUT, kind)
+        os.makedirs(directory, exist_ok=True)
+        model.save_pretrained(directory)
+        os.remove(os.path.join(directory, "config.py"))  # speculators' own config class, named by auto_map
+        features = torch.randn(1, T, 2 * H)
+        input_ids = torch.randint(0, V - 1, (1, T))
+        loss_mask = torch.zeros(1, T, dtype=torch.long)
+        loss_mask[0, [3, 5, 7]] = 1  # every valid anchor is taken: max_anchors == 3
+        with torch.no_grad():
+            hidden, logits, _, _, blocks = model._backbone_forward(
+                features, input_ids, loss_mask, torch.randn(1, T, H), torch.zeros(1, T, dtype=torch.long),
+                max_anchors=3)
+        expected = {"features": features[0], "input_ids": input_ids[0], "anchors": torch.tensor([3, 5, 7]),
+                    "embed": model.embed_tokens.weight.detach().clone(),
+                    "lm_head": model.lm_head.weight.detach().clone(),
+                    "hidden": hidden[0], "logits": logits[0]}
+        if kind == "dflash2":
+            predecessors = model._predecessor_ids(input_ids, blocks)
+            with torch.no_grad():
+                candidates, scores = model.candidate_selector.select(logits, hidden, predecessors.reshape(1, -1))
+            expected.update(predecessors=predecessors.reshape(-1), candidates=candidates[0], scores=scores[0])
+        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(directory, "expected.safetensors"))
+        print(kind, sorted(os.listdir(directory)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
