@@ -13,8 +13,9 @@ block 4, ``aux_hidden_state_layer_ids`` [2, 4], eager attention), fills every
 weight with seeded random values (the convolutions too, which speculators
 initialises to the identity), saves it with its own ``save_pretrained`` into
 ``<kind>/``, and runs its training forward (``_backbone_forward``) on fixed
-inputs with every valid anchor selected (deterministic). ``<kind>/expected.safetensors``
-holds what a loader must reproduce:
+inputs with every valid anchor selected (deterministic). ``<kind>_expected.safetensors``
+(beside the checkpoint: a loader reads every weight file inside it) holds what a
+loader must reproduce:
 
 * ``features [T, 2*32]`` context features, ``input_ids [T]``, ``anchors [A]``,
 * ``embed [300, 32]`` / ``lm_head [300, 32]``: the verifier's embedding and
@@ -98,7 +99,7 @@ def main() -> int:
             with torch.no_grad():
                 candidates, scores = model.candidate_selector.select(logits, hidden, predecessors.reshape(1, -1))
             expected.update(predecessors=predecessors.reshape(-1), candidates=candidates[0], scores=scores[0])
-        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(directory, "expected.safetensors"))
+        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(OUT, f"{kind}_expected.safetensors"))
         print(kind, sorted(os.listdir(directory)))
     return 0
 

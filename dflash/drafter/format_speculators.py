@@ -35,6 +35,7 @@ import torch
 
 from .config import DraftConfigError, dflash_value, draft_layer_ids
 from .dflash2 import DFLASH2_KEYS
+from .format_native import BOOKKEEPING
 from .format_zlab import bare_codebooks, check_math_keys
 
 MODEL_TYPES = ("dflash", "dflash2")
@@ -45,7 +46,7 @@ VERIFIER_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.w
 VOCAB_MAPS = ("t2d", "d2t")
 #: our config keys that are not part of speculators' transformer_layer_config
 _OURS_ONLY = ("num_target_layers", "block_size", "dflash_config", "is_causal", "architectures", "auto_map",
-              "speculators_config", "dtype", "transformers_version") + DFLASH2_KEYS
+              "speculators_config", "dtype") + DFLASH2_KEYS + BOOKKEEPING
 #: top-level speculators keys this reader understands
 _TOP_KEYS = {"speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
              "block_size", "mask_token_id", "aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size",
