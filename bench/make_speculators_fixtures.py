@@ -23,6 +23,13 @@ loader must reproduce:
 * ``hidden [A*4, 32]``: the final-normed block states, ``logits [A*4, 300]``,
 * DFlash2: ``predecessors [A*4]``, ``candidates [A*4, k]`` and ``scores [A*4, k]``
   of the candidate selector for the teacher-forced predecessors.
+
+Then, for each ``ours_<kind>/`` present (drafters written by this package's
+speculators writer, first made in the package's own environment with
+``python -c "import sys; sys.path[:0] = ['.', 'tests']; import test_checkpoint_formats as t; t.write_ours_fixtures()"``),
+it loads the directory with speculators' own ``from_pretrained``, runs the same
+forward and writes ``ours_<kind>_expected.safetensors`` (same keys as above,
+without the selector's).
 """
 
 import os
@@ -66,6 +73,43 @@ def build(kind: str):
                                                      selector_rank=8, selector_top_k=5))
 
 
+def fixed_inputs(hidden: int):
+    """``(features [1, T, 2*hidden], input_ids [1, T], loss_mask [1, T])``: every valid anchor (3, 5, 7) is
+    taken with ``max_anchors=3``."""
+    features = torch.randn(1, T, 2 * hidden)
+    input_ids = torch.randint(0, V - 1, (1, T))
+    loss_mask = torch.zeros(1, T, dtype=torch.long)
+    loss_mask[0, [3, 5, 7]] = 1
+    return features, input_ids, loss_mask
+
+
+def backbone(model, features, input_ids, loss_mask):
+    hidden_size = model.config.transformer_layer_config.hidden_size
+    with torch.no_grad():
+        return model._backbone_forward(features, input_ids, loss_mask, torch.randn(1, T, hidden_size),
+                                       torch.zeros(1, T, dtype=torch.long), max_anchors=3)
+
+
+def check_ours(kind: str) -> None:
+    """speculators' ``from_pretrained`` on ``ours_<kind>/`` and its forward on fixed inputs."""
+    directory = os.path.join(OUT, f"ours_{kind}")
+    cls = DFlash2DraftModel if kind == "dflash2" else DFlashDraftModel
+    config = cls.config_class.from_pretrained(directory)
+    config.transformer_layer_config._attn_implementation = "eager"
+    model = cls.from_pretrained(directory, config=config).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():  # the verifier's embedding and head, not part of the checkpoint
+        model.embed_tokens.weight.normal_(0.0, 0.1)
+        model.lm_head.weight.normal_(0.0, 0.1)
+    features, input_ids, loss_mask = fixed_inputs(model.config.transformer_layer_config.hidden_size)
+    hidden, logits, *_ = backbone(model, features, input_ids, loss_mask)
+    expected = {"features": features[0], "input_ids": input_ids[0], "anchors": torch.tensor([3, 5, 7]),
+                "embed": model.embed_tokens.weight.detach().clone(), "lm_head": model.lm_head.weight.detach().clone(),
+                "hidden": hidden[0], "logits": logits[0]}
+    save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(OUT, f"ours_{kind}_expected.safetensors"))
+    print(f"ours_{kind}: loaded by speculators' {cls.__name__}.from_pretrained")
+
+
 def main() -> int:
     for kind in ("dflash", "dflash2"):
         torch.manual_seed(0 if kind == "dflash" else 1)
@@ -82,14 +126,8 @@ def main() -> int:
         os.makedirs(directory, exist_ok=True)
         model.save_pretrained(directory)
         os.remove(os.path.join(directory, "config.py"))  # speculators' own config class, named by auto_map
-        features = torch.randn(1, T, 2 * H)
-        input_ids = torch.randint(0, V - 1, (1, T))
-        loss_mask = torch.zeros(1, T, dtype=torch.long)
-        loss_mask[0, [3, 5, 7]] = 1  # every valid anchor is taken: max_anchors == 3
-        with torch.no_grad():
-            hidden, logits, _, _, blocks = model._backbone_forward(
-                features, input_ids, loss_mask, torch.randn(1, T, H), torch.zeros(1, T, dtype=torch.long),
-                max_anchors=3)
+        features, input_ids, loss_mask = fixed_inputs(H)
+        hidden, logits, _, _, blocks = backbone(model, features, input_ids, loss_mask)
         expected = {"features": features[0], "input_ids": input_ids[0], "anchors": torch.tensor([3, 5, 7]),
                     "embed": model.embed_tokens.weight.detach().clone(),
                     "lm_head": model.lm_head.weight.detach().clone(),
@@ -101,6 +139,9 @@ def main() -> int:
             expected.update(predecessors=predecessors.reshape(-1), candidates=candidates[0], scores=scores[0])
         save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(OUT, f"{kind}_expected.safetensors"))
         print(kind, sorted(os.listdir(directory)))
+    for kind in ("dflash", "dflash2"):
+        if os.path.isdir(os.path.join(OUT, f"ours_{kind}")):
+            check_ours(kind)
     return 0
 
 

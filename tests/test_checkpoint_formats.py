@@ -4,7 +4,8 @@ transformers' native DFlash.
 * real speculators checkpoints (tests/fixtures/speculators/, made by bench/make_speculators_fixtures.py with
   speculators' own classes) load and reproduce the block states, logits and selector scores speculators computed;
 * round trips through ``python -m dflash convert`` between every pair of formats are weight for weight identical,
-  and a speculators checkpoint written from a z-lab one gives the same logits;
+  and a speculators checkpoint written from a z-lab one gives the same logits; speculators' own classes load
+  what we write (tests/fixtures/speculators/ours_*) and compute our block states;
 * detection by each format's own keys (no pair ambiguous), pairing checks, and errors naming the key.
 """
 
@@ -49,6 +50,24 @@ def zlab_drafter(dflash2: bool, seed=3, target_layer_ids=(1, 3), **kw):
                                mask_token_id=299, target_layer_ids=list(target_layer_ids),
                                max_position_embeddings=512, **(DFLASH2 if dflash2 else {}), **kw)
     return randomized((DFlash2DraftModel if dflash2 else DFlashDraftModel)(config), seed)
+
+
+def check_drafter(dflash2: bool):
+    """The z-lab drafter whose speculators-format save speculators itself loaded
+    (tests/fixtures/speculators/ours_<kind>/, :func:`write_ours_fixtures`)."""
+    config = make_draft_config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=16, intermediate_size=64, vocab_size=300, num_target_layers=6, block_size=4,
+                               mask_token_id=299, target_layer_ids=[1, 3], max_position_embeddings=512,
+                               **({**DFLASH2, "conv_group_size": 8} if dflash2 else {}))
+    return randomized((DFlash2DraftModel if dflash2 else DFlashDraftModel)(config), 11 + dflash2)
+
+
+def write_ours_fixtures():
+    """Write ``ours_dflash`` / ``ours_dflash2`` (our speculators-format writes); then
+    bench/make_speculators_fixtures.py runs speculators on them."""
+    for dflash2 in (False, True):
+        check_drafter(dflash2).save_pretrained(FIXTURES / f"ours_{'dflash2' if dflash2 else 'dflash'}",
+                                               format="speculators")
 
 
 def block_pass(model, embed, ids, features, anchor):
@@ -158,6 +177,24 @@ def test_speculators_written_from_zlab_gives_the_same_logits(dflash2, sources, t
     for anchor in (3, 8):
         a, b = (block_pass(m, embed, ids, feats, anchor) @ head.T for m in (zlab, spec))
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_speculators_loads_what_we_write(kind, tmp_path):
+    """Our speculators-format write is the one speculators' own ``from_pretrained`` loaded (the committed copy)
+    and its forward there gave our block states and logits."""
+    check_drafter(kind == "dflash2").save_pretrained(tmp_path, format="speculators")
+    committed = FIXTURES / f"ours_{kind}"
+    raw, want_raw = (json.load(open(d / "config.json")) for d in (tmp_path, committed))
+    assert raw == want_raw
+    a, b = load_file(tmp_path / "model.safetensors"), load_file(committed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ours = DFlashDraftModel.from_pretrained(str(tmp_path))
+    want = load_file(FIXTURES / f"ours_{kind}_expected.safetensors")
+    hidden = torch.cat([block_pass(ours, want["embed"], want["input_ids"], want["features"], int(a))
+                        for a in want["anchors"]])
+    torch.testing.assert_close(hidden, want["hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden @ want["lm_head"].T, want["logits"], rtol=1e-5, atol=1e-4)
 
 
 def test_zlab_dflash2_codebooks_are_written_as_published(sources):
