@@ -284,6 +284,10 @@ def test_zlab_keys(tmp_path):
         with pytest.raises(DraftConfigError, match=match):
             DFlashDraftModel.from_pretrained(str(tmp_path))
         _rewrite(tmp_path, **{key: None})
+        _rewrite(tmp_path, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3], key: value})
+        with pytest.raises(DraftConfigError, match=match):  # read from dflash_config first, as z-lab does
+            DFlashDraftModel.from_pretrained(str(tmp_path))
+        _rewrite(tmp_path, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3]})
     raw = _rewrite(tmp_path, input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0,
                    my_note="kept")
     assert DFlashDraftModel.from_pretrained(str(tmp_path)).config.my_note == "kept"
@@ -293,6 +297,10 @@ def test_zlab_keys(tmp_path):
                    target_layer_ids=[0, 2], block_size=None)
     moved = DFlashDraftModel.from_pretrained(str(tmp_path))
     assert (moved.block_size, moved.mask_token_id, moved.target_layer_ids) == (6, 299, [0, 2])
+    moved.save_pretrained(tmp_path / "again")
+    again = json.load(open(tmp_path / "again" / "config.json"))
+    assert again["dflash_config"] == {"block_size": 6, "mask_token_id": 299, "target_layer_ids": [0, 2]}
+    assert "block_size" not in again and "mask_token_id" not in again
     _rewrite(tmp_path, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3]})
     assert DFlashDraftModel.from_pretrained(str(tmp_path)).block_size == 16
     _rewrite(tmp_path, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3], "is_causal": True})

@@ -146,16 +146,18 @@ def qwen3_config(values: Dict[str, Any]) -> Qwen3Config:
 
 
 def dflash_value(config, name: str, default: Any = None) -> Any:
-    """A DFlash key: ``dflash_config[name]`` when present, else the top-level attribute, else ``default``.
+    """A DFlash key: ``dflash_config[name]`` when present, else the top-level attribute, else ``default``
+    (``config`` a config object or a ``config.json`` dict).
 
     Published configs place the drafter's own keys (``block_size``, the DFlash2
     keys, ``input_embedding_scale``, ...) either inside ``dflash_config`` or at
     the top level; both are read, ``dflash_config`` first.
     """
-    inner = getattr(config, "dflash_config", None) or {}
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    inner = get("dflash_config") or {}
     if name in inner and inner[name] is not None:
         return inner[name]
-    value = getattr(config, name, None) if not isinstance(config, dict) else config.get(name)
+    value = get(name)
     return default if value is None else value
 
 

@@ -15,34 +15,43 @@ Detection (:func:`detect_format`) is by the keys only one format defines
 ``block_size`` are top-level in both speculators and native configs); none or
 two matching is an error.
 
-Mapping, ours (= z-lab) -> transformers | speculators ("=": the same name):
+Mapping, ours (= z-lab) -> transformers | speculators ("=": the same name; "spec.": speculators;
+``tlc``: speculators' ``transformer_layer_config``):
 
-============================================  ==========================================  =============================================
-ours / zlab                                   transformers                                speculators
-============================================  ==========================================  =============================================
-``fc.weight`` ``[H, n*H]``                    ``encoder.fc.weight``                       =
-``hidden_norm.weight`` ``[H]``                ``encoder.output_norm_enc.weight``          =
-``layers.{i}.*``, ``norm.weight``             = (``model.`` prefix read)                  =
-``candidate_selector.*_codebook(.weight)``    (no DFlash2)                                ``candidate_selector.*_codebook``
-(the target's embedding / lm_head)            --                                          ``embed_tokens``, ``lm_head``,
-                                                                                          ``verifier_*``: skipped on read
-``dflash_config.mask_token_id``               ``mask_token_id``                           ``mask_token_id``
-``dflash_config.target_layer_ids`` ``k``      ``target_layer_ids`` ``k``                  ``aux_hidden_state_layer_ids`` ``k + 1``
-``block_size``                                ``block_size``                              ``block_size``
-``num_target_layers``                         extra key; absent: None until paired        absent: None until paired
-``vocab_size``                                extra key; absent: None until paired        ``transformer_layer_config.vocab_size``
-                                                                                          (= ``draft_vocab_size``)
-``sliding_window`` W (per query row)          ``sliding_window`` W - 1                    error (speculators' window is per block)
-``is_causal``                                 false (bidirectional)                       false (full attention)
-``layer_types``                               = (default: all ``sliding_attention``)      ``transformer_layer_config.layer_types``
-``conv_kernel_size``, ``conv_group_size``,    --                                          the same keys, top level
-``selector_rank``, ``selector_top_k``
-Qwen3 keys (``hidden_size``, ``head_dim``,    the same keys                               inside ``transformer_layer_config``
-``rope_parameters``, ``rms_norm_eps``, ...)
---                                            ``model_type``, ``architectures``           ``speculators_model_type``,
-                                                                                          ``speculators_version``,
-                                                                                          ``speculators_config``, ``architectures``
-============================================  ==========================================  =============================================
+==================================  ==================================  ======================================
+ours / zlab                         transformers                        speculators
+==================================  ==================================  ======================================
+``fc.weight`` ``[H, n*H]``          ``encoder.fc.weight``               =
+``hidden_norm.weight`` ``[H]``      ``encoder.output_norm_enc.weight``  =
+``layers.{i}.*``, ``norm.weight``   = (a ``model.`` prefix is read)     =
+``candidate_selector.*_codebook``   (no DFlash2)                        = (bare Parameters, no ``.weight``)
+(the target's embed / lm_head)      --                                  ``embed_tokens``, ``lm_head``,
+                                                                        ``verifier_*``: skipped on read
+``dflash_config.mask_token_id``     ``mask_token_id``                   ``mask_token_id``
+``dflash_config.target_layer_ids``  ``target_layer_ids`` (same ids)     ``aux_hidden_state_layer_ids``: id + 1
+``block_size``                      ``block_size``                      ``block_size``
+``num_target_layers``               extra key, else None till paired    absent: None till paired
+``vocab_size``                      extra key, else None till paired    ``tlc.vocab_size`` (= draft_vocab_size)
+``sliding_window`` W (per row)      ``sliding_window`` W - 1            error (spec.'s window is per block)
+``is_causal``                       false (bidirectional)               false (full attention only)
+``layer_types``                     = (default all sliding_attention)   ``tlc.layer_types``
+DFlash2 ``conv_kernel_size``,       --                                  the same keys, top level
+``conv_group_size``,
+``selector_rank``,
+``selector_top_k``
+(the full target vocabulary)        (the full target vocabulary)        ``draft_vocab_size`` = ``tlc.vocab_size``;
+                                                                        ``t2d`` / ``d2t`` / own ``lm_head``: error
+(proposals at masked positions)     (the same)                          ``sample_from_anchor`` false (true: error)
+(features of width H)               (the same)                          ``target_hidden_size`` null (or H)
+--                                  --                                  ``sliding_window_non_causal``: speculators'
+                                                                        default written (no sliding layers)
+Qwen3 keys (``hidden_size``,        the same keys                       the same keys inside ``tlc``
+``head_dim``, ``rope_parameters``,
+``rms_norm_eps``, ...)
+--                                  ``model_type``, ``architectures``   ``speculators_model_type``,
+                                                                        ``speculators_version``,
+                                                                        ``speculators_config``, ``architectures``
+==================================  ==================================  ======================================
 
 Each format module lists what it cannot carry (an error naming the key).
 Sharded checkpoints: ``model.safetensors.index.json`` (``{"weight_map": {name:
