@@ -9,11 +9,14 @@ Runs ONLY in a virtual environment that has ``speculators==0.9.0`` installed
 
 For each of ``dflash`` and ``dflash2`` it builds speculators' drafter
 (``DFlashDraftModel`` / ``DFlash2DraftModel``, hidden 32, 2 layers, vocab 300,
-block 4, ``aux_hidden_state_layer_ids`` [2, 4], eager attention), fills every
+block 4, ``aux_hidden_state_layer_ids`` [2, 4], eager attention), and as
+``<kind>_sliding`` the same with layers [sliding_attention (window 2),
+full_attention] at speculators' default ``sliding_window_non_causal`` (false for
+dflash, true for dflash2), fills every
 weight with seeded random values (the convolutions too, which speculators
 initialises to the identity), saves it with its own ``save_pretrained`` into
-``<kind>/``, and runs its training forward (``_backbone_forward``) on fixed
-inputs with every valid anchor selected (deterministic). ``<kind>_expected.safetensors``
+``<name>/``, and runs its training forward (``_backbone_forward``) on fixed
+inputs with every valid anchor selected (deterministic). ``<name>_expected.safetensors``
 (beside the checkpoint: a loader reads every weight file inside it) holds what a
 loader must reproduce:
 
@@ -50,18 +53,20 @@ H, V, B, T = 32, 300, 4, 12
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "speculators")
 
 
-def layer_config() -> Qwen3Config:
+def layer_config(sliding: bool) -> Qwen3Config:
+    window = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=2,
+                  use_sliding_window=True) if sliding else {}
     cfg = Qwen3Config(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=V, max_position_embeddings=512,
                       rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=False, **window)
     cfg._attn_implementation = "eager"
     return cfg
 
 
-def build(kind: str):
+def build(kind: str, sliding: bool = False):
     common = dict(
-        transformer_layer_config=layer_config(), draft_vocab_size=V, block_size=B,
+        transformer_layer_config=layer_config(sliding), draft_vocab_size=V, block_size=B,
         aux_hidden_state_layer_ids=[2, 4], mask_token_id=V - 1,
         speculators_config=SpeculatorsConfig(
             algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=B - 1)],
@@ -111,18 +116,19 @@ def check_ours(kind: str) -> None:
 
 
 def main() -> int:
-    for kind in ("dflash", "dflash2"):
-        torch.manual_seed(0 if kind == "dflash" else 1)
-        model = build(kind).eval()
+    for name in ("dflash", "dflash2", "dflash_sliding", "dflash2_sliding"):
+        kind, sliding = name.split("_")[0], name.endswith("_sliding")
+        torch.manual_seed(("dflash", "dflash2", "dflash_sliding", "dflash2_sliding").index(name))
+        model = build(kind, sliding).eval()
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+            for param_name, p in model.named_parameters():
+                if param_name.endswith("norm.weight"):
                     p.uniform_(0.8, 1.2)
-                elif "base_kernel" in name:
+                elif "base_kernel" in param_name:
                     p.normal_(0.0, 0.5)
                 else:
                     p.normal_(0.0, 0.1)
-        directory = os.path.join(OUT, kind)
+        directory = os.path.join(OUT, name)
         os.makedirs(directory, exist_ok=True)
         model.save_pretrained(directory)
         os.remove(os.path.join(directory, "config.py"))  # speculators' own config class, named by auto_map
@@ -137,8 +143,8 @@ def main() -> int:
             with torch.no_grad():
                 candidates, scores = model.candidate_selector.select(logits, hidden, predecessors.reshape(1, -1))
             expected.update(predecessors=predecessors.reshape(-1), candidates=candidates[0], scores=scores[0])
-        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(OUT, f"{kind}_expected.safetensors"))
-        print(kind, sorted(os.listdir(directory)))
+        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(OUT, f"{name}_expected.safetensors"))
+        print(name, sorted(os.listdir(directory)))
     for kind in ("dflash", "dflash2"):
         if os.path.isdir(os.path.join(OUT, f"ours_{kind}")):
             check_ours(kind)

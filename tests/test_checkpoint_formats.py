@@ -82,10 +82,13 @@ def block_pass(model, embed, ids, features, anchor):
 # ------------------------------------------------------------------ speculators' own checkpoints
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dflash_sliding", "dflash2_sliding"])
 def test_speculators_checkpoint_reproduces_speculators_outputs(kind):
     ours = DFlashDraftModel.from_pretrained(str(FIXTURES / kind))
-    assert isinstance(ours, DFlash2DraftModel) == (kind == "dflash2")
+    assert isinstance(ours, DFlash2DraftModel) == kind.startswith("dflash2")
+    if kind.endswith("_sliding"):  # [sliding (W 2), full]; dflash: causal sliding layer, dflash2: bidirectional
+        assert [l.window_anchored for l in ours.layers] == [True, False] and ours.layers[0].sliding_window == 3
+        assert [l.causal for l in ours.layers] == [kind == "dflash_sliding", False]
     assert ours.target_layer_ids == [1, 3]  # aux_hidden_state_layer_ids [2, 4]: the embedding output is 0
     assert ours.config.num_target_layers is None and ours.config.vocab_size == 300 and ours.mask_token_id == 299
     want = load_file(FIXTURES / f"{kind}_expected.safetensors")
@@ -95,7 +98,7 @@ def test_speculators_checkpoint_reproduces_speculators_outputs(kind):
     torch.testing.assert_close(hidden, want["hidden"], rtol=1e-5, atol=1e-5)
     logits = hidden @ want["lm_head"].T
     torch.testing.assert_close(logits, want["logits"], rtol=1e-5, atol=1e-4)
-    if kind == "dflash2":
+    if kind.startswith("dflash2"):
         k = ours.candidate_selector.top_k
         candidates = logits.topk(k, dim=-1).indices
         assert torch.equal(candidates, want["candidates"])
@@ -195,6 +198,53 @@ def test_speculators_loads_what_we_write(kind, tmp_path):
                         for a in want["anchors"]])
     torch.testing.assert_close(hidden, want["hidden"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hidden @ want["lm_head"].T, want["logits"], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dflash_sliding", "dflash2_sliding"])
+def test_speculators_window_stays_in_speculators(kind, tmp_path, capsys):
+    """Speculators' anchored window round-trips through its own format; z-lab and native windows are per row."""
+    src = FIXTURES / kind
+    for fmt in ("zlab", "transformers"):
+        assert convert.main([str(src), str(tmp_path / fmt), "--format", fmt, "--num-target-layers", "6"]) == 2
+        err = capsys.readouterr().err
+        assert "window is per query row: write it in the speculators format" in err or (
+            kind == "dflash2_sliding" and fmt == "transformers" and "DFlash drafters only" in err)
+    assert convert.main([str(src), str(tmp_path / "s"), "--format", "speculators"]) == 0
+    raw, back = json.load(open(src / "config.json")), json.load(open(tmp_path / "s" / "config.json"))
+    assert back["sliding_window_non_causal"] == raw["sliding_window_non_causal"]
+    layer, layer_back = raw["transformer_layer_config"], back["transformer_layer_config"]
+    for key in ("layer_types", "sliding_window", "hidden_size", "num_hidden_layers", "rope_parameters"):
+        assert layer_back[key] == layer[key], key
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "s" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    raw["dflash_config"] = {}
+    json.dump(raw, open(tmp_path / "s" / "config.json", "w"))
+    with pytest.raises(DraftConfigError, match="ambiguous"):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_anchored_window_mask_and_cached_rounds_agree(backend):
+    """The anchored window in the cache-incremental pass (a decoding round; the Triton kernel under the
+    interpreter) equals the full pass, and differs from the per-row window."""
+    from dflash.drafter.cache import DraftKVCache
+    from dflash_kernels import force_backend
+
+    ours = DFlashDraftModel.from_pretrained(str(FIXTURES / "dflash_sliding"))
+    g = torch.Generator().manual_seed(1)
+    feats, block = torch.randn(9, 64, generator=g), torch.randn(4, 32, generator=g)
+    cache = DraftKVCache(ours.config, 32, torch.float32, "cpu")
+    with torch.no_grad():
+        ours.ingest_context(feats[:6], cache)
+        cache.freeze()
+        waiting = torch.zeros(4, 64)
+        waiting[:3] = feats[6:9]
+        with force_backend(backend):
+            cached = ours.draft_block(block, waiting, torch.tensor([3]), cache)
+        full = ours(block, feats, torch.arange(13))
+        torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+        ours.layers[0].window_anchored = False
+        assert not torch.allclose(ours(block, feats, torch.arange(13)), full, atol=1e-4)
 
 
 def test_zlab_dflash2_codebooks_are_written_as_published(sources):
@@ -349,12 +399,8 @@ def test_speculators_vocab_maps_and_sliding_layers_are_refused(tmp_path):
         DFlashDraftModel.from_pretrained(str(tmp_path))
     save_file({**state, "embed_tokens.weight": torch.zeros(300, 32)}, tmp_path / "model.safetensors")
     assert "embed_tokens.weight" not in state_of(DFlashDraftModel.from_pretrained(str(tmp_path)))  # skipped
-    raw["transformer_layer_config"].update(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-    json.dump(raw, open(tmp_path / "config.json", "w"))
-    with pytest.raises(DraftConfigError, match="sliding_attention layers cannot be carried between speculators"):
-        DFlashDraftModel.from_pretrained(str(tmp_path))
     sliding = zlab_drafter(False, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-    with pytest.raises(DraftConfigError, match="sliding_attention layers cannot be carried"):
+    with pytest.raises(DraftConfigError, match="keep a window per query row .z-lab's rule.; speculators' window"):
         sliding.save_pretrained(tmp_path / "s", format="speculators")
     last = zlab_drafter(False, target_layer_ids=[1, 5])
     with pytest.raises(DraftConfigError, match=r"read the target's last layer \(5\)"):

@@ -18,13 +18,18 @@ the verifier's ``embed_tokens`` / ``lm_head`` / ``verifier_lm_head`` /
 ``verifier_norm`` are not saved for a full draft vocabulary and are skipped
 when present (this drafter uses the target's own).
 
+Sliding-window layers: speculators keeps, for every row of a block, the ``W``
+context rows before the block's anchor, and the block causally unless
+``sliding_window_non_causal``; read as ``sliding_window_anchored`` (our
+``DraftLayer``) with ``is_causal`` unset (sliding layers causal) or false.
+z-lab's per-row window has no speculators spelling, nor speculators' in the
+other formats: either way an error. Full-attention layers are bidirectional
+within the block, as here.
+
 Not implemented, each an error naming it: a reduced draft vocabulary
 (``draft_vocab_size`` < the verifier's, with ``t2d`` / ``d2t`` buffers and the
 drafter's own ``lm_head``), ``sample_from_anchor`` true, a ``target_hidden_size``
-other than the hidden size, and sliding-window layers (speculators' window
-keeps the ``W`` context rows before a block's anchor for every row of the
-block; this drafter's window is per query row, z-lab's rule). Full-attention
-layers are bidirectional within the block, as here.
+other than the hidden size.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ VERIFIER_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.w
 #: draft-vocabulary mapping buffers (target -> draft mask, draft -> target offsets)
 VOCAB_MAPS = ("t2d", "d2t")
 #: our config keys that are not part of speculators' transformer_layer_config
-_OURS_ONLY = ("num_target_layers", "block_size", "dflash_config", "is_causal", "architectures", "auto_map",
+_OURS_ONLY = ("num_target_layers", "block_size", "dflash_config", "is_causal", "sliding_window_anchored",
+              "architectures", "auto_map",
               "speculators_config", "dtype") + DFLASH2_KEYS + BOOKKEEPING
 #: top-level speculators keys this reader understands
 _TOP_KEYS = {"speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
@@ -59,12 +65,8 @@ def is_speculators(raw: Dict[str, Any]) -> bool:
     return "speculators_model_type" in raw or "transformer_layer_config" in raw
 
 
-def _no_sliding(layer_types: List[str]) -> None:
-    if any(t == "sliding_attention" for t in layer_types or ()):
-        raise DraftConfigError(
-            "sliding_attention layers cannot be carried between speculators and this drafter: speculators keeps the "
-            "W context rows before a block's anchor for every block row, this drafter (as z-lab) a window per query "
-            "row; allowed: full_attention layers only")
+def has_sliding(layer_types: List[str]) -> bool:
+    return any(t == "sliding_attention" for t in layer_types or ())
 
 
 def config_from_speculators(raw: Dict[str, Any], state: Dict[str, torch.Tensor], target_config=None):
@@ -97,7 +99,6 @@ def config_from_speculators(raw: Dict[str, Any], state: Dict[str, torch.Tensor],
     if raw.get("target_hidden_size") not in (None, hidden):
         raise DraftConfigError(f"speculators drafter sets target_hidden_size={raw['target_hidden_size']} != its "
                                f"hidden_size {hidden}; this drafter reads target features of its own width")
-    _no_sliding(layer.get("layer_types"))
     aux = [int(i) for i in raw["aux_hidden_state_layer_ids"]]
     if any(i < 1 for i in aux):
         raise DraftConfigError(f"aux_hidden_state_layer_ids {aux} names the embedding output (0): this drafter "
@@ -108,6 +109,11 @@ def config_from_speculators(raw: Dict[str, Any], state: Dict[str, torch.Tensor],
     out.update(num_target_layers=num_target_layers, block_size=int(raw["block_size"]), is_causal=False,
                dflash_config={"mask_token_id": int(raw["mask_token_id"]), "target_layer_ids": [i - 1 for i in aux]},
                tie_word_embeddings=False)
+    if has_sliding(layer.get("layer_types")):
+        out["sliding_window_anchored"] = True
+        # speculators' default: bidirectional for dflash2, causal sliding layers for dflash
+        if not raw.get("sliding_window_non_causal", kind == "dflash2"):
+            out["is_causal"] = None  # unset: sliding layers causal, full-attention layers bidirectional
     if kind == "dflash2":
         for key in DFLASH2_KEYS:
             if raw.get(key) is None:
@@ -122,8 +128,14 @@ def config_from_speculators(raw: Dict[str, Any], state: Dict[str, torch.Tensor],
 def speculators_config(config, dflash2: bool) -> Dict[str, Any]:
     """The speculators ``config.json`` dict of our drafter config."""
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-    _no_sliding(layer_types)
-    if dflash_value(config, "is_causal"):
+    sliding = has_sliding(layer_types)
+    if sliding and not dflash_value(config, "sliding_window_anchored"):
+        raise DraftConfigError(
+            "this drafter's sliding_attention layers keep a window per query row (z-lab's rule); speculators' window "
+            "keeps the W context rows before a block's anchor for every block row, so they cannot be written in the "
+            "speculators format (allowed: full_attention layers, or windows read from a speculators checkpoint)")
+    is_causal = dflash_value(config, "is_causal")
+    if is_causal:
         raise DraftConfigError("this drafter's layers are causal within the block (is_causal=true); speculators' "
                                "full-attention layers are always bidirectional")
     if config.vocab_size is None:
@@ -149,7 +161,8 @@ def speculators_config(config, dflash2: bool) -> Dict[str, Any]:
         "mask_token_id": int(config.dflash_config["mask_token_id"]),
         "aux_hidden_state_layer_ids": [i + 1 for i in ids],
         "target_hidden_size": None,
-        "sliding_window_non_causal": bool(dflash2),  # speculators' default; no sliding layers are written
+        # the sliding layers' rule (is_causal unset: causal); without sliding layers, speculators' default
+        "sliding_window_non_causal": (is_causal is not None) if sliding else bool(dflash2),
         "sample_from_anchor": False,
         "tie_word_embeddings": False,
         "speculators_config": {

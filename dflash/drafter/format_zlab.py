@@ -12,7 +12,8 @@ defaults to 16 there). Keys z-lab's classes read that change the drafter's math:
   the key): ``input_embedding_scale`` (1), ``output_multiplier`` (1),
   ``final_logit_softcapping`` (unset or <= 0), ``hidden_act`` (``silu``).
 
-Other unknown keys are kept, as ``Qwen3Config`` keeps them. Reading moves a
+Other unknown keys are kept, as ``Qwen3Config`` keeps them. Speculators' anchored
+sliding window (``sliding_window_anchored``) has no z-lab spelling: an error. Reading moves a
 top-level ``mask_token_id`` / ``target_layer_ids`` into ``dflash_config`` (where
 this package reads them). DFlash2 codebooks are written as published, without
 ``.weight`` (``candidate_selector.predecessor_codebook``); both spellings are read.
@@ -60,6 +61,9 @@ def config_from_zlab(raw: Dict[str, Any], target_config=None) -> Dict[str, Any]:
     ``target_config`` fills ``num_target_layers`` / ``vocab_size`` when the config lacks them.
     """
     check_math_keys(raw)
+    if dflash_value(raw, "sliding_window_anchored") is not None:
+        raise DraftConfigError("z-lab drafter config sets sliding_window_anchored, which z-lab's classes do not "
+                               "read (it is speculators' window rule)")
     out = dict(raw)
     inner = dict(out.get("dflash_config") or {})
     for key in ("mask_token_id", "target_layer_ids"):
@@ -76,8 +80,19 @@ def config_from_zlab(raw: Dict[str, Any], target_config=None) -> Dict[str, Any]:
     return out
 
 
+def refuse_anchored_window(config, fmt: str) -> None:
+    """Error when ``config`` has sliding layers with speculators' anchored window, which ``fmt`` cannot spell."""
+    layer_types = getattr(config, "layer_types", None) if not isinstance(config, dict) else config.get("layer_types")
+    if dflash_value(config, "sliding_window_anchored") and "sliding_attention" in (layer_types or ()):
+        raise DraftConfigError(
+            f"this drafter's sliding_attention layers keep speculators' window (the W context rows before a block's "
+            f"anchor for every block row); the {fmt} format's window is per query row: write it in the speculators "
+            f"format")
+
+
 def zlab_config(config, architecture: str) -> Dict[str, Any]:
     """The z-lab ``config.json`` dict of our drafter config (``architecture``: the class z-lab builds)."""
+    refuse_anchored_window(config, "zlab")
     for key, flag in (("num_target_layers", "--num-target-layers"), ("vocab_size", "--vocab-size")):
         if getattr(config, key, None) is None:
             raise DraftConfigError(f"the z-lab format needs '{key}' (z-lab's classes read it), which this drafter "

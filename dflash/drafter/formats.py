@@ -33,7 +33,11 @@ ours / zlab                         transformers                        speculat
 ``num_target_layers``               extra key, else None till paired    absent: None till paired
 ``vocab_size``                      extra key, else None till paired    ``tlc.vocab_size`` (= draft_vocab_size)
 ``sliding_window`` W (per row)      ``sliding_window`` W - 1            error (spec.'s window is per block)
-``is_causal``                       false (bidirectional)               false (full attention only)
+``sliding_window`` W +              error (per row only)                ``tlc.sliding_window`` W (the W context
+``sliding_window_anchored``                                             rows before the block's anchor)
+``is_causal``                       false (bidirectional)               false (full attention only), or with
+                                                                        sliding layers: unset (causal) <->
+                                                                        ``sliding_window_non_causal`` false
 ``layer_types``                     = (default all sliding_attention)   ``tlc.layer_types``
 DFlash2 ``conv_kernel_size``,       --                                  the same keys, top level
 ``conv_group_size``,
@@ -43,8 +47,8 @@ DFlash2 ``conv_kernel_size``,       --                                  the same
                                                                         ``t2d`` / ``d2t`` / own ``lm_head``: error
 (proposals at masked positions)     (the same)                          ``sample_from_anchor`` false (true: error)
 (features of width H)               (the same)                          ``target_hidden_size`` null (or H)
---                                  --                                  ``sliding_window_non_causal``: speculators'
-                                                                        default written (no sliding layers)
+--                                  --                                  ``sliding_window_non_causal`` without
+                                                                        sliding layers: speculators' default
 Qwen3 keys (``hidden_size``,        the same keys                       the same keys inside ``tlc``
 ``head_dim``, ``rope_parameters``,
 ``rms_norm_eps``, ...)

@@ -113,6 +113,7 @@ class DraftAttention(nn.Module):
         block_positions: Optional[torch.Tensor] = None,
         context_count: Optional[torch.Tensor] = None,
         causal: bool = False,
+        anchored: bool = False,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
@@ -125,8 +126,9 @@ class DraftAttention(nn.Module):
         cached context and the whole block, nothing read on the host. K/V are
         read once per kv head: the Triton path runs
         :func:`dflash_kernels.tree_attention` with every block key visible
-        (GQA packed, ``window`` applied at ``block_positions [B]``), the
-        reference path the pass's mask made once per window in
+        (GQA packed, ``window`` applied at ``block_positions [B]``: the rows'
+        own positions, or their block's anchor for an ``anchored`` window), the
+        reference path the pass's mask made once per (window, causal, anchored) in
         :meth:`DFlashDraftModel.draft_block`.
         """
         B, C = block.shape[0], context.shape[0]
@@ -136,7 +138,7 @@ class DraftAttention(nn.Module):
         if cache is not None:
             k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
             if cache.visible is not None:  # reference backend
-                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal],
+                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal, anchored],
                                                       scale=self.scaling)
             else:
                 out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal), prefix,
@@ -158,6 +160,11 @@ class DraftLayer(nn.Module):
     (``attention_conv`` / ``mlp_conv`` set) wrap each sublayer in a
     :class:`~dflash.drafter.dflash2.GroupedDynamicCausalConv` along each block
     of ``block_size`` rows: ``y = finish(f(prepare(norm(x))))``.
+
+    A sliding-window layer hides keys ``q - k >= W`` behind each query row
+    (z-lab's rule), or, with ``sliding_window_anchored`` set (speculators'
+    rule), keeps for every row of a block the ``W`` context rows before the
+    block's anchor ``a`` (``a - W <= k < a``) and the block itself.
     """
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
@@ -169,6 +176,10 @@ class DraftLayer(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         kind = layer_types[layer_idx] if layer_types else "full_attention"
         self.sliding_window = config.sliding_window if kind == "sliding_attention" else None
+        # speculators' window: every row of a block keeps the W context rows before the block's anchor
+        self.window_anchored = kind == "sliding_attention" and bool(dflash_value(config, "sliding_window_anchored"))
+        if self.window_anchored:
+            self.sliding_window = int(config.sliding_window) + 1  # hide a - k >= W + 1: keep k >= a - W
         is_causal = dflash_value(config, "is_causal")
         self.causal = kind == "sliding_attention" if is_causal is None else bool(is_causal)
         self.block_size = int(dflash_value(config, "block_size"))
@@ -183,24 +194,35 @@ class DraftLayer(nn.Module):
         x, d1 = conv.prepare(h.view(rows // self.block_size, self.block_size, H))
         return conv.finish(sublayer(x.view(rows, H)).view(x.shape), d1).view(rows, H)
 
+    def window_positions(self, block_positions: torch.Tensor) -> torch.Tensor:
+        """The positions a layer's window is measured from: each row's own, or (``window_anchored``) the
+        position of its block's anchor (rows in blocks of ``block_size``)."""
+        if not self.window_anchored:
+            return block_positions
+        B = self.block_size
+        return block_positions.view(-1, B)[:, :1].expand(-1, B).reshape(-1)
+
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
                 context_count=None):
+        positions = None if block_positions is None else self.window_positions(block_positions)
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
-                                          window=self.sliding_window, block_positions=block_positions,
-                                          context_count=context_count, causal=self.causal)
+                                          window=self.sliding_window, block_positions=positions,
+                                          context_count=context_count, causal=self.causal,
+                                          anchored=self.window_anchored)
         block = block + self._wrapped(self.attention_conv, attend, self.input_layernorm(block))
         return block + self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block))
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], dtype: torch.dtype,
-                        causal: bool = False) -> torch.Tensor:
+                        causal: bool = False, window_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Additive ``[Q, K]`` mask hiding keys more than ``window - 1`` positions behind a query (``window``
-    None: no window).
+    None: no window), measured from ``window_pos [Q]`` when given (an anchored window), else from ``q_pos``.
 
     Keys ahead of the query (later block positions) stay visible unless ``causal``.
     """
     gap = q_pos[:, None] - k_pos[None, :]
-    hidden = gap >= window if window is not None else torch.zeros_like(gap, dtype=torch.bool)
+    reach = gap if window_pos is None else window_pos[:, None] - k_pos[None, :]
+    hidden = reach >= window if window is not None else torch.zeros_like(gap, dtype=torch.bool)
     if causal:
         hidden = hidden | (gap < 0)
     return torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, torch.finfo(dtype).min)
@@ -261,7 +283,8 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             mask = attn_mask
             if layer.sliding_window is not None or layer.causal:
-                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype, layer.causal)
+                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype, layer.causal,
+                                             layer.window_positions(block_positions))
                 mask = window if mask is None else mask + window
             block = layer(block, context, cos, sin, attn_mask=mask, block_positions=block_positions)
         return self.norm(block)
@@ -288,12 +311,16 @@ class DFlashDraftModel(nn.Module):
         cache.visible = None
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees the committed context and the whole block (causal layers: the block up to
-            # itself): [B, S] per distinct (window, causal)
-            cache.visible = {(w, c): dflash_kernels.tree_visibility(cache.block_bits(B, c),
-                                                                    cache.length_t + context_count, B,
-                                                                    n_keys=cache.key_rows(C + B),
-                                                                    positions=block_positions, window=w)
-                             for w, c in {(layer.sliding_window, layer.causal) for layer in self.layers}}
+            # itself): [B, S] per distinct (window, causal, anchored)
+            cache.visible = {(layer.sliding_window, layer.causal, layer.window_anchored): None
+                             for layer in self.layers}
+            for layer in self.layers:
+                key = (layer.sliding_window, layer.causal, layer.window_anchored)
+                if cache.visible[key] is None:
+                    cache.visible[key] = dflash_kernels.tree_visibility(
+                        cache.block_bits(B, layer.causal), cache.length_t + context_count, B,
+                        n_keys=cache.key_rows(C + B), positions=layer.window_positions(block_positions),
+                        window=layer.sliding_window)
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
                           context_count=context_count)
