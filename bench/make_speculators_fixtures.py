@@ -4,8 +4,12 @@ Runs ONLY in a virtual environment that has ``speculators==0.9.0`` installed
 (it is not a dependency of this package)::
 
     python3 -m venv /work/venv-spec
-    /work/venv-spec/bin/pip install torch==2.13.0 speculators==0.9.0
+    /work/venv-spec/bin/pip install torch==2.13.0 && /work/venv-spec/bin/pip install speculators==0.9.0
+    /work/venv-spec/bin/pip uninstall -y torchvision torchaudio
     OMP_NUM_THREADS=1 /work/venv-spec/bin/python bench/make_speculators_fixtures.py
+
+(speculators' torchvision / torchaudio requirements move torch to 2.14.1; the
+committed fixtures were made with that build, on the CPU.)
 
 For each of ``dflash`` and ``dflash2`` it builds speculators' drafter
 (``DFlashDraftModel`` / ``DFlash2DraftModel``, hidden 32, 2 layers, vocab 300,
@@ -21,8 +25,9 @@ inputs with every valid anchor selected (deterministic). ``<name>_expected.safet
 loader must reproduce:
 
 * ``features [T, 2*32]`` context features, ``input_ids [T]``, ``anchors [A]``,
-* ``embed [300, 32]`` / ``lm_head [300, 32]``: the verifier's embedding and
-  head (not part of the checkpoint),
+* ``block_embeds [A*4, 32]``: the verifier's embedding of each block (its anchor's
+  token, then the mask token), ``lm_head [300, 32]``: the verifier's head (neither
+  is part of the checkpoint),
 * ``hidden [A*4, 32]``: the final-normed block states, ``logits [A*4, 300]``,
 * DFlash2: ``predecessors [A*4]``, ``candidates [A*4, k]`` and ``scores [A*4, k]``
   of the candidate selector for the teacher-forced predecessors.
@@ -88,6 +93,15 @@ def fixed_inputs(hidden: int):
     return features, input_ids, loss_mask
 
 
+def block_embeds(model, input_ids) -> torch.Tensor:
+    """``[A*B, H]``: the verifier's embedding of each anchor block as speculators builds it (the anchor's token,
+    then ``mask_token_id``)."""
+    ids = torch.full((3, B), model.config.mask_token_id)
+    ids[:, 0] = input_ids[0, [3, 5, 7]]
+    with torch.no_grad():
+        return model.embed_tokens(ids.reshape(-1)).clone()
+
+
 def backbone(model, features, input_ids, loss_mask):
     hidden_size = model.config.transformer_layer_config.hidden_size
     with torch.no_grad():
@@ -109,7 +123,7 @@ def check_ours(kind: str) -> None:
     features, input_ids, loss_mask = fixed_inputs(model.config.transformer_layer_config.hidden_size)
     hidden, logits, *_ = backbone(model, features, input_ids, loss_mask)
     expected = {"features": features[0], "input_ids": input_ids[0], "anchors": torch.tensor([3, 5, 7]),
-                "embed": model.embed_tokens.weight.detach().clone(), "lm_head": model.lm_head.weight.detach().clone(),
+                "block_embeds": block_embeds(model, input_ids), "lm_head": model.lm_head.weight.detach().clone(),
                 "hidden": hidden[0], "logits": logits[0]}
     save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(OUT, f"ours_{kind}_expected.safetensors"))
     print(f"ours_{kind}: loaded by speculators' {cls.__name__}.from_pretrained")
@@ -135,7 +149,7 @@ def main() -> int:
         features, input_ids, loss_mask = fixed_inputs(H)
         hidden, logits, _, _, blocks = backbone(model, features, input_ids, loss_mask)
         expected = {"features": features[0], "input_ids": input_ids[0], "anchors": torch.tensor([3, 5, 7]),
-                    "embed": model.embed_tokens.weight.detach().clone(),
+                    "block_embeds": block_embeds(model, input_ids),
                     "lm_head": model.lm_head.weight.detach().clone(),
                     "hidden": hidden[0], "logits": logits[0]}
         if kind == "dflash2":

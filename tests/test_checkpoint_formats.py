@@ -82,6 +82,14 @@ def block_pass(model, embed, ids, features, anchor):
 # ------------------------------------------------------------------ speculators' own checkpoints
 
 
+def speculators_pass(model, want):
+    """Our block states ``[A*B, H]`` for a fixture's anchors (each block over the context rows before it)."""
+    B = model.block_size
+    with torch.no_grad():
+        return torch.cat([model(want["block_embeds"][j * B:(j + 1) * B], want["features"][:a], torch.arange(a + B))
+                          for j, a in enumerate(want["anchors"].tolist())])
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "dflash_sliding", "dflash2_sliding"])
 def test_speculators_checkpoint_reproduces_speculators_outputs(kind):
     ours = DFlashDraftModel.from_pretrained(str(FIXTURES / kind))
@@ -93,8 +101,7 @@ def test_speculators_checkpoint_reproduces_speculators_outputs(kind):
     assert ours.config.num_target_layers is None and ours.config.vocab_size == 300 and ours.mask_token_id == 299
     want = load_file(FIXTURES / f"{kind}_expected.safetensors")
     B = ours.block_size
-    hidden = torch.cat([block_pass(ours, want["embed"], want["input_ids"], want["features"], int(a))
-                        for a in want["anchors"]])
+    hidden = speculators_pass(ours, want)
     torch.testing.assert_close(hidden, want["hidden"], rtol=1e-5, atol=1e-5)
     logits = hidden @ want["lm_head"].T
     torch.testing.assert_close(logits, want["logits"], rtol=1e-5, atol=1e-4)
@@ -194,8 +201,7 @@ def test_speculators_loads_what_we_write(kind, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ours = DFlashDraftModel.from_pretrained(str(tmp_path))
     want = load_file(FIXTURES / f"ours_{kind}_expected.safetensors")
-    hidden = torch.cat([block_pass(ours, want["embed"], want["input_ids"], want["features"], int(a))
-                        for a in want["anchors"]])
+    hidden = speculators_pass(ours, want)
     torch.testing.assert_close(hidden, want["hidden"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hidden @ want["lm_head"].T, want["logits"], rtol=1e-5, atol=1e-4)
 
