@@ -1,4 +1,4 @@
-"""Command line: ``python -m dflash {demo,generate,bench,train,train-target} ...``.
+"""Command line: ``python -m dflash {demo,generate,bench,train,train-target,convert} ...``.
 
 ``demo`` and ``generate`` live here; the other commands belong to their
 modules (each exposes ``main(argv)``) and are dispatched by name.
@@ -23,7 +23,7 @@ DELEGATED = {
     "bench": ("dflash.benchmark.run", "end-to-end benchmark: methods, budgets, temperatures, peers, plots"),
     "train": ("dflash.training.train", "train a DFlash drafter for a target"),
     "train-target": ("dflash.tiny.pretrain", "train the tiny byte-level target on the standard library"),
-    "convert": ("dflash.drafter.convert", "convert a drafter checkpoint between the z-lab and transformers formats"),
+    "convert": ("dflash.drafter.convert", "convert a drafter checkpoint between the z-lab, transformers and speculators formats"),
 }
 
 METHOD_CHOICES = ("ar", "dflash", "ddtree")

@@ -195,9 +195,10 @@ def test_native_drafter_tokens_equal_transformers_dflash_generate(tmp_path, monk
     native = native_drafter(target, extra=False)  # as published: no num_target_layers / vocab_size
     assert rig_towards(native, target, PROMPT, 40) >= 3
     native.save_pretrained(tmp_path)
-    with pytest.raises(DraftConfigError, match="no 'num_target_layers'.*target_config="):
-        DFlashDraftModel.from_pretrained(str(tmp_path))
-    ours = DFlashDraftModel.from_pretrained(str(tmp_path), target_config=target.config)
+    ours = DFlashDraftModel.from_pretrained(str(tmp_path))  # unknown until paired: checked by generate's pairing
+    assert ours.config.num_target_layers is None and ours.config.vocab_size is None
+    given = DFlashDraftModel.from_pretrained(str(tmp_path), target_config=target.config)
+    assert (given.config.num_target_layers, given.config.vocab_size) == (6, target.config.vocab_size)
     theirs, their_rounds = hf_dflash_generate(target, native, PROMPT, 40, monkeypatch)
     with force_backend("reference"):
         mine = dflash.generate(target, ours, PROMPT, max_new_tokens=40)
@@ -273,7 +274,7 @@ def test_native_errors_name_the_key(tmp_path):
         DFlashDraftModel.from_pretrained(str(tmp_path))
     json.dump({k: v for k, v in raw.items() if k not in ("model_type", "mask_token_id", "target_layer_ids")},
               open(cfg_path, "w"))
-    with pytest.raises(DraftConfigError, match="missing 'mask_token_id'|named as in the transformers format"):
+    with pytest.raises(DraftConfigError, match="not a DFlash drafter config of a known format: it has none of"):
         DFlashDraftModel.from_pretrained(str(tmp_path))
 
 
@@ -289,7 +290,7 @@ def test_format_mismatch_and_bad_format(tmp_path):
         draft.save_pretrained(tmp_path / "x", format="gguf")
     json.dump({"hidden_size": 64}, open(tmp_path / "config.json", "w"))
     save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(DraftConfigError, match="missing 'num_target_layers'"):  # detected as zlab by its weights
+    with pytest.raises(DraftConfigError, match="none of 'dflash_config' \\(zlab\\)"):  # fc.weight: zlab or speculators
         DFlashDraftModel.from_pretrained(str(tmp_path))
 
 

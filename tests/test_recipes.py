@@ -40,6 +40,7 @@ SMOKE = {
               "--block-sizes", "8", "--no-progress", "--warmup-tokens", "2", "--out", "runs/bench"],
 }
 SMOKE["dflash.tiny.pretrain"] = SMOKE["train-target"]
+SMOKE["convert"] = []  # a conversion of the tiny drafter is already small
 PATH_FLAGS = ("--out", "--state-dir", "--data")
 
 NOT_RUN = {
@@ -136,10 +137,15 @@ def _parser_of(entry):
 
 
 def _redirect(args, tmp: Path, renamed: dict):
+    """Output paths moved under ``tmp``: the values of :data:`PATH_FLAGS` and positional ``/tmp/`` paths
+    (``convert IN OUT``)."""
     out = list(args)
     for k, a in enumerate(out[:-1]):
         if a in PATH_FLAGS:
             out[k + 1] = renamed.setdefault(out[k + 1], str(tmp / f"path{len(renamed)}"))
+    for k, a in enumerate(out):
+        if a.startswith("/tmp/") and (k == 0 or out[k - 1] not in PATH_FLAGS):
+            out[k] = renamed.setdefault(a, str(tmp / f"path{len(renamed)}"))
     return out
 
 

@@ -120,17 +120,25 @@ def prepare_prompt(input_ids, vocab_size: int, device) -> torch.Tensor:
 
 
 def check_pair(adapter, draft) -> None:
-    """The drafter fits the target: layer count, hidden size, vocab, fc width."""
+    """The drafter fits the target: layer ids, hidden size, fc width, vocabulary, mask token.
+
+    A drafter whose checkpoint format does not carry ``num_target_layers`` /
+    ``vocab_size`` (None: transformers' native assistant, speculators' layer
+    count) is checked here, against the target it is paired with.
+    """
     cfg = draft.config
-    if int(cfg.num_target_layers) != adapter.num_layers:
+    if cfg.num_target_layers is not None and int(cfg.num_target_layers) != adapter.num_layers:
         raise DraftConfigError(
             f"drafter was built for a {cfg.num_target_layers}-layer target, this target has {adapter.num_layers} layers"
         )
     validate_target_layer_ids(draft.target_layer_ids, adapter.num_layers, warn_repeats=False)
     if cfg.hidden_size != adapter.hidden_size:
         raise DraftConfigError(f"drafter hidden_size {cfg.hidden_size} != target hidden size {adapter.hidden_size}")
-    if cfg.vocab_size != adapter.vocab_size:
+    if cfg.vocab_size is not None and cfg.vocab_size != adapter.vocab_size:
         raise DraftConfigError(f"drafter vocab_size {cfg.vocab_size} != target vocabulary {adapter.vocab_size}")
+    if not 0 <= draft.mask_token_id < adapter.vocab_size:
+        raise DraftConfigError(f"drafter mask_token_id {draft.mask_token_id} is outside the target's vocabulary "
+                               f"(size {adapter.vocab_size})")
     want = len(draft.target_layer_ids) * adapter.hidden_size
     if draft.fc.in_features != want:
         raise DraftConfigError(

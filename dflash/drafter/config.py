@@ -9,6 +9,11 @@ A DFlash drafter checkpoint's ``config.json`` is a Qwen3 config plus
 ``target_layer_ids`` name the target decoder layers whose
 *outputs* feed the drafter; layer id ``k`` is entry ``k + 1`` of Hugging Face's
 ``output_hidden_states`` tuple (entry 0 is the embedding output).
+
+Formats that do not carry ``num_target_layers`` / ``vocab_size`` (transformers'
+native assistant, speculators' vocabulary aside) leave them None: the drafter is
+then checked against a target when paired with it
+(:func:`dflash.decoding.check_pair`).
 """
 
 from __future__ import annotations
@@ -119,44 +124,59 @@ def make_draft_config(
 
 
 def qwen3_config(values: Dict[str, Any]) -> Qwen3Config:
-    """``Qwen3Config(**values)`` with transformers' validation errors turned into DraftConfigError."""
+    """``Qwen3Config(**values)`` with transformers' validation errors turned into DraftConfigError.
+
+    ``vocab_size`` None (a checkpoint format that does not carry it, before pairing) stays None.
+    """
     layer_types = values.get("layer_types")
     if layer_types is not None and len(layer_types) != values.get("num_hidden_layers"):
         raise DraftConfigError(
             f"layer_types has {len(layer_types)} entries for {values.get('num_hidden_layers')} drafter layers"
         )
+    unpaired = "vocab_size" in values and values["vocab_size"] is None
+    if unpaired:
+        values = {k: v for k, v in values.items() if k != "vocab_size"}
     try:
-        return Qwen3Config(**values)
+        config = Qwen3Config(**values)
     except (ValueError, TypeError) as e:  # HF strict-dataclass validation
         raise DraftConfigError(f"invalid drafter config: {e}") from e
+    if unpaired:  # not known until the drafter is paired with a target (Qwen3Config's validator wants an int)
+        object.__setattr__(config, "vocab_size", None)
+    return config
 
 
 def dflash_value(config, name: str, default: Any = None) -> Any:
-    """A DFlash key: ``dflash_config[name]`` when present, else the top-level attribute, else ``default``.
+    """A DFlash key: ``dflash_config[name]`` when present, else the top-level attribute, else ``default``
+    (``config`` a config object or a ``config.json`` dict).
 
     Published configs place the drafter's own keys (``block_size``, the DFlash2
     keys, ``input_embedding_scale``, ...) either inside ``dflash_config`` or at
     the top level; both are read, ``dflash_config`` first.
     """
-    inner = getattr(config, "dflash_config", None) or {}
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    inner = get("dflash_config") or {}
     if name in inner and inner[name] is not None:
         return inner[name]
-    value = getattr(config, name, None) if not isinstance(config, dict) else config.get(name)
+    value = get(name)
     return default if value is None else value
 
 
 def draft_layer_ids(config: Qwen3Config) -> List[int]:
-    """``dflash_config.target_layer_ids`` if given, else the published default."""
-    dflash_config = getattr(config, "dflash_config", None) or {}
-    ids = dflash_config.get("target_layer_ids")
+    """``target_layer_ids`` (``dflash_config`` or top level) if given, else the published default."""
+    ids = dflash_value(config, "target_layer_ids")
     if ids is None:
+        if getattr(config, "num_target_layers", None) is None:
+            raise DraftConfigError("drafter config has neither 'target_layer_ids' nor 'num_target_layers' (the "
+                                   "default ids are spread over the target's layers)")
         ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
     return [int(i) for i in ids]
 
 
 def check_draft_config(config: Qwen3Config) -> None:
     """Validate the DFlash keys of a drafter config, with messages naming the key."""
-    for key in ("num_target_layers", "block_size"):
+    keys = ("block_size",) if dflash_value(config, "target_layer_ids") is not None else ("num_target_layers",
+                                                                                         "block_size")
+    for key in keys:
         if dflash_value(config, key) is None:
             raise DraftConfigError(f"drafter config is missing '{key}' (required by the DFlash checkpoint format)")
     dflash_config = getattr(config, "dflash_config", None)
@@ -166,9 +186,13 @@ def check_draft_config(config: Qwen3Config) -> None:
     if block_size < 2:
         raise DraftConfigError(f"block_size must be >= 2 (anchor + at least one drafted token), got {block_size}")
     mask_id = int(dflash_config["mask_token_id"])
-    if not 0 <= mask_id < config.vocab_size:
+    if config.vocab_size is not None and not 0 <= mask_id < config.vocab_size:
         raise DraftConfigError(f"mask_token_id {mask_id} is outside the vocabulary (size {config.vocab_size})")
-    validate_target_layer_ids(draft_layer_ids(config), int(config.num_target_layers))
+    ids = draft_layer_ids(config)
+    if getattr(config, "num_target_layers", None) is not None:
+        validate_target_layer_ids(ids, int(config.num_target_layers))
+    elif not ids or min(ids) < 0:
+        raise DraftConfigError(f"target_layer_ids {ids} must be a non-empty list of layer ids >= 0")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         if len(layer_types) != config.num_hidden_layers:

@@ -1,10 +1,13 @@
-"""``python -m dflash.drafter.convert IN OUT --format zlab|transformers``: rewrite a drafter checkpoint.
+"""``python -m dflash convert IN OUT --format zlab|transformers|speculators``: rewrite a drafter checkpoint.
 
-Reads ``IN`` in either format (z-lab or transformers' native DFlash
-assistant, sharded or not; see :mod:`dflash.drafter.formats`) and writes it to
-``OUT`` in ``--format``, weights bit-identical (same dtype unless ``--dtype``).
-``--num-target-layers`` / ``--vocab-size`` fill the keys a published native
-config lacks; ``--max-shard-mb`` writes shards.
+Reads ``IN`` in any format (z-lab, transformers' native DFlash assistant or
+vLLM speculators, DFlash or DFlash2, sharded or not; see
+:mod:`dflash.drafter.formats`) and writes it to ``OUT`` in ``--format``,
+weights bit-identical (same dtype unless ``--dtype``). A DFlash2 drafter
+cannot be written in the transformers format. ``--num-target-layers`` /
+``--vocab-size`` fill the keys a format does not carry (a native config has
+neither, a speculators one no layer count; the z-lab format needs both);
+``--max-shard-mb`` writes shards.
 """
 
 from __future__ import annotations
@@ -24,16 +27,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dflash convert",
-                                description="Convert a DFlash drafter checkpoint between the z-lab and the "
-                                            "transformers (native assistant) formats.")
-    p.add_argument("input", help="drafter directory (either format, sharded or not)")
+                                description="Convert a DFlash / DFlash2 drafter checkpoint between the z-lab, the "
+                                            "transformers (native assistant) and the speculators formats.")
+    p.add_argument("input", help="drafter directory (any format, sharded or not)")
     p.add_argument("output", help="directory to write")
     p.add_argument("--format", required=True, choices=FORMATS, help="format to write")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: keep)")
     p.add_argument("--max-shard-mb", type=float, default=None, help="write shards of at most this many MiB")
     p.add_argument("--num-target-layers", type=int, default=None,
-                   help="target decoder-layer count (for a native config that lacks it)")
-    p.add_argument("--vocab-size", type=int, default=None, help="target vocabulary size (same)")
+                   help="target decoder-layer count (for a native or speculators config, which lack it)")
+    p.add_argument("--vocab-size", type=int, default=None, help="target vocabulary size (for a native config, which lacks it)")
     return p
 
 

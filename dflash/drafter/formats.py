@@ -1,185 +1,174 @@
-"""Drafter checkpoint formats: z-lab and transformers' native DFlash assistant, sharded or not.
+"""Drafter checkpoint formats: detection, reading and writing; sharded or not.
 
-Two on-disk formats hold the same drafter:
+Five drafters in three on-disk formats, one module each:
 
-* ``zlab``: a Qwen3 ``config.json`` plus ``num_target_layers``, ``block_size``,
-  ``dflash_config: {mask_token_id, target_layer_ids}``; weights ``fc.weight``,
-  ``hidden_norm.weight``, ``layers.*``, ``norm.weight``.
-* ``transformers``: the assistant model transformers ships for DFlash
-  (``model_type`` ``muse_glimmer_assistant``, class ``MuseGlimmerAssistantModel``,
-  driven by ``generate(assistant_model=..., speculation_type="dflash")``): top-level
-  ``block_size`` / ``mask_token_id`` / ``target_layer_ids``; the context projection
-  under ``encoder.`` (``encoder.fc``, ``encoder.output_norm_enc``).
+* ``zlab`` (:mod:`~dflash.drafter.format_zlab`): z-lab ``dflash`` 0.1.0, DFlash and
+  DFlash2: our own layout (a Qwen3 ``config.json`` plus ``num_target_layers``,
+  ``block_size``, ``dflash_config: {mask_token_id, target_layer_ids}``).
+* ``transformers`` (:mod:`~dflash.drafter.format_native`): transformers' native DFlash
+  assistant (``model_type`` ``muse_glimmer_assistant``), DFlash only.
+* ``speculators`` (:mod:`~dflash.drafter.format_speculators`): vLLM speculators 0.9.0,
+  DFlash and DFlash2.
 
-Mapping (:data:`WEIGHT_RENAMES`, :data:`CONFIG_KEYS`), z-lab -> transformers:
+Detection (:func:`detect_format`) is by the keys only one format defines
+(:data:`DISTINGUISHING_KEYS`), never by one they share (``mask_token_id`` and
+``block_size`` are top-level in both speculators and native configs); none or
+two matching is an error.
 
-* ``fc.weight`` ``[H, n*H]`` -> ``encoder.fc.weight``
-* ``hidden_norm.weight`` ``[H]`` -> ``encoder.output_norm_enc.weight``
-* ``layers.{i}.*``, ``norm.weight``: the same names (an optional ``model.`` prefix is read)
-* ``dflash_config.mask_token_id`` / ``dflash_config.target_layer_ids`` -> top-level
-  ``mask_token_id`` / ``target_layer_ids``; ``block_size`` -> ``block_size``
-* ``num_target_layers``, ``vocab_size`` -> the same keys as extras (published native
-  configs lack them: loading then takes them from ``target_config=``)
-* ``layer_types`` -> ``layer_types`` (the native default is all ``sliding_attention``)
-* ``sliding_window`` W -> ``sliding_window`` W - 1: ours hides keys with ``q - k >= W``
-  (HF's causal rule), the native bidirectional mask keeps ``|q - k| <= W``
-* ``rope_parameters`` (rope type and scaling, as declared) -> ``rope_parameters``
-  (native default ``{"rope_type": "default", "rope_theta": 500000.0}``)
-* ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
-  ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``max_position_embeddings``,
-  ``attention_dropout``, ``hidden_act`` (silu only), ``bos/eos/pad_token_id``, ``dtype``: same keys
+Mapping, ours (= z-lab) -> transformers | speculators ("=": the same name; "spec.": speculators;
+``tlc``: speculators' ``transformer_layer_config``):
 
-The native model has no attention biases (``attention_bias=True`` cannot be
-written natively). Sharded checkpoints: ``model.safetensors.index.json``
-(``{"weight_map": {name: file}}``) names the shard of every weight; both
-formats are read and written sharded.
+==================================  ==================================  ======================================
+ours / zlab                         transformers                        speculators
+==================================  ==================================  ======================================
+``fc.weight`` ``[H, n*H]``          ``encoder.fc.weight``               =
+``hidden_norm.weight`` ``[H]``      ``encoder.output_norm_enc.weight``  =
+``layers.{i}.*``, ``norm.weight``   = (a ``model.`` prefix is read)     =
+``candidate_selector.*_codebook``   (no DFlash2)                        = (bare Parameters, no ``.weight``)
+(the target's embed / lm_head)      --                                  ``embed_tokens``, ``lm_head``,
+                                                                        ``verifier_*``: skipped on read
+``dflash_config.mask_token_id``     ``mask_token_id``                   ``mask_token_id``
+``dflash_config.target_layer_ids``  ``target_layer_ids`` (same ids)     ``aux_hidden_state_layer_ids``: id + 1
+``block_size``                      ``block_size``                      ``block_size``
+``num_target_layers``               extra key, else None till paired    absent: None till paired
+``vocab_size``                      extra key, else None till paired    ``tlc.vocab_size`` (= draft_vocab_size)
+``sliding_window`` W (per row)      ``sliding_window`` W - 1            error (spec.'s window is per block)
+``sliding_window`` W +              error (per row only)                ``tlc.sliding_window`` W (the W context
+``sliding_window_anchored``                                             rows before the block's anchor)
+``is_causal``                       false (bidirectional)               false (full attention only), or with
+                                                                        sliding layers: unset (causal) <->
+                                                                        ``sliding_window_non_causal`` false
+``layer_types``                     = (default all sliding_attention)   ``tlc.layer_types``
+DFlash2 ``conv_kernel_size``,       --                                  the same keys, top level
+``conv_group_size``,
+``selector_rank``,
+``selector_top_k``
+(the full target vocabulary)        (the full target vocabulary)        ``draft_vocab_size`` = ``tlc.vocab_size``;
+                                                                        ``t2d`` / ``d2t`` / own ``lm_head``: error
+(proposals at masked positions)     (the same)                          ``sample_from_anchor`` false (true: error)
+(features of width H)               (the same)                          ``target_hidden_size`` null (or H)
+--                                  --                                  ``sliding_window_non_causal`` without
+                                                                        sliding layers: speculators' default
+Qwen3 keys (``hidden_size``,        the same keys                       the same keys inside ``tlc``
+``head_dim``, ``rope_parameters``,
+``rms_norm_eps``, ...)
+--                                  ``model_type``, ``architectures``   ``speculators_model_type``,
+                                                                        ``speculators_version``,
+                                                                        ``speculators_config``, ``architectures``
+==================================  ==================================  ======================================
+
+Each format module lists what it cannot carry (an error naming the key).
+Sharded checkpoints: ``model.safetensors.index.json`` (``{"weight_map": {name:
+file}}``) names the shard of every weight; every format is read and written sharded.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from .config import DraftConfigError
+from .format_native import (config_from_native, from_native_names, is_native, native_config,
+                            to_native_names)
+from .format_speculators import config_from_speculators, is_speculators, speculators_config, speculators_state
+from .format_zlab import bare_codebooks, config_from_zlab, is_zlab, weight_codebooks, zlab_config
 
-__all__ = ["FORMATS", "NATIVE_MODEL_TYPE", "detect_format", "zlab_config_from_native", "native_config_from_zlab",
+__all__ = ["FORMATS", "DISTINGUISHING_KEYS", "detect_format", "read_checkpoint", "write_checkpoint",
            "to_native_names", "from_native_names", "read_weights", "write_weights"]
 
-FORMATS = ("zlab", "transformers")
-NATIVE_MODEL_TYPE = "muse_glimmer_assistant"
-NATIVE_ARCHITECTURE = "MuseGlimmerAssistantModel"
+FORMATS = ("zlab", "transformers", "speculators")
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
 
-#: z-lab weight name -> native weight name (every other name is the same in both).
-WEIGHT_RENAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
-_FROM_NATIVE = {v: k for k, v in WEIGHT_RENAMES.items()}
-
-#: Config keys with the same name and meaning in both formats.
-CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_dropout",
-               "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id", "block_size", "layer_types", "dtype")
-#: transformers' bookkeeping keys, dropped when converting.
-_BOOKKEEPING = ("architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "torch_dtype",
-                "id2label", "label2id", "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions",
-                "output_hidden_states", "problem_type", "return_dict")
+#: what each format's config.json has and no other format's does
+DISTINGUISHING_KEYS = {
+    "zlab": "'dflash_config'",
+    "transformers": "model_type 'muse_glimmer_assistant'",
+    "speculators": "'speculators_model_type' / 'transformer_layer_config'",
+}
+_TESTS: Dict[str, Callable[[Dict[str, Any]], bool]] = {"zlab": is_zlab, "transformers": is_native,
+                                                        "speculators": is_speculators}
 
 
 def detect_format(raw: Dict[str, Any], weight_names: Optional[Iterable[str]] = None) -> str:
-    """'zlab' or 'transformers' from a ``config.json`` dict (and the weight names, when given).
+    """The format of a ``config.json`` dict, by :data:`DISTINGUISHING_KEYS`.
 
-    Config: ``dflash_config`` -> zlab; ``model_type == muse_glimmer_assistant`` or a
-    top-level ``target_layer_ids`` / ``mask_token_id`` -> transformers. Weights:
-    ``encoder.fc.weight`` -> transformers, ``fc.weight`` -> zlab. A config and
-    weights that disagree, or neither telling, is a :class:`DraftConfigError`.
+    None matching or two matching is a :class:`DraftConfigError`, as is a
+    config whose weights are named as in another format (``encoder.fc.weight``
+    is native only; ``fc.weight`` is shared by z-lab and speculators).
     """
-    by_config = None
-    if "dflash_config" in raw:
-        by_config = "zlab"
-    elif raw.get("model_type") == NATIVE_MODEL_TYPE or "target_layer_ids" in raw or "mask_token_id" in raw:
-        by_config = "transformers"
-    by_weights = None
+    matches = [fmt for fmt in FORMATS if _TESTS[fmt](raw)]
+    if len(matches) > 1:
+        raise DraftConfigError(f"config.json is ambiguous: it has the keys of the {' and the '.join(matches)} "
+                               f"formats ({'; '.join(DISTINGUISHING_KEYS[f] for f in matches)})")
+    if not matches:
+        raise DraftConfigError("config.json is not a DFlash drafter config of a known format: it has none of "
+                               + "; ".join(f"{DISTINGUISHING_KEYS[f]} ({f})" for f in FORMATS))
+    fmt = matches[0]
     if weight_names is not None:
         names = {n[len("model."):] if n.startswith("model.") else n for n in weight_names}
-        if "encoder.fc.weight" in names:
-            by_weights = "transformers"
-        elif "fc.weight" in names:
-            by_weights = "zlab"
-    if by_config and by_weights and by_config != by_weights:
-        raise DraftConfigError(
-            f"config.json is in the {by_config} format but the weights are named as in the {by_weights} format "
-            f"({'encoder.fc.weight' if by_weights == 'transformers' else 'fc.weight'})")
-    fmt = by_config or by_weights
-    if fmt is None:
-        raise DraftConfigError("config.json is not a DFlash drafter config: it has neither 'dflash_config' (z-lab "
-                               "format) nor top-level 'target_layer_ids' / 'mask_token_id' (transformers format)")
+        native_names = "encoder.fc.weight" in names
+        if native_names != (fmt == "transformers") and (native_names or "fc.weight" in names):
+            raise DraftConfigError(
+                f"config.json is in the {fmt} format but the weights are named as in the "
+                f"{'transformers' if native_names else 'zlab/speculators'} format "
+                f"({'encoder.fc.weight' if native_names else 'fc.weight'})")
     return fmt
 
 
-def zlab_config_from_native(raw: Dict[str, Any], target_config=None) -> Dict[str, Any]:
-    """Our (z-lab) config dict from a native assistant ``config.json`` dict.
+def read_checkpoint(directory: str, target_config=None) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], str]:
+    """``(our config dict, weights in our names, format)`` of a drafter directory in any format.
 
-    ``num_target_layers`` and ``vocab_size`` come from the dict (our extra
-    keys), else from ``target_config`` (the target's config: its
-    ``num_hidden_layers`` / ``vocab_size``); missing both is an error naming them.
+    ``target_config`` (the target's config) fills ``num_target_layers`` /
+    ``vocab_size`` where the format does not carry them; else they stay None.
     """
-    raw = dict(raw)
-    for key in ("mask_token_id", "block_size"):
-        if key not in raw:
-            raise DraftConfigError(f"transformers-format drafter config is missing '{key}'")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise DraftConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (the drafter's MLP is SwiGLU)")
-    out: Dict[str, Any] = {k: raw[k] for k in CONFIG_KEYS if k in raw and raw[k] is not None}
-    for key, attr in (("num_target_layers", "num_hidden_layers"), ("vocab_size", "vocab_size")):
-        value = raw.get(key)
-        if value is None and target_config is not None:
-            value = getattr(target_config, attr, None)
-        if value is None:
-            raise DraftConfigError(
-                f"transformers-format drafter config has no '{key}' (published native configs omit it): pass "
-                f"target_config= (the target model's config) to from_pretrained")
-        out[key] = int(value)
-    ids = raw.get("target_layer_ids")
-    if ids is None:
-        raise DraftConfigError("transformers-format drafter config is missing 'target_layer_ids'")
-    out["dflash_config"] = {"mask_token_id": int(raw["mask_token_id"]), "target_layer_ids": [int(i) for i in ids]}
-    layer_types = raw.get("layer_types") or ["sliding_attention"] * int(raw["num_hidden_layers"])
-    out["layer_types"] = list(layer_types)
-    sliding = any(t == "sliding_attention" for t in layer_types)
-    out["use_sliding_window"] = sliding
-    out["is_causal"] = False  # the native assistant's mask is bidirectional
-    out["sliding_window"] = int(raw.get("sliding_window", 2048)) + 1 if sliding else None
-    if "rope_parameters" not in out:
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}  # the native class's default
-    out["tie_word_embeddings"] = False
-    known = set(CONFIG_KEYS) | set(_BOOKKEEPING) | {"num_target_layers", "vocab_size", "target_layer_ids",
-                                                     "mask_token_id", "sliding_window"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise DraftConfigError(f"transformers-format drafter config has keys this drafter does not implement: "
-                               f"{', '.join(unknown)}")
-    return out
+    if not os.path.isdir(directory):
+        raise DraftConfigError(f"drafter directory {directory!r} does not exist (loading is local only)")
+    config_path = os.path.join(directory, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise DraftConfigError(f"no {CONFIG_NAME} in drafter directory {directory!r}")
+    with open(config_path) as f:
+        raw = json.load(f)
+    state, _ = read_weights(directory)
+    fmt = detect_format(raw, state.keys())
+    if fmt == "transformers":
+        return config_from_native(raw, target_config), from_native_names(state), fmt
+    if fmt == "speculators":
+        config, state = config_from_speculators(raw, state, target_config)
+        return config, weight_codebooks(state), fmt
+    return config_from_zlab(raw, target_config), weight_codebooks(state), fmt
 
 
-def native_config_from_zlab(config) -> Dict[str, Any]:
-    """The native assistant ``config.json`` dict of our (Qwen3-based) drafter config."""
-    if getattr(config, "attention_bias", False):
-        raise DraftConfigError("the transformers DFlash assistant has no attention biases; this drafter has "
-                               "attention_bias=True and cannot be written in that format")
-    d = config.to_dict()
-    out: Dict[str, Any] = {k: d[k] for k in CONFIG_KEYS if k in d and d[k] is not None}
-    out["hidden_act"] = d.get("hidden_act", "silu")
-    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-    out["layer_types"] = layer_types
-    if any(t == "sliding_attention" for t in layer_types):
-        out["sliding_window"] = int(config.sliding_window) - 1
-    dflash = config.dflash_config
-    out["mask_token_id"] = int(dflash["mask_token_id"])
-    from .config import draft_layer_ids
-    out["target_layer_ids"] = draft_layer_ids(config)
-    out["num_target_layers"] = int(config.num_target_layers)
-    out["vocab_size"] = int(config.vocab_size)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        out[key] = d.get(key)
-    out["model_type"] = NATIVE_MODEL_TYPE
-    out["architectures"] = [NATIVE_ARCHITECTURE]
-    return out
+def shown_names(fmt: str) -> Callable[[Dict[str, Any]], Dict[str, Any]]:
+    """Our weight names -> the names ``fmt`` stores (for error messages)."""
+    return {"transformers": to_native_names, "speculators": bare_codebooks, "zlab": bare_codebooks}[fmt]
 
 
-def to_native_names(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {WEIGHT_RENAMES.get(k, k): v for k, v in state.items()}
-
-
-def from_native_names(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        if k.startswith("model."):
-            k = k[len("model."):]
-        out[_FROM_NATIVE.get(k, k)] = v
-    return out
+def write_checkpoint(directory: str, config, state: Dict[str, torch.Tensor], fmt: str, architecture: str,
+                     max_shard_bytes: Optional[int] = None) -> None:
+    """Write ``config.json`` and the weights (ours: names and config) in ``fmt``; ``architecture`` is our
+    class's (``DFlashDraftModel`` / ``DFlash2DraftModel``)."""
+    if fmt not in FORMATS:
+        raise DraftConfigError(f"unknown drafter format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    dflash2 = architecture == "DFlash2DraftModel"
+    if fmt == "zlab":
+        raw, state = zlab_config(config, architecture), bare_codebooks(state)
+    elif fmt == "speculators":
+        raw, state = speculators_config(config, dflash2), speculators_state(state)
+    elif dflash2:
+        raise DraftConfigError("the transformers DFlash assistant format holds DFlash drafters only, not "
+                               "DFlash2DraftModel; write it in the zlab or speculators format")
+    else:
+        raw, state = native_config(config), to_native_names(state)
+    raw["dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+    os.makedirs(directory, exist_ok=True)
+    write_weights(state, directory, max_shard_bytes)
+    with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+        json.dump(raw, f, indent=2, sort_keys=True)
 
 
 def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], str]:

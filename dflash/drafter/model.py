@@ -17,9 +17,7 @@ block's K/V are scratch, overwritten by the next round.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Optional
 
 import torch
@@ -32,11 +30,7 @@ import dflash_kernels
 
 from .config import DraftConfigError, check_draft_config, dflash_value, draft_layer_ids, qwen3_config
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv, is_dflash2
-from .formats import (FORMATS, detect_format, from_native_names, native_config_from_zlab, read_weights, to_native_names,
-                      write_weights, zlab_config_from_native)
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
+from .formats import FORMATS, read_checkpoint, shown_names, write_checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +113,7 @@ class DraftAttention(nn.Module):
         block_positions: Optional[torch.Tensor] = None,
         context_count: Optional[torch.Tensor] = None,
         causal: bool = False,
+        anchored: bool = False,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
@@ -131,8 +126,9 @@ class DraftAttention(nn.Module):
         cached context and the whole block, nothing read on the host. K/V are
         read once per kv head: the Triton path runs
         :func:`dflash_kernels.tree_attention` with every block key visible
-        (GQA packed, ``window`` applied at ``block_positions [B]``), the
-        reference path the pass's mask made once per window in
+        (GQA packed, ``window`` applied at ``block_positions [B]``: the rows'
+        own positions, or their block's anchor for an ``anchored`` window), the
+        reference path the pass's mask made once per (window, causal, anchored) in
         :meth:`DFlashDraftModel.draft_block`.
         """
         B, C = block.shape[0], context.shape[0]
@@ -142,7 +138,7 @@ class DraftAttention(nn.Module):
         if cache is not None:
             k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
             if cache.visible is not None:  # reference backend
-                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal],
+                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal, anchored],
                                                       scale=self.scaling)
             else:
                 out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal), prefix,
@@ -164,6 +160,11 @@ class DraftLayer(nn.Module):
     (``attention_conv`` / ``mlp_conv`` set) wrap each sublayer in a
     :class:`~dflash.drafter.dflash2.GroupedDynamicCausalConv` along each block
     of ``block_size`` rows: ``y = finish(f(prepare(norm(x))))``.
+
+    A sliding-window layer hides keys ``q - k >= W`` behind each query row
+    (z-lab's rule), or, with ``sliding_window_anchored`` set (speculators'
+    rule), keeps for every row of a block the ``W`` context rows before the
+    block's anchor ``a`` (``a - W <= k < a``) and the block itself.
     """
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
@@ -175,6 +176,10 @@ class DraftLayer(nn.Module):
         layer_types = getattr(config, "layer_types", None)
         kind = layer_types[layer_idx] if layer_types else "full_attention"
         self.sliding_window = config.sliding_window if kind == "sliding_attention" else None
+        # speculators' window: every row of a block keeps the W context rows before the block's anchor
+        self.window_anchored = kind == "sliding_attention" and bool(dflash_value(config, "sliding_window_anchored"))
+        if self.window_anchored:
+            self.sliding_window = int(config.sliding_window) + 1  # hide a - k >= W + 1: keep k >= a - W
         is_causal = dflash_value(config, "is_causal")
         self.causal = kind == "sliding_attention" if is_causal is None else bool(is_causal)
         self.block_size = int(dflash_value(config, "block_size"))
@@ -192,24 +197,35 @@ class DraftLayer(nn.Module):
         out = sublayer(x.view(rows, H)).view(blocks)
         return conv.finish(out, d1, residual=residual.reshape(blocks)).view(rows, H)
 
+    def window_positions(self, block_positions: torch.Tensor) -> torch.Tensor:
+        """The positions a layer's window is measured from: each row's own, or (``window_anchored``) the
+        position of its block's anchor (rows in blocks of ``block_size``)."""
+        if not self.window_anchored:
+            return block_positions
+        B = self.block_size
+        return block_positions.view(-1, B)[:, :1].expand(-1, B).reshape(-1)
+
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
                 context_count=None):
+        positions = None if block_positions is None else self.window_positions(block_positions)
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
-                                          window=self.sliding_window, block_positions=block_positions,
-                                          context_count=context_count, causal=self.causal)
+                                          window=self.sliding_window, block_positions=positions,
+                                          context_count=context_count, causal=self.causal,
+                                          anchored=self.window_anchored)
         block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block)
         return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block)
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], dtype: torch.dtype,
-                        causal: bool = False) -> torch.Tensor:
+                        causal: bool = False, window_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Additive ``[Q, K]`` mask hiding keys more than ``window - 1`` positions behind a query (``window``
-    None: no window).
+    None: no window), measured from ``window_pos [Q]`` when given (an anchored window), else from ``q_pos``.
 
     Keys ahead of the query (later block positions) stay visible unless ``causal``.
     """
     gap = q_pos[:, None] - k_pos[None, :]
-    hidden = gap >= window if window is not None else torch.zeros_like(gap, dtype=torch.bool)
+    reach = gap if window_pos is None else window_pos[:, None] - k_pos[None, :]
+    hidden = reach >= window if window is not None else torch.zeros_like(gap, dtype=torch.bool)
     if causal:
         hidden = hidden | (gap < 0)
     return torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, torch.finfo(dtype).min)
@@ -270,7 +286,8 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             mask = attn_mask
             if layer.sliding_window is not None or layer.causal:
-                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype, layer.causal)
+                window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype, layer.causal,
+                                             layer.window_positions(block_positions))
                 mask = window if mask is None else mask + window
             block = layer(block, context, cos, sin, attn_mask=mask, block_positions=block_positions)
         return self.norm(block)
@@ -297,12 +314,16 @@ class DFlashDraftModel(nn.Module):
         cache.visible = None
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees the committed context and the whole block (causal layers: the block up to
-            # itself): [B, S] per distinct (window, causal)
-            cache.visible = {(w, c): dflash_kernels.tree_visibility(cache.block_bits(B, c),
-                                                                    cache.length_t + context_count, B,
-                                                                    n_keys=cache.key_rows(C + B),
-                                                                    positions=block_positions, window=w)
-                             for w, c in {(layer.sliding_window, layer.causal) for layer in self.layers}}
+            # itself): [B, S] per distinct (window, causal, anchored)
+            cache.visible = {(layer.sliding_window, layer.causal, layer.window_anchored): None
+                             for layer in self.layers}
+            for layer in self.layers:
+                key = (layer.sliding_window, layer.causal, layer.window_anchored)
+                if cache.visible[key] is None:
+                    cache.visible[key] = dflash_kernels.tree_visibility(
+                        cache.block_bits(B, layer.causal), cache.length_t + context_count, B,
+                        n_keys=cache.key_rows(C + B), positions=layer.window_positions(block_positions),
+                        window=layer.sliding_window)
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
                           context_count=context_count)
@@ -331,72 +352,44 @@ class DFlashDraftModel(nn.Module):
                         max_shard_bytes: Optional[int] = None) -> None:
         """Write ``config.json`` and the safetensors weights in ``format``.
 
-        ``format``: ``"zlab"`` (the published format) or
-        ``"transformers"`` (transformers' native DFlash assistant, loadable by
-        ``MuseGlimmerAssistantModel.from_pretrained``); see
-        :mod:`dflash.drafter.formats` for the name mapping. ``max_shard_bytes``:
-        write shards of at most that size plus ``model.safetensors.index.json``.
+        ``format``: ``"zlab"`` (z-lab's published format), ``"transformers"``
+        (transformers' native DFlash assistant, loadable by
+        ``MuseGlimmerAssistantModel.from_pretrained``; DFlash only) or
+        ``"speculators"`` (vLLM speculators); see :mod:`dflash.drafter.formats`
+        for the mapping. ``max_shard_bytes``: write shards of at most that size
+        plus ``model.safetensors.index.json``.
         """
         if format not in FORMATS:
             raise DraftConfigError(f"unknown drafter format {format!r}; allowed: {', '.join(FORMATS)}")
-        os.makedirs(save_directory, exist_ok=True)
         state = {
             k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
             for k, v in self.state_dict().items()
             if "rotary_emb" not in k
         }
-        if format == "zlab":
-            config = self.config.to_dict()
-            config["architectures"] = [self.architecture]
-        elif self.architecture != "DFlashDraftModel":
-            raise DraftConfigError(f"the transformers DFlash assistant format holds DFlash drafters only, not "
-                                   f"{self.architecture}; write it in the zlab format")
-        else:
-            config = native_config_from_zlab(self.config)
-            state = to_native_names(state)
-        config["dtype"] = str(dtype if dtype is not None else next(iter(state.values())).dtype).replace("torch.", "")
-        write_weights(state, save_directory, max_shard_bytes)
-        with open(os.path.join(save_directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        write_checkpoint(save_directory, self.config, state, format, self.architecture, max_shard_bytes)
 
     @classmethod
     def from_pretrained(cls, directory: str, dtype: Optional[torch.dtype] = None, device=None,
                         target_config=None) -> "DFlashDraftModel":
-        """Load a drafter from a local directory (offline): ``config.json`` + safetensors, either format.
+        """Load a drafter from a local directory (offline): ``config.json`` + safetensors, any format.
 
-        The format (z-lab or transformers' native assistant) is detected from
-        ``config.json`` and the weight names (:func:`dflash.drafter.formats.detect_format`);
+        The format (z-lab, transformers' native assistant, speculators) is
+        detected from ``config.json`` (:func:`dflash.drafter.formats.detect_format`);
         sharded weights (``model.safetensors.index.json``) are read shard by
-        shard. ``target_config``: the target's config, needed only for a native
-        checkpoint whose config lacks ``num_target_layers`` / ``vocab_size``.
+        shard. ``target_config``: the target's config, filling
+        ``num_target_layers`` / ``vocab_size`` where the format does not carry
+        them; without it they stay None and the drafter is checked against its
+        target when paired (:func:`dflash.decoding.check_pair`).
 
         Raises :class:`DraftConfigError` naming the missing file, missing or
         unexpected weight names (as named in the checkpoint), or the weight whose
         shape does not match.
         """
-        if not os.path.isdir(directory):
-            raise DraftConfigError(f"drafter directory {directory!r} does not exist (loading is local only)")
-        config_path = os.path.join(directory, CONFIG_NAME)
-        if not os.path.isfile(config_path):
-            raise DraftConfigError(f"no {CONFIG_NAME} in drafter directory {directory!r}")
-        with open(config_path) as f:
-            raw = json.load(f)
-        state, _ = read_weights(directory)
-        for name in ("predecessor_codebook", "successor_codebook"):  # published DFlash2 names lack ".weight"
-            bare = f"candidate_selector.{name}"
-            if bare in state:
-                state[bare + ".weight"] = state.pop(bare)
-        fmt = detect_format(raw, state.keys())
-        if fmt == "transformers":
-            raw = zlab_config_from_native(raw, target_config)
-            state = from_native_names(state)
-        raw.pop("architectures", None)
-        raw.pop("auto_map", None)
-        raw.pop("model_type", None)
+        raw, state, fmt = read_checkpoint(directory, target_config)
         config = qwen3_config(raw)
         model = cls.class_for(config)(config)
         expected = {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
-        shown = to_native_names if fmt == "transformers" else (lambda d: d)
+        shown = shown_names(fmt)
         missing = sorted(shown({k: None for k in set(expected) - set(state)}))
         unexpected = sorted(shown({k: None for k in set(state) - set(expected)}))
         if missing:
@@ -450,6 +443,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         if not is_dflash2(config):
             raise DraftConfigError("a DFlash2 drafter config needs conv_kernel_size, conv_group_size, selector_rank "
                                    "and selector_top_k (in dflash_config or at the top level)")
+        if config.vocab_size is None:
+            raise DraftConfigError("a DFlash2 drafter needs vocab_size (its selector codebooks are [vocab_size, "
+                                   "selector_rank])")
         super().__init__(config)
         K, g = int(dflash_value(config, "conv_kernel_size")), int(dflash_value(config, "conv_group_size"))
         if K > self.block_size:
