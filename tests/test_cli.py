@@ -143,3 +143,9 @@ def test_drafter_choice_is_for_the_embedded_pair_only(dirs, capsys):
     assert "--drafter picks an embedded tiny drafter: give it without --target / --draft" in capsys.readouterr().err
     assert main(["demo", "--drafter", "eagle"]) == 2
     assert "invalid choice: 'eagle'" in capsys.readouterr().err
+
+
+def test_demo_with_the_shipped_dflash2_drafter(capsys):
+    assert main(["demo", "--drafter", "dflash2", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "lossless          yes" in out and "tau" in out
