@@ -66,12 +66,18 @@ def _float_at_least(low: float, what: str):
 DEMO_PROMPT = 'def parse_header(line):\n    """Split a "Key: value" header line."""\n'
 
 
-def _load_pair(target_dir: Optional[str], draft_dir: Optional[str], dtype):
-    """(target, draft, tokenizer): from directories, else the embedded default pair."""
+def _load_pair(target_dir: Optional[str], draft_dir: Optional[str], dtype, drafter: Optional[str] = None):
+    """(target, draft, tokenizer): from directories, else the embedded default pair (with the tiny ``drafter``:
+    ``dflash`` or ``dflash2``)."""
     from .tiny.pair import load_default_pair, load_pair
 
+    if drafter is not None and (target_dir is not None or draft_dir is not None):
+        raise UsageError("--drafter picks an embedded tiny drafter: give it without --target / --draft")
     if target_dir is None and draft_dir is None:
-        return load_default_pair(dtype=dtype)
+        try:
+            return load_default_pair(dtype=dtype, drafter=drafter or "dflash")
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
     if target_dir is None or draft_dir is None:
         raise UsageError("give both --target and --draft, or neither (the embedded default pair)")
     for flag, path, marker in (("--target", target_dir, "config.json"), ("--draft", draft_dir, "config.json")):
@@ -99,7 +105,7 @@ def cmd_demo(args) -> int:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = _load_pair(args.target, args.draft, torch.float32)
+    target, draft, tokenizer = _load_pair(args.target, args.draft, torch.float32, args.drafter)
     prompt = _encode(tokenizer, args.prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0,
               stop_token_ids=[tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else None)
@@ -167,7 +173,7 @@ def cmd_generate(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr carries only the statistics (or the one error line)
-    target, draft, tokenizer = _load_pair(args.target, args.draft, getattr(torch, args.dtype))
+    target, draft, tokenizer = _load_pair(args.target, args.draft, getattr(torch, args.dtype), args.drafter)
     prompt = _chat_ids(tokenizer, text, args.chat)
     kw = dict(method=args.method, max_new_tokens=args.max_new_tokens, seed=args.seed)
     if args.temperature is not None:
@@ -197,6 +203,8 @@ def cmd_generate(args) -> int:
 def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--target", help="local HF target directory (default: the embedded tiny pair)")
     p.add_argument("--draft", help="local DFlash drafter directory (default: the embedded tiny pair)")
+    p.add_argument("--drafter", choices=["dflash", "dflash2"], default=None,
+                   help="which embedded tiny drafter pairs with the tiny target (default: dflash)")
     p.add_argument("--method", choices=METHOD_CHOICES, default="dflash")
     if generate:
         p.add_argument("--prompt", default=None, help="the prompt (default: --prompt-file, else stdin)")

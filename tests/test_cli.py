@@ -126,3 +126,26 @@ def test_generate_applies_the_chat_template_and_decodes_with_the_tokenizer(tmp_p
     assert main(args + ["--no-chat"]) == 0  # the raw prompt, without the template
     assert main(args[:-4] + ["--prompt", "w5 w6", "--max-new-tokens", "6", "--chat"]) == 0
     assert capsys.readouterr().out.strip().endswith(chat)
+
+
+def test_demo_drafter_dflash2_needs_the_shipped_drafter(monkeypatch, tmp_path, capsys):
+    from dflash.tiny import pair
+
+    monkeypatch.setitem(pair.DRAFTERS, "dflash2", tmp_path / "drafter2")
+    assert main(["demo", "--drafter", "dflash2", "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "the tiny DFlash2 drafter is not shipped in this checkout" in err and "drafter2" in err
+    assert "Traceback" not in err
+
+
+def test_drafter_choice_is_for_the_embedded_pair_only(dirs, capsys):
+    assert main(["demo", *pair_args(dirs), "--drafter", "dflash2"]) == 2
+    assert "--drafter picks an embedded tiny drafter: give it without --target / --draft" in capsys.readouterr().err
+    assert main(["demo", "--drafter", "eagle"]) == 2
+    assert "invalid choice: 'eagle'" in capsys.readouterr().err
+
+
+def test_demo_with_the_shipped_dflash2_drafter(capsys):
+    assert main(["demo", "--drafter", "dflash2", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "lossless          yes" in out and "tau" in out

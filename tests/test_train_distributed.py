@@ -24,6 +24,8 @@ from dflash.training.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32 reduction order only: measured 6e-8 after 3 AdamW steps
+# a small DFlash2 drafter: its selector runs outside the drafter's forward (DDP) and is its own FSDP2 unit
+DFLASH2 = ["--arch", "dflash2", "--conv-group-size", "8", "--selector-rank", "8", "--selector-top-k", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +61,8 @@ def setup(tmp_path_factory):
         "fsdp": ["--steps", "3", "--parallel", "fsdp", "--shard-target", "--micro-batch-size", "1",
                  "--grad-checkpoint"],
         "ddp_stopped": ["--steps", "4", "--stop-at", "2", "--parallel", "ddp"],
+        "ddp_dflash2": DFLASH2 + ["--steps", "3", "--parallel", "ddp"],
+        "fsdp_dflash2": DFLASH2 + ["--steps", "3", "--parallel", "fsdp", "--micro-batch-size", "1"],
     }
     batch = [common + ["--out", str(d / name)] + extra for name, extra in runs.items()]
     # the README's torchrun command, as a smoke version, in the same launch (its inputs written first)
@@ -106,18 +110,29 @@ def world1(setup):
     return _weights(d / "w1")
 
 
-@pytest.mark.parametrize("run", ["ddp", "fsdp"])
-def test_world2_matches_world1(setup, world1, run):
+@pytest.fixture(scope="module")
+def world1_dflash2(setup):
+    d, common = setup
+    assert main(common + DFLASH2 + ["--out", str(d / "w1_dflash2"), "--steps", "3"]) == 0
+    return _weights(d / "w1_dflash2")
+
+
+@pytest.mark.parametrize("run", ["ddp", "fsdp", "ddp_dflash2", "fsdp_dflash2"])
+def test_world2_matches_world1(setup, request, run):
     d, _ = setup
     state, tensors = _weights(d / run)
-    ref_state, ref = world1
+    ref_state, ref = request.getfixturevalue("world1_dflash2" if run.endswith("dflash2") else "world1")
+    if run.endswith("dflash2"):
+        assert any(k.startswith("model.candidate_selector.") for k in tensors)
+        assert all(h["selector_loss"] == pytest.approx(r["selector_loss"], abs=1e-4)
+                   for h, r in zip(state["history"], ref_state["history"]))
     assert state["step"] == 3
     assert _max_diff(tensors, ref) < TOL  # the drafter and both AdamW moments
     # the logged loss and block tau are reduced over both ranks: the global batch's, as world 1 logs them
     for h, r in zip(state["history"], ref_state["history"]):
         assert h["loss"] == pytest.approx(r["loss"], abs=1e-4) and h["block_tau"] == pytest.approx(r["block_tau"])
     log = json.loads((d / run / "train_log.json").read_text())
-    assert log["world_size"] == 2 and log["parallel"] == run
+    assert log["world_size"] == 2 and log["parallel"] == run.split("_")[0]
     # written once: one tensor file, no leftovers of a second writer
     assert sorted(p.name for p in (d / run / "training_state").iterdir()) == [
         "training_state-00000003.safetensors", "training_state.json"]

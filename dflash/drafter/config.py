@@ -123,6 +123,36 @@ def make_draft_config(
     return config
 
 
+#: the published DFlash2 defaults (speculators' DFlash2 config; z-lab's class reads the same keys)
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+def dflash2_config(hidden_size: int, vocab_size: int, block_size: int, **overrides: Optional[int]) -> Dict[str, int]:
+    """The DFlash2 keys of a new drafter config (pass them to :func:`make_draft_config` as extra keys).
+
+    :data:`DFLASH2_DEFAULTS` with ``overrides`` (a None override keeps the
+    default): ``conv_kernel_size`` K taps (``1 <= K <= block_size``),
+    ``conv_group_size`` g channels per dynamic kernel (``g`` divides
+    ``hidden_size``), ``selector_rank`` r (``>= 1``) and ``selector_top_k`` k
+    candidates per position (``1 <= k <= vocab_size``). Written at the top
+    level of ``config.json``, where z-lab's and speculators' classes read them.
+    """
+    unknown = sorted(set(overrides) - set(DFLASH2_DEFAULTS))
+    if unknown:
+        raise DraftConfigError(f"unknown DFlash2 keys {unknown}; allowed: {', '.join(DFLASH2_DEFAULTS)}")
+    keys = {k: int(v if overrides.get(k) is None else overrides[k]) for k, v in DFLASH2_DEFAULTS.items()}
+    K, g, r, k = (keys[n] for n in DFLASH2_DEFAULTS)
+    if not 1 <= K <= int(block_size):
+        raise DraftConfigError(f"conv_kernel_size must be in 1..block_size ({block_size}), got {K}")
+    if g < 1 or int(hidden_size) % g:
+        raise DraftConfigError(f"conv_group_size {g} must divide hidden_size {hidden_size}")
+    if r < 1:
+        raise DraftConfigError(f"selector_rank must be >= 1, got {r}")
+    if not 1 <= k <= int(vocab_size):
+        raise DraftConfigError(f"selector_top_k must be in 1..vocab_size ({vocab_size}), got {k}")
+    return keys
+
+
 def qwen3_config(values: Dict[str, Any]) -> Qwen3Config:
     """``Qwen3Config(**values)`` with transformers' validation errors turned into DraftConfigError.
 

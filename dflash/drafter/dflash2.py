@@ -158,6 +158,12 @@ class CandidateSelector(nn.Module):
         context = self.predecessor_codebook(prev) * self.hidden_projection(hidden)  # [..., r]
         return unary + torch.einsum("...r,...kr->...k", context, self.successor_codebook(candidates))
 
+    def forward(self, unary: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor,
+                candidates: torch.Tensor) -> torch.Tensor:
+        """:meth:`score_candidates` (the training objective's call, through the module so that a sharded
+        selector gathers its weights)."""
+        return self.score_candidates(unary, hidden, prev, candidates)
+
     def select(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchor: torch.Tensor,
                temperature: float = 0.0, uniforms: Optional[torch.Tensor] = None,
                seed: Optional[torch.Tensor] = None):

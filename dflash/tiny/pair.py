@@ -4,7 +4,9 @@ The embedded default is the tiny byte-level pair shipped in ``dflash/assets/tiny
 (a Qwen3 target trained on the standard library and its DFlash drafter). If the
 drafter is not there (a checkout that has not trained it yet), the drafter is
 built untrained, and if the target is missing too, a random small target is
-built: the demo still runs, only without a speedup.
+built: the demo still runs, only without a speedup. The tiny DFlash2 drafter
+(``drafter2``, trained with the same data and budget) is loaded on request,
+and only when shipped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from .tokenizer import ByteTokenizer
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"
 TARGET_DIR = ASSETS / "target"
 DRAFT_DIR = ASSETS / "drafter"
+DRAFT2_DIR = ASSETS / "drafter2"
+#: the embedded drafters by architecture
+DRAFTERS = {"dflash": DRAFT_DIR, "dflash2": DRAFT2_DIR}
 
 
 def load_tokenizer(directory):
@@ -68,8 +73,19 @@ def _untrained_drafter(target, dtype, device) -> DFlashDraftModel:
     return DFlashDraftModel(config).to(device=device, dtype=dtype).eval()
 
 
-def load_default_pair(dtype=torch.float32, device="cpu") -> Tuple[torch.nn.Module, DFlashDraftModel, ByteTokenizer]:
-    """The embedded tiny pair (see the module docstring for the fallbacks)."""
+def load_default_pair(dtype=torch.float32, device="cpu",
+                      drafter: str = "dflash") -> Tuple[torch.nn.Module, DFlashDraftModel, ByteTokenizer]:
+    """The embedded tiny pair (see the module docstring for the fallbacks).
+
+    ``drafter``: ``"dflash"`` (the shipped DFlash drafter, or an untrained one)
+    or ``"dflash2"`` (the shipped DFlash2 drafter; FileNotFoundError when this
+    checkout does not ship it).
+    """
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown tiny drafter {drafter!r}; allowed: {', '.join(DRAFTERS)}")
+    if drafter == "dflash2" and not (DRAFTERS[drafter] / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the tiny DFlash2 drafter is not shipped in this checkout ({DRAFTERS[drafter]} has "
+                                "no model.safetensors); use the DFlash drafter (the default)")
     if (TARGET_DIR / "model.safetensors").is_file():
         target = load_target(TARGET_DIR, dtype, device)
     else:
@@ -81,8 +97,8 @@ def load_default_pair(dtype=torch.float32, device="cpu") -> Tuple[torch.nn.Modul
             vocab_size=ByteTokenizer.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
             attn_implementation="sdpa")).to(device=device, dtype=dtype).eval()
-    if (DRAFT_DIR / "model.safetensors").is_file():
-        draft = DFlashDraftModel.from_pretrained(str(DRAFT_DIR), dtype=dtype, device=device)
+    if (DRAFTERS[drafter] / "model.safetensors").is_file():
+        draft = DFlashDraftModel.from_pretrained(str(DRAFTERS[drafter]), dtype=dtype, device=device)
     else:
         warnings.warn("the tiny drafter is not shipped in this checkout: using an untrained drafter (no speedup)")
         draft = _untrained_drafter(target, dtype, device)

@@ -152,8 +152,8 @@ def init_world(device: Optional[str] = None) -> World:
 def wrap_drafter(draft: torch.nn.Module, world: World, parallel: str):
     """What to call for the drafter's training forward: the drafter itself (world 1, ``fsdp``) or its DDP wrapper.
 
-    ``fsdp`` shards ``draft`` in place (each of ``draft.layers``, then the
-    root); call this after its weights are loaded and before the optimizer
+    ``fsdp`` shards ``draft`` in place (each of ``draft.layers``, a DFlash2
+    drafter's ``candidate_selector``, then the root); call this after its weights are loaded and before the optimizer
     is built.
     """
     if parallel not in PARALLEL_CHOICES:
@@ -170,6 +170,9 @@ def wrap_drafter(draft: torch.nn.Module, world: World, parallel: str):
     mesh = _mesh(world)
     for layer in draft.layers:
         fully_shard(layer, mesh=mesh)
+    selector = getattr(draft, "candidate_selector", None)
+    if selector is not None:  # DFlash2: called by the objective outside the drafter's forward
+        fully_shard(selector, mesh=mesh)
     fully_shard(draft, mesh=mesh)
     return draft
 

@@ -38,8 +38,8 @@ import torch
 
 import dflash_kernels
 
-from ..drafter.config import default_target_layer_ids, make_draft_config, qwen3_config
-from ..drafter.model import DFlashDraftModel
+from ..drafter.config import dflash2_config, default_target_layer_ids, make_draft_config, qwen3_config
+from ..drafter.model import DFlash2DraftModel, DFlashDraftModel
 from ..target import TargetAdapter
 from .checkpointing import enable_gradient_checkpointing
 from .distributed import (World, full_parameters, full_tensor, gradient_scale, gradient_sync, init_world, is_sharded,
@@ -118,6 +118,11 @@ def _new_drafter(args, target, tokenizer) -> DFlashDraftModel:
     if mask_id is None:
         raise SystemExit("the tokenizer has no mask token: give --mask-token-id (an id the drafter uses as MASK)")
     ids = args.target_layer_ids or default_target_layer_ids(L, args.layers)
+    extra = {}
+    if getattr(args, "arch", "dflash") == "dflash2":
+        extra = dflash2_config(cfg.hidden_size, cfg.vocab_size, args.block_size,
+                               conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                               selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
     config = make_draft_config(
         hidden_size=cfg.hidden_size, num_hidden_layers=args.layers,
         num_attention_heads=args.heads or cfg.num_attention_heads,
@@ -126,17 +131,18 @@ def _new_drafter(args, target, tokenizer) -> DFlashDraftModel:
         intermediate_size=args.intermediate_size or cfg.intermediate_size, vocab_size=cfg.vocab_size,
         num_target_layers=L, block_size=args.block_size, mask_token_id=mask_id, target_layer_ids=ids,
         rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096), **extra,
     )
     torch.manual_seed(args.seed)
-    return DFlashDraftModel(config)
+    return DFlashDraftModel.class_for(config)(config)
 
 
 def _drafter_from_state(state: TrainingState, state_file: Path) -> DFlashDraftModel:
     raw = dict(state.config)
     raw.pop("architectures", None)
     try:
-        draft = DFlashDraftModel(qwen3_config(raw))
+        config = qwen3_config(raw)
+        draft = DFlashDraftModel.class_for(config)(config)
     except Exception as e:
         raise StateError(f"{state_file}: the drafter config does not build a drafter ({e})") from None
     weights = state.model_tensors()
@@ -270,7 +276,13 @@ def train(args: argparse.Namespace) -> dict:
         world.close()
 
 
+_DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def _check_args(args, world: World) -> None:
+    given = [f"--{k.replace('_', '-')}" for k in _DFLASH2_OPTIONS if getattr(args, k, None) is not None]
+    if given and getattr(args, "arch", "dflash") != "dflash2":
+        raise ValueError(f"{', '.join(given)} set the DFlash2 architecture: add --arch dflash2")
     if args.batch_size < 1 or args.batch_size % world.world_size:
         raise ValueError(f"--batch-size {args.batch_size} (the global batch) must be a positive multiple of the "
                          f"world size {world.world_size}: each rank takes an equal share")
@@ -298,6 +310,7 @@ class _StepResult(NamedTuple):
     blocks: float
     tokens: float  # supervised tokens
     seconds: float
+    selector_loss_sum: float = 0.0  # DFlash2: the weighted selector cross-entropies alone
 
 
 class _TrainRun:
@@ -318,7 +331,7 @@ class _TrainRun:
         self._prepare_data()
         self._build_optimizer(state)
         self._plan_batches()
-        self.window = dict(loss=0.0, weight=0.0, tau=0.0, blocks=0.0, tokens=0.0, seconds=0.0, steps=0)
+        self.window = dict(loss=0.0, weight=0.0, tau=0.0, blocks=0.0, tokens=0.0, seconds=0.0, steps=0, selector=0.0)
         self.last_eval = float("nan")
         self.start = time.perf_counter()
 
@@ -357,6 +370,7 @@ class _TrainRun:
             draft = _new_drafter(args, self.target, self.tokenizer)
         self.draft = draft.float().to(self.device).train()
         self.block_size = self.draft.block_size
+        self.dflash2 = isinstance(self.draft, DFlash2DraftModel)
         if args.grad_checkpoint:
             enable_gradient_checkpointing(self.draft)
         return state
@@ -376,7 +390,8 @@ class _TrainRun:
             shard_target_layers(self.adapter.layers, self.world)
         self.cfg = BlockTrainingConfig(block_size=self.block_size, blocks_per_seq=args.blocks_per_seq,
                                        gamma=args.gamma, logit_layer=self.adapter.capture_layer_ids[-1],
-                                       context_noise=args.context_noise)
+                                       context_noise=args.context_noise,
+                                       selector_loss_weight=getattr(args, "selector_loss_weight", 1.0))
         self.cache = self.adapter.new_cache(max(s.input_ids.numel() for s in self.sequences))
         self.store = {} if args.cache_target else None
         self.weight_sums = [sequence_weight_sum(s, self.cfg) for s in self.sequences]
@@ -458,7 +473,7 @@ class _TrainRun:
             group["lr"] = lr
         idx = batch_indices(self.step, args.batch_size, len(self.sequences), args.seed)
         W = sum(self.weight_sums[i] for i in idx)
-        loss_sum, tau_sum, blocks, tokens = self._accumulate_gradients(idx, W)
+        loss_sum, tau_sum, blocks, tokens, selector_sum = self._accumulate_gradients(idx, W)
         loss = loss_sum / W
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss became {loss} at step {self.step}; lower --lr")
@@ -467,12 +482,12 @@ class _TrainRun:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return _StepResult(lr=lr, loss=loss, loss_sum=loss_sum, weight=W, tau_sum=tau_sum, blocks=blocks,
-                           tokens=tokens, seconds=time.perf_counter() - t_step)
+                           tokens=tokens, seconds=time.perf_counter() - t_step, selector_loss_sum=selector_sum)
 
     def _accumulate_gradients(self, idx: List[int], W: float) -> List[float]:
         """Backward over this rank's micro-batches of ``idx`` (normalised by the global weight sum ``W``;
         gradients sync on the last); returns the loss, tau, block and token sums over all ranks."""
-        sums = [0.0, 0.0, 0.0, 0.0]  # weighted loss, sum of (1 + leading correct), blocks, supervised tokens
+        sums = [0.0] * 5  # weighted loss, sum of (1 + leading correct), blocks, supervised tokens, selector loss
         for c, chunk in enumerate(self.chunks):
             gens = [sequence_generator(self.args.seed, self.step, j) for j in chunk]
             with gradient_sync(self.forward, self.draft, enabled=c == len(self.chunks) - 1), self.autocast():
@@ -480,7 +495,8 @@ class _TrainRun:
                                 cache=self.cache, store=self.store, generators=gens, normalizer=W,
                                 forward=self.forward)
                 (out.loss * self.scale).backward()
-            sums = [a + b for a, b in zip(sums, (out.loss_sum, out.tau_sum, out.num_blocks, out.supervised_tokens))]
+            sums = [a + b for a, b in zip(sums, (out.loss_sum, out.tau_sum, out.num_blocks, out.supervised_tokens,
+                                                  out.selector_loss_sum))]
         return self.world.all_reduce_sum(sums)
 
     def _log_step(self, done: _StepResult) -> None:
@@ -489,7 +505,7 @@ class _TrainRun:
         args, world, window = self.args, self.world, self.window
         for key, value in (("loss", done.loss_sum), ("weight", done.weight), ("tau", done.tau_sum),
                            ("blocks", done.blocks), ("tokens", done.tokens), ("seconds", done.seconds),
-                           ("steps", 1)):
+                           ("steps", 1), ("selector", done.selector_loss_sum)):
             window[key] += value
         eval_due = self.eval_prompts and self.step % args.eval_every == 0
         if eval_due:
@@ -501,6 +517,8 @@ class _TrainRun:
                      loss=round(window["loss"] / window["weight"], 4),
                      block_tau=round(window["tau"] / max(window["blocks"], 1.0), 3),
                      tokens_per_s=round(window["tokens"] / max(window["seconds"], 1e-9), 1))
+        if self.dflash2:
+            entry["selector_loss"] = round(window["selector"] / window["weight"], 4)
         if eval_due:
             entry["eval_tau_T0"] = round(self.last_eval, 3)
         self.window = dict.fromkeys(window, 0.0)
@@ -513,7 +531,7 @@ class _TrainRun:
         """A whole drafter in the target's dtype on this rank: the drafter itself when it already is one."""
         if not self.sharded and self.target_dtype == torch.float32:
             return self.draft
-        copy = DFlashDraftModel(self.draft.config)
+        copy = type(self.draft)(self.draft.config)
         copy.load_state_dict(full_parameters(self.draft), strict=False)
         return copy.to(device=self.device, dtype=self.target_dtype)
 
@@ -527,7 +545,7 @@ class _TrainRun:
             tensors = {f"model.{k}": v for k, v in params.items()}
             tensors.update(_optimizer_tensors(optimizer))
         if self.world.is_main:
-            publish = draft if not self.sharded else DFlashDraftModel(draft.config)
+            publish = draft if not self.sharded else type(draft)(draft.config)
             if publish is not draft:
                 publish.load_state_dict(params, strict=False)
             publish.save_pretrained(str(self.out_dir), dtype=SAVE_DTYPES[self.args.save_dtype])
@@ -572,13 +590,22 @@ class _TrainRun:
             "drafter": {"layers": self.draft.config.num_hidden_layers, "block_size": self.block_size,
                         "target_layer_ids": list(self.draft.target_layer_ids), "logit_layer": self.cfg.logit_layer,
                         "parameters": sum(p.numel() for p in self.draft.parameters()),
-                        "storage_dtype": args.save_dtype},
+                        "storage_dtype": args.save_dtype, **self._dflash2_summary()},
             "hyperparameters": self._hyperparameters(),
             "threads": args.threads,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": __import__("transformers").__version__},
             "history": self.history,
         }
+
+    def _dflash2_summary(self) -> dict:
+        """The train log's drafter entries of a DFlash2 drafter (its arch and DFlash2 keys); empty for DFlash."""
+        if not self.dflash2:
+            return {}
+        from ..drafter.config import dflash_value
+        from ..drafter.dflash2 import DFLASH2_KEYS
+
+        return {"arch": "dflash2", **{k: int(dflash_value(self.draft.config, k)) for k in DFLASH2_KEYS}}
 
     def _hyperparameters(self) -> dict:
         """The train log's ``hyperparameters``: the batch, schedule and objective settings the run used."""
@@ -588,7 +615,8 @@ class _TrainRun:
                 "grad_clip": args.grad_clip,
                 "gamma": default_gamma(self.block_size) if args.gamma is None else args.gamma,
                 "context_noise": args.context_noise, "minutes": self.minutes, "max_steps": args.steps,
-                "bf16_autocast": self.bf16, "gradient_checkpointing": bool(args.grad_checkpoint)}
+                "bf16_autocast": self.bf16, "gradient_checkpointing": bool(args.grad_checkpoint),
+                **({"selector_loss_weight": self.cfg.selector_loss_weight} if self.dflash2 else {})}
 
 
 def _final_eval(args, result: dict, target, tokenizer, vocab: int, draft, out_dir: Path) -> None:
@@ -599,7 +627,7 @@ def _final_eval(args, result: dict, target, tokenizer, vocab: int, draft, out_di
     torch.manual_seed(args.seed)
     param = next(target.parameters())
     device, dtype = param.device, param.dtype
-    untrained = DFlashDraftModel(draft.config).eval().to(device=device, dtype=dtype)
+    untrained = type(draft)(draft.config).eval().to(device=device, dtype=dtype)
     trained = DFlashDraftModel.from_pretrained(str(out_dir), dtype=dtype, device=device)
     t0 = time.perf_counter()
     with dflash_kernels.force_backend("reference") if device.type == "cpu" else contextlib.nullcontext():

@@ -47,6 +47,11 @@ the final norm and the lm_head is exactly the target's choice):
    sequence).
 
 ``gamma`` defaults to :func:`default_gamma` (7 for B=16, 5 for B=10, 4 for B=8).
+
+6. DFlash2 drafters add their selector's K-way cross-entropy at the same rows
+   with the same weights (:mod:`.selector_objective`)::
+
+       loss = sum_{b,k>=1} w_k * (CE_tok[b, k] + alpha * CE_sel[b, k]) / sum_{b,k>=1} w_k
 """
 
 from __future__ import annotations
@@ -60,9 +65,10 @@ import torch.nn.functional as F
 
 import dflash_kernels
 
-from ..drafter.model import DFlashDraftModel
+from ..drafter.model import DFlash2DraftModel, DFlashDraftModel
 from ..target import TargetAdapter
 from .records import TrainingSequence, valid_anchor_mask
+from .selector_objective import selector_block_losses
 
 __all__ = [
     "BlockTrainingConfig",
@@ -256,6 +262,8 @@ class BlockTrainingConfig:
     ``fused=False`` switches labels and loss to the naive recipe (full
     ``[T, V]`` target logits then argmax; full ``[nb*B, V]`` drafter logits
     then ``F.cross_entropy``): same numbers, kept to measure what fusing saves.
+    ``selector_loss_weight``: ``alpha``, the weight of a DFlash2 drafter's
+    selector loss (:mod:`.selector_objective`) beside the token loss.
     """
 
     block_size: int
@@ -264,6 +272,7 @@ class BlockTrainingConfig:
     logit_layer: int = -1
     context_noise: float = 0.0
     fused: bool = True
+    selector_loss_weight: float = 1.0
 
 
 def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: TrainingSequence,
@@ -271,6 +280,12 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
                           anchors: Optional[torch.Tensor] = None, store: Optional[dict] = None,
                           forward: Optional[Callable] = None) -> Dict[str, torch.Tensor]:
     """All blocks of one sequence: ``losses [nb, B-1]`` (weighted), ``labels``, ``correct``, ``anchors``.
+
+    For a DFlash2 drafter ``losses`` adds ``cfg.selector_loss_weight`` times
+    the weighted selector losses (also returned alone, detached, as
+    ``selector_losses``), and ``correct`` is the selector's teacher-forced
+    choice (:func:`.selector_objective.selector_block_losses`); otherwise
+    ``correct`` compares the drafter's argmax with the labels.
 
     ``store`` (a dict, optional): keeps each sequence's context features
     ``[T, n*H]`` and its labels at every row (``[T-1]``, the target's argmax
@@ -310,15 +325,22 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
     block_ids = torch.full((anchors.numel(), B), draft.mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = ids[anchors]
     with torch.no_grad():
-        embeds = adapter.embed(block_ids.flatten())
+        embeds = adapter.embed(block_ids.flatten(), raw_scale=draft.input_embedding_scale)
     weights = loss_weights(B, cfg.gamma)
     losses, states = drafter_block_losses(draft, adapter.lm_head.weight, embeds, context, anchors, labels, weights,
                                           fused=cfg.fused, forward=forward)
+    out = dict(labels=labels, anchors=anchors, weight_sum=weights.sum() * anchors.numel())
+    if isinstance(draft, DFlash2DraftModel):
+        prev = ids[anchors[:, None] + torch.arange(B - 1, device=dev)]  # [nb, B-1]: x[a + k - 1], k = 1..B-1
+        selector, correct = selector_block_losses(draft, adapter.lm_head.weight, states, prev, labels, weights)
+        out.update(losses=losses + cfg.selector_loss_weight * selector, selector_losses=selector.detach(),
+                   correct=correct)
+        return out
     with torch.no_grad():
         rows = (torch.arange(anchors.numel(), device=dev)[:, None] * B + torch.arange(1, B, device=dev)).flatten()
         guess = dflash_kernels.lm_head_argmax(states.detach(), adapter.lm_head.weight, positions=rows)
-    return dict(losses=losses, labels=labels, correct=guess.view(-1, B - 1) == labels, anchors=anchors,
-                weight_sum=weights.sum() * anchors.numel())
+    out.update(losses=losses, correct=guess.view(-1, B - 1) == labels)
+    return out
 
 
 def sequence_weight_sum(seq: TrainingSequence, cfg: BlockTrainingConfig) -> float:
@@ -339,7 +361,8 @@ class StepLoss:
     The sums are over this batch's blocks only (detached), so that ranks and
     micro-batches add up: ``loss_sum`` (weighted loss), ``weight_sum``,
     ``tau_sum`` (``sum_b 1 + leading correct drafts``), ``num_blocks``,
-    ``supervised_tokens`` (``num_blocks * (B-1)``).
+    ``supervised_tokens`` (``num_blocks * (B-1)``), and for a DFlash2 drafter
+    ``selector_loss_sum`` (the weighted selector losses alone, before ``alpha``).
     """
 
     loss: torch.Tensor
@@ -350,6 +373,7 @@ class StepLoss:
     weight_sum: float = 0.0
     tau_sum: float = 0.0
     supervised_tokens: int = 0
+    selector_loss_sum: float = 0.0
 
 
 def step_loss(draft: DFlashDraftModel, adapter: TargetAdapter, batch: Sequence[TrainingSequence],
@@ -367,11 +391,13 @@ def step_loss(draft: DFlashDraftModel, adapter: TargetAdapter, batch: Sequence[T
     """
     if generators is not None and len(generators) != len(batch):
         raise ValueError(f"got {len(generators)} generators for {len(batch)} sequences")
-    total, weight_sum, correct = 0.0, 0.0, []
+    total, weight_sum, correct, selector_sum = 0.0, 0.0, [], 0.0
     for i, seq in enumerate(batch):
         gen = generators[i] if generators is not None else generator
         out = sequence_block_losses(draft, adapter, seq, cfg, gen, cache, store=store, forward=forward)
         total = total + out["losses"].sum()
+        if "selector_losses" in out:
+            selector_sum += float(out["selector_losses"].sum())
         weight_sum += float(out["weight_sum"])
         correct.append(out["correct"])
     correct = torch.cat(correct).float()
@@ -379,4 +405,5 @@ def step_loss(draft: DFlashDraftModel, adapter: TargetAdapter, batch: Sequence[T
     loss = total / (weight_sum if normalizer is None else float(normalizer))
     return StepLoss(loss=loss, num_blocks=correct.shape[0], position_accuracy=correct.mean(0),
                     block_tau=float((1 + leading).mean()), loss_sum=float(total.detach()), weight_sum=weight_sum,
-                    tau_sum=float((1 + leading).sum()), supervised_tokens=int(correct.numel()))
+                    tau_sum=float((1 + leading).sum()), supervised_tokens=int(correct.numel()),
+                    selector_loss_sum=selector_sum)

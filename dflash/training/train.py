@@ -105,6 +105,8 @@ def _add_file_arguments(p: argparse.ArgumentParser) -> None:
 def _add_architecture_arguments(p: argparse.ArgumentParser) -> None:
     """The fresh drafter's shape (ignored with --init / --resume)."""
     arch = p.add_argument_group("drafter architecture (ignored with --init / --resume)")
+    arch.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                      help="dflash, or dflash2: dynamic convolutions around each sublayer and a candidate selector")
     arch.add_argument("--layers", type=int, default=2)
     arch.add_argument("--block-size", type=int, default=8)
     arch.add_argument("--target-layer-ids", type=_int_list, default=None,
@@ -114,6 +116,13 @@ def _add_architecture_arguments(p: argparse.ArgumentParser) -> None:
     arch.add_argument("--head-dim", type=int, default=None, help="default: the target's")
     arch.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     arch.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask id")
+    d2 = p.add_argument_group("DFlash2 (--arch dflash2; defaults as published)")
+    d2.add_argument("--conv-kernel-size", type=int, default=None, help="taps of each dynamic convolution (2)")
+    d2.add_argument("--conv-group-size", type=int, default=None, help="channels sharing a dynamic kernel (16)")
+    d2.add_argument("--selector-rank", type=int, default=None, help="rank of the selector's codebooks (256)")
+    d2.add_argument("--selector-top-k", type=int, default=None, help="candidates the selector re-scores (16)")
+    d2.add_argument("--selector-loss-weight", type=float, default=1.0,
+                    help="weight of the selector's cross-entropy beside the token loss (1)")
 
 
 def _add_optimization_arguments(p: argparse.ArgumentParser) -> None:
