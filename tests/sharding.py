@@ -75,6 +75,14 @@ def load_costs(path: str = COSTS_PATH) -> Tuple[Dict[str, float], float]:
     return files, per_test
 
 
+def load_counts(path: str = COSTS_PATH) -> Dict[str, int]:
+    """The table's ``tests`` (each measured file's test count; empty without a table)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        return {key: int(n) for key, n in json.load(handle).get("tests", {}).items()}
+
+
 def file_costs(counts: Dict[str, int], table: Dict[str, float],
                per_test: float = DEFAULT_SECONDS_PER_TEST) -> Dict[str, float]:
     """The cost of each collected file (``counts``: path -> number of tests collected).
@@ -180,11 +188,36 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def _counts(items) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def listed_cost(selected: Dict[str, int], table: Dict[str, float], tests: Dict[str, int],
+                per_test: float) -> float:
+    """Estimated seconds of a selection (path -> tests selected): each file's table cost times
+    the fraction of its tests selected, else ``per_test`` per test (a file-wide fixture is
+    counted pro rata, so a slice of a file with a costly fixture is underestimated)."""
+    total = 0.0
+    for path, n in selected.items():
+        if path in table and tests.get(path):
+            total += table[path] * min(1.0, n / tests[path])
+        else:
+            total += per_test * n
+    return total
+
+
 def pytest_collection_modifyitems(config, items):
     entries = _listed_entries(config)
     shard = config.getoption("--shard")
     if entries is None and shard is None:
         return
+    table_path = config.getoption("--shard-costs")
+    table, per_test = load_costs(table_path)
+    lines = []
     kept = list(items)
     if entries is not None:
         keep, unused = select_listed([item.nodeid for item in kept], entries)
@@ -192,27 +225,27 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"--only-listed {config.getoption('--only-listed')}: these entries "
                                     f"select no collected test: {', '.join(unused)}")
         kept = [item for item, k in zip(kept, keep) if k]
+        selected = _counts(kept)
+        tests = load_counts(table_path)
+        lines.append(f"only-listed {config.getoption('--only-listed')}: {len(kept)} tests in {len(selected)} "
+                     f"files, ~{listed_cost(selected, table, tests, per_test):.0f} s by the cost table")
     if shard is not None:
         try:
             index, count = parse_shard(shard)
-            preload = parse_floats(config.getoption("--shard-preload"), count,
-                                            "--shard-preload", 0.0)
+            preload = parse_floats(config.getoption("--shard-preload"), count, "--shard-preload", 0.0)
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
-        counts = {}
-        for item in kept:
-            path = item.nodeid.split("::", 1)[0]
-            counts[path] = counts.get(path, 0) + 1
-        table, per_test = load_costs(config.getoption("--shard-costs"))
+        counts = _counts(kept)
         costs = file_costs(counts, table, per_test)
         mine = set(pack(costs, count, preload)[index - 1])
         kept = [item for item in kept if item.nodeid.split("::", 1)[0] in mine]
         guessed = sorted(path for path in mine if path not in table)
-        config.stash[_SHARD_SUMMARY] = (
+        lines.append(
             f"shard {index}/{count}: {len(mine)} of {len(counts)} files, {len(kept)} tests, "
-            f"~{sum(costs[p] for p in mine):.0f} s of ~{sum(costs.values()):.0f} s by tests/shard_costs.json"
+            f"~{sum(costs[p] for p in mine):.0f} s of ~{sum(costs.values()):.0f} s by the cost table"
             + (f" (not in the table, guessed from test counts: {', '.join(guessed[:6])}"
                + (f" and {len(guessed) - 6} more" if len(guessed) > 6 else "") + ")" if guessed else ""))
+    config.stash[_SHARD_SUMMARY] = lines
     kept_ids = {id(item) for item in kept}
     dropped = [item for item in items if id(item) not in kept_ids]
     if dropped:
@@ -221,6 +254,5 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    summary = config.stash.get(_SHARD_SUMMARY, None)
-    if summary is not None:
-        terminalreporter.write_line(summary)
+    for line in config.stash.get(_SHARD_SUMMARY, []):
+        terminalreporter.write_line(line)
