@@ -13,3 +13,12 @@ if not torch.cuda.is_available() and os.environ.get("DFLASH_TEST_REAL_TRITON") !
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# ``--shard I/N``, ``--shard-preload`` and ``--only-listed FILE``: see sharding.py.
+from sharding import (  # noqa: E402,F401  (tests/ is on sys.path, as for the helper modules)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_ignore_collect,
+    pytest_terminal_summary,
+)
