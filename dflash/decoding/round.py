@@ -28,7 +28,8 @@ Steps (nothing in them reads a value on the host):
 * :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
   block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` of the target's
   lm_head at block rows ``1..D``; DDTree: top-K log-probs there and the
-  best-first tree of ``N`` nodes;
+  best-first tree of ``N`` nodes (a DFlash2 drafter: the tree over its
+  candidate selector's scores of each candidate given its parent's token);
 * :meth:`verify` -- the target on the chain ``[last, proposals]`` at
   ``L + arange(B)`` or the tree ``[last, tokens]`` at ``L + [0, depths]``
   with its ancestor bits; the target's choice after every row
@@ -65,10 +66,11 @@ from dflash_kernels import tree_device
 
 from ..cache import CacheFullError
 from ..drafter.cache import DraftKVCache
+from ..drafter.model import DFlash2DraftModel
 from .generation_config import SamplingSettings
 from .options import RoundShape
 
-__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows"]
+__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
 
 #: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
@@ -100,6 +102,14 @@ def cache_rows(shape: RoundShape, total_tokens: int) -> Tuple[int, int]:
     return target, draft
 
 
+def tree_branching(draft, budget: int, vocab: int) -> int:
+    """Children per node of a DDTree round: a DFlash2 drafter's ``selector_top_k`` (its selector scores
+    exactly those candidates per position), else ``min(budget, vocab)``."""
+    if isinstance(draft, DFlash2DraftModel):
+        return draft.candidate_selector.top_k
+    return min(int(budget), int(vocab))
+
+
 def _zeros(role, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -124,7 +134,9 @@ class Round:
         self.B = B = shape.block_size
         self.D = B - 1
         self.budget = shape.tree_budget
-        self.K = min(self.budget, adapter.vocab_size) if method == "ddtree" else 0
+        #: DDTree over a DFlash2 drafter: the tree grows from its candidate selector's conditional scores
+        self.selector_tree = method == "ddtree" and isinstance(draft, DFlash2DraftModel)
+        self.K = tree_branching(draft, self.budget, adapter.vocab_size) if method == "ddtree" else 0
         #: tree nodes per round (the budget, or fewer when D levels of K children hold fewer)
         self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
         #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1)
@@ -240,16 +252,41 @@ class Round:
             self.proposals.copy_(dflash_kernels.lm_head_argmax(out, W, positions=self.draft_rows, check_bounds=False,
                                                                backend=self.backend))
             return
-        logprobs, ids = dflash_kernels.lm_head_topk(out, W, self.K, positions=self.draft_rows, check_bounds=False,
-                                                    backend=self.backend)
-        if self.host_tree:
+        if self.selector_tree:
+            tokens, depths, parents = self._draft_selector_tree(out)
+        elif self.host_tree:
+            logprobs, ids = self._draft_topk(out)
             tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, self.budget)
         else:
+            logprobs, ids = self._draft_topk(out)
             tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, self.budget,
                                                                        tables=self.tree_tables, backend=self.backend)
         self.tokens.copy_(tokens)
         self.depths.copy_(depths)
         self.parents.copy_(parents)
+
+    def _draft_topk(self, out: torch.Tensor):
+        """``(logprobs [D, K] fp32, ids [D, K] int64)``: the top-K of the lm_head at block rows ``1..D``."""
+        return dflash_kernels.lm_head_topk(out, self.adapter.lm_head.weight, self.K, positions=self.draft_rows,
+                                           check_bounds=False, backend=self.backend)
+
+    def _draft_selector_tree(self, out: torch.Tensor):
+        """The DDTree of a DFlash2 drafter: ``(tokens [N], depths [N], parents [N+1])``.
+
+        The selector's ``k`` candidates per position (the top-k of the lm_head at block rows ``1..D``) and
+        their log-probs given each possible predecessor, ``[D, k, k]``
+        (:func:`dflash_kernels.selector_child_logprobs`: the anchor ``last`` before position 1, candidate
+        ``i`` of position ``d - 1`` before position ``d``); the best-first tree over that lattice
+        (:func:`dflash_kernels.build_selector_tree_device`), whose first path is the selector's greedy
+        chain. Fixed shapes, no host read; the same tree layout, so the verify and the walk are unchanged.
+        """
+        selector = self.draft_model.candidate_selector
+        unary, candidates = self._draft_topk(out)
+        projected = selector.hidden_projection(out[1:])
+        child = dflash_kernels.selector_child_logprobs(unary, candidates, projected,
+                                                       selector.predecessor_codebook.weight,
+                                                       selector.successor_codebook.weight, self.last)
+        return dflash_kernels.build_selector_tree_device(child, candidates, self.budget, backend=self.backend)
 
     def verify(self) -> torch.Tensor:
         """The target's verify and the commit; returns the payload (module docstring)."""
