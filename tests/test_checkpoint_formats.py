@@ -333,17 +333,37 @@ def _rewrite(directory, **changes):
 def test_zlab_keys(tmp_path):
     draft = zlab_drafter(False)
     draft.save_pretrained(tmp_path)
-    for key, value, match in (("input_embedding_scale", 2.0, "input_embedding_scale=2.0"),
-                              ("output_multiplier", 0.5, "output_multiplier=0.5"),
-                              ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0")):
+    attrs = {"input_embedding_scale": "input_embedding_scale", "output_multiplier": "output_multiplier",
+             "final_logit_softcapping": "logit_softcap"}
+    for key, value in (("input_embedding_scale", 2.0), ("output_multiplier", 0.5), ("final_logit_softcapping", 30.0)):
         _rewrite(tmp_path, **{key: value})
-        with pytest.raises(DraftConfigError, match=match):
-            DFlashDraftModel.from_pretrained(str(tmp_path))
+        loaded = DFlashDraftModel.from_pretrained(str(tmp_path))
+        assert getattr(loaded, attrs[key]) == value
+        loaded.save_pretrained(tmp_path / "again")  # z-lab spells them: kept
+        assert getattr(DFlashDraftModel.from_pretrained(str(tmp_path / "again")), attrs[key]) == value
+        for fmt in ("speculators", "transformers"):  # no spelling there: refused, naming the key
+            with pytest.raises(DraftConfigError, match=f"{key}={value}.*{fmt} format does not carry"):
+                loaded.save_pretrained(tmp_path / fmt, format=fmt)
         _rewrite(tmp_path, **{key: None})
         _rewrite(tmp_path, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3], key: value})
-        with pytest.raises(DraftConfigError, match=match):  # read from dflash_config first, as z-lab does
-            DFlashDraftModel.from_pretrained(str(tmp_path))
+        assert getattr(DFlashDraftModel.from_pretrained(str(tmp_path)), attrs[key]) == value  # dflash_config first
         _rewrite(tmp_path, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3]})
+    for value in ("big", float("inf")):
+        _rewrite(tmp_path, output_multiplier=value)
+        with pytest.raises(DraftConfigError, match="output_multiplier=.*must be a finite number"):
+            DFlashDraftModel.from_pretrained(str(tmp_path))
+    _rewrite(tmp_path, output_multiplier=None, hidden_act="gelu")
+    with pytest.raises(DraftConfigError, match="hidden_act 'gelu' is not supported"):
+        DFlashDraftModel.from_pretrained(str(tmp_path))
+    _rewrite(tmp_path, hidden_act=None)
+    plain = DFlashDraftModel.from_pretrained(str(tmp_path))
+    assert (plain.input_embedding_scale, plain.output_multiplier, plain.logit_softcap) == (None, 1.0, None)
+    plain.save_pretrained(tmp_path / "spec", format="speculators")
+    spec = json.load(open(tmp_path / "spec" / "config.json"))
+    spec["transformer_layer_config"]["final_logit_softcapping"] = 30.0
+    json.dump(spec, open(tmp_path / "spec" / "config.json", "w"))
+    with pytest.raises(DraftConfigError, match="final_logit_softcapping=30.0.*speculators format does not carry"):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "spec"))
     raw = _rewrite(tmp_path, input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0,
                    my_note="kept")
     assert DFlashDraftModel.from_pretrained(str(tmp_path)).config.my_note == "kept"

@@ -98,33 +98,56 @@ def rigged(target):
 
 
 def spy_selector_tree():
-    """Wrap ``dflash_kernels.build_selector_tree_device``: each call's inputs and tree, checked against the heap."""
-    calls = []
-    real = dflash_kernels.build_selector_tree_device
+    """Wrap ``dflash_kernels.selector_child_logprobs`` and ``build_selector_tree_device``: per round, the
+    selector's inputs and ``(child, candidates, budget, tree)``."""
+    inputs, calls = [], []
+    real_child, real_build = dflash_kernels.selector_child_logprobs, dflash_kernels.build_selector_tree_device
 
-    def wrapped(child, candidates, budget, **kw):
-        tree = real(child, candidates, budget, **kw)
+    def child_logprobs(*args):
+        inputs.append(args)
+        return real_child(*args)
+
+    def build(child, candidates, budget, **kw):
+        tree = real_build(child, candidates, budget, **kw)
         calls.append((child, candidates, budget, tree))
         return tree
 
-    return calls, mock.patch.object(dflash_kernels, "build_selector_tree_device", wrapped)
+    patches = [mock.patch.object(dflash_kernels, "selector_child_logprobs", child_logprobs),
+               mock.patch.object(dflash_kernels, "build_selector_tree_device", build)]
+    return inputs, calls, patches
+
+
+def first_path(tree):
+    tokens, _, parents = tree
+    path, node = [], 0
+    while True:
+        children = [i for i in range(1, parents.numel()) if parents[i] == node]
+        if not children:
+            return path
+        node = children[0]
+        path.append(int(tokens[node - 1]))
 
 
 @pytest.mark.parametrize("block_size,top_k,budget", [(4, 3, 2), (4, 3, 8), (4, 2, 20), (6, 4, 16)])
 def test_greedy_is_lossless_and_the_tree_is_the_selectors(target, block_size, top_k, budget):
     draft = dflash2_draft(target, block_size=block_size, top_k=top_k)
-    calls, patch = spy_selector_tree()
-    with patch:
+    inputs, calls, patches = spy_selector_tree()
+    with patches[0], patches[1]:
         res = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=20, tree_budget=budget,
                               return_trees=True)
     assert torch.equal(res.output_ids, greedy(target, 20))
     n = dflash_kernels.tree_size(block_size - 1, top_k, budget)
     assert len(calls) == res.num_rounds and res.tree_sizes == [n] * res.num_rounds
-    for (child, candidates, b, tree), record in zip(calls, res.trees):
+    assert len(inputs) == res.num_rounds
+    for args, (child, candidates, b, tree), record in zip(inputs, calls, res.trees):
         assert child.shape == (block_size - 1, top_k, top_k) and b == budget
         want = ref.build_selector_tree(child, candidates, budget)
         assert all(torch.equal(x, y) for x, y in zip(tree, want))
         assert torch.equal(record["tokens"], tree[0]) and torch.equal(record["parents"], tree[2])
+        # the tree's first path is the DFlash2 chain of the same selector inputs
+        chain = dflash_kernels.select_candidates(*args, 0.0)[0].tolist()
+        path = first_path(tree)
+        assert len(path) >= 1 and path == chain[: len(path)]
 
 
 def test_accepted_branches_stay_lossless(target, rigged):

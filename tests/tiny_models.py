@@ -54,6 +54,36 @@ def tiny_draft(target, *, block_size: int = 8, layers: int = 2, seed: int = 1, t
     return DFlashDraftModel(config).to(dtype).eval()
 
 
+#: the DFlash2 keys of :func:`tiny_dflash2_draft`
+DFLASH2_KEYS = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
+
+
+def tiny_dflash2_draft(target, *, block_size: int = 8, layers: int = 2, seed: int = 1, target_layer_ids=None,
+                       dtype=torch.float32, selector_scale: float = 1.0, **extra):
+    """A random DFlash2 drafter for ``target``: convolutions off the identity (random taps and dynamic
+    kernels) and selector codebooks of std ``selector_scale`` (large enough that re-scoring changes the
+    chain). ``extra``: more config keys (z-lab's ``output_multiplier`` ...)."""
+    from dflash import DFlash2DraftModel
+
+    cfg = target.config
+    config = make_draft_config(
+        hidden_size=cfg.hidden_size, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=2 * cfg.hidden_size, vocab_size=cfg.vocab_size, num_target_layers=cfg.num_hidden_layers,
+        block_size=block_size, mask_token_id=cfg.vocab_size - 1, target_layer_ids=target_layer_ids,
+        max_position_embeddings=512, **DFLASH2_KEYS, **extra)
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("base_kernel"):
+                p.add_(0.3 * torch.randn_like(p))
+            elif "kernel_projection" in name:
+                p.normal_(0.0, 0.1)
+            elif "codebook" in name or "hidden_projection" in name:
+                p.normal_(0.0, selector_scale)
+    return model.to(dtype).eval()
+
+
 def steer(W: torch.Tensor, ranked, top: float = 8.0, gap: float = 0.7) -> torch.Tensor:
     """A hidden state ``h`` whose logits ``W h`` give ``ranked[i]`` the logit ``top - i * gap``.
 

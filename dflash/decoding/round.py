@@ -18,6 +18,7 @@ tensor              shape                  meaning
 ``seed``            ``[1]`` int64          sampling key: +1 per choice, so every draw (and a replayed
                                            graph) gets new noise
 ``proposals``       ``[D]`` int64          DFlash: the drafter's chain
+``q_ids/q_probs``   ``[D, k]`` int64/fp32  DFlash2: each proposal's candidates and their selector probabilities
 ``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes
 ``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
 ``path``            ``[D+1]`` int64        DDTree: the accepted path's rows (padded)
@@ -27,9 +28,12 @@ Steps (nothing in them reads a value on the host):
 
 * :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
   block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` of the target's
-  lm_head at block rows ``1..D``; DDTree: top-K log-probs there and the
-  best-first tree of ``N`` nodes (a DFlash2 drafter: the tree over its
-  candidate selector's scores of each candidate given its parent's token);
+  lm_head at block rows ``1..D``, or, for a DFlash2 drafter, the candidate
+  selector's chain over its top-k there (greedy or drawn at the temperature;
+  ``q_ids / q_probs [D, k]`` the distribution each proposal came from);
+  DDTree: top-K log-probs there and the best-first tree of ``N`` nodes (a
+  DFlash2 drafter: the tree over its candidate selector's scores of each
+  candidate given its parent's token);
 * :meth:`verify` -- the target on the chain ``[last, proposals]`` at
   ``L + arange(B)`` or the tree ``[last, tokens]`` at ``L + [0, depths]``
   with its ancestor bits; the target's choice after every row
@@ -169,8 +173,16 @@ class Round:
         self.ctx_count = torch.zeros(1, **long)
         self.mask_block = torch.full((self.D,), shape.mask_token_id, **long)
         self.draft_rows = torch.arange(1, B, **long)
+        #: DFlash2 drafters: the candidate selector's top-k per drafted position (0: no selector)
+        selector = getattr(draft, "candidate_selector", None)
+        self.selector_k = int(selector.top_k) if method == "dflash" and selector is not None else 0
         if method == "dflash":
             self.proposals = torch.zeros(self.D, **long)
+            if self.selector_k:
+                # the selector's re-scored distribution each proposal was drawn from (sparse q: its candidates'
+                # ids and probabilities; zero outside them)
+                self.q_ids = torch.zeros(self.D, self.selector_k, **long)
+                self.q_probs = torch.zeros(self.D, self.selector_k, dtype=torch.float32, device=device)
         else:
             self.tokens = torch.zeros(self.N, **long)
             self.depths = torch.zeros(self.N, **long)
@@ -245,48 +257,89 @@ class Round:
         """The drafter pass and its proposals (chain) or tree, into the state tensors (nothing for AR)."""
         if self.method == "ar":
             return
+        draft = self.draft_model
         ids = torch.cat([self.last, self.mask_block])
-        out = self.draft_model.draft_block(self.adapter.embed(ids), self.ctx, self.ctx_count, self.dcache)
+        embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
+        out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache)
         W = self.adapter.lm_head.weight
+        head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
         if self.method == "dflash":
-            self.proposals.copy_(dflash_kernels.lm_head_argmax(out, W, positions=self.draft_rows, check_bounds=False,
-                                                               backend=self.backend))
+            if self.selector_k:
+                self._draft_selector(out, head, W)
+                return
+            self.proposals.copy_(dflash_kernels.lm_head_argmax(head, W, positions=self.draft_rows, check_bounds=False,
+                                                               softcap=draft.logit_softcap, backend=self.backend))
             return
         if self.selector_tree:
-            tokens, depths, parents = self._draft_selector_tree(out)
-        elif self.host_tree:
-            logprobs, ids = self._draft_topk(out)
+            self._draft_selector_tree(out, head, W)
+            return
+        logprobs, ids = dflash_kernels.lm_head_topk(head, W, self.K, positions=self.draft_rows, check_bounds=False,
+                                                    softcap=draft.logit_softcap, backend=self.backend)
+        if self.host_tree:
             tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, self.budget)
         else:
-            logprobs, ids = self._draft_topk(out)
             tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, self.budget,
                                                                        tables=self.tree_tables, backend=self.backend)
         self.tokens.copy_(tokens)
         self.depths.copy_(depths)
         self.parents.copy_(parents)
 
-    def _draft_topk(self, out: torch.Tensor):
-        """``(logprobs [D, K] fp32, ids [D, K] int64)``: the top-K of the lm_head at block rows ``1..D``."""
-        return dflash_kernels.lm_head_topk(out, self.adapter.lm_head.weight, self.K, positions=self.draft_rows,
-                                           check_bounds=False, backend=self.backend)
+    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
+        """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
 
-    def _draft_selector_tree(self, out: torch.Tensor):
-        """The DDTree of a DFlash2 drafter: ``(tokens [N], depths [N], parents [N+1])``.
-
-        The selector's ``k`` candidates per position (the top-k of the lm_head at block rows ``1..D``) and
-        their log-probs given each possible predecessor, ``[D, k, k]``
-        (:func:`dflash_kernels.selector_child_logprobs`: the anchor ``last`` before position 1, candidate
-        ``i`` of position ``d - 1`` before position ``d``); the best-first tree over that lattice
-        (:func:`dflash_kernels.build_selector_tree_device`), whose first path is the selector's greedy
-        chain. Fixed shapes, no host read; the same tree layout, so the verify and the walk are unchanged.
+        ``out [B, H]`` the drafter's final block states, ``head [B, H]`` the same scaled for the lm_head
+        (:meth:`~dflash.drafter.model.DFlashDraftModel.head_hidden`). Per drafted row ``j`` the unary
+        scores are the top ``k`` log-probabilities of the drafter's logits (their ids the candidates);
+        the reference package scores with the logits themselves, which differ from these by one constant per
+        row: the same argmax and the same ``softmax(scores / T)``. The selector re-scores them from
+        ``prev`` = the token chosen before (the anchor ``last`` for row 1) and takes the best (greedy), or
+        draws from ``q_j = softmax(scores_j / T)`` with uniforms of the device seed (moved on by one, as
+        :meth:`choose` does); ``q_ids`` / ``q_probs`` keep that ``q`` (the candidates' ids and
+        probabilities, also written when greedy).
         """
-        selector = self.draft_model.candidate_selector
-        unary, candidates = self._draft_topk(out)
+        draft, s = self.draft_model, self.sampling
+        selector = draft.candidate_selector
+        logprobs, cand = dflash_kernels.lm_head_topk(head, W, self.selector_k, positions=self.draft_rows,
+                                                     check_bounds=False, softcap=draft.logit_softcap,
+                                                     backend=self.backend)
+        projected = selector.hidden_projection(out[1:])
+        temperature, seed = 0.0, None
+        if not s.greedy:
+            self.seed.add_(1)
+            temperature, seed = float(s.temperature), self.seed
+        tokens, _, q = dflash_kernels.select_candidates(
+            logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
+            self.last, temperature, seed, backend=self.backend)
+        self.proposals.copy_(tokens)
+        self.q_ids.copy_(cand)
+        self.q_probs.copy_(q)
+
+    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
+        """The DDTree of a DFlash2 drafter, into ``tokens / depths / parents``.
+
+        ``out [B, H]`` the drafter's final block states, ``head [B, H]`` the same scaled for the lm_head
+        (as :meth:`_draft_selector`). The selector's ``k`` candidates per drafted row (the top-k of the
+        drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
+        possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
+        ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
+        that lattice (:func:`dflash_kernels.build_selector_tree_device`), whose first path is the
+        selector's greedy chain. Fixed shapes, no host read; the tree layout of every DDTree round, so the
+        verify and the walk are unchanged (the walk commits the target's own choices: no ``q`` is kept).
+        """
+        draft = self.draft_model
+        selector = draft.candidate_selector
+        unary, candidates = dflash_kernels.lm_head_topk(head, W, self.K, positions=self.draft_rows,
+                                                        check_bounds=False, softcap=draft.logit_softcap,
+                                                        backend=self.backend)
         projected = selector.hidden_projection(out[1:])
         child = dflash_kernels.selector_child_logprobs(unary, candidates, projected,
                                                        selector.predecessor_codebook.weight,
                                                        selector.successor_codebook.weight, self.last)
-        return dflash_kernels.build_selector_tree_device(child, candidates, self.budget, backend=self.backend)
+        tokens, depths, parents = dflash_kernels.build_selector_tree_device(child, candidates, self.budget,
+                                                                            backend=self.backend)
+        self.tokens.copy_(tokens)
+        self.depths.copy_(depths)
+        self.parents.copy_(parents)
 
     def verify(self) -> torch.Tensor:
         """The target's verify and the commit; returns the payload (module docstring)."""

@@ -18,7 +18,7 @@ from typing import Any, Dict
 import torch
 
 from .config import DraftConfigError, draft_layer_ids
-from .format_zlab import refuse_anchored_window
+from .format_zlab import refuse_anchored_window, refuse_scalars
 
 NATIVE_MODEL_TYPE = "muse_glimmer_assistant"
 NATIVE_ARCHITECTURE = "MuseGlimmerAssistantModel"
@@ -85,6 +85,7 @@ def config_from_native(raw: Dict[str, Any], target_config=None) -> Dict[str, Any
 def native_config(config) -> Dict[str, Any]:
     """The native assistant ``config.json`` dict of our (Qwen3-based) drafter config."""
     refuse_anchored_window(config, "transformers")
+    refuse_scalars(config, "transformers")
     if getattr(config, "attention_bias", False):
         raise DraftConfigError("the transformers DFlash assistant has no attention biases; this drafter has "
                                "attention_bias=True and cannot be written in that format")

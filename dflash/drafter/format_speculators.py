@@ -29,7 +29,9 @@ within the block, as here.
 Not implemented, each an error naming it: a reduced draft vocabulary
 (``draft_vocab_size`` < the verifier's, with ``t2d`` / ``d2t`` buffers and the
 drafter's own ``lm_head``), ``sample_from_anchor`` true, a ``target_hidden_size``
-other than the hidden size.
+other than the hidden size, z-lab's drafter scalars (``input_embedding_scale``,
+``output_multiplier``, ``final_logit_softcapping``) away from their identity,
+read or written.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from .config import DraftConfigError, dflash_value, draft_layer_ids
 from .dflash2 import DFLASH2_KEYS
 from .format_native import BOOKKEEPING
-from .format_zlab import bare_codebooks, check_math_keys
+from .format_zlab import bare_codebooks, check_math_keys, refuse_scalars
 
 MODEL_TYPES = ("dflash", "dflash2")
 SPECULATORS_VERSION = "0.9.0"
@@ -105,6 +107,7 @@ def config_from_speculators(raw: Dict[str, Any], state: Dict[str, torch.Tensor],
                                f"reads decoder-layer outputs only (ids >= 1)")
     out = {k: v for k, v in layer.items() if k not in ("model_type", "architectures", "_attn_implementation")}
     check_math_keys(out)
+    refuse_scalars(out, "speculators")
     num_target_layers = getattr(target_config, "num_hidden_layers", None) if target_config is not None else None
     out.update(num_target_layers=num_target_layers, block_size=int(raw["block_size"]), is_causal=False,
                dflash_config={"mask_token_id": int(raw["mask_token_id"]), "target_layer_ids": [i - 1 for i in aux]},
@@ -127,6 +130,7 @@ def config_from_speculators(raw: Dict[str, Any], state: Dict[str, torch.Tensor],
 
 def speculators_config(config, dflash2: bool) -> Dict[str, Any]:
     """The speculators ``config.json`` dict of our drafter config."""
+    refuse_scalars(config, "speculators")
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
     sliding = has_sliding(layer_types)
     if sliding and not dflash_value(config, "sliding_window_anchored"):

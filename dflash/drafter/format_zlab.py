@@ -2,15 +2,18 @@
 
 ``config.json`` is a Qwen3 config plus the DFlash keys; z-lab's classes read
 each DFlash key from ``dflash_config`` first, then the top level (``block_size``
-defaults to 16 there). Keys z-lab's classes read that change the drafter's math:
-
-* implemented: ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``is_causal``,
-  ``layer_types``, ``sliding_window``, ``attention_bias``, ``rope_parameters``, the
-  DFlash2 keys ``conv_kernel_size`` / ``conv_group_size`` / ``selector_rank`` /
-  ``selector_top_k``;
-* not implemented, accepted only at their identity value (else an error naming
-  the key): ``input_embedding_scale`` (1), ``output_multiplier`` (1),
-  ``final_logit_softcapping`` (unset or <= 0), ``hidden_act`` (``silu``).
+defaults to 16 there). Keys z-lab's classes read that change the drafter's math,
+all implemented: ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``is_causal``,
+``layer_types``, ``sliding_window``, ``attention_bias``, ``rope_parameters``, the
+DFlash2 keys ``conv_kernel_size`` / ``conv_group_size`` / ``selector_rank`` /
+``selector_top_k``, and the drafter scalars (:data:`ZLAB_SCALARS`, read by
+:class:`~dflash.drafter.model.DFlashDraftModel`): ``input_embedding_scale`` ``s``
+(the block input is ``F.embedding(ids, W_embed) * s``), ``output_multiplier``
+``m`` and ``final_logit_softcapping`` ``c`` (the drafter's logits are
+``c * tanh(m W h / c)``; no cap when unset or ``<= 0``). ``hidden_act`` other
+than ``silu`` is an error. The other formats have no spelling for the scalars:
+writing a drafter that sets one away from its identity in them, or reading one
+from a speculators config, is an error naming the key.
 
 Other unknown keys are kept, as ``Qwen3Config`` keeps them. Speculators' anchored
 sliding window (``sliding_window_anchored``) has no z-lab spelling: an error. Reading moves a
@@ -21,14 +24,15 @@ this package reads them). DFlash2 codebooks are written as published, without
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict
 
 import torch
 
 from .config import DraftConfigError, dflash_value
 
-#: the value at which a z-lab key that this drafter does not implement leaves the math unchanged
-IDENTITY_VALUES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0}
+#: z-lab's drafter scalars: the key -> its identity value (None: the softcap is off when unset or <= 0)
+ZLAB_SCALARS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 #: z-lab's default block size when a config has none
 DEFAULT_BLOCK_SIZE = 16
 #: keys only other formats carry, dropped when writing this one
@@ -40,19 +44,49 @@ def is_zlab(raw: Dict[str, Any]) -> bool:
     return "dflash_config" in raw
 
 
+def _scalar(key: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not math.isfinite(number):
+        raise DraftConfigError(f"drafter config sets {key}={value!r}; it must be a finite number")
+    return number
+
+
 def check_math_keys(raw: Dict[str, Any]) -> None:
-    """Error naming a z-lab key that changes the drafter's math in a way this drafter does not implement."""
-    for key, identity in IDENTITY_VALUES.items():
+    """Error naming a z-lab key that changes the drafter's math in a way this drafter does not implement
+    (``hidden_act`` other than ``silu``), or a drafter scalar that is not a finite number."""
+    for key in ZLAB_SCALARS:
         value = dflash_value(raw, key)
-        if value is not None and float(value) != identity:
-            raise DraftConfigError(f"drafter config sets {key}={value}; this drafter implements only {key}={identity}")
-    softcap = dflash_value(raw, "final_logit_softcapping")
-    if softcap is not None and float(softcap) > 0:
-        raise DraftConfigError(f"drafter config sets final_logit_softcapping={softcap}; this drafter does not "
-                               f"implement a drafter logit softcap (allowed: unset or <= 0)")
+        if value is not None:
+            _scalar(key, value)
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise DraftConfigError(f"hidden_act {act!r} is not supported (the drafter's MLP is SwiGLU: silu)")
+
+
+def active_scalars(config) -> Dict[str, float]:
+    """The drafter scalars ``config`` (a config object or dict) sets away from their identity."""
+    out = {}
+    for key, identity in ZLAB_SCALARS.items():
+        value = dflash_value(config, key)
+        if value is None:
+            continue
+        number = _scalar(key, value)
+        if (number > 0) if identity is None else (number != identity):
+            out[key] = number
+    return out
+
+
+def refuse_scalars(config, fmt: str) -> None:
+    """Error when ``config`` sets a z-lab drafter scalar away from its identity: the ``fmt`` format has no
+    spelling for it (its classes would compute other logits or block inputs)."""
+    active = active_scalars(config)
+    if active:
+        shown = ", ".join(f"{k}={v}" for k, v in active.items())
+        raise DraftConfigError(f"this drafter sets {shown} (z-lab's drafter scalars), which the {fmt} format does not "
+                               f"carry: keep it in the z-lab format")
 
 
 def config_from_zlab(raw: Dict[str, Any], target_config=None) -> Dict[str, Any]:

@@ -9,6 +9,12 @@ Shapes (batch 1 at inference, B = block size, C = new context rows, H = hidden):
   (k_norm on keys); RoPE at the tokens' absolute positions; NOT causal
 * output: final RMSNorm of the block states ``[B, H]``; the caller applies the
   target's lm_head at block positions 1..B-1.
+* z-lab's drafter scalars: the block input is ``F.embedding(ids, W_embed) *
+  input_embedding_scale`` when the config sets that key (else the target's
+  embedding module), and the drafter's logits are ``softcap(output_multiplier *
+  W h)`` with the drafter's own ``final_logit_softcapping`` ``c``:
+  ``c * tanh(z / c)``, none when unset or ``<= 0`` (:meth:`DFlashDraftModel.head_hidden`,
+  :attr:`DFlashDraftModel.logit_softcap`).
 
 The drafter owns no embedding and no lm_head. Its KV cache
 (:class:`dflash.drafter.cache.DraftKVCache`) keeps the context K/V across rounds; the
@@ -252,6 +258,15 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        # z-lab's drafter-side scalars (dflash_config first, then the top level), identity when unset
+        scale = dflash_value(config, "input_embedding_scale")
+        #: None: the block input is the target's embedding module; s: ``F.embedding(ids, W_embed) * s`` (z-lab)
+        self.input_embedding_scale: Optional[float] = None if scale is None else float(scale)
+        #: the drafter's logits are ``softcap(output_multiplier * lm_head(h))``
+        self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
+        cap = dflash_value(config, "final_logit_softcapping")
+        #: the drafter's own final-logit softcap ``c * tanh(z / c)`` (None: unset or <= 0, as z-lab reads it)
+        self.logit_softcap: Optional[float] = float(cap) if cap is not None and float(cap) > 0 else None
 
     # ------------------------------------------------------------------ forward
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
@@ -346,6 +361,12 @@ class DFlashDraftModel(nn.Module):
             k, v = layer.self_attn.project_kv(context, cos, sin)
             cache.write(i, k, v)
         cache.commit(C)
+
+    def head_hidden(self, states: torch.Tensor) -> torch.Tensor:
+        """``states`` scaled so that the lm_head of the result is ``output_multiplier * lm_head(states)``
+        (the lm_head has no bias); the states themselves when the multiplier is 1. The softcap
+        (:attr:`logit_softcap`) is the lm_head op's ``softcap=`` on top."""
+        return states if self.output_multiplier == 1.0 else states * self.output_multiplier
 
     # --------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory: str, dtype: Optional[torch.dtype] = None, format: str = "zlab",

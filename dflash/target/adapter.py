@@ -39,6 +39,7 @@ import inspect
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 import dflash_kernels
 
@@ -183,9 +184,16 @@ class TargetAdapter:
                                  kv=kv)
         return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, H]`` of ``ids [T]`` (also the drafter's block input)."""
-        return self.decoder.embed_tokens(ids)
+    def embed(self, ids: torch.Tensor, raw_scale: Optional[float] = None) -> torch.Tensor:
+        """Token embeddings ``[T, H]`` of ``ids [T]`` (also the drafter's block input).
+
+        ``raw_scale``: None, the embedding module's output (with a family's own
+        scale, e.g. Gemma's ``sqrt(H)``); a float ``s``, the rows of the
+        embedding weight times ``s`` (a z-lab drafter's ``input_embedding_scale``).
+        """
+        if raw_scale is None:
+            return self.decoder.embed_tokens(ids)
+        return F.embedding(ids, self.decoder.embed_tokens.weight) * raw_scale
 
     # ------------------------------------------------------------- forward
     def forward(

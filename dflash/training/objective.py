@@ -310,7 +310,7 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
     block_ids = torch.full((anchors.numel(), B), draft.mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = ids[anchors]
     with torch.no_grad():
-        embeds = adapter.embed(block_ids.flatten())
+        embeds = adapter.embed(block_ids.flatten(), raw_scale=draft.input_embedding_scale)
     weights = loss_weights(B, cfg.gamma)
     losses, states = drafter_block_losses(draft, adapter.lm_head.weight, embeds, context, anchors, labels, weights,
                                           fused=cfg.fused, forward=forward)
