@@ -104,7 +104,7 @@ def spy_selector_tree():
     real_child, real_build = dflash_kernels.selector_child_logprobs, dflash_kernels.build_selector_tree_device
 
     def child_logprobs(*args):
-        inputs.append(args)
+        inputs.append(tuple(a.clone() for a in args))  # the anchor is the round's `last`, rewritten by the verify
         return real_child(*args)
 
     def build(child, candidates, budget, **kw):
@@ -145,7 +145,8 @@ def test_greedy_is_lossless_and_the_tree_is_the_selectors(target, block_size, to
         assert all(torch.equal(x, y) for x, y in zip(tree, want))
         assert torch.equal(record["tokens"], tree[0]) and torch.equal(record["parents"], tree[2])
         # the tree's first path is the DFlash2 chain of the same selector inputs
-        chain = dflash_kernels.select_candidates(*args, 0.0)[0].tolist()
+        with torch.inference_mode():  # the round's tensors are inference tensors; the codebooks need grads
+            chain = dflash_kernels.select_candidates(*args, 0.0)[0].tolist()
         path = first_path(tree)
         assert len(path) >= 1 and path == chain[: len(path)]
 
