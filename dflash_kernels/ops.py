@@ -422,6 +422,20 @@ def _build_tree_device_fake(top_logprobs, top_ids, budget):
     return new(n), new(n), new(n + 1)
 
 
+@torch.library.custom_op(f"{_NS}::build_selector_tree_device", mutates_args=())
+def build_selector_tree_device(child_logprobs: Tensor, candidates: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.build_selector_tree_device`: ``(token_ids [N], depths [N], parents [N+1])`` int64 on
+    the inputs' device, ``N = tree_size(D, k, budget)`` for ``candidates [D, k]``."""
+    return _tree_device.build_selector_tree_device(child_logprobs, candidates, budget)
+
+
+@build_selector_tree_device.register_fake
+def _build_selector_tree_device_fake(child_logprobs, candidates, budget):
+    n = _static_tree_size(candidates, budget)
+    new = lambda size: candidates.new_empty(size, dtype=torch.int64)  # noqa: E731
+    return new(n), new(n), new(n + 1)
+
+
 @torch.library.custom_op(f"{_NS}::build_tree_device.tables", mutates_args=())
 def build_tree_device_tables(top_logprobs: Tensor, top_ids: Tensor, budget: int, slots: Tensor, ranks: Tensor,
                              depth_of: Tensor, parent_base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

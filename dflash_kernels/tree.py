@@ -17,6 +17,10 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
   :mod:`dflash_kernels.tree_device`) do the build and the walk with torch ops
   on the inputs' device, fixed shapes (:func:`tree_size` gives ``N``) and no
   host sync: the same trees as the C++ ops when scores are distinct.
+* :func:`selector_child_logprobs` / :func:`build_selector_tree_device`: the
+  tree over a DFlash2 candidate selector, whose children are scored given
+  their parent's token (:mod:`dflash_kernels.reference.selector_tree`); the
+  same output layout, so verification and the walk are unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from . import _C
 from . import reference as _reference
 from . import tree_device as _device
 from ._dispatch import resolve_backend, tracing
+from .reference.selector_tree import selector_child_logprobs
 from .tree_device import TreeTables, tree_size
 
 __all__ = [
@@ -40,6 +45,8 @@ __all__ = [
     "tree_positions",
     "tree_size",
     "build_tree_device",
+    "build_selector_tree_device",
+    "selector_child_logprobs",
     "walk_tree_device",
 ]
 
@@ -234,6 +241,21 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
         return torch.ops.dflash.build_tree_device.tables(top_logprobs, top_ids, budget, tables.slots, tables.ranks,
                                                          tables.depth_of, tables.parent_base)
     return _device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
+
+
+def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.Tensor, budget: int, *,
+                               backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_ids [N], depths [N], parents [N+1])`` int64 on the inputs' device, ``N = tree_size(D, k, budget)``:
+    the best-first tree over a DFlash2 selector's child log-probs ``[D, k, k]``
+    (:func:`selector_child_logprobs`) and candidates ``[D, k]``
+    (:func:`dflash_kernels.tree_device.build_selector_tree_device`: the algorithm and the arguments).
+
+    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
+    :func:`dflash_kernels.get_backend`.
+    """
+    if tracing() and resolve_backend(backend, child_logprobs.device) == "triton":
+        return torch.ops.dflash.build_selector_tree_device(child_logprobs, candidates, budget)
+    return _device.build_selector_tree_device(child_logprobs, candidates, budget)
 
 
 def walk_tree_device(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor, max_depth: int,

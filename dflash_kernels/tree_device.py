@@ -24,7 +24,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__: list = []  # exported by dflash_kernels.tree: tree_size, build_tree_device, walk_tree_device
+__all__: list = []  # exported by dflash_kernels.tree: tree_size, build_tree_device, build_selector_tree_device,
+# walk_tree_device
 # (TreeTables / tree_tables: the build's index tables, for callers that hold them; see build_tree_device)
 
 
@@ -282,6 +283,105 @@ def build_tree_device(
     parents = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), parent_node])
     token_ids = top_ids.to(torch.int64)[sel_depth - 1, ranks_all[sel_pair]]
     return token_ids, sel_depth, parents
+
+
+def _selector_kept(n: int, k: int, max_depth: int) -> Tuple[int, ...]:
+    """Host ints: nodes kept per depth by :func:`build_selector_tree_device`, ``min(n, k**(d+1))``."""
+    kept, prev = [], 1
+    for _ in range(max_depth):
+        prev = min(n, prev * k)
+        kept.append(prev)
+    return tuple(kept)
+
+
+def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.Tensor,
+                               budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best-first tree over a DFlash2 selector's lattice, ``N = tree_size(D, k, budget)`` nodes, on the inputs'
+    device, fixed shapes, no host sync.
+
+    Args:
+        child_logprobs: ``[D, k, k]`` float: ``child_logprobs[d, i, j]`` = log-prob of candidate ``j`` of
+            depth ``d + 1`` after candidate ``i`` of depth ``d`` (the root's row is ``[0, 0]``), all
+            ``<= 0``: :func:`dflash_kernels.reference.selector_child_logprobs`.
+        candidates: ``[D, k]`` int64/int32 token ids of each depth's candidates; same device.
+        budget: the most nodes (root not counted), ``>= 0``.
+
+    Returns:
+        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)``, the layout of
+        :func:`build_tree_device`, so the verify, the walk and the compaction are unchanged.
+
+    The tree of :func:`dflash_kernels.reference.build_selector_tree` (its heap) without a heap. A node's
+    children have their own row of log-probs, not sorted, so unlike :func:`build_tree_device` no candidate
+    pair is dominated by position; per depth ``d = 1..D``:
+
+    1. candidates = (depth ``d - 1``'s kept nodes, by slot; the root alone at depth 0) x (``j = 0..k-1``),
+       laid out by slot then ``j``: ``score = score(slot) + child_logprobs[d - 1, cand(slot), j]``
+       (``[m, k]``, a gather of the parents' rows);
+    2. keep the best ``min(N, m * k)`` (a stable sort, descending) as depth ``d``'s slots.
+
+    Then over all kept nodes the best ``N`` (a stable sort of the concatenation, depth by depth), numbered
+    ``1..N`` in that order. Order: ``(score desc, depth asc, parent's slot asc, j asc)``, the heap's key,
+    since a depth's slot order is its nodes' pop order: with the heap's float64 sums this is the heap's
+    tree bit for bit, ties included. The true top ``N`` of a depth all have parents in the previous depth's
+    top ``N``, so keeping ``N`` per depth loses nothing. Work: ``D`` sorts of ``<= N * k`` scores and one of
+    ``<= D * N``.
+
+    Not checked (it would read values on the host): NaN or positive log-probs make the selection
+    unspecified; ``parents`` is clamped into ``[0, i)`` so the result is always a well-formed tree.
+    """
+    fn = "build_selector_tree_device"
+    if not isinstance(child_logprobs, torch.Tensor) or not isinstance(candidates, torch.Tensor):
+        raise TypeError(f"{fn}: child_logprobs and candidates must be torch.Tensor")
+    if candidates.dim() != 2:
+        raise ValueError(f"{fn}: candidates must be 2-D [D, k], got shape {tuple(candidates.shape)}")
+    max_depth, k = candidates.shape
+    if tuple(child_logprobs.shape) != (max_depth, k, k):
+        raise ValueError(f"{fn}: child_logprobs must be [D, k, k] = [{max_depth}, {k}, {k}] for candidates "
+                         f"[{max_depth}, {k}], got {tuple(child_logprobs.shape)}")
+    if not child_logprobs.dtype.is_floating_point:
+        raise ValueError(f"{fn}: child_logprobs must be floating point, got {child_logprobs.dtype}")
+    if candidates.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{fn}: candidates must be int64 or int32, got {candidates.dtype}")
+    if candidates.device != child_logprobs.device:
+        raise ValueError(f"{fn}: child_logprobs and candidates must be on one device, got {child_logprobs.device} "
+                         f"and {candidates.device}")
+    _check_int("budget", fn, budget)
+    device = child_logprobs.device
+    long = dict(dtype=torch.int64, device=device)
+    n = tree_size(max_depth, k, budget)
+    if n == 0:
+        empty = torch.zeros(0, **long)
+        return empty, empty.clone(), torch.full((1,), -1, **long)
+
+    lp = child_logprobs.detach().to(torch.float64)
+    kept = _selector_kept(n, k, max_depth)
+    # Flat list of every kept node: the root at 0, then depth 1's slots, depth 2's, ...; `start` is the flat
+    # index of the previous depth's slot 0.
+    scores, parent_flat, cand, depth_of = [], [], [], []
+    prev_score = torch.zeros(1, dtype=torch.float64, device=device)
+    prev_cand = torch.zeros(1, **long)
+    start = 0
+    for d in range(max_depth):
+        flat = (prev_score[:, None] + lp[d][prev_cand]).reshape(-1)  # [m * k]: slot-major, then j
+        pick = torch.sort(flat, descending=True, stable=True).indices[: kept[d]]
+        prev_score, prev_cand = flat[pick], pick % k
+        scores.append(prev_score)
+        parent_flat.append(torch.div(pick, k, rounding_mode="floor") + start)
+        cand.append(prev_cand)
+        depth_of.append(torch.full((kept[d],), d + 1, **long))
+        start = 1 + sum(kept[:d])
+
+    total = 1 + sum(kept)
+    sel = torch.sort(torch.cat(scores), descending=True, stable=True).indices[:n] + 1  # flat index (root = 0)
+    node_of = torch.zeros(total, **long)
+    node_of.scatter_(0, sel, torch.arange(1, n + 1, **long))
+    zero = torch.zeros(1, **long)
+    parent_node = node_of[torch.cat([zero] + parent_flat)[sel]]
+    parent_node = torch.minimum(parent_node, torch.arange(n, **long))  # a no-op on valid input
+    depths = torch.cat([zero] + depth_of)[sel]
+    token_ids = candidates.to(torch.int64)[depths - 1, torch.cat([zero] + cand)[sel]]
+    parents = torch.cat([torch.full((1,), -1, **long), parent_node])
+    return token_ids, depths, parents
 
 
 def _check_walk(parents, token_ids, target_choice, max_depth, bits) -> int:

@@ -180,6 +180,8 @@ def cases():
         ("select_candidates", OPS.select_candidates, sel + (0.0,), {}, lambda *a: dk.select_candidates(*a)),
         ("select_candidates_sample", OPS.select_candidates, sel + (0.8, torch.tensor([5])), {},
          lambda *a: dk.select_candidates(*a)),
+        ("build_selector_tree_device", OPS.build_selector_tree_device,
+         (dk.selector_child_logprobs(*sel), sel[1], 7), {}, lambda *a: dk.build_selector_tree_device(*a)),
     ]
 
 
@@ -211,7 +213,8 @@ REGISTERED = {"gather_concat": {"default", "into"}, "lm_head_logits": {"default"
               "tree_attention": {"default", "tensor"}, "compact_kv_": {"default", "tensor"},
               "kv_write_": {"default"}, "gated_delta_tree": {"default"}, "gated_delta_replay_": {"default"},
               "causal_conv_tree": {"default"}, "conv_window_after": {"default"}, "dynamic_conv": {"default"},
-              "dynamic_conv_backward": {"default"}, "select_candidates": {"default"}}
+              "dynamic_conv_backward": {"default"}, "select_candidates": {"default"},
+              "build_selector_tree_device": {"default"}}
 
 
 def test_every_public_op_is_registered():

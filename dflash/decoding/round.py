@@ -31,7 +31,9 @@ Steps (nothing in them reads a value on the host):
   lm_head at block rows ``1..D``, or, for a DFlash2 drafter, the candidate
   selector's chain over its top-k there (greedy or drawn at the temperature;
   ``q_ids / q_probs [D, k]`` the distribution each proposal came from);
-  DDTree: top-K log-probs there and the best-first tree of ``N`` nodes;
+  DDTree: top-K log-probs there and the best-first tree of ``N`` nodes (a
+  DFlash2 drafter: the tree over its candidate selector's scores of each
+  candidate given its parent's token);
 * :meth:`verify` -- the target on the chain ``[last, proposals]`` at
   ``L + arange(B)`` or the tree ``[last, tokens]`` at ``L + [0, depths]``
   with its ancestor bits; the target's choice after every row
@@ -68,10 +70,11 @@ from dflash_kernels import tree_device
 
 from ..cache import CacheFullError
 from ..drafter.cache import DraftKVCache
+from ..drafter.model import DFlash2DraftModel
 from .generation_config import SamplingSettings
 from .options import RoundShape
 
-__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows"]
+__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
 
 #: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
@@ -103,6 +106,14 @@ def cache_rows(shape: RoundShape, total_tokens: int) -> Tuple[int, int]:
     return target, draft
 
 
+def tree_branching(draft, budget: int, vocab: int) -> int:
+    """Children per node of a DDTree round: a DFlash2 drafter's ``selector_top_k`` (its selector scores
+    exactly those candidates per position), else ``min(budget, vocab)``."""
+    if isinstance(draft, DFlash2DraftModel):
+        return draft.candidate_selector.top_k
+    return min(int(budget), int(vocab))
+
+
 def _zeros(role, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -127,7 +138,9 @@ class Round:
         self.B = B = shape.block_size
         self.D = B - 1
         self.budget = shape.tree_budget
-        self.K = min(self.budget, adapter.vocab_size) if method == "ddtree" else 0
+        #: DDTree over a DFlash2 drafter: the tree grows from its candidate selector's conditional scores
+        self.selector_tree = method == "ddtree" and isinstance(draft, DFlash2DraftModel)
+        self.K = tree_branching(draft, self.budget, adapter.vocab_size) if method == "ddtree" else 0
         #: tree nodes per round (the budget, or fewer when D levels of K children hold fewer)
         self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
         #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1)
@@ -257,6 +270,9 @@ class Round:
             self.proposals.copy_(dflash_kernels.lm_head_argmax(head, W, positions=self.draft_rows, check_bounds=False,
                                                                softcap=draft.logit_softcap, backend=self.backend))
             return
+        if self.selector_tree:
+            self._draft_selector_tree(out, head, W)
+            return
         logprobs, ids = dflash_kernels.lm_head_topk(head, W, self.K, positions=self.draft_rows, check_bounds=False,
                                                     softcap=draft.logit_softcap, backend=self.backend)
         if self.host_tree:
@@ -297,6 +313,33 @@ class Round:
         self.proposals.copy_(tokens)
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
+
+    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
+        """The DDTree of a DFlash2 drafter, into ``tokens / depths / parents``.
+
+        ``out [B, H]`` the drafter's final block states, ``head [B, H]`` the same scaled for the lm_head
+        (as :meth:`_draft_selector`). The selector's ``k`` candidates per drafted row (the top-k of the
+        drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
+        possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
+        ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
+        that lattice (:func:`dflash_kernels.build_selector_tree_device`), whose first path is the
+        selector's greedy chain. Fixed shapes, no host read; the tree layout of every DDTree round, so the
+        verify and the walk are unchanged (the walk commits the target's own choices: no ``q`` is kept).
+        """
+        draft = self.draft_model
+        selector = draft.candidate_selector
+        unary, candidates = dflash_kernels.lm_head_topk(head, W, self.K, positions=self.draft_rows,
+                                                        check_bounds=False, softcap=draft.logit_softcap,
+                                                        backend=self.backend)
+        projected = selector.hidden_projection(out[1:])
+        child = dflash_kernels.selector_child_logprobs(unary, candidates, projected,
+                                                       selector.predecessor_codebook.weight,
+                                                       selector.successor_codebook.weight, self.last)
+        tokens, depths, parents = dflash_kernels.build_selector_tree_device(child, candidates, self.budget,
+                                                                            backend=self.backend)
+        self.tokens.copy_(tokens)
+        self.depths.copy_(depths)
+        self.parents.copy_(parents)
 
     def verify(self) -> torch.Tensor:
         """The target's verify and the commit; returns the payload (module docstring)."""

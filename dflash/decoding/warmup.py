@@ -20,8 +20,8 @@ heads per kv head), and the output's head stride ``T * D`` is a specialized
 int; so two counts that agree on both need one binary. The fixed-size passes
 are one count each: the AR step (1), the DFlash verify and the drafter's block
 (``B``), the DDTree verify (``N + 1`` with ``N = tree_size(B - 1, K, budget)``,
-``K = min(budget, vocab)``: fewer than ``budget`` nodes when the vocabulary
-cannot fill the budget). The prefill is not: a prompt of ``P`` tokens runs
+``K = min(budget, vocab)``, a DFlash2 drafter's selector top-k: fewer than
+``budget`` nodes when ``D`` levels of ``K`` cannot fill the budget). The prefill is not: a prompt of ``P`` tokens runs
 passes of ``PREFILL_CHUNK`` rows and a last one of the rest, anything from 1
 row up. Layers with a window, softcap or sinks run the kernel on the first
 chunk too (``min(P, PREFILL_CHUNK)`` rows), plain layers only on the chunks
@@ -45,6 +45,7 @@ from dflash_kernels.tree_attention import tree_attention_config
 from ..target import PREFILL_CHUNK, TargetAdapter
 from ..target import adapter as _adapter_module
 from .generate import generate
+from .round import tree_branching
 
 
 def _row_key(T: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple:
@@ -116,9 +117,10 @@ def prefill_row_ranges(max_prompt_len: int, chunk: int) -> Tuple[int, int]:
     return first, later
 
 
-def tree_rows(block_size: int, tree_budget: int, vocab: int) -> int:
-    """Tokens of a DDTree verify pass: the root and ``tree_size(B - 1, min(budget, vocab), budget)`` nodes."""
-    return dflash_kernels.tree_size(block_size - 1, min(tree_budget, vocab), tree_budget) + 1
+def tree_rows(block_size: int, tree_budget: int, vocab: int, draft=None) -> int:
+    """Tokens of a DDTree verify pass: the root and ``tree_size(B - 1, K, budget)`` nodes, ``K =
+    min(budget, vocab)`` (a DFlash2 ``draft``: its selector's top-k; :func:`~dflash.decoding.round.tree_branching`)."""
+    return dflash_kernels.tree_size(block_size - 1, tree_branching(draft, tree_budget, vocab), tree_budget) + 1
 
 
 @torch.inference_mode()
@@ -168,7 +170,7 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
             _warm_attention(hq, hkv, head_dim, dtype, device, rows, lambda T: None, layer_variants, scale)
         if method == "ddtree":
             budget = tree_budget if tree_budget is not None else 2 * (B - 1)
-            n_tree = tree_rows(B, budget, adapter.vocab_size)
+            n_tree = tree_rows(B, budget, adapter.vocab_size, draft)
             tree_bits = lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device)  # noqa: E731
             _warm_attention(hq, hkv, head_dim, dtype, device, [n_tree], tree_bits, variants, scale)
     if draft is not None and method != "ar":

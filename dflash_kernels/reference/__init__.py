@@ -13,3 +13,4 @@ from .sampling import *  # noqa: F401,F403
 from .gated_delta import *  # noqa: F401,F403
 from .dynamic_conv import *  # noqa: F401,F403
 from .selector import *  # noqa: F401,F403
+from .selector_tree import *  # noqa: F401,F403
