@@ -102,8 +102,7 @@ def test_compiled_rounds_match_zlab(target, drafters):
 
 
 def test_drop_in_matches_zlab(target, drafters, monkeypatch):
-    """The drop-in's tokens are z-lab's (its per-round acceptance is not compared here: the result the spy
-    sees does not line up with z-lab's rounds yet)."""
+    """The drop-in with method dflash (its default is ddtree) gives z-lab's tokens and acceptance lengths."""
     results = []
     real = dropin.run_generation
 
@@ -113,20 +112,20 @@ def test_drop_in_matches_zlab(target, drafters, monkeypatch):
 
     monkeypatch.setattr(dropin, "run_generation", spy)
     draft = drafters["dflash2"]
-    with dflash.apply(target, draft):
+    with dflash.apply(target, draft, method="dflash"):
         for run in runs("dflash2"):
             ids = torch.tensor([run["prompt"]])
             kw = dict(eos_token_id=run["stop_token_ids"]) if run["stop_token_ids"] else {}
             out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                   max_new_tokens=run["max_new_tokens"], do_sample=False, **kw)
-            assert out[0].tolist() == run["output_ids"]
+            check(run, out[0].tolist(), results[-1].acceptance_lengths)
     run = runs("dflash2", "stop")[0]
     ids = torch.tensor([run["prompt"]])
     with dflash.apply(target):  # the drafter as transformers' assistant_model
         out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
                               max_new_tokens=run["max_new_tokens"], do_sample=False,
                               eos_token_id=run["stop_token_ids"])
-    assert out[0].tolist() == run["output_ids"]
+    check(run, out[0].tolist(), results[-1].acceptance_lengths)
     assert len(results) == len(runs("dflash2")) + 1
 
 
