@@ -168,6 +168,10 @@ def cmd_generate(args) -> int:
 
     from . import stream
 
+    if args.acceptance is not None:
+        from .decoding.options import check_acceptance
+
+        check_acceptance(args.acceptance, args.method)  # before any model loads
     text = _read_prompt(args)
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -185,6 +189,8 @@ def cmd_generate(args) -> int:
         kw["block_size"] = args.block_size
     if args.method == "ddtree" and args.tree_budget is not None:
         kw["tree_budget"] = args.tree_budget
+    if args.method != "ar" and args.acceptance is not None:
+        kw["acceptance"] = args.acceptance
     if args.compile:
         kw["compile"] = True
     it = stream(target, draft if args.method != "ar" else None, prompt, tokenizer=tokenizer, **kw)
@@ -238,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_int_at_least(0, "--top-k must be >= 0 (0 = off)"), default=None)
     gen.add_argument("--top-p", type=_float_at_least(0.0, "--top-p must be in [0, 1]"), default=None)
     gen.add_argument("--min-p", type=_float_at_least(0.0, "--min-p must be in [0, 1]"), default=None)
+    gen.add_argument("--acceptance", choices=["rejection", "match"], default=None,
+                     help="how a sampled DFlash chain accepts drafts: rejection (default: drafts sampled from the "
+                          "drafter, kept with probability min(1, p/q)) or match (argmax drafts kept while they "
+                          "equal the target's sample); ddtree walks its tree (match only)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     gen.add_argument("--compile", action="store_true",
                      help="compiled fixed-shape rounds (torch.compile; CUDA graphs on a GPU), set up before the "

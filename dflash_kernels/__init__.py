@@ -17,6 +17,8 @@ Public ops (each family's module defines ``__all__``):
 * gather + concat of captured layers: :mod:`.gather`
 * final RMSNorm + lm_head at selected positions, fused with argmax / top-K /
   sampling / cross-entropy: :mod:`.lm_head`
+* rejection sampling of a drafted chain (the lossless acceptance of sampled
+  drafts, dense or sparse draft distribution): :mod:`.rejection`
 * DDTree: tree build and walk (C++; on the device: ``build_tree_device`` /
   ``walk_tree_device``), ancestor bitmask, tree attention and its torch
   visibility / masked-attention path, KV compaction and the cache row write
@@ -38,6 +40,7 @@ from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
+from .rejection import *  # noqa: F401,F403
 from .gated_delta import *  # noqa: F401,F403
 from .dynamic_conv import *  # noqa: F401,F403
 from .selector import *  # noqa: F401,F403

@@ -43,8 +43,8 @@ where no Python value may change from round to round):
   owns (the tensors of a :class:`~dflash_kernels.tree_device.TreeTables`);
 * ``gather_concat.into``: ``gather_concat(out=...)``, writing ``out``.
 
-``lm_head_sample_processed`` has only the tensor-seed schema (an int seed or a
-generator draws its noise on the host).
+``lm_head_sample_processed`` and ``rejection_sample`` have only the
+tensor-seed schema (an int seed or a generator draws its noise on the host).
 
 Why ``custom_op`` and not ``triton_op``: ``triton_op`` traces its Python body
 under ``torch.compile`` with fake tensors, and the launchers read host values
@@ -84,6 +84,7 @@ from . import gated_delta as _gd
 from . import gather as _gather
 from . import kv_compaction as _kv
 from . import lm_head as _lm
+from . import rejection as _rejection
 from . import sampling as _sampling
 from . import tree as _tree
 from . import tree_device as _tree_device
@@ -233,6 +234,29 @@ def lm_head_sample_processed(hidden: Tensor, weight: Tensor, temperature: float,
 def _lm_head_sample_processed_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
                                           positions=None, eps=1e-6, logit_dtype=None, softcap=None):
     return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_NS}::rejection_sample", mutates_args=())
+def rejection_sample(hidden: Tensor, weight: Tensor, proposals: Tensor, temperature: float, top_k: Optional[int],
+                     top_p: Optional[float], min_p: Optional[float], seed: Tensor, q_hidden: Optional[Tensor] = None,
+                     q_ids: Optional[Tensor] = None, q_probs: Optional[Tensor] = None,
+                     norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
+                     logit_dtype: Optional[torch.dtype] = None, q_logit_dtype: Optional[torch.dtype] = None,
+                     softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`dflash_kernels.rejection_sample` (``seed`` a device tensor): ``(choices [D + 1] int64, accepted [1]
+    int64)``; ids are not range-checked."""
+    return _rejection.rejection_sample(hidden, weight, proposals, temperature, q_hidden=q_hidden, q_ids=q_ids,
+                                       q_probs=q_probs, top_k=top_k, top_p=top_p, min_p=min_p,
+                                       norm_weight=norm_weight, eps=eps, softcap=softcap, seed=seed,
+                                       logit_dtype=logit_dtype, q_logit_dtype=q_logit_dtype, check_bounds=False)
+
+
+@rejection_sample.register_fake
+def _rejection_sample_fake(hidden, weight, proposals, temperature, top_k, top_p, min_p, seed, q_hidden=None,
+                           q_ids=None, q_probs=None, norm_weight=None, eps=1e-6, logit_dtype=None,
+                           q_logit_dtype=None, softcap=None):
+    D = proposals.shape[0]
+    return proposals.new_empty(D + 1), proposals.new_empty(1)
 
 
 @torch.library.custom_op(f"{_NS}::lm_head_cross_entropy", mutates_args=())

@@ -61,6 +61,7 @@ fall on the other side of the cut; everything else is exact.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -114,8 +115,8 @@ def _bin_scores(logit_dtype: torch.dtype, temperature: float, device) -> torch.T
     return bits.view(logit_dtype).float() / temperature
 
 
-def _select(counts: torch.Tensor, scores: torch.Tensor, vocab: int, top_k, top_p, min_p):
-    """From per-row value counts ``[R, 65536]`` (ascending keys) the support: ``(key* [R], r [R], count at key* [R])``.
+def _select(counts: torch.Tensor, scores: torch.Tensor, vocab: int, top_k, top_p, min_p) -> "HistogramSupport":
+    """From per-row value counts ``[R, 65536]`` (ascending keys) the support (:class:`HistogramSupport`).
 
     Works in descending key order: ``cnt[j]`` tokens of score ``val[j]``,
     weight ``w[j] = exp(val[j] - max)``. top-k keeps bins up to the first
@@ -153,7 +154,8 @@ def _select(counts: torch.Tensor, scores: torch.Tensor, vocab: int, top_k, top_p
     last = NUM_BINS - 1 - torch.argmax((keep > 0).flip(1).to(torch.int8), dim=1)
     r = keep.gather(1, last[:, None]).squeeze(1)
     c = cnt.gather(1, last[:, None]).squeeze(1)
-    return NUM_BINS - 1 - last, r, c
+    mass = (keep.double() * w).sum(1)
+    return HistogramSupport(NUM_BINS - 1 - last, r, c, top, mass)
 
 
 def _head_logits(head: HeadInputs, logit_dtype) -> torch.Tensor:
@@ -176,31 +178,61 @@ def _noise_source(generator, seed: Optional[torch.Tensor], device):
     return lambda row0, n_rows, v0, v1: _gumbel((n_rows, v1 - v0), generator, device)
 
 
+@dataclasses.dataclass
+class HistogramSupport:
+    """The processed distribution's support per row, from the value histogram (module docstring, step 2).
+
+    ``R`` rows: the support is every token whose key is above ``key_star``
+    plus the ``r`` highest ids among the ``count`` tokens at ``key_star``
+    (int64 ``[R]`` each); ``top`` (fp32 ``[R]``) is the row's largest processed
+    score and ``mass`` (fp64 ``[R]``) ``sum over the support of exp(s - top)``,
+    so a supported token's probability is ``exp(s - top) / mass``.
+    """
+
+    key_star: torch.Tensor
+    r: torch.Tensor
+    count: torch.Tensor
+    top: torch.Tensor
+    mass: torch.Tensor
+
+    def chunk_mask(self, keys: torch.Tensor, seen: torch.Tensor):
+        """``(support [R, Vc] bool, seen')`` of a vocab chunk's ``keys [R, Vc]``; ``seen`` (int64 ``[R]``) counts the
+        tokens at ``key_star`` in the chunks before (start at 0, chunks in id order)."""
+        tie = keys == self.key_star[:, None]
+        greater = self.count[:, None] - (seen[:, None] + tie.to(torch.int64).cumsum(1))  # tied tokens with a larger id
+        support = (keys > self.key_star[:, None]) | (tie & (greater < self.r[:, None]))
+        return support, seen + tie.sum(1)
+
+
+def histogram_support(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, vocab_chunk: int,
+                      bin_scores) -> HistogramSupport:
+    """Pass 1 and the selection (module docstring, steps 1-2) for the rows of ``head``, ``vocab_chunk`` ids at a
+    time; ``bin_scores``: :func:`_bin_scores` of ``logit_dtype`` and ``t``."""
+    V = head.vocab
+    device = head.hidden.device
+    counts = torch.zeros(head.rows, NUM_BINS, dtype=torch.int32, device=device)
+    for v0 in range(0, V, vocab_chunk):
+        v1 = min(V, v0 + vocab_chunk)
+        keys = _keys(_head_logits(head.vocab_chunk(v0, v1), logit_dtype))
+        counts.scatter_add_(1, keys, torch.ones(keys.shape, dtype=torch.int32, device=device))
+    return _select(counts, bin_scores, V, top_k, top_p, min_p)
+
+
 def _histogram_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, row0, plan, bin_scores):
     """Tokens ``[R]`` of one row chunk by the histogram method (module docstring, steps 1-3)."""
     V = head.vocab
     R = head.rows
     device = head.hidden.device
     vc = plan["vocab"]
-    counts = torch.zeros(R, NUM_BINS, dtype=torch.int32, device=device)
-    for v0 in range(0, V, vc):
-        v1 = min(V, v0 + vc)
-        keys = _keys(_head_logits(head.vocab_chunk(v0, v1), logit_dtype))
-        counts.scatter_add_(1, keys, torch.ones(keys.shape, dtype=torch.int32, device=device))
-    key_star, r, c_star = _select(counts, bin_scores, V, top_k, top_p, min_p)
-    del counts
+    support_of = histogram_support(head, t, top_k, top_p, min_p, logit_dtype, vc, bin_scores)
     seen = torch.zeros(R, dtype=torch.int64, device=device)
     best = torch.full((R,), float("-inf"), dtype=torch.float32, device=device)
     best_id = torch.zeros(R, dtype=torch.int64, device=device)
     for v0 in range(0, V, vc):
         v1 = min(V, v0 + vc)
         logits = _head_logits(head.vocab_chunk(v0, v1), logit_dtype)
-        keys = _keys(logits)
         s = logits.float() / t
-        tie = keys == key_star[:, None]
-        greater = c_star[:, None] - (seen[:, None] + tie.to(torch.int64).cumsum(1))  # tied tokens with a larger id
-        support = (keys > key_star[:, None]) | (tie & (greater < r[:, None]))
-        seen = seen + tie.sum(1)
+        support, seen = support_of.chunk_mask(_keys(logits), seen)
         score = torch.where(support, s + noise(row0, R, v0, v1), float("-inf"))
         val, idx = score.max(dim=1)
         better = val > best

@@ -171,6 +171,16 @@ def cases():
         ("lm_head_sample_processed_bf16", OPS.lm_head_sample_processed,
          (hidden.bfloat16(), weight.bfloat16(), 1.1, None, 0.8, None, torch.tensor([8])), {},
          lambda h, w, t, k, p, m, s: dk.lm_head_sample_processed(h, w, t, top_k=k, top_p=p, min_p=m, seed=s)),
+        ("rejection_sample", OPS.rejection_sample,
+         (hidden, weight, torch.tensor([3, 9, 9, 1]), 0.8, 6, 0.9, None, torch.tensor([11]), hidden[1:] * 0.5),
+         dict(norm_weight=norm_weight),
+         lambda h, w, x, t, k, p, m, s, qh, **kw: dk.rejection_sample(h, w, x, t, top_k=k, top_p=p, min_p=m, seed=s,
+                                                                       q_hidden=qh, **kw)),
+        ("rejection_sample_sparse", OPS.rejection_sample,
+         (hidden, weight, torch.tensor([3, 9, 9, 1]), 1.1, None, None, 0.05, torch.tensor([12]), None,
+          torch.tensor([[3, 4], [9, 0], [2, 9], [1, 39]]), torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.2, 0.8], [1, 0.]])),
+         {}, lambda h, w, x, t, k, p, m, s, qh, qi, qp: dk.rejection_sample(h, w, x, t, top_k=k, top_p=p, min_p=m,
+                                                                              seed=s, q_ids=qi, q_probs=qp)),
         ("compact_kv_tensor", OPS.compact_kv_.tensor, (kv, src, torch.tensor([dst]), torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
         ("dynamic_conv", OPS.dynamic_conv, conv[:3], {}, lambda *a: dk.dynamic_conv(*a)),
@@ -214,7 +224,7 @@ REGISTERED = {"gather_concat": {"default", "into"}, "lm_head_logits": {"default"
               "kv_write_": {"default"}, "gated_delta_tree": {"default"}, "gated_delta_replay_": {"default"},
               "causal_conv_tree": {"default"}, "conv_window_after": {"default"}, "dynamic_conv": {"default"},
               "dynamic_conv_backward": {"default"}, "select_candidates": {"default"},
-              "build_selector_tree_device": {"default"}}
+              "build_selector_tree_device": {"default"}, "rejection_sample": {"default"}}
 
 
 def test_every_public_op_is_registered():
@@ -391,6 +401,14 @@ def _dflash2_step(x, dyn, base, residual, unary, candidates, projected, pred, su
     return out.sum(0), tokens, index, q
 
 
+def _rejection_step(hidden, weight, norm_weight, proposals, q_hidden, q_ids, q_probs, seed):
+    """A chain's rejection sampling with a dense and a sparse draft, seeded on the device, no host read."""
+    kw = dict(top_k=7, top_p=0.9, norm_weight=norm_weight, check_bounds=False)
+    dense = dk.rejection_sample(hidden, weight, proposals, 0.8, q_hidden=q_hidden, seed=seed + 1, **kw)
+    sparse = dk.rejection_sample(hidden, weight, proposals, 0.8, q_ids=q_ids, q_probs=q_probs, seed=seed + 2, **kw)
+    return dense + sparse
+
+
 def _tree_step(logprobs, ids, choice):
     token_ids, depths, parents = OPS.build_tree_device(logprobs, ids, 9)
     bits = OPS.ancestor_bits(parents, False)
@@ -414,6 +432,9 @@ def _compile_cases():
         ("public_step", _public_step, _static_attention_inputs()[:5] + (hidden, weight, torch.tensor([3]))
          + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
         ("build_tree_device", _tree_step, (logprobs, ids, choice)),
+        ("rejection_sample", _rejection_step, (hidden, weight, norm_weight, torch.tensor([3, 9, 9, 1]), hidden[1:] * 0.5,
+                                               torch.tensor([[3, 4], [9, 0], [2, 9], [1, 39]]),
+                                               torch.full((4, 2), 0.5), torch.tensor([3]))),
         ("dflash2", _dflash2_step, _dflash2_inputs()[0] + _dflash2_inputs()[1] + (torch.tensor([4]),)),
     ]
 

@@ -15,8 +15,8 @@ from .result import GenerationResult
 # loop keywords each method takes besides the common ones
 _METHOD_KEYWORDS = {
     "ar": {"seed", "stage_timing"},
-    "dflash": {"seed", "stage_timing", "block_size"},
-    "ddtree": {"seed", "stage_timing", "block_size", "tree_budget", "mask_token_id", "return_trees"},
+    "dflash": {"seed", "stage_timing", "block_size", "acceptance"},
+    "ddtree": {"seed", "stage_timing", "block_size", "tree_budget", "mask_token_id", "return_trees", "acceptance"},
 }
 
 
@@ -72,7 +72,9 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     list: stop right after one), ``pad_token_id``, ``stopping_criteria``,
     ``streamer``; plus our own ``stop_token_ids``, ``seed`` (reproducible
     samples), ``block_size``, ``tree_budget``, ``mask_token_id``,
-    ``return_trees``, ``stage_timing``. A ``temperature > 0`` given with no
+    ``return_trees``, ``stage_timing``, ``acceptance`` (how a sampled DFlash
+    chain accepts drafts: ``"rejection"``, the default, or ``"match"``;
+    DDTree walks its tree, ``"match"`` only). A ``temperature > 0`` given with no
     ``do_sample`` anywhere samples at that temperature (this package's
     convention before the transformers semantics). Anything our loops cannot
     serve (``num_beams > 1``, ``repetition_penalty != 1``, logits processors,

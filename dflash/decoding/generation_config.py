@@ -91,6 +91,9 @@ LOOP_KEYWORDS = {
     "tree_budget": "DDTree draft nodes per round (ddtree only)",
     "mask_token_id": "the drafter's mask token (ddtree only; default: the drafter's)",
     "return_trees": "keep each round's tree in result.trees (ddtree only)",
+    "acceptance": "sampled DFlash chains: 'rejection' (default; drafts sampled from the drafter, kept with "
+                  "probability min(1, p/q)) or 'match' (argmax drafts kept while they equal the target's sample); "
+                  "ddtree: 'match' only",
     "stage_timing": "per-stage times in the result",
 }
 

@@ -45,7 +45,7 @@ from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
 from ..target.patches import Patch, hold
 from .generate import METHODS, prepare_generation, run_generation
-from .options import check_pair, check_tree_budget
+from .options import check_acceptance, check_pair, check_tree_budget
 
 _STATE = "_dflash_dropin"
 
@@ -86,13 +86,15 @@ def is_applied(target) -> bool:
 
 
 def apply(target, draft=None, *, method: Optional[str] = None, tree_budget: int = 64, block_size=None,
-          mask_token_id=None, stage_timing: bool = False) -> DropIn:
+          mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None) -> DropIn:
     """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
 
     ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
     (our plain decoding); with neither a drafter nor a method only
     ``assistant_model=<DFlashDraftModel>`` calls run our loop;
-    ``tree_budget`` (ddtree), ``block_size``, ``mask_token_id``: as in
+    ``tree_budget`` (ddtree), ``block_size``, ``mask_token_id``, ``acceptance``
+    (sampled DFlash chains: ``"rejection"``, the default, or ``"match"``;
+    ``"rejection"`` with ddtree is refused here): as in
     :func:`dflash.generate`. The drafter is checked against the target now
     (a mismatch raises ``DraftConfigError``). Applying again replaces the
     settings (``unapply`` still restores the original).
@@ -110,7 +112,10 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget: int 
             check_pair(adapter, draft)
         finally:
             adapter.close()
+    check_acceptance(acceptance, chosen or "dflash")  # assistant_model calls run DFlash chains
     loop_kwargs = dict(stage_timing=stage_timing)
+    if acceptance is not None and chosen != "ar":
+        loop_kwargs["acceptance"] = acceptance
     if block_size is not None:
         loop_kwargs["block_size"] = block_size
     if chosen == "ddtree":

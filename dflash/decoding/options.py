@@ -15,9 +15,15 @@ import torch
 from ..drafter.config import DraftConfigError, validate_target_layer_ids
 from .generation_config import SamplingSettings
 
-__all__ = ["LoopOptions", "METHODS", "RoundShape", "check_pair", "check_tree_budget", "prepare_prompt"]
+__all__ = ["ACCEPTANCE_RULES", "LoopOptions", "METHODS", "RoundShape", "check_acceptance", "check_pair",
+           "check_tree_budget", "prepare_prompt"]
 
 METHODS = ("ar", "dflash", "ddtree")
+
+#: How a sampled round accepts drafts: ``"rejection"`` (drafts sampled from the drafter's processed distribution
+#: q, kept with probability min(1, p / q), the first rejection resampled from max(p - q, 0)) or ``"match"``
+#: (drafts at the drafter's argmax, kept while they equal the target's own sample). Both are lossless.
+ACCEPTANCE_RULES = ("rejection", "match")
 
 
 @dataclass
@@ -29,7 +35,10 @@ class LoopOptions:
     round's committed tokens, then ``end()``. ``block_size`` / ``mask_token_id``
     default to the drafter's, ``tree_budget`` to ``2 * (B - 1)``;
     ``return_trees`` keeps each DDTree round's tree in ``result.trees``;
-    ``stage_timing`` records per-stage times.
+    ``stage_timing`` records per-stage times. ``acceptance``: the rule of a
+    sampled DFlash chain (:data:`ACCEPTANCE_RULES`; None: ``"rejection"``);
+    DDTree always walks its tree (``"match"``), greedy rounds match the argmax
+    whatever the rule.
     """
 
     max_new_tokens: int
@@ -44,6 +53,7 @@ class LoopOptions:
     mask_token_id: Optional[int] = None
     return_trees: bool = False
     stage_timing: bool = True
+    acceptance: Optional[str] = None
     #: the resolved stop ids (set by :meth:`resolve`)
     stop_ids: set = field(default_factory=set, repr=False)
 
@@ -65,6 +75,9 @@ class LoopOptions:
         self.stop_ids = {int(t) for t in (self.stop_token_ids or ())}
         if self.return_trees and method != "ddtree":
             raise ValueError(f"return_trees applies to method 'ddtree' only, not {method!r}")
+        acceptance = check_acceptance(self.acceptance, method)
+        if self.sampling.greedy:
+            acceptance = "match"  # the argmax draft is accepted iff it is the target's argmax, under either rule
         if method == "ar":
             return RoundShape(method, 1, 0, 0)
         if draft is None:
@@ -78,18 +91,44 @@ class LoopOptions:
         budget = 0
         if method == "ddtree":
             budget = check_tree_budget(2 * (B - 1) if self.tree_budget is None else self.tree_budget)
-        return RoundShape(method, B, budget, mask_id)
+        return RoundShape(method, B, budget, mask_id, acceptance)
 
 
 @dataclass(frozen=True)
 class RoundShape:
     """The fixed shape of a generation's rounds: method, block size ``B`` (1 for AR), tree budget (0 unless
-    DDTree) and the block's mask id."""
+    DDTree), the block's mask id and the acceptance rule (``"rejection"`` only for sampled DFlash chains)."""
 
     method: str
     block_size: int
     tree_budget: int
     mask_token_id: int
+    acceptance: str = "match"
+
+
+def check_acceptance(acceptance, method: str) -> str:
+    """The acceptance rule ``method`` runs with ``acceptance`` (None: the method's default), or a ValueError.
+
+    DFlash chains: ``"rejection"`` (default) or ``"match"``. DDTree: ``"match"``
+    only: its tree holds the drafter's top-N nodes, selected deterministically
+    rather than sampled, and recursive rejection sampling over the siblings of
+    such a tree (each sibling a point-mass draft) reduces to the walk, which
+    accepts a child exactly when it is the target's own sample. AR has no drafts.
+    """
+    if acceptance is not None and acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {', '.join(map(repr, ACCEPTANCE_RULES))} (or None for the "
+                         f"method's default), got {acceptance!r}")
+    if method == "dflash":
+        return acceptance or "rejection"
+    if acceptance == "rejection":
+        if method == "ddtree":
+            raise ValueError("acceptance='rejection' applies to DFlash chains, not to method 'ddtree': a DDTree "
+                             "round's tree holds the drafter's top-N nodes, selected deterministically rather than "
+                             "sampled, and recursive rejection sampling over the siblings of such a tree reduces "
+                             "to the walk (accept a child iff it is the target's sample), which DDTree already "
+                             "runs; use acceptance='match' or leave it unset")
+        raise ValueError(f"acceptance='rejection' applies to DFlash chains; method {method!r} drafts nothing")
+    return "match"
 
 
 def check_tree_budget(tree_budget) -> int:

@@ -18,7 +18,10 @@ tensor              shape                  meaning
 ``seed``            ``[1]`` int64          sampling key: +1 per choice, so every draw (and a replayed
                                            graph) gets new noise
 ``proposals``       ``[D]`` int64          DFlash: the drafter's chain
+``q_hidden``        ``[D, H]``             DFlash, rejection rule, dense q: the drafter's head rows the chain was
+                                           sampled from (q = their processed distribution through the lm_head)
 ``q_ids/q_probs``   ``[D, k]`` int64/fp32  DFlash2: each proposal's candidates and their selector probabilities
+                                           (the rejection rule's sparse q)
 ``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes
 ``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
 ``path``            ``[D+1]`` int64        DDTree: the accepted path's rows (padded)
@@ -28,9 +31,11 @@ Steps (nothing in them reads a value on the host):
 
 * :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
   block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` of the target's
-  lm_head at block rows ``1..D``, or, for a DFlash2 drafter, the candidate
-  selector's chain over its top-k there (greedy or drawn at the temperature;
-  ``q_ids / q_probs [D, k]`` the distribution each proposal came from);
+  lm_head at block rows ``1..D`` (a sampled chain under the rejection rule:
+  a draw from each row's processed distribution ``q``, :meth:`_draft_sampled_dense`),
+  or, for a DFlash2 drafter, the candidate selector's chain over its top-k
+  there (greedy or drawn at the temperature; ``q_ids / q_probs [D, k]`` the
+  distribution each proposal came from);
   DDTree: top-K log-probs there and the best-first tree of ``N`` nodes (a
   DFlash2 drafter: the tree over its candidate selector's scores of each
   candidate given its parent's token);
@@ -47,6 +52,14 @@ Steps (nothing in them reads a value on the host):
 Token choice (:meth:`choose`, the only one): greedy argmax, or a sample of
 the processed distribution (temperature, then top-k / top-p / min-p) keyed by
 the device seed, so the same seed gives the same tokens eagerly and compiled.
+
+Acceptance of a sampled chain (``shape.acceptance``): ``"match"`` keeps the
+argmax drafts while they equal the target's samples (:meth:`choose` at every
+row); ``"rejection"`` (the default) verifies drafts sampled from ``q`` with
+:func:`dflash_kernels.rejection_sample` (accept ``x_k`` with probability
+``min(1, p_k(x_k) / q_k(x_k))``, the first rejected row resampled from
+``max(p - q, 0)``, the bonus from ``p``). Both commit tokens distributed as
+the target's own samples; the payload is the same.
 
 On the CPU with the reference backend, eager DDTree rounds build and walk the
 tree with the C++ host ops (:func:`dflash_kernels.build_tree` /
@@ -145,6 +158,8 @@ class Round:
         self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
         #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1)
         self.T = self.N + 1 if method == "ddtree" else B
+        #: a sampled DFlash chain verified by rejection sampling (else drafts at the argmax, matched)
+        self.rejection = method == "dflash" and shape.acceptance == "rejection" and not sampling.greedy
         #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
         self.host_tree = method == "ddtree" and device.type == "cpu" and self.backend == "reference"
         alloc = kv_alloc or _zeros
@@ -183,6 +198,10 @@ class Round:
                 # ids and probabilities; zero outside them)
                 self.q_ids = torch.zeros(self.D, self.selector_k, **long)
                 self.q_probs = torch.zeros(self.D, self.selector_k, dtype=torch.float32, device=device)
+            if self.rejection:
+                self.q_form = self._draft_q_form()
+                if self.q_form == "dense":
+                    self.q_hidden = torch.zeros(self.D, adapter.hidden_size, dtype=draft_dtype, device=device)
         else:
             self.tokens = torch.zeros(self.N, **long)
             self.depths = torch.zeros(self.N, **long)
@@ -240,10 +259,16 @@ class Round:
         softcap come from the adapter's head inputs.
         """
         rows, kw = self.adapter.head_inputs(hidden)
+        if self.sampling.greedy:
+            return dflash_kernels.lm_head_argmax(rows, self.adapter.lm_head.weight, check_bounds=False,
+                                                 backend=self.backend, **kw)
+        return self._sample(rows, kw)
+
+    def _sample(self, rows: torch.Tensor, kw: dict) -> torch.Tensor:
+        """One draw per row of ``rows`` from the processed distribution of ``W rows`` (``kw``: the head's norm /
+        softcap), keyed by ``seed`` after moving it on by one."""
         W = self.adapter.lm_head.weight
         s = self.sampling
-        if s.greedy:
-            return dflash_kernels.lm_head_argmax(rows, W, check_bounds=False, backend=self.backend, **kw)
         self.seed.add_(1)
         if s.active():
             return dflash_kernels.lm_head_sample_processed(rows, W, s.temperature, seed=self.seed, top_k=s.top_k,
@@ -266,6 +291,9 @@ class Round:
         if self.method == "dflash":
             if self.selector_k:
                 self._draft_selector(out, head, W)
+                return
+            if self.rejection:
+                self._draft_sampled_dense(head)
                 return
             self.proposals.copy_(dflash_kernels.lm_head_argmax(head, W, positions=self.draft_rows, check_bounds=False,
                                                                softcap=draft.logit_softcap, backend=self.backend))
@@ -341,6 +369,21 @@ class Round:
         self.depths.copy_(depths)
         self.parents.copy_(parents)
 
+    def _draft_q_form(self) -> str:
+        """How this round's drafter gives ``q`` to the rejection rule: ``"dense"`` (its rows through the
+        lm_head: :meth:`_draft_sampled_dense`) or ``"sparse"`` (a distribution over candidate ids in ``q_ids`` /
+        ``q_probs``: a DFlash2 drafter, whose selector draws its chain itself, :meth:`_draft_selector`)."""
+        return "sparse" if self.selector_k else "dense"
+
+    def _draft_sampled_dense(self, out: torch.Tensor) -> None:
+        """Rejection rule, dense ``q``: ``q_hidden`` = the block rows ``1..D`` of the drafter's head rows ``[B, H]``
+        (its final states scaled for the lm_head),
+        ``proposals`` = one draw from each row's processed distribution through the target's lm_head (the same
+        temperature, top-k, top-p, min-p as the target; no final norm or softcap: the rows are normed), keyed by
+        the seed. Verify recomputes ``q`` from the same rows with the same op, so it is the proposals' law."""
+        self.q_hidden.copy_(out[1:])
+        self.proposals.copy_(self._sample(self.q_hidden, {}))
+
     def verify(self) -> torch.Tensor:
         """The target's verify and the commit; returns the payload (module docstring)."""
         if self.method == "ar":
@@ -353,13 +396,31 @@ class Round:
         length, rows = self.cache.length_t, self.rows[: self.B]
         block = torch.cat([self.last, self.proposals])
         hidden, captured = self.adapter.run_pass(block, length + rows, self.cache)
-        choices = self.choose(hidden)
-        accepted = torch.cumprod((self.proposals == choices[:-1]).long(), 0).sum().reshape(1)
+        if self.rejection:
+            choices, accepted = self._accept_by_rejection(hidden)
+        else:
+            choices = self.choose(hidden)
+            accepted = torch.cumprod((self.proposals == choices[:-1]).long(), 0).sum().reshape(1)
         self.ctx.copy_(torch.cat(captured, dim=1))
         self.ctx_count.copy_(accepted + 1)
         self.cache.advance(rows, accepted + 1)
         self.last.copy_(choices.gather(0, accepted))
         return torch.cat([choices, accepted])
+
+    def _accept_by_rejection(self, hidden: torch.Tensor):
+        """``(choices [B], accepted [1])`` of the rejection rule over the verify rows ``hidden [B, H]``:
+        ``choices[:a]`` the accepted proposals, ``choices[a]`` the resampled (or bonus) token; the noise is keyed by
+        the seed after moving it on by one."""
+        rows, kw = self.adapter.head_inputs(hidden)
+        s = self.sampling
+        if self.q_form == "dense":
+            q = dict(q_hidden=self.q_hidden)
+        else:
+            q = dict(q_ids=self.q_ids, q_probs=self.q_probs)
+        self.seed.add_(1)
+        return dflash_kernels.rejection_sample(rows, self.adapter.lm_head.weight, self.proposals, s.temperature,
+                                               top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=self.seed,
+                                               check_bounds=False, backend=self.backend, **q, **kw)
 
     def _verify_tree(self) -> torch.Tensor:
         length = self.cache.length_t

@@ -10,6 +10,7 @@ from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
+from .rejection import *  # noqa: F401,F403
 from .gated_delta import *  # noqa: F401,F403
 from .dynamic_conv import *  # noqa: F401,F403
 from .selector import *  # noqa: F401,F403
