@@ -156,3 +156,21 @@ def test_bad_arguments():
         dk.rejection_sample(hidden, weight, x.int(), 0.8, q_hidden=q_hidden, seed=seed)
     with pytest.raises(ValueError, match="temperature must be a finite float > 0"):
         dk.rejection_sample(hidden, weight, x, 0.0, q_hidden=q_hidden, seed=seed)
+
+
+def test_acceptance_rules_benchmark_runs_at_smoke_size(capsys):
+    """``python bench/acceptance_rules.py`` (the README's tau table), one prompt of a few tokens."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "acceptance_rules.py"
+    spec = importlib.util.spec_from_file_location("acceptance_rules", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        module.main(["--num-prompts", "1", "--prompt-len", "16", "--max-new-tokens", "6", "--drafters", "drafter2"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| drafter2 | DFlash2DraftModel |" in out
