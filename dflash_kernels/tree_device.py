@@ -24,6 +24,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from .reference.selector_tree import check_lattice
+
 __all__: list = []  # exported by dflash_kernels.tree: tree_size, build_tree_device, build_selector_tree_device,
 # walk_tree_device
 # (TreeTables / tree_tables: the build's index tables, for callers that hold them; see build_tree_device)
@@ -330,21 +332,7 @@ def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.T
     unspecified; ``parents`` is clamped into ``[0, i)`` so the result is always a well-formed tree.
     """
     fn = "build_selector_tree_device"
-    if not isinstance(child_logprobs, torch.Tensor) or not isinstance(candidates, torch.Tensor):
-        raise TypeError(f"{fn}: child_logprobs and candidates must be torch.Tensor")
-    if candidates.dim() != 2:
-        raise ValueError(f"{fn}: candidates must be 2-D [D, k], got shape {tuple(candidates.shape)}")
-    max_depth, k = candidates.shape
-    if tuple(child_logprobs.shape) != (max_depth, k, k):
-        raise ValueError(f"{fn}: child_logprobs must be [D, k, k] = [{max_depth}, {k}, {k}] for candidates "
-                         f"[{max_depth}, {k}], got {tuple(child_logprobs.shape)}")
-    if not child_logprobs.dtype.is_floating_point:
-        raise ValueError(f"{fn}: child_logprobs must be floating point, got {child_logprobs.dtype}")
-    if candidates.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{fn}: candidates must be int64 or int32, got {candidates.dtype}")
-    if candidates.device != child_logprobs.device:
-        raise ValueError(f"{fn}: child_logprobs and candidates must be on one device, got {child_logprobs.device} "
-                         f"and {candidates.device}")
+    max_depth, k = check_lattice(child_logprobs, candidates, fn)
     _check_int("budget", fn, budget)
     device = child_logprobs.device
     long = dict(dtype=torch.int64, device=device)

@@ -73,7 +73,7 @@ def selector_child_logprobs(unary: torch.Tensor, candidates: torch.Tensor, proje
     return torch.log_softmax(scores.to(torch.float64), dim=-1)
 
 
-def _check_lattice(child_logprobs: torch.Tensor, candidates: torch.Tensor, fn: str) -> Tuple[int, int]:
+def check_lattice(child_logprobs: torch.Tensor, candidates: torch.Tensor, fn: str) -> Tuple[int, int]:
     if not isinstance(child_logprobs, torch.Tensor) or not isinstance(candidates, torch.Tensor):
         raise TypeError(f"{fn}: child_logprobs and candidates must be torch.Tensor")
     if candidates.dim() != 2:
@@ -109,7 +109,7 @@ def build_selector_tree(child_logprobs: torch.Tensor, candidates: torch.Tensor,
     depth ``D``): the children of one node are not sorted by score, so no
     sibling chain as in :func:`dflash_kernels.reference.build_tree`.
     """
-    D, k = _check_lattice(child_logprobs, candidates, "build_selector_tree")
+    D, k = check_lattice(child_logprobs, candidates, "build_selector_tree")
     if type(budget) is not int or budget < 0:
         raise ValueError(f"build_selector_tree: budget must be an int >= 0, got {budget!r}")
     lp: List[List[List[float]]] = child_logprobs.detach().to("cpu", torch.float64).tolist()
