@@ -5,6 +5,7 @@ Small random models on the reference backend of dflash_kernels.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -96,12 +97,18 @@ def test_training_candidates_put_a_missing_label_in_the_last_slot():
     assert cand.tolist() == [[5, 7, 9], [5, 7, 9], [1, 2, 3]]  # not modified in place
 
 
+def _drafter_logits(h, W, multiplier=1.0, cap=None):
+    """The drafter's logits spelled out: softcap(multiplier * W h)."""
+    logits = multiplier * (h @ W.T)
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 def _naive_selector(draft, W, states, prev, labels, weights):
     """The objective spelled out on full [N, V] logits (what the trainer must not build)."""
     nb = labels.shape[0]
     rows = (torch.arange(nb)[:, None] * B + torch.arange(1, B)[None, :]).flatten()
     h = states[rows]
-    logits = h @ W.T
+    logits = _drafter_logits(h, W, draft.output_multiplier, draft.logit_softcap)
     cand = logits.detach().topk(TOP_K, dim=-1).indices
     y = labels.flatten()
     losses, correct = [], []
@@ -118,8 +125,19 @@ def _naive_selector(draft, W, states, prev, labels, weights):
     return torch.stack(losses).view(nb, B - 1), torch.tensor(correct).view(nb, B - 1)
 
 
-def test_selector_losses_and_gradients_match_the_full_logit_recipe(pair):
+def _with_scalars(draft, scalars):
+    """``draft`` itself, or a copy drafting with z-lab's output multiplier and final-logit softcap."""
+    if scalars is None:
+        return draft
+    out = copy.deepcopy(draft)
+    out.output_multiplier, out.logit_softcap = scalars
+    return out
+
+
+@pytest.mark.parametrize("scalars", [None, (2.5, 1.5)], ids=["plain", "multiplier-softcap"])
+def test_selector_losses_and_gradients_match_the_full_logit_recipe(pair, scalars):
     target, draft = pair
+    draft = _with_scalars(draft, scalars)
     W = target.lm_head.weight
     nb = 3
     g = torch.Generator().manual_seed(2)
@@ -141,6 +159,29 @@ def test_selector_losses_and_gradients_match_the_full_logit_recipe(pair):
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert grads[0].abs().sum() > 0  # the block states learn from the selector too
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "naive"])
+def test_token_loss_uses_the_drafters_own_logits(pair, fused):
+    """With an output multiplier and a softcap the token loss is the cross-entropy of the logits the drafter
+    drafts with, softcap(m * W S), not of W S."""
+    target, draft = pair
+    draft = _with_scalars(draft, (2.5, 1.5))
+    W = target.lm_head.weight
+    nb, C = 2, 6
+    g = torch.Generator().manual_seed(3)
+    embeds = torch.randn(nb * B, 32, generator=g)
+    context = torch.randn(C, len(IDS) * 32, generator=g)
+    anchors = torch.tensor([3, 6])
+    labels = torch.randint(0, 90, (nb, B - 1), generator=g)
+    w = loss_weights(B)
+    got, states = drafter_block_losses(draft, W, embeds, context, anchors, labels, w, fused=fused)
+    rows = (torch.arange(nb)[:, None] * B + torch.arange(1, B)).flatten()
+    logits = _drafter_logits(states[rows], W, 2.5, 1.5)
+    want = F.cross_entropy(logits, labels.flatten(), reduction="none") * w[1:].repeat(nb)
+    torch.testing.assert_close(got.flatten(), want, rtol=1e-5, atol=1e-5)
+    plain = F.cross_entropy(states[rows] @ W.T, labels.flatten(), reduction="none") * w[1:].repeat(nb)
+    assert (got.flatten() - plain).abs().max() > 1e-2  # the scalars change the loss
 
 
 def test_step_adds_the_weighted_selector_loss_and_trains_every_weight(pair, adapter):

@@ -38,7 +38,10 @@ the final norm and the lm_head is exactly the target's choice):
    frozen target lm_head ``W [V, H]``, fused cross-entropy
    (:func:`dflash_kernels.lm_head_cross_entropy`) at rows ``k >= 1``::
 
-       loss = sum_{b,k>=1} w_k * CE(W S[b*B+k], y[b, k]) / sum_{b,k>=1} w_k
+       loss = sum_{b,k>=1} w_k * CE(l[b*B+k], y[b, k]) / sum_{b,k>=1} w_k
+       l    = softcap(m * W S)             the drafter's logits as it drafts with them (m its
+                                           output_multiplier, softcap its final_logit_softcapping;
+                                           l = W S by default)
        w_k  = exp(-(k - 1) / gamma)        (k = 0, the anchor, carries no loss)
 
    No ``[positions, vocab]`` tensor is built beyond one chunk of the fused
@@ -246,11 +249,15 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, 
     rows = (torch.arange(nb, device=dev)[:, None] * B + offsets[None, 1:]).flatten()  # k >= 1
     w = weights[1:].to(dev).repeat(nb)
     targets = labels.flatten()
+    head = draft.head_hidden(states)  # the drafter's logits: softcap(output_multiplier * W h), as it drafts
+    cap = draft.logit_softcap
     if fused:
-        losses = dflash_kernels.lm_head_cross_entropy(states, lm_head_weight.detach(), targets, weights=w,
-                                                      positions=rows)
+        losses = dflash_kernels.lm_head_cross_entropy(head, lm_head_weight.detach(), targets, weights=w,
+                                                      positions=rows, softcap=cap)
     else:
-        logits = states.float() @ lm_head_weight.detach().float().T  # [nb*B, V]: what fused avoids
+        logits = head.float() @ lm_head_weight.detach().float().T  # [nb*B, V]: what fused avoids
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
         losses = F.cross_entropy(logits[rows], targets, reduction="none") * w
     return losses.view(nb, B - 1), states
 
@@ -338,7 +345,8 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
         return out
     with torch.no_grad():
         rows = (torch.arange(anchors.numel(), device=dev)[:, None] * B + torch.arange(1, B, device=dev)).flatten()
-        guess = dflash_kernels.lm_head_argmax(states.detach(), adapter.lm_head.weight, positions=rows)
+        guess = dflash_kernels.lm_head_argmax(draft.head_hidden(states.detach()), adapter.lm_head.weight,
+                                              positions=rows, softcap=draft.logit_softcap)
     out.update(losses=losses, correct=guess.view(-1, B - 1) == labels)
     return out
 

@@ -8,12 +8,15 @@ candidates (the published DFlash2 objective). For block ``b`` (anchor
 ``a_b``), position ``k``, final block state ``S_{b,k} [H]``, frozen lm_head
 ``W [V, H]`` and label ``y_{b,k}`` (the target's choice)::
 
-    c_{b,k}   = top-K ids of W S_{b,k}                   [K]  (no gradient through the choice)
+    l_{b,k}   = softcap(m * W S_{b,k})                   [V]  the drafter's logits (m its output_multiplier,
+                                                          softcap its final_logit_softcapping; 1 and none
+                                                          by default, where l = W S)
+    c_{b,k}   = top-K ids of l_{b,k}                     [K]  (no gradient through the choice)
     c'_{b,k}  = c_{b,k}, its last (weakest) slot replaced by y_{b,k} when y_{b,k} is not in c_{b,k}
     t_{b,k}   = the slot of y_{b,k} in c'_{b,k}
     prev_{b,k} = x[a_b + k - 1]                          (teacher forcing: the sequence's previous token;
                                                           k = 1: the anchor token)
-    s_{b,k}[i] = <W[c'_i], S_{b,k}> + < predecessor_codebook[prev] * hidden_projection(S_{b,k}),
+    s_{b,k}[i] = l_{b,k}[c'_i] + < predecessor_codebook[prev] * hidden_projection(S_{b,k}),
                                         successor_codebook[c'_i] >          i = 0..K-1
     L_sel     = sum_{b,k>=1} w_k CE(s_{b,k}, t_{b,k})
 
@@ -21,7 +24,7 @@ with the DFlash position weights ``w_k`` (:func:`.objective.loss_weights`) and t
 same normaliser as the token loss, so the step's loss is
 ``(L_tok + alpha * L_sel) / sum w`` (``alpha = --selector-loss-weight``, 1 as published).
 Gradients reach the drafter's block states through both the unary scores
-``<W[c'_i], S>`` and the selector's bilinear term, and the three selector
+``l[c'_i]`` and the selector's bilinear term, and the three selector
 weights through the latter; ``W`` is frozen. On data the target wrote (every
 supervised token its own greedy choice) ``prev`` is the previous label.
 
@@ -78,12 +81,17 @@ def selector_block_losses(draft, lm_head_weight: torch.Tensor, states: torch.Ten
     K = draft.candidate_selector.top_k
     rows = (torch.arange(nb, device=dev)[:, None] * B + torch.arange(1, B, device=dev)[None, :]).flatten()
     W = lm_head_weight.detach()
-    with torch.no_grad():
-        _, top = dflash_kernels.lm_head_topk(states.detach(), W, K, positions=rows)  # [N, K]
+    cap = draft.logit_softcap
+    with torch.no_grad():  # the drafter's logits are softcap(output_multiplier * W h): the same top-K as W h
+        _, top = dflash_kernels.lm_head_topk(draft.head_hidden(states.detach()), W, K, positions=rows,
+                                             softcap=cap)  # [N, K]
     flat_labels = labels.flatten()
     cand, slot, present = training_candidates(top, flat_labels)
-    hidden = states.index_select(0, rows)  # [N, H]
-    unary = torch.einsum("nh,nkh->nk", hidden, W[cand].to(hidden.dtype))  # [N, K]
+    hidden = states.index_select(0, rows)  # [N, H]: the selector's projection reads the unscaled states
+    head = draft.head_hidden(hidden)
+    unary = torch.einsum("nh,nkh->nk", head, W[cand].to(head.dtype))  # [N, K]: the candidates' drafter logits
+    if cap is not None:
+        unary = cap * torch.tanh(unary / cap)
     scores = draft.candidate_selector(unary, hidden, prev.reshape(-1), cand).float()
     ce = F.cross_entropy(scores, slot, reduction="none") * weights[1:].to(dev).repeat(nb)
     with torch.no_grad():
