@@ -66,6 +66,8 @@ def one_error_line(capsys, needle):
     (["--target", "/nonexistent/t", "--draft", "/nonexistent/d"], "no such directory"),
     (["--target", "/tmp"], "give both --target and --draft"),
     (["--top-k", "-1", "--do-sample"], "--top-k must be >= 0"),
+    (["--acceptance", "maybe"], "invalid choice: 'maybe'"),
+    (["--method", "ddtree", "--acceptance", "rejection"], "not to method 'ddtree'"),
 ])
 def test_bad_arguments_print_one_line_and_exit_2(capsys, extra, needle):
     assert main(["generate", "--prompt", "x", "--max-new-tokens", "4", *extra]) == 2

@@ -23,7 +23,7 @@ import dflash
 import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding.compiled import CompileUnsupported
-from tiny_models import steer, tiny_draft, tiny_target
+from tiny_models import steer, tiny_dflash2_draft, tiny_draft, tiny_target
 
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
 
@@ -302,3 +302,25 @@ def test_kernel_path_traces_without_breaks(trace_only, method):
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 2
     assert torch.equal(out.output_ids, ref[:, : len(PROMPT) + 12])
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+@pytest.mark.parametrize("acceptance", ["rejection", "match"])
+def test_kernel_path_sampled_chain_traces_and_equals_eager(trace_only, drafter, acceptance):
+    """A sampled chain on the Triton backend (the interpreter here): the rejection rule's op (dense q from the
+    drafter's head rows, or a DFlash2 selector's sparse q) and the matching rule trace as one graph per step,
+    no break, and give the eager round's tokens and acceptance under one seed."""
+    if "triton" not in dflash_kernels.available_backends(torch.device("cpu")):
+        pytest.skip("Triton cannot run here")
+    target = tiny_target(layers=3, hidden=32)
+    make = tiny_dflash2_draft if drafter == "dflash2" else tiny_draft
+    draft = make(target, block_size=4, layers=1, target_layer_ids=[0, 1])
+    kw = dict(method="dflash", max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20, seed=3,
+              acceptance=acceptance)
+    with dflash_kernels.force_backend("triton"):
+        eager = dflash.generate(target, draft, PROMPT, **kw)
+        traced = dflash.generate(target, draft, PROMPT, compile=True, **kw)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2
+    assert torch.equal(traced.output_ids, eager.output_ids)
+    assert traced.acceptance_lengths == eager.acceptance_lengths

@@ -54,6 +54,21 @@ def test_greedy_dflash2_is_lossless(target, draft):
         assert static.acceptance_lengths == out.acceptance_lengths
 
 
+@pytest.mark.parametrize("block_size", [3, 4])
+def test_a_smaller_block_than_the_drafters_is_lossless(target, draft, block_size):
+    """The convolutions run along the round's own block (here shorter than the drafter's block size of 6), not
+    the config's: the drafter's pass takes any block size >= 2, as a DFlash drafter's does."""
+    prompt = PROMPTS[0]
+    out = dflash.generate(target, draft, prompt, max_new_tokens=N, block_size=block_size)
+    assert torch.equal(out.output_ids, greedy(target, prompt))
+    assert max(out.acceptance_lengths) <= block_size
+
+
+def test_a_block_shorter_than_the_convolutions_is_refused(target, draft):
+    with pytest.raises(ValueError, match="block_size must be >= 3 for this DFlash2 drafter"):
+        dflash.generate(target, draft, PROMPTS[0], max_new_tokens=4, block_size=2)
+
+
 def _first_round(target, draft, prompt, **kw):
     """The pooled round of a one-round static generation (its proposals and q are the first round's)."""
     dflash.generate(target, draft, prompt, max_new_tokens=2, compile="static", **kw)

@@ -188,6 +188,15 @@ def test_apply_checks_the_pair_and_the_method(pair):
     assert "generate" not in target.__dict__
 
 
+def test_apply_checks_the_acceptance_rule(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="acceptance must be one of 'rejection', 'match'"):
+        dflash.apply(target, draft, acceptance="greedy")
+    with pytest.raises(ValueError, match="not to method 'ddtree'"):
+        dflash.apply(target, draft, method="ddtree", acceptance="rejection")
+    assert "generate" not in target.__dict__
+
+
 def test_top_k_top_p_sampling_runs_our_loop(pair):
     """Processed sampling (top-k / top-p / min-p) is served by our loop: no fallback, tokens inside the top-k set."""
     target, draft = pair

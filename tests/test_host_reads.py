@@ -54,6 +54,7 @@ def _backend(name):
 @pytest.mark.parametrize("method,temperature,filters", [
     ("ar", 0.0, {}), ("dflash", 0.0, {}), ("ddtree", 0.0, {}), ("dflash", 0.8, {}), ("ddtree", 0.8, {}),
     ("dflash", 0.8, {"top_k": 20, "top_p": 0.9, "min_p": 0.05}),  # the processed-distribution sampler
+    ("dflash", 0.8, {"acceptance": "match"}),  # sampled, argmax drafts kept while they equal the samples
 ])
 def test_one_host_read_per_round(backend, method, temperature, filters):
     target = tiny_target("qwen3", layers=3, hidden=32)

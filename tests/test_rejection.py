@@ -174,3 +174,19 @@ def test_acceptance_rules_benchmark_runs_at_smoke_size(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "| drafter2 | DFlash2DraftModel |" in out
+
+
+def test_generate_refuses_a_bad_acceptance_rule():
+    """dflash.generate names the rule and the methods it applies to (the drop-in and the CLI are tested in their
+    own files)."""
+    import dflash
+    from tiny_models import tiny_draft, tiny_target
+
+    target = tiny_target("qwen3", layers=3, hidden=32)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
+    with pytest.raises(ValueError, match="acceptance must be one of 'rejection', 'match'"):
+        dflash.generate(target, draft, [1, 2, 3], method="dflash", max_new_tokens=3, acceptance="x")
+    with pytest.raises(ValueError, match="not to method 'ddtree'"):
+        dflash.generate(target, draft, [1, 2, 3], method="ddtree", max_new_tokens=3, acceptance="rejection")
+    with pytest.raises(dflash.UnsupportedGeneration, match="acceptance does not apply to method 'ar'"):
+        dflash.generate(target, None, [1, 2, 3], method="ar", max_new_tokens=3, acceptance="match")

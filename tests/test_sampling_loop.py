@@ -42,11 +42,29 @@ def one_thread():
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_committed_tokens_follow_the_processed_distribution(pair, one_thread, method, setting):
+    """The default rule of each method: rejection sampling of drafts drawn from the drafter (DFlash chains),
+    the walk that follows the target's samples (DDTree)."""
+    check_processed_distribution(*pair, method, setting)
+
+
+@pytest.mark.parametrize("drafter,acceptance", [("dflash", "match"), ("dflash2", "rejection")],
+                         ids=["dflash-match", "dflash2-rejection"])
+def test_other_chain_rules_follow_the_processed_distribution(pair, one_thread, drafter, acceptance):
+    """The matching rule (argmax drafts kept while they equal the target's samples), and the rejection rule over
+    a DFlash2 drafter's sparse q (its selector's re-scored distribution over its top-k candidates)."""
     target, draft, prompt = pair
+    if drafter == "dflash2":
+        target, draft, _ = load_default_pair(drafter="dflash2")
+    check_processed_distribution(target, draft, prompt, "dflash", SETTINGS[0], acceptance=acceptance)
+
+
+def check_processed_distribution(target, draft, prompt, method, setting, **extra):
+    """The chi-square checks of the module docstring for one method and sampling setting (``extra``: more
+    generate() keywords)."""
     T, k, p, m = setting
     P = len(prompt)
     kw = dict(method=method, max_new_tokens=3, do_sample=True, temperature=T, top_k=k or 0, top_p=p, min_p=m,
-              eos_token_id=None, block_size=4)
+              eos_token_id=None, block_size=4, **extra)
     if method == "ddtree":
         kw["tree_budget"] = 6
     runs = []

@@ -85,6 +85,10 @@ class LoopOptions:
         B = int(self.block_size if self.block_size is not None else draft.block_size)
         if B < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {B}")
+        taps = getattr(draft, "conv_kernel_size", None)
+        if taps is not None and B < taps:
+            raise ValueError(f"block_size must be >= {taps} for this DFlash2 drafter (its convolutions span "
+                             f"conv_kernel_size={taps} block positions), got {B}")
         mask_id = draft.mask_token_id if self.mask_token_id is None else int(self.mask_token_id)
         if not 0 <= mask_id < vocab_size:
             raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {vocab_size})")

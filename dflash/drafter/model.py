@@ -192,34 +192,37 @@ class DraftLayer(nn.Module):
         self.attention_conv: Optional[GroupedDynamicCausalConv] = None
         self.mlp_conv: Optional[GroupedDynamicCausalConv] = None
 
-    def _wrapped(self, conv, sublayer, h, residual):
+    def _wrapped(self, conv, sublayer, h, residual, block_size: int):
         """``residual + sublayer(h)``, the sublayer inside ``conv``'s prepare / finish when the layer has one
-        (rows in blocks of B; the residual add fused into ``finish``)."""
+        (rows in blocks of ``block_size``, the pass's block length; the residual add fused into ``finish``)."""
         if conv is None:
             return residual + sublayer(h)
         rows, H = h.shape
-        blocks = (rows // self.block_size, self.block_size, H)
+        blocks = (rows // block_size, block_size, H)
         x, d1 = conv.prepare(h.view(blocks))
         out = sublayer(x.view(rows, H)).view(blocks)
         return conv.finish(out, d1, residual=residual.reshape(blocks)).view(rows, H)
 
-    def window_positions(self, block_positions: torch.Tensor) -> torch.Tensor:
+    def window_positions(self, block_positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """The positions a layer's window is measured from: each row's own, or (``window_anchored``) the
-        position of its block's anchor (rows in blocks of ``block_size``)."""
+        position of its block's anchor (rows in blocks of ``block_size``, the pass's block length)."""
         if not self.window_anchored:
             return block_positions
-        B = self.block_size
+        B = int(block_size)
         return block_positions.view(-1, B)[:, :1].expand(-1, B).reshape(-1)
 
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
-                context_count=None):
-        positions = None if block_positions is None else self.window_positions(block_positions)
+                context_count=None, block_size: Optional[int] = None):
+        """``block [rows, H]`` in blocks of ``block_size`` rows (None: the config's ``block_size``; a decoding
+        round passes its own, which may be smaller)."""
+        B = self.block_size if block_size is None else int(block_size)
+        positions = None if block_positions is None else self.window_positions(block_positions, B)
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
                                           window=self.sliding_window, block_positions=positions,
                                           context_count=context_count, causal=self.causal,
                                           anchored=self.window_anchored)
-        block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block)
-        return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block)
+        block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block, B)
+        return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block, B)
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], dtype: torch.dtype,
@@ -284,15 +287,16 @@ class DFlashDraftModel(nn.Module):
         context_features: torch.Tensor,
         positions: torch.Tensor,
         attn_mask: Optional[torch.Tensor] = None,
+        block_size: Optional[int] = None,
     ) -> torch.Tensor:
         """One drafter pass without a cache (training).
 
-        ``block_embeds [B, H]``, ``context_features [C, n*H]``, ``positions
-        [C + B]`` absolute positions of the context rows then the block.
-        ``attn_mask``: optional additive float ``[B, C + B]`` mask; sliding-window
-        layers add their window on top. Returns the final-normed block states
-        ``[B, H]``.
+        ``block_embeds [R, H]`` (``R / block_size`` blocks of ``block_size`` rows; None: the config's),
+        ``context_features [C, n*H]``, ``positions [C + R]`` absolute positions of the context rows then
+        the blocks. ``attn_mask``: optional additive float ``[R, C + R]`` mask; sliding-window layers add
+        their window on top. Returns the final-normed block states ``[R, H]``.
         """
+        B = self.block_size if block_size is None else int(block_size)
         dtype = self.fc.weight.dtype
         block = block_embeds.to(dtype)
         context = self.context_states(context_features)
@@ -302,9 +306,9 @@ class DFlashDraftModel(nn.Module):
             mask = attn_mask
             if layer.sliding_window is not None or layer.causal:
                 window = sliding_window_mask(block_positions, positions, layer.sliding_window, dtype, layer.causal,
-                                             layer.window_positions(block_positions))
+                                             layer.window_positions(block_positions, B))
                 mask = window if mask is None else mask + window
-            block = layer(block, context, cos, sin, attn_mask=mask, block_positions=block_positions)
+            block = layer(block, context, cos, sin, attn_mask=mask, block_positions=block_positions, block_size=B)
         return self.norm(block)
 
     def draft_block(self, block_embeds: torch.Tensor, context_features: torch.Tensor,
@@ -337,11 +341,11 @@ class DFlashDraftModel(nn.Module):
                 if cache.visible[key] is None:
                     cache.visible[key] = dflash_kernels.tree_visibility(
                         cache.block_bits(B, layer.causal), cache.length_t + context_count, B,
-                        n_keys=cache.key_rows(C + B), positions=layer.window_positions(block_positions),
+                        n_keys=cache.key_rows(C + B), positions=layer.window_positions(block_positions, B),
                         window=layer.sliding_window)
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
-                          context_count=context_count)
+                          context_count=context_count, block_size=B)
         cache.advance(context_count)
         return self.norm(block)
 
@@ -471,6 +475,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         K, g = int(dflash_value(config, "conv_kernel_size")), int(dflash_value(config, "conv_group_size"))
         if K > self.block_size:
             raise DraftConfigError(f"conv_kernel_size {K} exceeds block_size {self.block_size}")
+        #: taps of each convolution along a block: a round's block size must be at least this
+        self.conv_kernel_size = K
         for layer in self.layers:
             layer.attention_conv = GroupedDynamicCausalConv(config.hidden_size, K, g)
             layer.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, K, g)

@@ -245,7 +245,7 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, 
     offsets = torch.arange(B, device=dev)
     positions = torch.cat([torch.arange(C, device=dev), (anchors[:, None] + offsets).flatten()])
     mask = block_attention_mask(anchors, B, C, dtype=draft.fc.weight.dtype)
-    states = (forward or draft)(block_embeds, context, positions, attn_mask=mask)  # [nb*B, H]
+    states = (forward or draft)(block_embeds, context, positions, attn_mask=mask, block_size=B)  # [nb*B, H]
     rows = (torch.arange(nb, device=dev)[:, None] * B + offsets[None, 1:]).flatten()  # k >= 1
     w = weights[1:].to(dev).repeat(nb)
     targets = labels.flatten()
