@@ -97,10 +97,8 @@ class GenerationResult:
 
     @property
     def accepted_drafts(self) -> List[int]:
-        """Drafts accepted per round: ``accepted_depths`` when it holds one per round, else (a result built
-        without it) ``acceptance_lengths - 1``, which undercounts a final round the stop rules cut short."""
-        if self.method == "ar":
-            return [0] * self.num_rounds
+        """Drafts accepted per round: ``accepted_depths`` when it holds one per round, else (``ar``, or a result
+        built without it) ``acceptance_lengths - 1``, which undercounts a final round the stop rules cut short."""
         if len(self.accepted_depths) == self.num_rounds:
             return list(self.accepted_depths)
         return [a - 1 for a in self.acceptance_lengths]
