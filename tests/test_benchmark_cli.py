@@ -102,7 +102,25 @@ def test_all_methods_write_results_table_and_plots(pair_dirs, tmp_path, capsys):
     assert "All greedy (T = 0) outputs equal ar's token for token." in md and "| **FAILURE** |" not in md
     assert "| ddtree | 4 | 4 | 0.8 |" in md
     assert md in stdout
-    for name in ("acceptance_hist.png", "budget_curves.png"):
+    # per-position acceptance: pooled over the prompts' rounds in the JSON, a Markdown table, a plot
+    runs_of = {label: [r for r in results["runs"] if r["label"] == label] for label in labels}
+    for row in results["rows"]:
+        shares = row["position_acceptance"]
+        if row["method"] in ("ar", "hf", "hf-sample"):
+            assert shares == []
+            continue
+        positions = 3 if row["method"] in ("dflash", "ddtree") else benchmark.PROMPT_LOOKUP_TOKENS
+        pooled = [n for r in runs_of[row["label"]] for n in r["accepted_drafts"]]
+        assert len(pooled) == row["rounds"] and len(shares) == positions
+        assert shares == [sum(n >= k for n in pooled) / len(pooled) for k in range(1, positions + 1)]
+        assert all(0 <= v <= 1 for v in shares) and shares == sorted(shares, reverse=True)
+    assert "**Acceptance per draft position**" in md
+    assert "| method | budget | block | T | k=1 | k=2 | k=3 | k=4 |" in md
+    table = md[md.index("| method | budget | block | T | k=1"):].split("\n\n")[0].splitlines()
+    assert len(table) == 2 + 8  # dflash, two ddtree budgets and prompt-lookup at each temperature
+    ddtree = next(r for r in results["rows"] if r["label"] == "ddtree, budget 4, block 4, T=0.8")
+    assert "| ddtree | 4 | 4 | 0.8 | " + " | ".join(f"{v:.3f}" for v in ddtree["position_acceptance"]) + " | – |" in md
+    for name in ("acceptance_hist.png", "budget_curves.png", "position_acceptance.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC and (out / name).stat().st_size > 10_000
         assert f"]({name})" in md
 

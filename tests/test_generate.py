@@ -154,3 +154,49 @@ def test_bad_input_names_the_problem(case):
     kw = {"max_new_tokens": 4, **kw}
     with pytest.raises(exc, match=message):
         dflash.generate(target, draft, prompt, **kw)
+
+
+def recomputed_position_acceptance(res, block_size):
+    """a_k from acceptance_lengths (every round's accepted drafts = its committed tokens - 1), the final
+    round from what its verify accepted (the stop rules may have cut its commit short)."""
+    accepted = [a - 1 for a in res.acceptance_lengths[:-1]] + res.accepted_depths[-1:]
+    return [sum(n >= k for n in accepted) / len(accepted) for k in range(1, block_size)]
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_position_acceptance_of_a_generation(target, method):
+    block_size = 6
+    draft = tiny_draft(target, block_size=block_size)
+    kw = dict(method=method, tree_budget=8) if method == "ddtree" else dict(method=method)
+    shapes = set()
+    for i, prompt in enumerate(PROMPTS):
+        ref = greedy_reference(target, prompt, 40)
+        res = dflash.generate(target, RiggedDraft(draft, target.lm_head.weight, ref, p_right=0.75, seed=i), prompt,
+                              max_new_tokens=40, **kw)
+        values = res.position_acceptance
+        assert res.block_size == block_size and len(values) == block_size - 1
+        assert res.accepted_depths[:-1] == [a - 1 for a in res.acceptance_lengths[:-1]]
+        assert res.accepted_depths[-1] >= res.acceptance_lengths[-1] - 1
+        assert values == pytest.approx(recomputed_position_acceptance(res, block_size), abs=0)
+        assert all(0.0 <= v <= 1.0 for v in values) and values == sorted(values, reverse=True)
+        assert res.summary()["position_acceptance"] == values
+        shapes.add(tuple(values))
+    assert len(shapes) > 1 and any(0 < v < 1 for s in shapes for v in s)  # acceptance really varied
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_position_acceptance_counts_a_round_cut_short(target, method):
+    """A perfect drafter, B = 8, 10 new tokens: the prefill commits 1, round 1 commits 8, round 2's verify
+    accepts all 7 drafts but only 1 token may commit; both rounds reached every position."""
+    draft = tiny_draft(target, block_size=8)
+    ref = greedy_reference(target, PROMPTS[0], 16)
+    kw = dict(method=method, tree_budget=7) if method == "ddtree" else dict(method=method)
+    res = dflash.generate(target, RiggedDraft(draft, target.lm_head.weight, ref, p_right=1.0), PROMPTS[0],
+                          max_new_tokens=10, **kw)
+    assert res.acceptance_lengths == [8, 1] and res.accepted_depths == [7, 7]
+    assert res.position_acceptance == [1.0] * 7
+
+
+def test_ar_results_have_no_position_acceptance(target):
+    res = dflash.generate(target, None, PROMPTS[0], method="ar", max_new_tokens=5)
+    assert res.block_size == 1 and res.position_acceptance == [] and res.summary()["position_acceptance"] == []

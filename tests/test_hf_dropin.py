@@ -213,3 +213,17 @@ def test_top_k_top_p_sampling_runs_our_loop(pair):
     top3 = logits.topk(3, dim=-1).indices
     new = out[0, len(PROMPT):]
     assert all(int(t) in top3[i].tolist() for i, t in enumerate(new))
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_dropin_results_know_the_block_size_apply_set(pair, monkeypatch, method):
+    """The drop-in returns only sequences, but the result its loop built carries apply's block size, so
+    its per-position acceptance has one entry per draft position."""
+    target, draft = pair
+    results = []
+    real = dropin.run_generation
+    monkeypatch.setattr(dropin, "run_generation", lambda *a, **k: results.append(real(*a, **k)) or results[-1])
+    with dflash.apply(target, draft, method=method, block_size=3, tree_budget=4):
+        target.generate(**inputs(), max_new_tokens=8, do_sample=False)
+    (res,) = results
+    assert res.method == method and res.block_size == 3 and len(res.position_acceptance) == 2

@@ -101,6 +101,11 @@ def test_stream_iterator_yields_rounds(pair, method):
     rounds = list(it)
     assert sum(rounds, []) == it.result.generated_ids[0].tolist() == ref[0, len(PROMPT):len(PROMPT) + 25].tolist()
     assert [len(r) for r in rounds] == [1] + it.result.acceptance_lengths
+    # the streamed result knows its block size: per-position acceptance as the loop counted it
+    res = it.result
+    assert res.block_size == (1 if method == "ar" else 4)
+    assert res.position_acceptance == ([] if method == "ar" else
+                                       [sum(n >= k for n in res.accepted_depths) / res.num_rounds for k in (1, 2, 3)])
 
 
 def test_stream_with_a_tokenizer_yields_text(pair):

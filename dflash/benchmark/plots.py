@@ -2,14 +2,17 @@
 
 Inputs are the summary rows of :mod:`dflash.benchmark.run` (one per
 configuration: ``method``, ``budget``, ``block_size``, ``temperature``,
-``tau``, ``speedup``, ``acceptance_histogram`` = {committed tokens per round: count}).
+``tau``, ``speedup``, ``acceptance_histogram`` = {committed tokens per round: count},
+``position_acceptance`` = [a_1, ..., a_{B-1}], a_k the share of rounds whose accepted drafts reached k).
 
 * ``acceptance_hist.png``: per drafting configuration (method, budget, block),
   the share of rounds that committed 1, 2, ... tokens, one bar colour per
   temperature, tau marked by a dashed line;
 * ``budget_curves.png``: DDTree's tau and speedup over ``ar`` against the
   tree budget (log2 axis), one line per (temperature, block size), DFlash's
-  chain at the same setting as a dotted horizontal line.
+  chain at the same setting as a dotted horizontal line;
+* ``position_acceptance.png``: a_k against the draft position k, one curve
+  per drafting configuration (method, budget, block, temperature).
 """
 
 from __future__ import annotations
@@ -126,9 +129,35 @@ def budget_curves(rows: Sequence[dict], path: Path):
     return path
 
 
+def position_acceptance_curves(rows: Sequence[dict], path: Path):
+    """Share of rounds reaching each draft position, one curve per row; returns the path, or None when no
+    row drafted."""
+    drafting = [r for r in rows if r.get("position_acceptance")]
+    if not drafting:
+        return None
+    longest = max(len(r["position_acceptance"]) for r in drafting)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, r in enumerate(drafting):
+        shares = r["position_acceptance"]
+        ax.plot(range(1, len(shares) + 1), shares, "o-", color=plt.cm.tab10(i % 10),
+                linestyle="-" if i < 10 else "--", markersize=4, label=r["label"])
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("share of rounds accepting >= k drafts")
+    ax.set_xticks(range(1, longest + 1))
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("Acceptance per draft position (all rounds of all prompts)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def save_plots(rows: Sequence[dict], out_dir) -> List[Path]:
     """Write the plots that apply to ``rows`` into ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
     made = [acceptance_histograms(rows, out_dir / "acceptance_hist.png"),
-            budget_curves(rows, out_dir / "budget_curves.png")]
+            budget_curves(rows, out_dir / "budget_curves.png"),
+            position_acceptance_curves(rows, out_dir / "position_acceptance.png")]
     return [p for p in made if p is not None]

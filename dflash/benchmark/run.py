@@ -28,6 +28,12 @@ Statistics per configuration, pooled over prompts
   ms/token      decode time after the first emitted tokens / tokens emitted after them
   speedup       tokens/s over ``ar``'s tokens/s at the same temperature
   stage shares  draft / verify / commit time as a share of decode time (ours only)
+  position acceptance
+                per draft position k = 1 .. B - 1, the fraction of all rounds of all
+                prompts whose accepted drafts reached k (``dflash`` / ``ddtree``: the
+                drafts the verify accepted, a final round cut short by
+                ``max_new_tokens`` included; ``prompt-lookup``: k = 1 .. 10, the tokens
+                of each forward after the first, minus the bonus); empty without drafts
   peak memory   CUDA: ``torch.cuda.max_memory_allocated`` during the run (absolute, weights
                 included); CPU: growth of the process's peak resident set during the run
                 (``VmHWM`` of ``/proc/self/status`` after resetting it through
@@ -157,6 +163,9 @@ class Run:
     verify_time: Optional[float] = None
     commit_time: Optional[float] = None
     peak_memory_mib: Optional[float] = None
+    #: drafts accepted per round, and the draft positions a round had (B - 1; None: a method without drafts)
+    accepted_drafts: List[int] = field(default_factory=list)
+    draft_positions: Optional[int] = None
 
     @property
     def new_tokens(self) -> int:
@@ -196,8 +205,11 @@ def run_ours(cfg: BenchConfig, pair: Pair, prompt: torch.Tensor, settings: RunSe
         kw["compile"] = True
     result = generate(pair.target, pair.draft if cfg.method != "ar" else None, prompt, **kw)
     stages = (result.draft_time, result.verify_time, result.commit_time)
-    return Run(cfg.label, -1, result.generated_ids[0].tolist(), result.total_time, result.time_to_first_token, 1,
-               list(result.acceptance_lengths), *stages)
+    run = Run(cfg.label, -1, result.generated_ids[0].tolist(), result.total_time, result.time_to_first_token, 1,
+              list(result.acceptance_lengths), *stages)
+    if cfg.method != "ar":
+        run.accepted_drafts, run.draft_positions = result.accepted_drafts, result.block_size - 1
+    return run
 
 
 class EmissionClock:
@@ -263,7 +275,10 @@ def run_peer(cfg: BenchConfig, pair: Pair, prompt: torch.Tensor, settings: RunSe
     if sum(clock.counts) != len(generated):
         raise RuntimeError(f"{cfg.label}: the streamer saw {sum(clock.counts)} tokens but generate returned "
                            f"{len(generated)}; this transformers version streams differently")
-    return Run(cfg.label, -1, generated, total, clock.times[0] - start, clock.counts[0], clock.counts[1:])
+    run = Run(cfg.label, -1, generated, total, clock.times[0] - start, clock.counts[0], clock.counts[1:])
+    if cfg.method == "prompt-lookup":  # each forward after the first: its accepted drafts, then the bonus token
+        run.accepted_drafts, run.draft_positions = [c - 1 for c in clock.counts[1:]], PROMPT_LOOKUP_TOKENS
+    return run
 
 
 def run_config(cfg: BenchConfig, pair: Pair, prompt: torch.Tensor, settings: RunSettings, seed: int,
@@ -327,6 +342,19 @@ def _ratio(num: float, den: float) -> Optional[float]:
     return num / den if den > 0 else None
 
 
+def pooled_position_acceptance(runs: Sequence[Run]) -> List[float]:
+    """Position acceptance over all rounds of all ``runs`` (one configuration: one block size); ``[]``
+    for a method without drafts."""
+    from ..decoding.result import position_acceptance
+
+    sizes = {r.draft_positions for r in runs}
+    if sizes == {None} or not sizes:
+        return []
+    if len(sizes) > 1:
+        raise ValueError(f"runs of one configuration drafted {sorted(sizes, key=str)} positions; pooling needs one")
+    return position_acceptance([n for r in runs for n in r.accepted_drafts], sizes.pop() + 1)
+
+
 def summarize(cfg: BenchConfig, runs: Sequence[Run]) -> dict:
     """Pooled statistics of one configuration over its runs (speedup is filled in later)."""
     new = sum(r.new_tokens for r in runs)
@@ -349,6 +377,7 @@ def summarize(cfg: BenchConfig, runs: Sequence[Run]) -> dict:
         peak_memory_mib=max((r.peak_memory_mib for r in runs if r.peak_memory_mib is not None), default=None),
         acceptance_histogram=dict(sorted(histogram.items(), key=lambda kv: int(kv[0]))),
         failures=0,
+        position_acceptance=pooled_position_acceptance(runs),
     )
     if cfg.method in OUR_METHODS and decode > 0:
         stages = ("verify",) if cfg.method == "ar" else ("draft", "verify", "commit")  # ar: one stage
@@ -389,6 +418,29 @@ def markdown_table(rows: Sequence[dict], failures: Sequence[Failure], memory_wha
     for f in failures:
         lines.append("| **FAILURE** | " + f.describe() + " |" + " |" * (len(head) - 2))
     return "\n".join(lines)
+
+
+def position_acceptance_table(rows: Sequence[dict]) -> str:
+    """One line per drafting row, one column per draft position k (``–`` past a row's block)."""
+    drafting = [r for r in rows if r.get("position_acceptance")]
+    if not drafting:
+        return ""
+    positions = max(len(r["position_acceptance"]) for r in drafting)
+    head = ["method", "budget", "block", "T", *(f"k={k}" for k in range(1, positions + 1))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in drafting:
+        shares = r["position_acceptance"]
+        cells = [r["method"], _fmt(r["budget"], "d"), _fmt(r["block_size"], "d"), f"{r['temperature']:g}",
+                 *(_fmt(shares[k] if k < len(shares) else None, ".3f") for k in range(positions))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+POSITION_ACCEPTANCE_NOTE = (
+    "**Acceptance per draft position**: the share of rounds whose accepted drafts reached draft position k, over "
+    "all rounds of all prompts (a final round cut short by the token limit counts the drafts its verify accepted; "
+    "prompt-lookup: the tokens of each forward after the first, minus the bonus token, as transformers' streamer "
+    "shows them). Methods without drafts have no line.")
 
 
 NOTES = """\
@@ -693,6 +745,9 @@ def write_markdown(results: dict, path: Path, plots: Sequence[str]) -> str:
         lines += [f"- FAILURE: {f.describe()}" for f in failures] + [""]
     else:
         lines += ["All greedy (T = 0) outputs equal ar's token for token.", ""]
+    positions = position_acceptance_table(results["rows"])
+    if positions:
+        lines += [POSITION_ACCEPTANCE_NOTE, "", positions, ""]
     lines += ["Notes:", "", NOTES.format(memory_note=meta["memory_note"], lookup=PROMPT_LOOKUP_TOKENS,
                                          backend=meta["kernel_backend"], backend_note=backend_note)]
     if meta["dtype"] != "float32":

@@ -57,7 +57,8 @@ def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> Genera
     out = CommittedOutput(prompt, options.max_new_tokens, options.stop_ids,
                           stopping_criteria=options.stopping_criteria, streamer=options.streamer)
     try:
-        result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=rnd.method)
+        result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=rnd.method,
+                                  block_size=rnd.B)
         reader = HostReader(rnd.device, rnd.payload_size)
         start = time.perf_counter()
         out.extend(reader.read(rnd.start(prompt)))
@@ -73,10 +74,11 @@ def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> Genera
             new = rnd.committed_tokens(reader.read(payload))
             rnd.mirror(before, len(new))
             out.extend(new)
-            result.acceptance_lengths.append(out.committed - before)
+            result.acceptance_lengths.append(out.committed - before)  # after the stop rules
+            if rnd.method != "ar":
+                result.accepted_depths.append(len(new) - 1)  # as verified: the drafts before the bonus token
             if rnd.method == "ddtree":
                 result.tree_sizes.append(rnd.N)
-                result.accepted_depths.append(len(new) - 1)
                 if options.return_trees:
                     result.trees.append(rnd.tree_record(len(new)))
             clock.mark("commit")

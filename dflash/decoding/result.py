@@ -3,9 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional, Sequence
 
 import torch
+
+__all__ = ["GenerationResult", "position_acceptance"]
+
+
+def position_acceptance(accepted: Sequence[int], block_size: int) -> List[float]:
+    """Per draft position, the fraction of rounds whose accepted draft count reached it.
+
+    ``accepted [R]``: drafts accepted in each of R rounds (each in
+    ``[0, B - 1]``); ``block_size`` B: the anchor plus ``B - 1`` draft
+    positions. Returns ``[a_1, ..., a_{B-1}]`` with
+
+        a_k = #{r : accepted[r] >= k} / R,
+
+    so ``1 >= a_1 >= a_2 >= ... >= 0`` and ``sum_k a_k`` is the mean accepted
+    drafts per round (tau - 1 when no round was cut short). ``B = 1`` (no
+    drafts, as for ``ar``) gives ``[]``; ``R = 0`` gives B - 1 zeros (no round
+    reached any position), so lists of one block size always line up.
+    Pooling several generations of one block size is this function on their
+    concatenated rounds.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1 (the anchor plus the draft positions), got {block_size!r}")
+    positions = block_size - 1
+    reached = [0] * positions  # reached[k - 1]: rounds with at least k accepted drafts
+    for n in accepted:
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= positions:
+            raise ValueError(f"accepted draft counts must be ints in [0, {positions}] for block_size {block_size}, "
+                             f"got {n!r}")
+        for k in range(n):
+            reached[k] += 1
+    rounds = len(accepted)
+    return [r / rounds if rounds else 0.0 for r in reached]
 
 
 @dataclass
@@ -14,6 +46,13 @@ class GenerationResult:
 
     ``output_ids [1, prompt + new]``; ``acceptance_lengths``: tokens committed
     per round (bonus included; all 1 for ``ar``); times in seconds.
+    ``block_size``: the B the rounds ran with (1 for ``ar``; None only on a
+    result built by hand without it). ``accepted_depths``: drafts accepted per
+    round as the verify found them, before the stop rules (``max_new_tokens``,
+    a stop id, ``stopping_criteria``) cut the final round's commit short: a
+    DFlash chain's accepted prefix, the depth of DDTree's accepted path; empty
+    for ``ar``. So the final round's ``acceptance_lengths`` entry can be below
+    its ``accepted_depths`` entry + 1; every earlier round's equals it.
     """
 
     output_ids: torch.Tensor
@@ -30,6 +69,8 @@ class GenerationResult:
     tree_sizes: List[int] = field(default_factory=list)
     accepted_depths: List[int] = field(default_factory=list)
     trees: List[dict] = field(default_factory=list)
+    #: the block size B of the rounds (anchor + B - 1 draft positions; 1 for ``ar``)
+    block_size: Optional[int] = None
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -53,6 +94,31 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean tokens committed per round (bonus included)."""
         return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def accepted_drafts(self) -> List[int]:
+        """Drafts accepted per round: ``accepted_depths`` when it holds one per round, else (``ar``, or a result
+        built without it) ``acceptance_lengths - 1``, which undercounts a final round the stop rules cut short."""
+        if len(self.accepted_depths) == self.num_rounds:
+            return list(self.accepted_depths)
+        return [a - 1 for a in self.acceptance_lengths]
+
+    @property
+    def position_acceptance(self) -> List[float]:
+        """For each draft position ``k = 1 .. B - 1``, the fraction of rounds whose accepted drafts reached k.
+
+        See :func:`position_acceptance`; counted from :attr:`accepted_drafts`,
+        so a final round cut short by ``max_new_tokens`` or a stop id counts the
+        drafts its verify accepted, not only those it committed. ``[]`` for
+        ``ar``; B - 1 zeros when there were no rounds (the prefill's token
+        ended the generation).
+        """
+        if self.method == "ar":
+            return []
+        if self.block_size is None:
+            raise ValueError(f"position_acceptance needs the block size: this {self.method!r} result has "
+                             "block_size=None (the loops set it; pass block_size= when building one by hand)")
+        return position_acceptance(self.accepted_drafts, self.block_size)
 
     @property
     def decode_time(self) -> float:
@@ -81,4 +147,5 @@ class GenerationResult:
             verify_time=self.verify_time,
             commit_time=self.commit_time,
             compile_time=self.compile_time,
+            position_acceptance=self.position_acceptance,
         )
