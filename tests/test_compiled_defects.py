@@ -13,7 +13,11 @@
 * the index tables of the device tree build belong to the round that reads
   them (no global cache of device tensors a captured graph could outlive);
 * ``torch.compile`` failing because setuptools could not load its own
-  distutils is refused as :class:`CompileUnsupported` with its cause and cure.
+  distutils is refused as :class:`CompileUnsupported` with its cause and cure;
+* a target once called with ``output_hidden_states=True`` (transformers then
+  keeps output-capturing hooks on its layers, which look a ContextVar up)
+  still compiles its rounds, and the hooks still capture in the user's own
+  calls afterwards.
 """
 
 import gc
@@ -281,3 +285,18 @@ def test_distutils_failure_after_importing_pip():
     line = [ln for ln in out.stdout.splitlines() if ln.startswith(("REFUSED", "COMPILED"))]
     assert line and line[-1].startswith("REFUSED"), out.stdout[-3000:]
     _assert_distutils_message(line[-1])
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_target_with_output_capturing_hooks_compiles(reference_ops, trace_only, method):
+    target, draft = pair(block_size=4)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = target(ids, output_hidden_states=True).hidden_states
+    kw = dict(method=method, max_new_tokens=10, **(dict(tree_budget=4) if method == "ddtree" else {}))
+    out = dflash.generate(target, draft, PROMPT, compile=True, **kw)
+    assert torch.equal(out.output_ids, greedy(target, 10))
+    assert dflash.generate(target, draft, PROMPT, compile=True, **kw).acceptance_lengths == out.acceptance_lengths
+    with torch.no_grad():  # the hooks are untouched: they capture again in the user's own call
+        after = target(ids, output_hidden_states=True).hidden_states
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))

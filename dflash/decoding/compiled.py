@@ -57,6 +57,7 @@ from typing import List, Optional
 
 import torch
 
+from ..target.output_hooks import inert_output_hooks
 from .options import RoundShape
 from .round import Round, bucket_rows, cache_rows
 
@@ -205,10 +206,17 @@ class RoundSteps:
             self._draft, self._verify = _compiled(_draft_step, rnd.device), _compiled(_verify_step, rnd.device)
 
     def _run_draft(self):
-        return self._draft(self.rnd)
+        with self._hooks():
+            return self._draft(self.rnd)
 
     def _run_verify(self):
-        return self._verify(self.rnd)
+        with self._hooks():
+            return self._verify(self.rnd)
+
+    def _hooks(self):
+        """Traced steps: transformers' output-capturing hooks (left on a model by an ``output_hidden_states``
+        call) made traceable; eager steps: nothing."""
+        return inert_output_hooks() if self.traced else contextlib.nullcontext()
 
     def _round(self) -> torch.Tensor:
         if self.rnd.method != "ar":
