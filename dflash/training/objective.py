@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash_kernels
+from dflash_kernels.reference.lm_head import soft_cap
 
 from ..drafter.model import DFlash2DraftModel, DFlashDraftModel
 from ..target import TargetAdapter
@@ -255,9 +256,7 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, 
         losses = dflash_kernels.lm_head_cross_entropy(head, lm_head_weight.detach(), targets, weights=w,
                                                       positions=rows, softcap=cap)
     else:
-        logits = head.float() @ lm_head_weight.detach().float().T  # [nb*B, V]: what fused avoids
-        if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
+        logits = soft_cap(head.float() @ lm_head_weight.detach().float().T, cap)  # [nb*B, V]: what fused avoids
         losses = F.cross_entropy(logits[rows], targets, reduction="none") * w
     return losses.view(nb, B - 1), states
 

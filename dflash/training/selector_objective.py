@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash_kernels
+from dflash_kernels.reference.lm_head import soft_cap
 
 __all__ = ["training_candidates", "selector_block_losses"]
 
@@ -82,16 +83,14 @@ def selector_block_losses(draft, lm_head_weight: torch.Tensor, states: torch.Ten
     rows = (torch.arange(nb, device=dev)[:, None] * B + torch.arange(1, B, device=dev)[None, :]).flatten()
     W = lm_head_weight.detach()
     cap = draft.logit_softcap
-    with torch.no_grad():  # the drafter's logits are softcap(output_multiplier * W h): the same top-K as W h
+    with torch.no_grad():  # the top-K of the drafter's logits, softcap(output_multiplier * W h)
         _, top = dflash_kernels.lm_head_topk(draft.head_hidden(states.detach()), W, K, positions=rows,
                                              softcap=cap)  # [N, K]
     flat_labels = labels.flatten()
     cand, slot, present = training_candidates(top, flat_labels)
     hidden = states.index_select(0, rows)  # [N, H]: the selector's projection reads the unscaled states
     head = draft.head_hidden(hidden)
-    unary = torch.einsum("nh,nkh->nk", head, W[cand].to(head.dtype))  # [N, K]: the candidates' drafter logits
-    if cap is not None:
-        unary = cap * torch.tanh(unary / cap)
+    unary = soft_cap(torch.einsum("nh,nkh->nk", head, W[cand].to(head.dtype)), cap)  # [N, K]: their drafter logits
     scores = draft.candidate_selector(unary, hidden, prev.reshape(-1), cand).float()
     ce = F.cross_entropy(scores, slot, reduction="none") * weights[1:].to(dev).repeat(nb)
     with torch.no_grad():
