@@ -63,6 +63,13 @@ def _float_at_least(low: float, what: str):
     return _number_at_least(float, low, what)
 
 
+def _tree_budget(text: str):
+    """``--tree-budget``: ``auto`` or an int >= 1."""
+    if text == "auto":
+        return "auto"
+    return _int_at_least(1, "--tree-budget must be an int >= 1 (draft nodes per round) or 'auto'")(text)
+
+
 DEMO_PROMPT = 'def parse_header(line):\n    """Split a "Key: value" header line."""\n'
 
 
@@ -222,8 +229,8 @@ def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--max-new-tokens", type=_int_at_least(1, "--max-new-tokens must be >= 1"), default=256)
     p.add_argument("--temperature", type=_float_at_least(0.0, "--temperature must be >= 0 (0 = greedy)"),
                    default=None if generate else 0.0)
-    p.add_argument("--tree-budget", type=_int_at_least(1, "--tree-budget must be >= 1 (draft nodes per round)"),
-                   default=None)
+    p.add_argument("--tree-budget", type=_tree_budget, default=None,
+                   help="DDTree draft nodes per round, or 'auto' (chosen each round from measured costs)")
     p.add_argument("--threads", type=_int_at_least(1, "--threads must be >= 1"), default=1,
                    help="torch CPU threads (default 1: small models decode fastest single-threaded)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")

@@ -34,9 +34,9 @@ def pair_args(dirs, draft="d"):
     return ["--target", str(dirs / "t"), "--draft", str(dirs / draft)]
 
 
-@pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_demo_prints_text_tau_speed_and_speedup(capsys, method):
-    assert main(["demo", "--max-new-tokens", "24", "--method", method, "--tree-budget", "8"]) == 0
+@pytest.mark.parametrize("method,budget", [("dflash", "8"), ("ddtree", "8"), ("ddtree", "auto")])
+def test_demo_prints_text_tau_speed_and_speedup(capsys, method, budget):
+    assert main(["demo", "--max-new-tokens", "24", "--method", method, "--tree-budget", budget]) == 0
     out = capsys.readouterr().out
     for key in ("tau", "tokens/s", "speedup", "lossless          yes"):
         assert key in out, key
@@ -59,7 +59,8 @@ def one_error_line(capsys, needle):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--tree-budget", "0"], "--tree-budget must be >= 1"),
+    (["--tree-budget", "0"], "--tree-budget must be an int >= 1 (draft nodes per round) or 'auto'"),
+    (["--tree-budget", "lots"], "--tree-budget must be an int >= 1 (draft nodes per round) or 'auto'"),
     (["--block-size", "1"], "--block-size must be >= 2"),
     (["--method", "beam"], "invalid choice: 'beam'"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),

@@ -51,6 +51,8 @@ NOT_RUN = {
     "bash bench/gpu_check.sh": "a GPU script; tests/test_gpu_check.py runs its CPU dry run",
     "python -m dflash generate --compile": "torch.compile of the rounds; tests/test_compiled_rounds.py compiles them",
     "python bench/acceptance_rules.py": "four samplings of 8 prompts; tests/test_rejection.py runs it at smoke size",
+    "python bench/auto_budget.py": "every fixed budget and auto on two prompt sets; tests/test_auto_budget.py runs "
+                                   "it at smoke size",
     "python bench/train_world_parity.py": "three trainings of the tiny drafter; tests/test_train_distributed.py "
                                          "checks the same equality at test size",
 }

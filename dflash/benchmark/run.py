@@ -397,6 +397,8 @@ def add_speedups(rows: List[dict]) -> None:
 
 # ------------------------------------------------------------------ tables
 def _fmt(value, spec: str, suffix: str = "") -> str:
+    if isinstance(value, str):  # a budget chosen per round: "auto"
+        return value + suffix
     return NOT_APPLICABLE if value is None else format(value, spec) + suffix
 
 
@@ -517,6 +519,15 @@ def builtin_prompts(tokenizer, n: int, prompt_len: int, seed: int) -> List[List[
 
 
 # --------------------------------------------------------------------- CLI
+def _budget_list(text: str) -> list:
+    """``--budgets``: comma-separated ints >= 1 and ``auto``."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if "auto" in items:
+        rest = ",".join(x for x in items if x != "auto")
+        return (_int_list(rest) if rest else []) + ["auto"]
+    return _int_list(text)
+
+
 def _int_list(text: str) -> List[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -557,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128, help="bytes per built-in prompt")
     p.add_argument("--methods", type=_method_list, default=list(ALL_METHODS),
                    help="comma-separated, default: all (ar always runs: it is the baseline)")
-    p.add_argument("--budgets", type=_int_list, default=[4, 16, 64], help="DDTree node budgets")
+    p.add_argument("--budgets", type=_budget_list, default=[4, 16, 64],
+                   help="DDTree node budgets (ints, and 'auto': chosen each round)")
     p.add_argument("--temperatures", type=_float_list, default=[0.0, 0.7])
     p.add_argument("--block-sizes", type=_int_list, default=None, help="drafter block sizes (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -58,6 +58,7 @@ from typing import List, Optional
 import torch
 
 from ..target.output_hooks import inert_output_hooks
+from .budget_policy import BudgetPolicy
 from .options import RoundShape
 from .round import Round, bucket_rows, cache_rows
 
@@ -97,8 +98,8 @@ def _draft_step(rnd: Round) -> None:
     rnd.draft()
 
 
-def _verify_step(rnd: Round) -> torch.Tensor:
-    return rnd.verify()
+def _verify_step(rnd: Round, bucket: int) -> torch.Tensor:
+    return rnd.verify(bucket)
 
 
 #: ``torch.compile`` keywords of the steps (tests trace with ``backend="eager"`` to count graph breaks cheaply).
@@ -191,6 +192,8 @@ class RoundSteps:
         self.cuda = rnd.device.type == "cuda" and self.traced
         self.graphs = None
         self.payload = None
+        #: a budget chosen per round: the choice's state (:func:`_bucket_costs`)
+        self.policy: Optional[BudgetPolicy] = None
         self.ready = False
         #: the shared cache buffers this entry's caches view (:class:`_SharedKV`)
         self.blocks: List[_Block] = list(blocks)
@@ -198,39 +201,52 @@ class RoundSteps:
         self.busy = False
         self.evicted = False
         if not self.traced:
-            self._draft, self._verify = _draft_step, _verify_step
+            self._draft, self._verify = _draft_step, [_verify_step] * self.buckets
         else:
             rnd.host_tree = False  # a traced round builds and walks the tree with the device ops
             for cache in rnd._caches():  # and attends over whole caches (its shapes may not change)
                 cache.key_bound = False
-            self._draft, self._verify = _compiled(_draft_step, rnd.device), _compiled(_verify_step, rnd.device)
+            # one compiled copy per budget bucket: each its own graph and guards, so switching buckets between
+            # rounds never recompiles
+            self._draft = _compiled(_draft_step, rnd.device)
+            self._verify = [_compiled(_verify_step, rnd.device) for _ in range(self.buckets)]
+
+    @property
+    def buckets(self) -> int:
+        """How many verify shapes the round has: its budget buckets (1 unless the budget is chosen per round)."""
+        return len(self.rnd.bucket_nodes)
 
     def _run_draft(self):
         with self._hooks():
             return self._draft(self.rnd)
 
-    def _run_verify(self):
+    def _run_verify(self, bucket: int):
+        linear = getattr(self.rnd.cache, "linear", None)
+        if linear is not None:  # a hybrid target's stash of this bucket's rows, picked outside any traced code
+            linear.stash(self.rnd.bucket_nodes[bucket] + 1 if self.rnd.method == "ddtree" else self.rnd.T)
         with self._hooks():
-            return self._verify(self.rnd)
+            return self._verify[bucket](self.rnd, bucket)
 
     def _hooks(self):
         """Traced steps: transformers' output-capturing hooks (left on a model by an ``output_hidden_states``
         call) made traceable; eager steps: nothing."""
         return inert_output_hooks() if self.traced else contextlib.nullcontext()
 
-    def _round(self) -> torch.Tensor:
+    def _round(self, bucket: int = -1) -> torch.Tensor:
         if self.rnd.method != "ar":
             self._run_draft()
-        return self._run_verify()
+        return self._run_verify(bucket % self.buckets)
 
     def _capture(self) -> None:
-        """Warm up on a side stream (the first calls compile), then capture each step in a CUDA graph."""
+        """Warm up on a side stream (the first calls compile), then capture each step in a CUDA graph (a verify
+        graph per budget bucket, all in the draft graph's memory pool: they replay one at a time)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.rnd.restore()
-                self._round()
+                for bucket in range(self.buckets):
+                    self.rnd.restore()
+                    self._round(bucket)
         torch.cuda.current_stream().wait_stream(side)
         self.rnd.restore()
         draft_graph = None
@@ -238,10 +254,16 @@ class RoundSteps:
             draft_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(draft_graph):
                 self._run_draft()
-        verify_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(verify_graph, pool=draft_graph.pool() if draft_graph is not None else None):
-            self.payload = self._run_verify()
-        self.graphs = (draft_graph, verify_graph)
+        pool = draft_graph.pool() if draft_graph is not None else None
+        verify_graphs, self.payload = [], []
+        for bucket in range(self.buckets):
+            self.rnd.restore()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.payload.append(self._run_verify(bucket))
+            verify_graphs.append(graph)
+            pool = graph.pool()
+        self.graphs = (draft_graph, verify_graphs)
 
     def prepare(self) -> float:
         """Compile (and capture) the steps once; returns the seconds it took (0 when already done).
@@ -260,8 +282,9 @@ class RoundSteps:
                 self._capture()
             else:
                 for _ in range(2):
-                    rnd.restore()
-                    self._round()
+                    for bucket in range(self.buckets):
+                        rnd.restore()
+                        self._round(bucket)
         except Exception as exc:  # dynamo / inductor / capture failures: say what and what to do
             raise _unsupported(type(rnd.adapter.model).__name__, exc) from exc
         finally:
@@ -279,21 +302,50 @@ class RoundSteps:
         else:
             self._run_draft()
 
-    def verify(self) -> torch.Tensor:
+    def verify(self, bucket: int = -1) -> torch.Tensor:
+        """The round's verify step of budget bucket ``bucket`` (:attr:`Round.bucket_nodes`; the only one at a
+        fixed budget); returns the payload."""
+        bucket %= self.buckets
         if self.graphs is not None:
-            self.graphs[1].replay()
-            return self.payload
-        return self._run_verify()
+            self.graphs[1][bucket].replay()
+            return self.payload[bucket]
+        return self._run_verify(bucket)
+
+    def measure_costs(self, repeats: int = 5) -> List[float]:
+        """Seconds of a round (draft + verify + the payload's read) per budget bucket: the median of ``repeats``
+        after one untimed round each (on a GPU its kernels' first launches compile). On the frozen caches at
+        their current lengths; the state is put back (:meth:`Round.snapshot`), as :meth:`prepare` does."""
+        rnd = self.rnd
+        rnd.freeze()
+        rnd.snapshot()
+        costs = []
+        try:
+            for bucket in range(self.buckets):
+                times = []
+                for i in range(repeats + 1):
+                    rnd.restore()
+                    t0 = time.perf_counter()
+                    self.draft()
+                    self.verify(bucket).to("cpu")
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                costs.append(sorted(times)[len(times) // 2])
+        finally:
+            rnd.restore()
+            rnd.thaw()
+        return costs
 
     def release(self) -> None:
         """Free what the entry holds: CUDA graphs reset (their memory pool goes back), compiled code dropped,
         the round's caches and buffers unreferenced. The entry cannot run afterwards."""
         graphs, self.graphs = self.graphs, None
-        for graph in graphs or ():
-            if graph is not None:
-                graph.reset()
+        if graphs is not None:
+            draft_graph, verify_graphs = graphs
+            for graph in [draft_graph, *verify_graphs]:
+                if graph is not None:
+                    graph.reset()
         self.payload = None
-        for fn in (self._draft, self._verify):
+        for fn in [self._draft, *(self._verify or ())]:
             _forget_code(fn)
         self._draft = self._verify = None
         self.rnd = None
@@ -413,6 +465,28 @@ def _pool(target) -> _RoundPool:
     return pool
 
 
+def _bucket_costs(target, key, steps: RoundSteps) -> float:
+    """A round whose budget is chosen per round: ``steps.policy`` = the target's :class:`BudgetPolicy` for these
+    settings (``key``, as the pool's), made on first use from the round's measured seconds per bucket
+    (:meth:`RoundSteps.measure_costs`) and kept on the target, so its estimates carry over from one generation
+    to the next; returns the seconds the measurement took (0 when known, or for a fixed budget)."""
+    if not steps.rnd.auto:
+        return 0.0
+    known = getattr(target, "_dflash_budget_policies", None)
+    if not isinstance(known, dict):
+        known = {}
+        try:
+            setattr(target, "_dflash_budget_policies", known)
+        except AttributeError:  # pragma: no cover - a target that refuses attributes: measured every call
+            pass
+    if key in known:
+        steps.policy = known[key]
+        return 0.0
+    t0 = time.perf_counter()
+    steps.policy = known[key] = BudgetPolicy(steps.measure_costs())
+    return time.perf_counter() - t0
+
+
 def _sampling_key(sampling):
     return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
@@ -429,14 +503,15 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
     target_rows, draft_rows = cache_rows(shape, total_tokens)
-    if mode is False:
-        rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling)
-        yield RoundSteps(rnd, False), 0.0
-        return
     draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
     key = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), bucket_rows(target_rows),
            bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(adapter.device), mode,
            repr(sorted(_compile_kwargs(adapter.device).items())))
+    if mode is False:
+        rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling)
+        steps = RoundSteps(rnd, False)
+        yield steps, _bucket_costs(target, key, steps)
+        return
     pool = _pool(target)
     with pool.lock:
         steps = pool.get(key)
@@ -462,6 +537,6 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 with pool.lock:
                     pool.discard(key)
             raise
-        yield steps, compile_time
+        yield steps, compile_time + _bucket_costs(target, key, steps)
     finally:
         pool.finish(steps)

@@ -27,7 +27,8 @@ def dflash_generate(target, draft, input_ids, *, compile=False, **options) -> Ge
 
 
 def ddtree_generate_result(target, draft, input_ids, *, compile=False, **options) -> GenerationResult:
-    """DDTree generation (a best-first tree of ``tree_budget`` drafts per round, default ``2 * (B - 1)``)."""
+    """DDTree generation (a best-first tree of ``tree_budget`` drafts per round, default ``2 * (B - 1)``;
+    ``"auto"``: the budget chosen each round, :mod:`dflash.decoding.budget_policy`)."""
     return generate_rounds(target, draft, input_ids, "ddtree", LoopOptions(**options), compile=compile)
 
 

@@ -71,7 +71,9 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id`` (int or
     list: stop right after one), ``pad_token_id``, ``stopping_criteria``,
     ``streamer``; plus our own ``stop_token_ids``, ``seed`` (reproducible
-    samples), ``block_size``, ``tree_budget``, ``mask_token_id``,
+    samples), ``block_size``, ``tree_budget`` (an int, or ``"auto"``: chosen
+    each round among 4 to 64 nodes from this device's measured costs and the
+    acceptance seen), ``mask_token_id``,
     ``return_trees``, ``stage_timing``, ``acceptance`` (how a sampled DFlash
     chain accepts drafts: ``"rejection"``, the default, or ``"match"``;
     DDTree walks its tree, ``"match"`` only). A ``temperature > 0`` given with no

@@ -88,7 +88,7 @@ LOOP_KEYWORDS = {
     "stop_token_ids": "extra stop tokens, added to eos_token_id",
     "seed": "seed of the target's samples (None: fresh entropy per call)",
     "block_size": "drafter block size (default: the drafter's)",
-    "tree_budget": "DDTree draft nodes per round (ddtree only)",
+    "tree_budget": "DDTree draft nodes per round, or 'auto' (chosen each round; ddtree only)",
     "mask_token_id": "the drafter's mask token (ddtree only; default: the drafter's)",
     "return_trees": "keep each round's tree in result.trees (ddtree only)",
     "acceptance": "sampled DFlash chains: 'rejection' (default; drafts sampled from the drafter, kept with "

@@ -85,14 +85,15 @@ def is_applied(target) -> bool:
     return isinstance(target.__dict__.get(_STATE), DropIn)
 
 
-def apply(target, draft=None, *, method: Optional[str] = None, tree_budget: int = 64, block_size=None,
+def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto", block_size=None,
           mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None) -> DropIn:
     """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
 
     ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
     (our plain decoding); with neither a drafter nor a method only
     ``assistant_model=<DFlashDraftModel>`` calls run our loop;
-    ``tree_budget`` (ddtree), ``block_size``, ``mask_token_id``, ``acceptance``
+    ``tree_budget`` (ddtree; ``"auto"`` by default: chosen each round from
+    this device's measured costs, :mod:`dflash.decoding.budget_policy`), ``block_size``, ``mask_token_id``, ``acceptance``
     (sampled DFlash chains: ``"rejection"``, the default, or ``"match"``;
     ``"rejection"`` with ddtree is refused here): as in
     :func:`dflash.generate`. The drafter is checked against the target now

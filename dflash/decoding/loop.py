@@ -4,8 +4,9 @@
 
     adapter opens (patches on) -> options resolved -> steps leased (a fresh round, or the pooled compiled one)
     round.start(prompt): prefill, first token, drafter ingests the prompt, caches frozen
-    while not done:   check room -> steps.draft() -> payload = steps.verify() -> ONE host read
-                      -> committed tokens -> stop rules, streamer, stats, host mirrors of the lengths
+    while not done:   check room -> [budget bucket chosen] -> steps.draft() -> payload = steps.verify(bucket)
+                      -> ONE host read -> committed tokens -> stop rules, streamer, stats, host mirrors of
+                      the lengths -> [the budget policy told what the round accepted]
 
 Nothing here touches the round's device state: the round's two steps own it
 (:mod:`dflash.decoding.round`); ``compile`` only changes what runs them
@@ -53,6 +54,9 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
 
 def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> GenerationResult:
     rnd = steps.rnd
+    policy = steps.policy
+    if policy is not None:
+        policy.start()
     rnd.reset(seed)
     out = CommittedOutput(prompt, options.max_new_tokens, options.stop_ids,
                           stopping_criteria=options.stopping_criteria, streamer=options.streamer)
@@ -67,20 +71,26 @@ def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> Genera
         while not out.done:
             before = out.committed
             rnd.check_room(before)  # host ints: a round never writes past either cache
+            bucket = policy.choose() if policy is not None else -1
+            began = time.perf_counter()
             steps.draft()
             clock.mark("draft")
-            payload = steps.verify()
+            payload = steps.verify(bucket)
             clock.mark("verify")
-            new = rnd.committed_tokens(reader.read(payload))
+            host = reader.read(payload)
+            new = rnd.committed_tokens(host)
+            if policy is not None:
+                policy.observe(bucket, rnd.bucket_acceptance(host), rnd.depth_masses(host),
+                               time.perf_counter() - began)
             rnd.mirror(before, len(new))
             out.extend(new)
             result.acceptance_lengths.append(out.committed - before)  # after the stop rules
             if rnd.method != "ar":
                 result.accepted_depths.append(len(new) - 1)  # as verified: the drafts before the bonus token
             if rnd.method == "ddtree":
-                result.tree_sizes.append(rnd.N)
+                result.tree_sizes.append(rnd.bucket_nodes[bucket])
                 if options.return_trees:
-                    result.trees.append(rnd.tree_record(len(new)))
+                    result.trees.append(rnd.tree_record(len(new), bucket))
             clock.mark("commit")
         result.total_time = time.perf_counter() - start
         stages = clock.totals()

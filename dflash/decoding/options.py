@@ -15,8 +15,8 @@ import torch
 from ..drafter.config import DraftConfigError, validate_target_layer_ids
 from .generation_config import SamplingSettings
 
-__all__ = ["ACCEPTANCE_RULES", "LoopOptions", "METHODS", "RoundShape", "check_acceptance", "check_pair",
-           "check_tree_budget", "prepare_prompt"]
+__all__ = ["ACCEPTANCE_RULES", "AUTO_BUDGETS", "LoopOptions", "METHODS", "RoundShape", "check_acceptance",
+           "check_pair", "check_tree_budget", "prepare_prompt"]
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -24,6 +24,9 @@ METHODS = ("ar", "dflash", "ddtree")
 #: q, kept with probability min(1, p / q), the first rejection resampled from max(p - q, 0)) or ``"match"``
 #: (drafts at the drafter's argmax, kept while they equal the target's own sample). Both are lossless.
 ACCEPTANCE_RULES = ("rejection", "match")
+
+#: the budget buckets ``tree_budget="auto"`` chooses among each round (those a tree of the drafter's depth can fill)
+AUTO_BUDGETS = (4, 8, 16, 32, 64)
 
 
 @dataclass
@@ -33,7 +36,9 @@ class LoopOptions:
     ``stopping_criteria(input_ids [1, n], None)`` is asked after every
     committed token; ``streamer`` gets ``put(prompt [1, T])`` first, then each
     round's committed tokens, then ``end()``. ``block_size`` / ``mask_token_id``
-    default to the drafter's, ``tree_budget`` to ``2 * (B - 1)``;
+    default to the drafter's, ``tree_budget`` to ``2 * (B - 1)`` (``"auto"`` or a
+    sequence of ints: the budget is chosen each round among those buckets,
+    :mod:`dflash.decoding.budget_policy`);
     ``return_trees`` keeps each DDTree round's tree in ``result.trees``;
     ``stage_timing`` records per-stage times. ``acceptance``: the rule of a
     sampled DFlash chain (:data:`ACCEPTANCE_RULES`; None: ``"rejection"``);
@@ -49,7 +54,7 @@ class LoopOptions:
     streamer: object = None
     seed: Optional[int] = None
     block_size: Optional[int] = None
-    tree_budget: Optional[int] = None
+    tree_budget: object = None
     mask_token_id: Optional[int] = None
     return_trees: bool = False
     stage_timing: bool = True
@@ -92,22 +97,27 @@ class LoopOptions:
         mask_id = draft.mask_token_id if self.mask_token_id is None else int(self.mask_token_id)
         if not 0 <= mask_id < vocab_size:
             raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {vocab_size})")
-        budget = 0
+        budget, buckets = 0, ()
         if method == "ddtree":
             budget = check_tree_budget(2 * (B - 1) if self.tree_budget is None else self.tree_budget)
-        return RoundShape(method, B, budget, mask_id, acceptance)
+            if not isinstance(budget, int):
+                buckets = budget
+                budget = buckets[-1]
+        return RoundShape(method, B, budget, mask_id, acceptance, buckets)
 
 
 @dataclass(frozen=True)
 class RoundShape:
     """The fixed shape of a generation's rounds: method, block size ``B`` (1 for AR), tree budget (0 unless
-    DDTree), the block's mask id and the acceptance rule (``"rejection"`` only for sampled DFlash chains)."""
+    DDTree), the block's mask id, the acceptance rule (``"rejection"`` only for sampled DFlash chains) and,
+    for a budget chosen per round, its buckets (increasing; ``tree_budget`` is the largest; ``()``: fixed)."""
 
     method: str
     block_size: int
     tree_budget: int
     mask_token_id: int
     acceptance: str = "match"
+    budget_buckets: tuple = ()
 
 
 def check_acceptance(acceptance, method: str) -> str:
@@ -135,10 +145,22 @@ def check_acceptance(acceptance, method: str) -> str:
     return "match"
 
 
-def check_tree_budget(tree_budget) -> int:
-    """``tree_budget`` when it is an int >= 1 (draft nodes per DDTree round), else a ValueError."""
+def check_tree_budget(tree_budget):
+    """The checked ``tree_budget``: an int >= 1 (draft nodes per DDTree round), or the buckets of a budget chosen
+    per round, an increasing tuple of ints >= 1 (``"auto"``: :data:`AUTO_BUDGETS`; a list or tuple of ints:
+    those, sorted, repeats dropped); else a ValueError saying what is allowed."""
+    allowed = ("tree_budget must be an int >= 1 (number of draft nodes per round), 'auto' (chosen each round "
+               f"among {', '.join(map(str, AUTO_BUDGETS))}) or a list of such ints to choose among")
+    if isinstance(tree_budget, str):
+        if tree_budget == "auto":
+            return AUTO_BUDGETS
+        raise ValueError(f"{allowed}, got {tree_budget!r}")
+    if isinstance(tree_budget, (list, tuple)):
+        if not tree_budget or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in tree_budget):
+            raise ValueError(f"{allowed}, got {tree_budget!r}")
+        return tuple(sorted(set(tree_budget)))
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget must be an int >= 1 (number of draft nodes per round), got {tree_budget!r}")
+        raise ValueError(f"{allowed}, got {tree_budget!r}")
     return tree_budget
 
 

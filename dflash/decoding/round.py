@@ -25,6 +25,9 @@ tensor              shape                  meaning
 ``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes
 ``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
 ``path``            ``[D+1]`` int64        DDTree: the accepted path's rows (padded)
+``depth_mass``      ``[V, D]`` fp32        DDTree, budget chosen per round: per budget bucket ``v`` and depth ``k``,
+                                           the drafter's probability that the walk reaches depth ``k`` in the
+                                           bucket's tree (:meth:`_depth_mass`)
 ==================  =====================  ===========================================================
 
 Steps (nothing in them reads a value on the host):
@@ -61,6 +64,18 @@ row); ``"rejection"`` (the default) verifies drafts sampled from ``q`` with
 ``max(p - q, 0)``, the bonus from ``p``). Both commit tokens distributed as
 the target's own samples; the payload is the same.
 
+A budget chosen per round (``shape.budget_buckets``, ``tree_budget="auto"``):
+the draft step builds the tree of the largest bucket. Its nodes are numbered
+in the best-first search's pop order, by descending path score, so its first
+``n`` nodes are exactly the best-first tree of budget ``n`` (a node's parent
+precedes it, and no node past the ``n``-th can be among the top ``n``). The
+verify of bucket ``v`` (:meth:`verify` ``(v)``, one fixed shape per bucket)
+runs the target on that prefix only: the same tree, rows and walk as a round
+of fixed budget ``n``, so it is as lossless. The draft step also writes
+``depth_mass`` for every bucket, which the payload carries to the host's
+budget choice (:mod:`dflash.decoding.budget_policy`); the choice is made on the
+host between rounds, so it costs no host read of its own.
+
 On the CPU with the reference backend, eager DDTree rounds build and walk the
 tree with the C++ host ops (:func:`dflash_kernels.build_tree` /
 :func:`dflash_kernels.walk_tree`: the host is the device there, the walk
@@ -87,10 +102,13 @@ from ..drafter.model import DFlash2DraftModel
 from .generation_config import SamplingSettings
 from .options import RoundShape
 
-__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
+__all__ = ["MASS_SCALE", "ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
 
 #: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
+
+#: the payload is int64: a depth mass ``m`` in [0, 1] travels as ``floor(m * MASS_SCALE)``
+MASS_SCALE = 1 << 24
 
 
 def bucket_rows(rows: int) -> int:
@@ -156,8 +174,20 @@ class Round:
         self.K = tree_branching(draft, self.budget, adapter.vocab_size) if method == "ddtree" else 0
         #: tree nodes per round (the budget, or fewer when D levels of K children hold fewer)
         self.N = dflash_kernels.tree_size(self.D, self.K, self.budget) if method == "ddtree" else 0
-        #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1)
+        #: target rows a verify writes (the tree verify writes N + 1 <= budget + 1); the largest bucket's when
+        #: the budget is chosen per round
         self.T = self.N + 1 if method == "ddtree" else B
+        #: the budget chosen per round among buckets (module docstring): their budgets and node counts (buckets
+        #: that a tree of D levels of K children fills alike are one); a fixed budget is one bucket
+        self.auto = method == "ddtree" and bool(shape.budget_buckets)
+        self.bucket_budgets, self.bucket_nodes = [self.budget], [self.N]
+        if self.auto:
+            self.bucket_budgets, self.bucket_nodes = [], []
+            for b in shape.budget_buckets:
+                n = dflash_kernels.tree_size(self.D, self.K, b)
+                if n not in self.bucket_nodes:
+                    self.bucket_budgets.append(int(b))
+                    self.bucket_nodes.append(n)
         #: a sampled DFlash chain verified by rejection sampling (else drafts at the argmax, matched)
         self.rejection = method == "dflash" and shape.acceptance == "rejection" and not sampling.greedy
         #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
@@ -167,7 +197,8 @@ class Round:
         self.cache = adapter.new_cache(S, kv=alloc("target", adapter.cache_shape(S), adapter.dtype, device))
         linear = getattr(self.cache, "linear", None)
         if linear is not None:  # hybrid targets: the verify's stash and tree scratch, made before any trace
-            linear.stash(self.T)
+            for n in (self.bucket_nodes if method == "ddtree" else [self.T - 1]):
+                linear.stash(n + 1)
             linear.scratch(self.T)
         long = dict(dtype=torch.long, device=device)
         self.last = torch.zeros(1, **long)
@@ -209,11 +240,17 @@ class Round:
             self.path = torch.zeros(B, **long)
             # the tree build's index tables: the round's own, alive as long as the graphs that read them
             self.tree_tables = tree_device.tree_tables(self.D, self.K, self.budget, device)
+            if self.auto:
+                self.depth_mass = torch.zeros(len(self.bucket_nodes), self.D, dtype=torch.float32, device=device)
+                self._bucket_last = torch.tensor(self.bucket_nodes, **long) - 1
+                self._depth_ids = torch.arange(1, B, **long)
+                self._zero = torch.zeros(1, dtype=torch.float32, device=device)
 
     @property
     def payload_size(self) -> int:
         """Elements of :meth:`verify`'s payload."""
-        return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2}[self.method]
+        extra = self.B + len(self.bucket_nodes) * self.D if self.auto else 0
+        return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2 + extra}[self.method]
 
     # ---------------------------------------------------------------- set-up per generation (eager)
     def reset(self, seed: int) -> None:
@@ -311,6 +348,28 @@ class Round:
         self.tokens.copy_(tokens)
         self.depths.copy_(depths)
         self.parents.copy_(parents)
+        if self.auto:
+            rows = self.depths - 1
+            rank = (ids.index_select(0, rows) == self.tokens[:, None]).long().argmax(1, keepdim=True)
+            self._depth_mass(logprobs.index_select(0, rows).gather(1, rank)[:, 0])
+
+    def _depth_mass(self, own: torch.Tensor) -> None:
+        """``depth_mass [V, D]`` from each node's own log-prob ``own [N]`` (given its parent).
+
+        A node's path probability ``pi_i = exp(sum of own log-probs from the root to i)`` is the drafter's
+        probability that the target's choices follow the path to ``i``; nodes of one depth are disjoint events,
+        so ``depth_mass[v, k - 1] = sum of pi_i over the first N_v nodes at depth k`` is the drafter's
+        probability that the walk over bucket ``v``'s tree accepts at least ``k`` drafts (its expected accepted
+        drafts: the row's sum). Path sums by ``D - 1`` gathers along ``parents`` (fixed shapes, no host read).
+        """
+        own = own.float()
+        parent = self.parents[1:]  # node ids: 0 the root, whose score is the zero in front
+        score = own
+        for _ in range(self.D - 1):
+            score = own + torch.cat([self._zero, score]).index_select(0, parent)
+        at_depth = (self.depths[:, None] == self._depth_ids).float()  # [N, D]
+        cumulative = torch.cumsum(score.exp()[:, None] * at_depth, 0)
+        self.depth_mass.copy_(cumulative.index_select(0, self._bucket_last))
 
     def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
@@ -368,6 +427,14 @@ class Round:
         self.tokens.copy_(tokens)
         self.depths.copy_(depths)
         self.parents.copy_(parents)
+        if self.auto:  # own log-prob = child[d - 1, the parent's candidate slot (0 for the root), own slot]
+            rows = self.depths - 1
+            own_slot = (candidates.index_select(0, rows) == self.tokens[:, None]).long().argmax(1)
+            parent_token = torch.cat([self.last, self.tokens]).index_select(0, self.parents[1:])
+            above = (rows - 1).clamp(min=0)
+            parent_slot = (candidates.index_select(0, above) == parent_token[:, None]).long().argmax(1)
+            parent_slot = torch.where(rows > 0, parent_slot, torch.zeros_like(parent_slot))
+            self._depth_mass(child[rows, parent_slot, own_slot])
 
     def _draft_q_form(self) -> str:
         """How this round's drafter gives ``q`` to the rejection rule: ``"dense"`` (its rows through the
@@ -384,13 +451,15 @@ class Round:
         self.q_hidden.copy_(out[1:])
         self.proposals.copy_(self._sample(self.q_hidden, {}))
 
-    def verify(self) -> torch.Tensor:
-        """The target's verify and the commit; returns the payload (module docstring)."""
+    def verify(self, bucket: int = -1) -> torch.Tensor:
+        """The target's verify and the commit; returns the payload (module docstring). ``bucket``: DDTree, the
+        index of the budget bucket whose tree is verified (:attr:`bucket_nodes`; the last, the largest, by
+        default; a fixed budget has one)."""
         if self.method == "ar":
             return self._verify_ar()
         if self.method == "dflash":
             return self._verify_chain()
-        return self._verify_tree()
+        return self._verify_tree(self.bucket_nodes[bucket])
 
     def _verify_chain(self) -> torch.Tensor:
         length, rows = self.cache.length_t, self.rows[: self.B]
@@ -422,36 +491,40 @@ class Round:
                                                top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=self.seed,
                                                check_bounds=False, backend=self.backend, **q, **kw)
 
-    def _verify_tree(self) -> torch.Tensor:
+    def _verify_tree(self, n: int) -> torch.Tensor:
+        """The verify of the tree's first ``n`` nodes (all of them at a fixed budget)."""
         length = self.cache.length_t
-        ids = torch.cat([self.last, self.tokens])
-        positions = length + torch.cat([self.depths.new_zeros(1), self.depths])  # the root at depth 0
-        bits = dflash_kernels.ancestor_bits(self.parents, check=False, backend=self.backend)
-        hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits,
-                                                 tree_parents=self.parents)
+        tokens, depths, parents = self.tokens[:n], self.depths[:n], self.parents[: n + 1]
+        ids = torch.cat([self.last, tokens])
+        positions = length + torch.cat([depths.new_zeros(1), depths])  # the root at depth 0
+        bits = dflash_kernels.ancestor_bits(parents, check=False, backend=self.backend)
+        hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
         choices = self.choose(hidden)
         if self.host_tree:
-            path, path_len, committed = self._walk_on_host(choices)
+            path, path_len, committed = self._walk_on_host(parents, tokens, choices)
         else:
-            path, path_len, committed = dflash_kernels.walk_tree_device(self.parents, self.tokens, choices,
-                                                                        self.D, bits, backend=self.backend)
+            path, path_len, committed = dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits,
+                                                                        backend=self.backend)
         self.path.copy_(path)
         self.cache.compact_advance(path, path_len)
         self.ctx.copy_(torch.cat([c.index_select(0, path) for c in captured], dim=1))
         self.ctx_count.copy_(path_len)
         self.last.copy_(committed.gather(0, path_len - 1))
+        if self.auto:  # and for the budget choice: the path's node ids, the depth masses
+            mass = (self.depth_mass * MASS_SCALE).long().flatten()
+            return torch.cat([committed, path_len, path, mass])
         return torch.cat([committed, path_len])
 
-    def _walk_on_host(self, choices: torch.Tensor):
+    def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
         """The C++ walk's path, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path [D+1],
         path_len [1], committed [D+1])`` (unused slots 0)."""
-        accepted, bonus = dflash_kernels.walk_tree(self.parents, self.tokens, choices)
+        accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
         n = accepted.numel()
         path = torch.zeros(self.B, dtype=torch.long)
         path[:n] = accepted
         committed = torch.zeros(self.B, dtype=torch.long)
-        committed[: n - 1] = self.tokens[accepted[1:] - 1]
-        committed[n - 1] = bonus
+        committed[: n - 1] = tokens[accepted[1:] - 1]
+        committed[n - 1 : n] = choices.index_select(0, accepted[-1:])  # the bonus (a tensor: no Python value)
         return path, self.rows[n : n + 1], committed
 
     def _verify_ar(self) -> torch.Tensor:
@@ -471,6 +544,22 @@ class Round:
             return host[: host[self.B] + 1]
         return host[: host[self.D + 1]]
 
+    def depth_masses(self, host: List[int]) -> List[List[float]]:
+        """``depth_mass`` (``[V][D]``) from a payload read on the host (budget chosen per round only)."""
+        flat = host[self.D + 2 + self.B :]
+        return [[x / MASS_SCALE for x in flat[v * self.D : (v + 1) * self.D]] for v in range(len(self.bucket_nodes))]
+
+    def bucket_acceptance(self, host: List[int]) -> List[int]:
+        """Per budget bucket, the drafts its tree would have accepted in this round, from a payload read on the
+        host (budget chosen per round only): exact for the buckets up to the verified one, a lower bound above.
+
+        The walk of a prefix tree (the first ``n`` nodes) follows the verified walk's path while its nodes are
+        in the prefix: each node's target choice depends on its ancestors only, and a path's node ids
+        increase. So bucket ``u`` accepts the path's nodes with ids ``<= n_u``."""
+        length = host[self.D + 1]
+        path = host[self.D + 2 : self.D + 2 + length]
+        return [sum(1 for node in path[1:] if node <= n) for n in self.bucket_nodes]
+
     def mirror(self, committed_before: int, new: int) -> None:
         """Refresh the caches' host lengths after a round that found ``committed_before`` tokens and
         committed ``new`` (host ints from the payload: no device read)."""
@@ -478,10 +567,12 @@ class Round:
         if self.dcache is not None:
             self.dcache.mirror(committed_before - 1)
 
-    def tree_record(self, length: int) -> dict:
-        """The last DDTree round's tree and accepted path (host copies, for ``return_trees``)."""
+    def tree_record(self, length: int, bucket: int = -1) -> dict:
+        """The last DDTree round's tree (the verified bucket's) and accepted path (host copies, for
+        ``return_trees``)."""
         host = lambda t: t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too: the state is reused)
-        return dict(tokens=host(self.tokens), depths=host(self.depths), parents=host(self.parents),
+        n = self.bucket_nodes[bucket]
+        return dict(tokens=host(self.tokens[:n]), depths=host(self.depths[:n]), parents=host(self.parents[: n + 1]),
                     accepted=host(self.path[:length]))
 
     # ---------------------------------------------------------------- compile / capture support

@@ -45,6 +45,7 @@ from dflash_kernels.tree_attention import tree_attention_config
 from ..target import PREFILL_CHUNK, TargetAdapter
 from ..target import adapter as _adapter_module
 from .generate import generate
+from .options import check_tree_budget
 from .round import tree_branching
 
 
@@ -123,9 +124,19 @@ def tree_rows(block_size: int, tree_budget: int, vocab: int, draft=None) -> int:
     return dflash_kernels.tree_size(block_size - 1, tree_branching(draft, tree_budget, vocab), tree_budget) + 1
 
 
+def verify_tree_rows(block_size: int, tree_budget, vocab: int, draft=None) -> List[int]:
+    """The token counts of every DDTree verify pass of these settings: one (:func:`tree_rows`), or, for a budget
+    chosen per round (``"auto"`` or a list), one per bucket, whose trees branch as the largest's."""
+    budget = check_tree_budget(tree_budget if tree_budget is not None else 2 * (block_size - 1))
+    if isinstance(budget, int):
+        return [tree_rows(block_size, budget, vocab, draft)]
+    k = tree_branching(draft, budget[-1], vocab)
+    return sorted({dflash_kernels.tree_size(block_size - 1, k, b) + 1 for b in budget})
+
+
 @torch.inference_mode()
 def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[int] = None,
-           tree_budget: Optional[int] = None, temperature: float = 0.0, max_prompt_len: int = PREFILL_CHUNK) -> None:
+           tree_budget=None, temperature: float = 0.0, max_prompt_len: int = PREFILL_CHUNK) -> None:
     """Launch every kernel variant ``generate(target, draft, method=..., ...)`` with these settings uses.
 
     ``max_prompt_len``: the longest prompt to expect; every prompt up to it
@@ -169,10 +180,9 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
         for layer_variants, rows in plan:
             _warm_attention(hq, hkv, head_dim, dtype, device, rows, lambda T: None, layer_variants, scale)
         if method == "ddtree":
-            budget = tree_budget if tree_budget is not None else 2 * (B - 1)
-            n_tree = tree_rows(B, budget, adapter.vocab_size, draft)
             tree_bits = lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device)  # noqa: E731
-            _warm_attention(hq, hkv, head_dim, dtype, device, [n_tree], tree_bits, variants, scale)
+            tree_counts = verify_tree_rows(B, tree_budget, adapter.vocab_size, draft)
+            _warm_attention(hq, hkv, head_dim, dtype, device, tree_counts, tree_bits, variants, scale)
     if draft is not None and method != "ar":
         dc = draft.config
         draft_variants = _layer_variants([layer.sliding_window for layer in draft.layers])

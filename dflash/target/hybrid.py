@@ -223,6 +223,7 @@ class LinearStates:
         self.pending_rows = 0
         self._stash_rows = -1
         self.x = self.y = self.g = self.beta = None
+        self._stashes = {}
         self._scratch = None
         self._counts = None
 
@@ -241,13 +242,17 @@ class LinearStates:
         return self._counts[n : n + 1]
 
     def stash(self, rows: int) -> None:
-        """Buffers for a verify pass of ``rows`` rows (reallocated only when the pass size changes)."""
+        """Buffers for a verify pass of ``rows`` rows: kept per row count, so rounds whose verify size changes
+        between a few fixed sizes (a budget chosen per round) reuse theirs (a traced step's, a captured graph's)."""
         if rows != self._stash_rows:
-            n, s = len(self.shape.layers), self.shape
-            self.x = torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device)
-            self.y = torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device)
-            self.g = torch.empty(n, rows, s.num_v_heads, dtype=torch.float32, device=self.device)
-            self.beta = torch.empty(n, rows, s.num_v_heads, dtype=self.dtype, device=self.device)
+            if rows not in self._stashes:
+                n, s = len(self.shape.layers), self.shape
+                self._stashes[rows] = (
+                    torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device),
+                    torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device),
+                    torch.empty(n, rows, s.num_v_heads, dtype=torch.float32, device=self.device),
+                    torch.empty(n, rows, s.num_v_heads, dtype=self.dtype, device=self.device))
+            self.x, self.y, self.g, self.beta = self._stashes[rows]
             self._stash_rows = rows
 
     def scratch(self, rows: int) -> torch.Tensor:

@@ -1,0 +1,410 @@
+"""``tree_budget="auto"``: a DDTree budget chosen each round among buckets.
+
+* the tree of bucket ``n`` is the first ``n`` nodes of the largest bucket's tree: the prefix equals the
+  best-first tree of budget ``n`` (host and device builds, DFlash and DFlash2 trees);
+* the depth masses the draft step writes equal the path probabilities summed per depth (a reference in
+  Python over the heap's own scores);
+* the counterfactual acceptance the host reads equals the walk of each prefix tree;
+* generation is lossless for any choice (eager, static, traced), one host read per round, no recompile when
+  the bucket changes; the policy picks the best expected tokens per second; errors name what is allowed.
+"""
+
+import math
+
+import pytest
+import torch
+
+import dflash
+import dflash_kernels
+from dflash.decoding import compiled
+from dflash.decoding.budget_policy import BudgetPolicy, monotone
+from dflash.decoding.options import AUTO_BUDGETS, LoopOptions, check_tree_budget
+from dflash.decoding.round import Round
+from dflash.decoding.generation_config import SamplingSettings
+from dflash.target import TargetAdapter
+from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
+from tiny_models import tiny_dflash2_draft, tiny_draft, tiny_target
+
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11]
+
+
+@pytest.fixture
+def reference_ops():
+    with dflash_kernels.force_backend("reference"):
+        yield
+
+
+def greedy(target, n, prompt=PROMPT):
+    with torch.no_grad():
+        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+
+
+def pair(block_size=5, dflash2=False):
+    target = tiny_target("qwen3", layers=3, hidden=32)
+    make = tiny_dflash2_draft if dflash2 else tiny_draft
+    return target, make(target, block_size=block_size, target_layer_ids=[0, 1])
+
+
+# ------------------------------------------------------------------ the settings
+def test_tree_budget_values():
+    assert check_tree_budget("auto") == AUTO_BUDGETS
+    assert check_tree_budget([16, 4, 4]) == (4, 16)
+    assert check_tree_budget(7) == 7
+    for bad in ("big", [], [0, 4], [4, True], 0, 2.5, None):
+        with pytest.raises(ValueError, match="tree_budget must be an int >= 1 .* 'auto'"):
+            check_tree_budget(bad)
+
+
+def test_shape_of_an_auto_budget():
+    target, draft = pair()
+    shape = LoopOptions(max_new_tokens=4, tree_budget="auto").resolve("ddtree", draft, 96)
+    assert shape.tree_budget == 64 and shape.budget_buckets == AUTO_BUDGETS
+    fixed = LoopOptions(max_new_tokens=4, tree_budget=8).resolve("ddtree", draft, 96)
+    assert fixed.budget_buckets == ()
+
+
+def test_generate_refuses_a_bad_budget_by_name():
+    target, draft = pair()
+    with pytest.raises(ValueError, match="tree_budget must be .* got 'sometimes'"):
+        dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=4, tree_budget="sometimes")
+
+
+# ------------------------------------------------------------------ prefixes, masses, counterfactuals
+def _round(target, draft, budget, prompt=PROMPT):
+    adapter = TargetAdapter(target, draft.target_layer_ids)
+    shape = LoopOptions(max_new_tokens=8, tree_budget=budget).resolve("ddtree", draft, adapter.vocab_size)
+    rnd = Round(adapter, draft, shape, target_rows=64, draft_rows=64, sampling=SamplingSettings(0.0))
+    rnd.reset(0)
+    rnd.start(torch.tensor(prompt))
+    return adapter, rnd
+
+
+@pytest.mark.parametrize("host_tree", [True, False])
+@pytest.mark.parametrize("dflash2", [False, True])
+@torch.inference_mode()
+def test_each_bucket_is_the_fixed_budget_tree(reference_ops, host_tree, dflash2):
+    """The first n nodes of the largest bucket's tree = the tree a round of fixed budget n drafts."""
+    target, draft = pair(dflash2=dflash2)
+    buckets = (2, 3, 5, 9)
+    adapter, auto = _round(target, draft, list(buckets))
+    auto.host_tree = auto.host_tree and host_tree
+    auto.draft()
+    assert auto.bucket_nodes == list(buckets)
+    for n in buckets:
+        _, fixed = _round(target, draft, n)
+        fixed.host_tree = fixed.host_tree and host_tree
+        fixed.draft()
+        assert torch.equal(auto.tokens[:n], fixed.tokens), n
+        assert torch.equal(auto.depths[:n], fixed.depths), n
+        assert torch.equal(auto.parents[: n + 1], fixed.parents), n
+    adapter.close()
+
+
+def _reference_masses(rnd, own_logprob):
+    """Per bucket and depth, the sum of exp(path score) over the bucket's nodes at that depth (plain Python)."""
+    parents = rnd.parents.tolist()
+    depths = rnd.depths.tolist()
+    score = [0.0]
+    for i in range(1, rnd.N + 1):
+        score.append(score[parents[i]] + own_logprob(i))
+    out = []
+    for n in rnd.bucket_nodes:
+        row = [0.0] * rnd.D
+        for i in range(1, n + 1):
+            row[depths[i - 1] - 1] += math.exp(score[i])
+        out.append(row)
+    return out
+
+
+@torch.inference_mode()
+def test_depth_masses_are_the_path_probabilities(reference_ops):
+    target, draft = pair()
+    adapter, rnd = _round(target, draft, [2, 5, 12])
+    rnd.draft()
+    ids = torch.cat([rnd.last, rnd.mask_block])
+    out = draft.draft_block(adapter.embed(ids, raw_scale=draft.input_embedding_scale), rnd.ctx, rnd.ctx_count,
+                            rnd.dcache)
+    head = draft.head_hidden(out)[1:]
+    logprobs = torch.log_softmax(head.float() @ adapter.lm_head.weight.float().T, -1)
+    tokens, depths = rnd.tokens.tolist(), rnd.depths.tolist()
+    want = _reference_masses(rnd, lambda i: float(logprobs[depths[i - 1] - 1, tokens[i - 1]]))
+    got = rnd.depth_mass.tolist()
+    for w, g in zip(want, got):
+        assert g == pytest.approx(w, abs=1e-5)
+    assert all(a <= b + 1e-6 for row_a, row_b in zip(got, got[1:]) for a, b in zip(row_a, row_b))  # grows
+    assert all(0.0 <= m <= 1.0 + 1e-6 for row in got for m in row)
+    adapter.close()
+
+
+@torch.inference_mode()
+def test_depth_masses_of_a_dflash2_tree(reference_ops):
+    """A DFlash2 tree's node probability is the selector's, given the parent's candidate."""
+    target, draft = pair(dflash2=True)
+    adapter, rnd = _round(target, draft, [2, 5, 12])
+    captured = {}
+    real = dflash_kernels.selector_child_logprobs
+
+    def spy(unary, candidates, *args):
+        child = real(unary, candidates, *args)
+        captured.update(child=child, candidates=candidates)
+        return child
+
+    import dflash.decoding.round as round_module
+    orig = round_module.dflash_kernels.selector_child_logprobs
+    round_module.dflash_kernels.selector_child_logprobs = spy
+    try:
+        rnd.draft()
+    finally:
+        round_module.dflash_kernels.selector_child_logprobs = orig
+    child, cand = captured["child"], captured["candidates"].tolist()
+    tokens, depths, parents = rnd.tokens.tolist(), rnd.depths.tolist(), rnd.parents.tolist()
+
+    def own(i):
+        d = depths[i - 1]
+        j = cand[d - 1].index(tokens[i - 1])
+        p = parents[i]
+        slot = 0 if p == 0 else cand[d - 2].index(tokens[p - 1])
+        return float(child[d - 1, slot, j])
+
+    want = _reference_masses(rnd, own)
+    for w, g in zip(want, rnd.depth_mass.tolist()):
+        assert g == pytest.approx(w, abs=1e-5)
+    adapter.close()
+
+
+@torch.inference_mode()
+def test_bucket_acceptance_is_each_prefix_trees_walk(reference_ops):
+    target, draft = pair()
+    adapter, rnd = _round(target, draft, [1, 2, 4, 9])
+    rnd.snapshot()
+    rnd.draft()
+    host = rnd.verify(-1).tolist()  # the largest bucket verified
+    accepted = rnd.bucket_acceptance(host)
+    assert accepted[-1] == host[rnd.D + 1] - 1
+    for v, n in enumerate(rnd.bucket_nodes):  # the walk of each prefix tree, on the same target choices
+        rnd.restore()
+        rnd.draft()
+        small = rnd.verify(v).tolist()
+        assert small[rnd.D + 1] - 1 == accepted[v], (v, n)
+    adapter.close()
+
+
+# ------------------------------------------------------------------ generation
+@pytest.mark.parametrize("mode", [False, "static"])
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_auto_is_lossless(reference_ops, mode, dflash2):
+    target, draft = pair(dflash2=dflash2)
+    ref = greedy(target, 30)
+    out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=30, tree_budget=[1, 3, 8, 20],
+                          compile=mode)
+    assert torch.equal(out.output_ids, ref)
+    assert set(out.tree_sizes) <= {1, 3, 8, 20}
+
+
+def test_every_bucket_choice_is_lossless(reference_ops, monkeypatch):
+    """Whatever the policy picks (here: a new bucket every round), the tokens are the target's."""
+    target, draft = pair()
+    ref = greedy(target, 30)
+    turn = iter(range(10 ** 6))
+
+    def cycle(self):
+        v = next(turn) % len(self.measured)
+        self.choices.append(v)
+        return v
+
+    monkeypatch.setattr(BudgetPolicy, "choose", cycle)
+    out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=30, tree_budget=[1, 2, 5, 11])
+    assert torch.equal(out.output_ids, ref)
+    assert set(out.tree_sizes) == {1, 2, 5, 11}
+
+
+def test_sampled_auto_runs(reference_ops):
+    """Sampled rounds choose buckets too (each round's tree is verified by the same walk as a fixed budget's)."""
+    target, draft = pair()
+    kw = dict(method="ddtree", max_new_tokens=20, tree_budget=[2, 6], temperature=0.8, seed=5)
+    out = dflash.generate(target, draft, PROMPT, **kw)
+    assert out.num_new_tokens == 20 and set(out.tree_sizes) <= {2, 6}
+
+
+def test_one_host_read_per_round_under_auto(reference_ops):
+    from test_host_reads import reads_per_round
+    target, draft = pair()
+    result = {}
+
+    def run():
+        result["r"] = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=16,
+                                      tree_budget=[2, 4, 9], stage_timing=True)
+
+    dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=4, tree_budget=[2, 4, 9])  # costs
+    per_round, reads, marks = reads_per_round(run, "commit")
+    assert len(marks) == result["r"].num_rounds >= 3
+    assert max(per_round) == min(per_round) == 1, (per_round, reads)
+
+
+def test_costs_are_measured_once_per_settings(reference_ops, monkeypatch):
+    target, draft = pair()
+    calls = []
+    real = compiled.RoundSteps.measure_costs
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(compiled.RoundSteps, "measure_costs", counted)
+    kw = dict(method="ddtree", max_new_tokens=6, tree_budget=[2, 5])
+    first = dflash.generate(target, draft, PROMPT, **kw)
+    second = dflash.generate(target, draft, PROMPT, **kw)
+    assert len(calls) == 1
+    assert first.compile_time > 0 and second.compile_time == 0
+    dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=6, tree_budget=[2, 6])
+    assert len(calls) == 2  # other buckets, other settings
+
+
+def test_traced_auto_one_graph_per_bucket_and_no_recompile(reference_ops, trace_only, monkeypatch):
+    from torch._dynamo.utils import counters
+    target, draft = pair()
+    ref = greedy(target, 30)
+    turn = iter(range(10 ** 6))
+
+    def cycle(self):
+        v = next(turn) % len(self.measured)
+        self.choices.append(v)
+        return v
+
+    monkeypatch.setattr(BudgetPolicy, "choose", cycle)
+    kw = dict(method="ddtree", max_new_tokens=30, tree_budget=[2, 5, 11], compile=True)
+    out = dflash.generate(target, draft, PROMPT, **kw)
+    assert torch.equal(out.output_ids, ref)
+    assert set(out.tree_sizes) == {2, 5, 11}
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 1 + 3  # the draft and one verify per bucket, compiled at set-up
+    assert not counters["graph_break"]
+    again = dflash.generate(target, draft, PROMPT, **kw)
+    assert torch.equal(again.output_ids, ref)
+    assert counters["stats"]["unique_graphs"] == graphs  # switching buckets round to round compiles nothing
+
+
+def test_hybrid_target_auto_is_lossless(reference_ops):
+    from tiny_models import tiny_hybrid_target
+    target = tiny_hybrid_target("qwen3_5")
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
+    ref = greedy(target, 20)
+    for mode in (False, "static"):
+        out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=20, tree_budget=[1, 3, 7],
+                              compile=mode)
+        assert torch.equal(out.output_ids, ref), mode
+
+
+def test_dropin_defaults_to_auto(reference_ops):
+    target, draft = pair()
+    ref = greedy(target, 12)
+    state = dflash.apply(target, draft)
+    try:
+        assert state.loop_kwargs["tree_budget"] == AUTO_BUDGETS
+        with torch.no_grad():
+            out = target.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, ref)
+    finally:
+        dflash.unapply(target)
+
+
+# ------------------------------------------------------------------ the policy
+def test_monotone():
+    assert monotone([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    assert monotone([3, 2, 1]) == [2, 2, 2]
+    assert monotone([1, 2]) == [1, 2]
+
+
+def test_policy_picks_the_best_tokens_per_second():
+    policy = BudgetPolicy([1.0, 1.2, 2.0])
+    policy.start()
+    assert policy.choose() == 1  # the middle bucket before any round
+    masses = [[0.9, 0.5, 0.0], [0.95, 0.8, 0.4], [0.99, 0.9, 0.8]]  # expected drafts 1.4, 2.15, 2.69
+    policy.observe(1, [1, 2, 2], masses)
+    # E = 1 + r * m; r = 1 for the buckets seen exactly here when the drafter's masses are right on average
+    e = policy.expected()
+    rates = [x / c for x, c in zip(e, policy.costs)]
+    assert policy.choose() == max(range(3), key=rates.__getitem__)
+
+
+def test_policy_calibration_follows_what_was_accepted():
+    """A drafter twice too confident about the big tree: the ratio learned from rounds that show it halves its
+    estimate, and the cheaper bucket wins."""
+    policy = BudgetPolicy([1.0, 1.5])
+    policy.start()
+    masses = [[0.5, 0.25], [0.8, 0.8]]  # the drafter: 0.75 and 1.6 drafts
+    for _ in range(40):
+        policy.choose()
+        policy.observe(1, [1, 1], masses)  # the big bucket verified: it accepts 1 draft, as the small would
+    r = policy.ratios()
+    assert r[1] == pytest.approx(1 / 1.6, rel=0.1)
+    assert r[0] == pytest.approx(1 / 0.75, rel=0.1)
+    assert policy.choose() == 0  # (1 + 1) / 1.0 beats (1 + 1) / 1.5
+
+
+def test_policy_cost_offset_and_carry_over():
+    policy = BudgetPolicy([1.0, 2.0])
+    policy.start()
+    policy.observe(0, [1, 1], [[0.5], [0.6]], seconds=1.5)
+    assert policy.costs == pytest.approx([1.5, 2.5])  # one offset for every bucket
+    kept = list(policy.ratios())
+    policy.start()  # a new generation: masses start over, calibration kept
+    assert policy.mass == [] and policy.ratios() != [1.0, 1.0] and policy.ratios() == kept
+
+
+def test_policy_refuses_bad_costs():
+    with pytest.raises(ValueError, match="costs must be positive"):
+        BudgetPolicy([])
+    with pytest.raises(ValueError, match="costs must be positive"):
+        BudgetPolicy([1.0, 0.0])
+
+
+def test_payload_masses_round_trip(reference_ops):
+    target, draft = pair()
+    adapter, rnd = _round(target, draft, [2, 6])
+    with torch.inference_mode():
+        rnd.draft()
+        host = rnd.verify(0).tolist()
+    got = rnd.depth_masses(host)
+    want = rnd.depth_mass.tolist()
+    assert len(host) == rnd.payload_size
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-6)
+    adapter.close()
+
+
+def test_auto_budget_benchmark_runs_at_smoke_size(capsys, tmp_path):
+    """``python bench/auto_budget.py`` (the README's table): one prompt per set, a few tokens."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "auto_budget.py"
+    spec = importlib.util.spec_from_file_location("auto_budget", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    out = tmp_path / "auto.json"
+    try:
+        module.main(["--prompts", "1", "--new-tokens", "6", "--repeats", "1", "--budgets", "2,4",
+                     "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out.read_text())
+    assert set(report) == {"code", "prose"}
+    for name in ("code", "prose"):
+        assert all(r["equal_to_ar"] for r in report[name]["table"].values())
+    assert "| ddtree auto |" in capsys.readouterr().out
+
+
+def test_prose_prompts_end_before_text():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "auto_budget.py"
+    spec = importlib.util.spec_from_file_location("auto_budget_prose", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompts = module.prose_prompts(4, prompt_len=64)
+    assert len(prompts) == 4 and all(len(p) == 64 for p in prompts)
+    assert all(p[-1] == ord("\n") for p in prompts)  # each ends at a line start: the prose line follows
