@@ -25,6 +25,18 @@ captured layer-0 output, by relative Frobenius error ``|ours - own| / |own|``, b
 implementation in use and the CUDA syncs inside our forwards (``set_sync_debug_mode("warn")``,
 reported, not a failure).
 
+MoE stacks: a router's top-k is discontinuous, so in bf16 a near-tie of its logits flips a row's
+experts between two forwards that differ in rounding only (the attention's accumulation order is
+enough), and that row's outputs then differ by O(1). Every router's choice per row is recorded in
+both forwards (:class:`RouterRecorder`); the errors are taken over the rows whose experts agree in
+every layer (layer 0's for the layer-0 output), and the flipped rows are counted (``flips``). In
+bf16 the logits of even agreeing rows carry the flipped rows' change through the next layer's
+attention (seen on an H200: 4% of gpt-oss rows flipped, logits off by 7e-2, the layer-0 output of
+agreeing rows within 1.3e-2), so a bf16 MoE check is judged on its layer-0 output (agreeing rows:
+layer 0's attention reads no expert output) and reports its logits and flips; the stack then runs
+again in fp32 (``<stack> fp32`` rows, fp32 bound), where near-ties are rare, and those rows are
+judged on everything: logits, layer 0, and at most :data:`MAX_FLIP_SHARE` of rows flipped.
+
 Prints a table; JSON to ``--json`` (or ``$OUT/gpu_family_check.json``), rewritten after each
 stack. Exit 1 if any comparison is over the bound.
 """
@@ -132,28 +144,92 @@ def build(shape: dict, dtype, device, seed: int = 0):
     return model.eval()
 
 
+#: the share of a check's rows whose experts may differ between the two forwards (near-ties of the router)
+MAX_FLIP_SHARE = 0.05
+#: the bound of a MoE stack's fp32 rows
+FP32_TOL = 1e-4
+
+
+class RouterRecorder:
+    """Each MoE router's expert choice per row during one forward (modules named ``*.mlp.router`` whose output
+    ends in the int64 top-k indices ``[rows, k]``): :meth:`record` yields a dict ``layer -> [rows, k]`` (sorted
+    per row), filled by the forward that runs inside it. No routers: the dict stays empty."""
+
+    def __init__(self, model):
+        self.current = None
+        self.handles = [module.register_forward_hook(self._hook(i)) for i, module in
+                        enumerate(m for n, m in model.named_modules() if n.endswith("mlp.router"))]
+
+    def _hook(self, layer):
+        def hook(module, args, out):
+            if self.current is not None and isinstance(out, tuple) and out[-1].dtype == torch.int64:
+                self.current[layer] = out[-1].reshape(-1, out[-1].shape[-1]).sort(-1).values
+        return hook
+
+    def record(self):
+        recorder = self
+
+        class _Record:
+            def __enter__(self):
+                recorder.current = {}
+                return recorder.current
+
+            def __exit__(self, *exc):
+                recorder.current = None
+
+        return _Record()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def agreeing_rows(own: dict, own_rows, ours: dict, ours_rows, layers=None) -> torch.Tensor:
+    """``[n]`` bool: rows whose experts are the same in both forwards in every layer of ``layers`` (None: all
+    recorded); ``own_rows`` / ``ours_rows`` index each forward's rows. All True without routers."""
+    n = len(own_rows)
+    agree = torch.ones(n, dtype=torch.bool)
+    for layer in (sorted(own) if layers is None else layers):
+        if layer in own and layer in ours:
+            a = own[layer][torch.as_tensor(own_rows, device=own[layer].device)]
+            b = ours[layer][torch.as_tensor(ours_rows, device=ours[layer].device)]
+            agree &= (a == b).all(-1).cpu()
+    return agree
+
+
 def rel_err(ours: torch.Tensor, own: torch.Tensor) -> float:
     ours, own = ours.float(), own.float()
     return float((ours - own).norm() / own.norm().clamp_min(1e-30))
 
 
-def check_stack(name: str, shape: dict, args) -> list:
-    """Rows ``(check, rel_err_logits, rel_err_layer0, argmax_agree, ok)`` of one stack."""
+def has_experts(shape: dict) -> bool:
+    return "num_local_experts" in shape
+
+
+def check_stack(name: str, shape: dict, args, dtype=None, tol=None) -> list:
+    """Rows ``(check, rel_err_logits, rel_err_layer0, argmax_agree, ok)`` of one stack in ``dtype`` (default
+    ``args.dtype``), bound ``tol`` (default ``args.tol``)."""
+    dtype = args.dtype if dtype is None else dtype
+    tol = args.tol if tol is None else tol
+    judge_logits = not (has_experts(shape) and dtype in (torch.bfloat16, torch.float16))
     import dflash_kernels
     from dflash.target import TargetAdapter
     from dflash.target.families import experts_modules
 
     device = torch.device(args.device)
-    model = build(shape, args.dtype, device)
+    model = build(shape, dtype, device)
     V, P, B = model.config.vocab_size, shape["prefix"], args.block
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, V, (P + B + 3,), generator=g).to(device)  # prefix, chain, root + 2
     noise = torch.randint(1, V, (2,), generator=g).to(device)
+    routers = RouterRecorder(model)
     with torch.inference_mode():
-        own = model(ids[None], output_hidden_states=True)
+        with routers.record() as own_routes:
+            own = model(ids[None], output_hidden_states=True)
         own_logits, own_layer0 = own.logits[0], own.hidden_states[1][0]
         other = torch.cat([ids[: P + B + 1], noise])
-        other_logits = model(other[None]).logits[0]
+        with routers.record() as other_routes:
+            other_logits = model(other[None]).logits[0]
     rows, syncs = [], 0
     with torch.inference_mode(), TargetAdapter(model, [0]) as adapter:
         moe = experts_modules(model)
@@ -161,6 +237,11 @@ def check_stack(name: str, shape: dict, args) -> list:
         cache = adapter.new_cache(P + B + 8)
 
         def run(fn):
+            with routers.record() as routes:
+                out = _synced(fn)
+            return out, routes
+
+        def _synced(fn):
             nonlocal syncs
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -175,18 +256,36 @@ def check_stack(name: str, shape: dict, args) -> list:
                 return out
             return fn()
 
-        def record(check, hidden, want_logits, want_layer0=None, layer0=None):
+        def record(check, hidden, want_logits, want_layer0=None, layer0=None, kept=None, kept0=None):
+            """``kept`` / ``kept0``: the rows (of the logits / of the layer-0 output) whose experts agree."""
             logits = adapter.logits(hidden)
-            e_logits = rel_err(logits, want_logits)
-            e_layer0 = rel_err(layer0, want_layer0) if layer0 is not None else 0.0
+            kept = torch.ones(logits.shape[0], dtype=torch.bool) if kept is None else kept
+            flips = int((~kept).sum())
+            e_logits = rel_err(logits[kept.to(device)], want_logits[kept.to(device)]) if kept.any() else 0.0
+            e_layer0 = 0.0
+            if layer0 is not None:
+                kept0 = torch.ones(layer0.shape[0], dtype=torch.bool) if kept0 is None else kept0
+                flips = max(flips, int((~kept0).sum()))
+                e_layer0 = rel_err(layer0[kept0.to(device)], want_layer0[kept0.to(device)]) if kept0.any() else 0.0
+            compared = max(logits.shape[0], 0 if layer0 is None else layer0.shape[0])
             agree = float((logits.argmax(-1) == want_logits.float().argmax(-1)).float().mean())
-            rows.append(dict(stack=name, check=check, rel_err_logits=e_logits, rel_err_layer0=e_layer0,
-                             argmax_agree=agree, ok=e_logits <= args.tol and e_layer0 <= args.tol))
+            if judge_logits:
+                ok = e_logits <= tol and e_layer0 <= tol and flips <= MAX_FLIP_SHARE * compared
+            else:  # bf16 MoE (module docstring): the layer-0 output of the agreeing rows only
+                ok = e_layer0 <= tol
+            rows.append(dict(stack=name, check=check, dtype=str(dtype).replace("torch.", ""), tol=tol,
+                             rel_err_logits=e_logits, rel_err_layer0=e_layer0, argmax_agree=agree,
+                             expert_flips=flips, rows=compared, judged="all" if judge_logits else "layer0", ok=ok))
 
-        last, features = run(lambda: adapter.prefill(ids[:P], cache))
-        record(f"prefill {P}", last, own_logits[P - 1 : P], own_layer0[:P], features)
-        h = run(lambda: adapter.forward(ids[P : P + B], torch.arange(P, P + B, device=device), cache))
-        record(f"chain verify {B}", h, own_logits[P : P + B], own_layer0[P : P + B], adapter.captured_layer(0))
+        (last, features), routes = run(lambda: adapter.prefill(ids[:P], cache))
+        record(f"prefill {P}", last, own_logits[P - 1 : P], own_layer0[:P], features,
+               kept=agreeing_rows(own_routes, [P - 1], routes, [P - 1]),
+               kept0=agreeing_rows(own_routes, range(P), routes, range(P), layers=[0]))
+        h, routes = run(lambda: adapter.forward(ids[P : P + B], torch.arange(P, P + B, device=device), cache))
+        chain = range(P, P + B)
+        record(f"chain verify {B}", h, own_logits[P : P + B], own_layer0[P : P + B], adapter.captured_layer(0),
+               kept=agreeing_rows(own_routes, chain, routes, range(B)),
+               kept0=agreeing_rows(own_routes, chain, routes, range(B), layers=[0]))
         cache.commit(B)
         # tree: the root, the model's continuation root -> a -> b, and a noise branch root -> x -> y
         start = P + B
@@ -194,10 +293,14 @@ def check_stack(name: str, shape: dict, args) -> list:
         depths = torch.tensor([0, 1, 2, 1, 2], device=device)
         tokens = torch.cat([ids[start : start + 3], noise])
         bits = dflash_kernels.ancestor_bits(parents)
-        h = run(lambda: adapter.forward(tokens, start + depths, cache, tree_bits=bits))
+        h, routes = run(lambda: adapter.forward(tokens, start + depths, cache, tree_bits=bits))
+        branch = range(start, start + 3)
         record("tree verify 5 (model branch)", h[:3], own_logits[start : start + 3], own_layer0[start : start + 3],
-               adapter.captured_layer(0)[:3])
-        record("tree verify 5 (noise branch)", h[[0, 3, 4]], other_logits[start:])
+               adapter.captured_layer(0)[:3], kept=agreeing_rows(own_routes, branch, routes, [0, 1, 2]),
+               kept0=agreeing_rows(own_routes, branch, routes, [0, 1, 2], layers=[0]))
+        record("tree verify 5 (noise branch)", h[[0, 3, 4]], other_logits[start:],
+               kept=agreeing_rows(other_routes, branch, routes, [0, 3, 4]))
+    routers.remove()
     for r in rows:
         r["experts"] = experts
         r["cuda_syncs_in_forwards"] = syncs
@@ -230,21 +333,26 @@ def main(argv=None) -> int:
     for name in names:
         t0 = time.perf_counter()
         rows += check_stack(name, stacks[name], args)
+        if has_experts(stacks[name]) and args.dtype != torch.float32:  # judged in full where near-ties are rare
+            rows += check_stack(f"{name} fp32", stacks[name], args, dtype=torch.float32, tol=FP32_TOL)
         print(f"  {name}: {time.perf_counter() - t0:.1f}s")
         write_json(path, report)  # what finished survives a kill
-    print(f"{'stack':<12} {'check':<30} {'rel err logits':>14} {'rel err layer0':>14} {'argmax':>7} {'experts':>10} "
-          f"{'syncs':>5}  result")
+    print(f"{'stack':<17} {'check':<30} {'rel err logits':>14} {'rel err layer0':>14} {'argmax':>7} {'experts':>10} "
+          f"{'flips':>7} {'syncs':>5}  result")
     for r in rows:
-        print(f"{r['stack']:<12} {r['check']:<30} {r['rel_err_logits']:>14.2e} {r['rel_err_layer0']:>14.2e} "
-              f"{r['argmax_agree']:>7.2f} {str(r['experts']):>10} {r['cuda_syncs_in_forwards']:>5}  "
-              f"{'ok' if r['ok'] else 'FAIL'}")
+        result = ("ok" if r["ok"] else "FAIL") + (" (layer 0 judged)" if r["judged"] == "layer0" else "")
+        print(f"{r['stack']:<17} {r['check']:<30} {r['rel_err_logits']:>14.2e} {r['rel_err_layer0']:>14.2e} "
+              f"{r['argmax_agree']:>7.2f} {str(r['experts']):>10} {r['expert_flips']:>3}/{r['rows']:<3} "
+              f"{r['cuda_syncs_in_forwards']:>5}  {result}")
     failed = [r for r in rows if not r["ok"]]
     report["complete"] = True
     write_json(path, report)
     if failed:
         for r in failed:
             print(f"gpu_family_check: FAIL {r['stack']} {r['check']}: relative error {r['rel_err_logits']:.2e} "
-                  f"(logits), {r['rel_err_layer0']:.2e} (layer 0) over {args.tol:g}", file=sys.stderr)
+                  f"(logits), {r['rel_err_layer0']:.2e} (layer 0) over {r['tol']:g} on the rows whose experts agree, "
+                  f"or {r['expert_flips']} of {r['rows']} rows with other experts (at most "
+                  f"{MAX_FLIP_SHARE:.0%})", file=sys.stderr)
         return 1
     print("gpu_family_check: every stack matches the model's own forward")
     return 0

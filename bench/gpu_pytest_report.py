@@ -19,6 +19,8 @@ import os
 import signal
 import time
 
+import pytest
+
 _REPORT = {"collected": [], "tests": [], "counts": {}, "collect_only": False, "exitstatus": None, "finished": False}
 _STARTED = {}
 
@@ -71,7 +73,8 @@ def pytest_runtest_logreport(report):
         _write()
 
 
+@pytest.hookimpl(trylast=True)  # after the hooks that may still change the session's status
 def pytest_sessionfinish(session, exitstatus):
-    _REPORT["exitstatus"] = int(exitstatus)
+    _REPORT["exitstatus"] = int(session.exitstatus)
     _REPORT["finished"] = True
     _write()

@@ -93,10 +93,18 @@ def get_backend(device: torch.device) -> str:
 
 
 def resolve_backend(backend: Optional[str], device: torch.device) -> str:
-    """``backend`` when the caller fixed one ('triton' or 'reference'), else :func:`get_backend` of ``device``."""
+    """``backend`` when the caller fixed one ('triton' or 'reference'), else :func:`get_backend` of ``device``.
+
+    A fixed 'triton' on a device it cannot run on (CPU tensors without the interpreter) is refused by name,
+    rather than left to fail inside Triton's launcher."""
     if backend is None:
         return get_backend(device)
-    return _check_name(backend)
+    name = _check_name(backend)
+    if name == "triton" and torch.device(device).type != "cuda" and not triton_interpreting():
+        raise ValueError(f"backend 'triton' runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1 set before "
+                         f"triton is imported); these tensors are on {torch.device(device)}: move them to a GPU or "
+                         "use backend='reference'")
+    return name
 
 
 def tracing() -> bool:

@@ -451,13 +451,12 @@ def walk_tree_device(
     choice = target_choice.to(torch.int64)
     idx = torch.arange(n_nodes, dtype=torch.int64, device=device)
     tok = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), token_ids.to(torch.int64)])
-    match = tok == choice[par]
-    match[0] = True
+    is_root = idx == 0
+    match = (tok == choice[par]) | is_root  # the root always matches (no ``match[0] = True``: a host upload)
     # Only the lowest-numbered matching child of each node counts.
     first = torch.full((n_nodes,), n_nodes, dtype=torch.int64, device=device)
     first.scatter_reduce_(0, par[1:], torch.where(match[1:], idx[1:], n_nodes), reduce="amin")
-    match = match & (first[par] == idx)
-    match[0] = True
+    match = (match & (first[par] == idx)) | is_root
 
     if bits is not None:
         words = bits.shape[1]

@@ -20,5 +20,6 @@ from sharding import (  # noqa: E402,F401  (tests/ is on sys.path, as for the he
     pytest_addoption,
     pytest_collection_modifyitems,
     pytest_ignore_collect,
+    pytest_sessionfinish,
     pytest_terminal_summary,
 )

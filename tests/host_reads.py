@@ -11,7 +11,10 @@ code makes on a GPU:
   ``unique``, ``masked_select``, ``repeat_interleave`` without ``output_size``,
   indexing with a boolean tensor (its shape depends on the values);
 * blocking uploads: ``torch.tensor`` / ``as_tensor`` from Python data
-  (a pageable host-to-device copy on a GPU).
+  (a pageable host-to-device copy on a GPU), and ``t[i] = x`` with ``x`` a
+  Python number or bool and ``t[i]`` one element (torch copies the value up
+  from a CPU scalar tensor: a pageable copy, which a CUDA graph capture
+  refuses outright; a slice of several elements is filled on the device).
 
 ``reads`` lists ``(name, stack summary)`` per counted call.
 """
@@ -53,6 +56,12 @@ class HostReadCounter(TorchFunctionMode):
                 counted = True
             if name == "__getitem__" and len(args) > 1 and _is_bool_index(args[1]):
                 counted = True
+            if name == "__setitem__" and len(args) > 2 and not isinstance(args[2], torch.Tensor):
+                self._depth += 1
+                try:
+                    counted = args[0][args[1]].dim() == 0
+                finally:
+                    self._depth -= 1
             if counted:
                 where = [f"{f.filename.rsplit('/', 2)[-2:]}:{f.lineno}" for f in traceback.extract_stack(limit=8)[:-1]]
                 self.reads.append((name, where))

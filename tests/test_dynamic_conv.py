@@ -84,8 +84,8 @@ def test_triton_matches_reference(shape, dtype):
 @needs_triton
 def test_triton_any_strides_and_fp32_base():
     """x and residual as strided views, a transposed dynamic, an fp32 base with bf16 activations."""
-    x, proj, base, residual = _inputs(2, 5, 80, 2, 16)
-    wide = torch.randn(2, 5, 160)
+    x, proj, base, residual = _inputs(2, 5, 80, 2, 16, device=DEVICE)
+    wide = torch.randn(2, 5, 160, device=DEVICE)
     xs, rs = wide[:, :, ::2], wide[:, :, 1::2]
     dyn = proj[:, :, 0].transpose(2, 3).contiguous().transpose(2, 3)
     torch.testing.assert_close(dk.dynamic_conv(xs, dyn, base[0], rs, backend="triton"),
@@ -244,3 +244,15 @@ def test_dflash2_drafter_forward_on_both_backends():
             with force_backend(backend):
                 outs[backend] = draft(block, feats, torch.arange(10))
     torch.testing.assert_close(outs["triton"], outs["reference"], rtol=1e-4, atol=1e-4)
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused_by_name(monkeypatch):
+    """A caller that fixes backend='triton' on CPU tensors where no interpreter runs gets a ValueError saying what
+    to do, not Triton's launcher error ("Pointer argument cannot be accessed from Triton")."""
+    from dflash_kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "triton_interpreting", lambda: False)
+    x, proj, base, residual = _inputs(1, 4, 16, 2, 8)
+    with pytest.raises(ValueError, match="backend 'triton' runs on CUDA tensors .* on cpu"):
+        dk.dynamic_conv(x, proj[:, :, 0], base[0], residual, backend="triton")
+    assert dk.dynamic_conv(x, proj[:, :, 0], base[0], residual, backend="reference").shape == x.shape

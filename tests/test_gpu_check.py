@@ -92,23 +92,27 @@ esac
 """
 
 
-def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None):
-    """The script with a fake nvidia-smi and a fake python that passes every step except ``failing``."""
+def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None, steps=None):
+    """The script with a fake nvidia-smi and a fake python that passes every step except ``failing``
+    (``steps``: GPU_CHECK_STEPS)."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: Fake GPU (UUID: GPU-00000000)"\n')
     (fake_bin / "python").write_text(FAKE_PYTHON % failing)
     for f in fake_bin.iterdir():
         f.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PATH", "GPU_CHECK_BUDGET_S")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PATH") and not k.startswith("GPU_CHECK_")}
     env.update(PATH=os.pathsep.join([str(fake_bin)] + system_path_without_nvidia_smi()),
                PYTHON=str(fake_bin / "python"), OUT=str(tmp_path / "out"))
     if budget is not None:
         env["GPU_CHECK_BUDGET_S"] = str(budget)
+    if steps is not None:
+        env["GPU_CHECK_STEPS"] = steps
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "kernels", "tests", "syncs", "round", "compiled", "hybrid", "families", "stress", "e2e", "micro"]
+STEPS = ["build", "kernels", "tests", "syncs", "round", "compiled", "hybrid", "families", "stress", "e2e", "auto",
+         "micro"]
 
 
 def summary_states(stdout):
@@ -154,6 +158,37 @@ def test_step_runner_respects_the_time_budget(tmp_path):
     assert summary_states(result.stdout) == {"build": "no time"}
 
 
+def test_step_runner_runs_only_the_selected_steps(tmp_path):
+    """GPU_CHECK_STEPS: a second, shorter lease runs what is left; the plan sums the selected steps only, the
+    extension is not rebuilt (only checked to import), the others are "not selected" and not run."""
+    result = run_with_fake_gpu(tmp_path, steps="hybrid,e2e")
+    assert result.returncode == 0, result.stderr
+    plan = dict(script_plan()[1])
+    assert f"planned device time: {plan['probe'] + plan['hybrid'] + plan['e2e']} s" in result.stdout
+    states = summary_states(result.stdout)
+    assert states["hybrid"] == "ok" and states["e2e"] == "ok"
+    assert {s for s, state in states.items() if state == "not selected"} == set(STEPS) - {"hybrid", "e2e"}
+    assert "pip install" not in result.stdout and "build not selected: checking that the extension imports" in \
+        result.stdout
+    assert "bench/gpu_hybrid_check.py" in result.stdout and "bench/gpu_kernel_check.py" not in result.stdout
+    summary = json.loads((tmp_path / "out" / "gpu_check_summary.json").read_text())
+    assert not summary["failed"] and {s["step"]: s["state"] for s in summary["steps"]}["kernels"] == "not selected"
+
+
+def test_step_runner_refuses_an_unknown_step(tmp_path):
+    result = run_with_fake_gpu(tmp_path, steps="hybrid,speed")
+    assert result.returncode == 1
+    assert "GPU_CHECK_STEPS names 'speed', which is no step; the steps are: build kernels" in result.stderr
+    assert "== [" not in result.stdout
+
+
+def test_step_runner_without_build_stops_when_the_extension_does_not_import(tmp_path):
+    result = run_with_fake_gpu(tmp_path, failing="import dflash_kernels._C", steps="kernels")
+    assert result.returncode == 1
+    assert "build is not selected and dflash_kernels._C does not import" in result.stderr
+    assert "== [kernels]" not in result.stdout
+
+
 def script_plan():
     """(budget default, [(step, limit)]) as written in the script's BUDGET_S line and PLAN array."""
     text = SCRIPT.read_text()
@@ -183,7 +218,7 @@ def test_script_installs_offline_and_runs_every_gpu_script():
     assert "PYTHON:-python3" in text
     assert "built_with_cuda" not in text and "cuda_device_count" not in text and "cuda-ext" not in text
     for script in ("gpu_kernel_check.py", "gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py",
-                   "gpu_family_check.py", "gpu_compiled_round.py", "gpu_hybrid_check.py"):
+                   "gpu_family_check.py", "gpu_compiled_round.py", "gpu_hybrid_check.py", "gpu_auto_budget.py"):
         assert f"bench/{script}" in text
 
 
@@ -340,6 +375,37 @@ def test_family_check_runs_at_tiny_shapes(tmp_path, capsys):
     assert "every stack matches the model's own forward" in capsys.readouterr().out
 
 
+def test_family_check_excludes_rows_whose_experts_flip():
+    """The MoE rows: each router's choice is recorded per forward, and a row whose experts differ in any layer
+    is left out of the error (and counted); a rigged router that flips every row's experts in our forwards fails
+    the check on the flip count."""
+    family = load_script("gpu_family_check")
+    model = family.build(family.TINY["gpt-oss-20b"], torch.float32, torch.device("cpu"))
+    recorder = family.RouterRecorder(model)
+    ids = torch.arange(1, 11)[None]
+    with torch.no_grad(), recorder.record() as a:
+        model(ids)
+    assert sorted(a) == [0, 1] and a[0].shape == (10, 2)
+    b = {layer: t.clone() for layer, t in a.items()}
+    b[1][3] = (b[1][3] + 1) % 4  # row 3 takes other experts in layer 1
+    b[1][3] = b[1][3].sort().values
+    assert family.agreeing_rows(a, range(10), b, range(10)).tolist() == [i != 3 for i in range(10)]
+    assert family.agreeing_rows(a, range(10), b, range(10), layers=[0]).all()
+    assert family.agreeing_rows(a, [3, 4], b, [3, 4]).tolist() == [False, True]
+    recorder.remove()
+
+
+def test_family_check_fails_when_experts_differ_beyond_near_ties(monkeypatch, capsys):
+    """More flipped rows than near-ties explain fail the check (here: every row, as a wrong router would)."""
+    family = load_script("gpu_family_check")
+    monkeypatch.setattr(family, "agreeing_rows", lambda own, own_rows, ours, ours_rows, layers=None:
+                        torch.zeros(len(own_rows), dtype=torch.bool))
+    with dflash_kernels.force_backend("reference"):
+        assert family.main(["--device", "cpu", "--tiny", "--only", "gpt-oss-20b"]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL gpt-oss-20b prefill" in err and "24 of 24 rows with other experts" in err
+
+
 @pytest.mark.parametrize("stack,broken", [("gpt-oss-20b", "sinks"), ("gemma2-9b", "softcap")])
 def test_family_check_fails_when_a_feature_is_dropped(monkeypatch, capsys, stack, broken):
     """Our attention without the sinks (or the softcap) is caught against the model's own forward."""
@@ -363,6 +429,20 @@ def test_compiled_round_runs_at_tiny_shapes(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["ar", "dflash", "ddtree"] and all(r["same_tokens"] for r in rows)
     assert "| dflash |" in capsys.readouterr().out
+
+
+def test_auto_budget_runs_at_tiny_shapes(tmp_path, capsys):
+    """The auto-budget GPU script at tiny fp32 shapes on the CPU: every row (fixed budgets and auto) equals greedy
+    decoding, the JSON carries auto's ratios, the steered drafter is accepted often."""
+    script = load_script("gpu_auto_budget")
+    out = tmp_path / "a.json"
+    assert script.main(["--dry-run", "--budgets", "2,4,8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["table"]) == ["ddtree 2", "ddtree 4", "ddtree 8", "ddtree auto"]
+    assert all(r["equal_to_greedy"] for r in report["table"].values())
+    assert report["table"]["ddtree 8"]["tau"] > 1.5  # the steering works: drafts are accepted
+    assert report["auto_over_best"] > 0 and report["best_fixed"] in (2, 4, 8)
+    assert "| ddtree auto |" in capsys.readouterr().out
 
 
 class LogitTarget(torch.nn.Module):

@@ -91,19 +91,21 @@ def test_triton_matches_reference(shape, dtype):
         assert torch.equal(got[0].cpu(), _loop_greedy(*(t.cpu() for t in args)))
 
 
-@pytest.mark.parametrize("backend", dk.available_backends(torch.device("cpu")))
+@pytest.mark.parametrize("backend", dk.available_backends(torch.device(DEVICE)))
 def test_sampling_is_a_function_of_the_seed(backend):
-    args = _inputs(3, 6, 8, 5, 60, seed=4)
-    a = dk.select_candidates(*args, 1.3, torch.tensor([7]), backend=backend)
-    b = dk.select_candidates(*args, 1.3, torch.tensor([7]), backend=backend)
-    c = dk.select_candidates(*args, 1.3, torch.tensor([8]), backend=backend)
+    """On the test device (its backends: a GPU machine has no interpreter, so its CPU has only the reference)."""
+    args = _inputs(3, 6, 8, 5, 60, seed=4, device=DEVICE)
+    seed = lambda s: torch.tensor([s], device=DEVICE)  # noqa: E731
+    a = dk.select_candidates(*args, 1.3, seed(7), backend=backend)
+    b = dk.select_candidates(*args, 1.3, seed(7), backend=backend)
+    c = dk.select_candidates(*args, 1.3, seed(8), backend=backend)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     # the uniforms are selector_uniforms of the seed: the explicit-uniform chain draws the same tokens
     u = R.selector_uniforms(torch.tensor(7), 3, 6)
-    assert torch.equal(R.select_chain(*args, 1.3, u)[0], a[0])
+    host = tuple(t.cpu() for t in args)
+    assert torch.equal(R.select_chain(*host, 1.3, u)[0], a[0].cpu())
     # sequence 0 of a batch draws what the unbatched call draws
-    one = dk.select_candidates(*(t[0] for t in args[:3]), *args[3:5], args[5][:1], 1.3, torch.tensor([7]),
-                               backend=backend)
+    one = dk.select_candidates(*(t[0] for t in args[:3]), *args[3:5], args[5][:1], 1.3, seed(7), backend=backend)
     assert torch.equal(one[0], a[0][0])
     # the uniforms are not the lm_head's noise words of the same seed (other Philox rows)
     assert not torch.equal(u[0], R.uniform_noise(torch.tensor(7), torch.tensor([0]), torch.arange(6))[0])

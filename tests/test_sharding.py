@@ -66,7 +66,7 @@ def scratch(tmp_path_factory):
     tests.mkdir()
     hooks = [line.strip().rstrip(",") for line in open(os.path.join(HERE, "conftest.py"))
              if line.strip().startswith("pytest_")]
-    assert len(hooks) == 4, hooks
+    assert len(hooks) == 5, hooks
     (tests / "conftest.py").write_text(f"from sharding import {', '.join(hooks)}\n")
     for name, n in (("test_big", 6), ("test_mid", 2), ("test_new", 3)):
         body = "".join(f"def test_{i}():\n    pass\n\n" for i in range(n))
@@ -118,3 +118,17 @@ def test_only_listed_keeps_the_listed_tests_and_refuses_a_stale_entry(scratch, c
     (scratch / "stale.txt").write_text("tests/test_big.py::test_9\n")
     status, _, text = collect(scratch, capsys, "--only-listed", str(scratch / "stale.txt"))
     assert status == pytest.ExitCode.USAGE_ERROR and "select no collected test: tests/test_big.py::test_9" in text
+
+
+def test_only_listed_lenient_runs_what_it_finds_and_fails_at_the_end(scratch, capsys):
+    """The GPU check's form: a stale entry does not stop the run; the listed tests that exist run, the stale entry is
+    named at the end and the session fails."""
+    (scratch / "half_stale.txt").write_text("tests/test_big.py::test_9\ntests/test_mid.py\n")
+    capsys.readouterr()
+    status = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(scratch), "--shard-costs",
+                          str(scratch / "costs.json"), str(scratch / "tests"), "--only-listed",
+                          str(scratch / "half_stale.txt"), "--only-listed-lenient"])
+    text = "".join(capsys.readouterr())
+    assert status == pytest.ExitCode.TESTS_FAILED, text
+    assert "2 passed" in text
+    assert "FAILED (lenient) --only-listed" in text and "select no collected test: tests/test_big.py::test_9" in text

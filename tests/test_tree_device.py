@@ -542,3 +542,21 @@ def test_cuda_round_has_no_sync():
     for path, path_len, committed in (walk_bits, walk_plain):
         a = int(path_len)
         assert path[:a].cpu().tolist() == accepted.tolist() and int(committed[a - 1]) == bonus
+
+
+def test_build_and_walk_make_no_host_uploads():
+    """No Python value goes up to the device inside the tree ops (``t[i] = True`` is a pageable host-to-device
+    copy, which a CUDA graph capture of the round refuses): counted on the CPU as on a GPU."""
+    from host_reads import HostReadCounter
+
+    gen = torch.Generator().manual_seed(3)
+    lp, ids = distinct_draft(7, 64, gen)
+    tables = tree_tables(7, 64, 64, torch.device("cpu"))
+    choice = torch.randint(0, 50_000, (65,), generator=gen)
+    with HostReadCounter() as counter:
+        tree = dk.build_tree_device(lp, ids, 64, tables=tables, backend="reference")
+    bits = dk.ancestor_bits(tree[2], backend="reference")  # the reference reads on the host; a GPU's kernel does not
+    with HostReadCounter() as walks:
+        for b in (None, bits):
+            dk.walk_tree_device(tree[2], tree[0], choice, 7, b, backend="reference")
+    assert counter.reads == [] and walks.reads == []
