@@ -2,8 +2,8 @@
 
 * the tree of bucket ``n`` is the first ``n`` nodes of the largest bucket's tree: the prefix equals the
   best-first tree of budget ``n`` (host and device builds, DFlash and DFlash2 trees);
-* the depth masses the draft step writes equal the path probabilities summed per depth (a reference in
-  Python over the heap's own scores);
+* the path masses the draft step writes equal the path probabilities summed over each bucket's nodes (a
+  reference in Python over the heap's own scores);
 * the counterfactual acceptance the host reads equals the walk of each prefix tree;
 * generation is lossless for any choice (eager, static, traced), one host read per round, no recompile when
   the bucket changes; the policy picks the best expected tokens per second; errors name what is allowed.
@@ -101,25 +101,18 @@ def test_each_bucket_is_the_fixed_budget_tree(reference_ops, host_tree, dflash2)
 
 
 def _reference_masses(rnd, own_logprob):
-    """Per bucket and depth, the sum of exp(path score) over the bucket's nodes at that depth (plain Python)."""
+    """Per bucket, the sum of exp(path score) over the bucket's nodes (plain Python, parent by parent)."""
     parents = rnd.parents.tolist()
-    depths = rnd.depths.tolist()
     score = [0.0]
     for i in range(1, rnd.N + 1):
         score.append(score[parents[i]] + own_logprob(i))
-    out = []
-    for n in rnd.bucket_nodes:
-        row = [0.0] * rnd.D
-        for i in range(1, n + 1):
-            row[depths[i - 1] - 1] += math.exp(score[i])
-        out.append(row)
-    return out
+    return [sum(math.exp(score[i]) for i in range(1, n + 1)) for n in rnd.bucket_nodes]
 
 
 @torch.inference_mode()
-def test_depth_masses_are_the_path_probabilities(reference_ops):
-    target, draft = pair()
-    adapter, rnd = _round(target, draft, [2, 5, 12])
+def test_path_masses_are_the_path_probabilities(reference_ops):
+    target, draft = pair(block_size=7)  # D = 6: pointer jumping's last round covers depths 5-6 only partly
+    adapter, rnd = _round(target, draft, [2, 5, 12, 40])
     rnd.draft()
     ids = torch.cat([rnd.last, rnd.mask_block])
     out = draft.draft_block(adapter.embed(ids, raw_scale=draft.input_embedding_scale), rnd.ctx, rnd.ctx_count,
@@ -128,16 +121,38 @@ def test_depth_masses_are_the_path_probabilities(reference_ops):
     logprobs = torch.log_softmax(head.float() @ adapter.lm_head.weight.float().T, -1)
     tokens, depths = rnd.tokens.tolist(), rnd.depths.tolist()
     want = _reference_masses(rnd, lambda i: float(logprobs[depths[i - 1] - 1, tokens[i - 1]]))
-    got = rnd.depth_mass.tolist()
-    for w, g in zip(want, got):
-        assert g == pytest.approx(w, abs=1e-5)
-    assert all(a <= b + 1e-6 for row_a, row_b in zip(got, got[1:]) for a, b in zip(row_a, row_b))  # grows
-    assert all(0.0 <= m <= 1.0 + 1e-6 for row in got for m in row)
+    got = rnd.path_mass.tolist()
+    assert got == pytest.approx(want, abs=1e-5)
+    assert all(a <= b + 1e-6 for a, b in zip(got, got[1:]))  # grows with the bucket
+    assert all(0.0 <= m <= rnd.D for m in got)
     adapter.close()
 
 
 @torch.inference_mode()
-def test_depth_masses_of_a_dflash2_tree(reference_ops):
+def test_path_masses_sum_every_ancestor_of_deep_trees(reference_ops):
+    """The pointer jumping over random trees as deep as the block allows (D = 6, 7 and 15)."""
+    target, draft = pair()
+    gen = torch.Generator().manual_seed(0)
+    for block in (7, 8, 16):
+        adapter, rnd = _round(target, tiny_draft(target, block_size=block, target_layer_ids=[0, 1]), [3, 9, 30])
+        parents, depths = [-1], [0]
+        for i in range(1, rnd.N + 1):  # the first D nodes a chain, then each under a random earlier one
+            p = i - 1 if i <= rnd.D else int(torch.randint(0, i, (1,), generator=gen))
+            while depths[p] >= rnd.D:
+                p = parents[p]
+            parents.append(p)
+            depths.append(depths[p] + 1)
+        assert max(depths) == rnd.D, block
+        rnd.parents.copy_(torch.tensor(parents))
+        own = -torch.rand(rnd.N, generator=gen)
+        rnd._path_mass(own)
+        want = _reference_masses(rnd, lambda i: float(own[i - 1]))
+        assert rnd.path_mass.tolist() == pytest.approx(want, rel=1e-5), block
+        adapter.close()
+
+
+@torch.inference_mode()
+def test_path_masses_of_a_dflash2_tree(reference_ops):
     """A DFlash2 tree's node probability is the selector's, given the parent's candidate."""
     target, draft = pair(dflash2=True)
     adapter, rnd = _round(target, draft, [2, 5, 12])
@@ -166,9 +181,7 @@ def test_depth_masses_of_a_dflash2_tree(reference_ops):
         slot = 0 if p == 0 else cand[d - 2].index(tokens[p - 1])
         return float(child[d - 1, slot, j])
 
-    want = _reference_masses(rnd, own)
-    for w, g in zip(want, rnd.depth_mass.tolist()):
-        assert g == pytest.approx(w, abs=1e-5)
+    assert rnd.path_mass.tolist() == pytest.approx(_reference_masses(rnd, own), abs=1e-5)
     adapter.close()
 
 
@@ -207,8 +220,8 @@ def test_every_bucket_choice_is_lossless(reference_ops, monkeypatch):
     ref = greedy(target, 30)
     turn = iter(range(10 ** 6))
 
-    def cycle(self):
-        v = next(turn) % len(self.measured)
+    def cycle(self, length=0):
+        v = next(turn) % len(self.short)
         self.choices.append(v)
         return v
 
@@ -266,8 +279,8 @@ def test_traced_auto_one_graph_per_bucket_and_no_recompile(reference_ops, trace_
     ref = greedy(target, 30)
     turn = iter(range(10 ** 6))
 
-    def cycle(self):
-        v = next(turn) % len(self.measured)
+    def cycle(self, length=0):
+        v = next(turn) % len(self.short)
         self.choices.append(v)
         return v
 
@@ -319,11 +332,10 @@ def test_policy_picks_the_best_tokens_per_second():
     policy = BudgetPolicy([1.0, 1.2, 2.0])
     policy.start()
     assert policy.choose() == 1  # the middle bucket before any round
-    masses = [[0.9, 0.5, 0.0], [0.95, 0.8, 0.4], [0.99, 0.9, 0.8]]  # expected drafts 1.4, 2.15, 2.69
-    policy.observe(1, [1, 2, 2], masses)
+    policy.observe(1, [1, 2, 2], [1.4, 2.15, 2.69])
     # E = 1 + r * m; r = 1 for the buckets seen exactly here when the drafter's masses are right on average
     e = policy.expected()
-    rates = [x / c for x, c in zip(e, policy.costs)]
+    rates = [x / c for x, c in zip(e, policy.costs(0))]
     assert policy.choose() == max(range(3), key=rates.__getitem__)
 
 
@@ -332,21 +344,39 @@ def test_policy_calibration_follows_what_was_accepted():
     estimate, and the cheaper bucket wins."""
     policy = BudgetPolicy([1.0, 1.5])
     policy.start()
-    masses = [[0.5, 0.25], [0.8, 0.8]]  # the drafter: 0.75 and 1.6 drafts
-    for _ in range(40):
+    for _ in range(300):
         policy.choose()
-        policy.observe(1, [1, 1], masses)  # the big bucket verified: it accepts 1 draft, as the small would
+        policy.observe(1, [1, 1], [0.75, 1.6])  # the big bucket verified: it accepts 1 draft, as the small would
     r = policy.ratios()
     assert r[1] == pytest.approx(1 / 1.6, rel=0.1)
     assert r[0] == pytest.approx(1 / 0.75, rel=0.1)
     assert policy.choose() == 0  # (1 + 1) / 1.0 beats (1 + 1) / 1.5
 
 
-def test_policy_cost_offset_and_carry_over():
+def test_policy_costs_grow_with_the_committed_length():
+    """Two measured lengths, interpolated (and extrapolated) linearly per bucket; each length's costs monotone."""
+    policy = BudgetPolicy([1.0, 2.0, 1.5], [2.0, 4.0, 5.0], lengths=(10, 110))
+    assert policy.measured(10) == pytest.approx([1.0, 1.75, 1.75])
+    assert policy.measured(60) == pytest.approx([1.5, 2.875, 3.375])
+    assert policy.measured(210) == pytest.approx([3.0, 6.25, 8.25])
+    assert policy.measured(0) == pytest.approx([1.0, 1.75, 1.75])  # never below the shorter length's
+    # cheap at a short prefix, dear at a long one: the choice follows the length
+    policy = BudgetPolicy([1.0, 1.1], [1.0, 3.0], lengths=(0, 100))
+    policy.start()
+    policy.observe(0, [2, 2], [2.0, 4.0])
+    assert policy.choose(0) == 1 and policy.choose(100) == 0
+
+
+def test_policy_cost_residuals_shared_then_per_bucket():
+    """The rounds' own seconds correct the measurement: a residual shared by all buckets, and per bucket once it
+    has rounds of its own (shrunk toward the shared one while it has few)."""
     policy = BudgetPolicy([1.0, 2.0])
     policy.start()
-    policy.observe(0, [1, 1], [[0.5], [0.6]], seconds=1.5)
-    assert policy.costs == pytest.approx([1.5, 2.5])  # one offset for every bucket
+    policy.observe(0, [1, 1], [0.5, 0.6], seconds=1.5)
+    assert policy.costs(0) == pytest.approx([1.5, 2.5])  # bucket 1 has no rounds: the shared residual
+    for _ in range(200):
+        policy.observe(1, [1, 1], [0.5, 0.6], seconds=3.0)
+    assert policy.costs(0)[1] == pytest.approx(3.0, abs=0.05)  # its own rounds dominate
     kept = list(policy.ratios())
     policy.start()  # a new generation: masses start over, calibration kept
     assert policy.mass == [] and policy.ratios() != [1.0, 1.0] and policy.ratios() == kept
@@ -357,6 +387,26 @@ def test_policy_refuses_bad_costs():
         BudgetPolicy([])
     with pytest.raises(ValueError, match="costs must be positive"):
         BudgetPolicy([1.0, 0.0])
+    with pytest.raises(ValueError, match="long_costs must be positive"):
+        BudgetPolicy([1.0, 2.0], [1.0, -2.0], lengths=(0, 5))
+    with pytest.raises(ValueError, match="one value per bucket"):
+        BudgetPolicy([1.0, 2.0], [1.0], lengths=(0, 5))
+    with pytest.raises(ValueError, match="two increasing committed lengths"):
+        BudgetPolicy([1.0, 2.0], [1.0, 2.0], lengths=(5, 5))
+
+
+def test_costs_are_measured_at_two_lengths(reference_ops):
+    """The set-up measurement: the empty caches' length and the longest a round of the largest bucket allows;
+    the round's state and the caches' lengths are put back."""
+    target, draft = pair()
+    adapter, rnd = _round(target, draft, [2, 6])
+    rnd.thaw()
+    steps = compiled.RoundSteps(rnd, False)
+    lengths, short, long = steps.measure_costs(repeats=1)
+    assert lengths[0] == 1 and lengths[1] == 1 + min(rnd.cache.max_len - rnd.T, rnd.dcache.max_len - rnd.B) - 1
+    assert len(short) == len(long) == 2 and all(c > 0 for c in short + long)
+    assert rnd.cache.length == rnd.dcache.length == 0 and int(rnd.cache.length_t) == 0
+    adapter.close()
 
 
 def test_payload_masses_round_trip(reference_ops):
@@ -365,11 +415,8 @@ def test_payload_masses_round_trip(reference_ops):
     with torch.inference_mode():
         rnd.draft()
         host = rnd.verify(0).tolist()
-    got = rnd.depth_masses(host)
-    want = rnd.depth_mass.tolist()
     assert len(host) == rnd.payload_size
-    for g, w in zip(got, want):
-        assert g == pytest.approx(w, abs=1e-6)
+    assert rnd.path_masses(host) == pytest.approx(rnd.path_mass.tolist(), abs=1e-6)
     adapter.close()
 
 

@@ -5,22 +5,26 @@ drafts the tree of the largest and verifies the first ``n_v`` nodes of it,
 which are the best-first tree of budget ``n_v`` (:mod:`dflash.decoding.round`).
 Which ``v``: the one that maximises expected committed tokens per second,
 
-    v* = argmax_v  E_v / c_v,        E_v = 1 + r_v * m_v
+    v* = argmax_v  E_v / c_v(L),        E_v = 1 + r_v * m_v
 
-* ``c_v``: seconds of a round of bucket ``v`` (draft + verify + the payload's
-  read), measured on this device when the round is set up
-  (:meth:`~dflash.decoding.compiled.RoundSteps.measure_costs`, on empty caches;
-  kept per target and settings, so once per process), made nondecreasing in
-  the bucket (:func:`monotone`: a larger tree never costs less, so a dip is
-  noise), plus one offset for all buckets: the rounds' own seconds minus that
-  estimate, over recent rounds (weight :data:`COST_RATE` on the newest), what
-  the set-up measurement cannot see (the host's bookkeeping, the prefix the
-  attention reads). One offset, not one per bucket: a bucket seldom chosen
-  would otherwise be judged by a few noisy rounds;
+* ``c_v(L)``: seconds of a round of bucket ``v`` (draft + verify + the
+  payload's read) with ``L`` tokens committed. Measured on this device when the
+  round is set up (:meth:`~dflash.decoding.compiled.RoundSteps.measure_costs`,
+  once per target and settings) at two cache lengths, the set-up's own and the
+  longest the caches allow (an eager verify attends over the committed rows, so
+  its cost grows with ``L``, the more the more rows it verifies), and
+  interpolated linearly in ``L``; each length's costs made nondecreasing in the
+  bucket (:func:`monotone`: a larger tree never costs less, so a dip is noise).
+  What the measurement cannot see (the host's bookkeeping per round, the
+  caches' state) is learned from the rounds' own seconds: a residual per bucket
+  over the rounds that verified it, shrunk toward one residual shared by all
+  buckets while a bucket has few rounds (weight ``n / (n + COST_PRIOR_ROUNDS)``),
+  so a bucket seldom chosen is judged by the shared residual, not by a few
+  noisy rounds;
 * ``m_v``: the drafter's own expected accepted drafts in bucket ``v``'s tree
-  (the payload's ``depth_mass``, summed over depths: the sum of the tree's path
-  probabilities), smoothed over recent rounds (weight :data:`MASS_RATE` on the
-  newest): how sure the drafter is on the text at hand;
+  (the payload's ``path_mass``: the sum of the tree's path probabilities),
+  smoothed over recent rounds (weight :data:`MASS_RATE` on the newest): how sure
+  the drafter is on the text at hand;
 * ``r_v``: how far the drafter's probabilities are off for that bucket: the
   drafts bucket ``v``'s tree did accept over the mass it predicted, both summed
   over the rounds that show it (weight :data:`CALIBRATION_RATE` on the newest),
@@ -30,6 +34,13 @@ Which ``v``: the one that maximises expected committed tokens per second,
   (:meth:`~dflash.decoding.round.Round.bucket_acceptance`). Larger buckets stay
   at their last estimate, the prior before any (the drafter taken at its word:
   an optimistic start, so a bucket worth trying is tried).
+
+The smoothing is slow on purpose: the choice is made before the round drafts
+(reading its masses first would be a second host read), so it rests on what
+the last rounds said, and one round's masses predict the next round's best
+bucket poorly (on the tiny pair, replaying every start position of 16 greedy
+texts with every bucket: faster smoothing lost 2-5% to the best fixed budget,
+this one about 1%).
 
 The choice changes only which prefix of the drafted tree is verified, so every
 round is lossless whatever it picks. The chain is not among the choices: at
@@ -42,16 +53,18 @@ compaction, which the measured costs already include.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
-__all__ = ["BudgetPolicy", "CALIBRATION_RATE", "COST_RATE", "MASS_RATE", "PRIOR", "monotone"]
+__all__ = ["BudgetPolicy", "CALIBRATION_RATE", "COST_PRIOR_ROUNDS", "COST_RATE", "MASS_RATE", "PRIOR", "monotone"]
 
-#: weight of the newest round in the smoothed depth masses (the next tree looks most like the last ones)
-MASS_RATE = 0.5
-#: weight of the newest round in the measured costs' correction
+#: weight of the newest round in the smoothed path masses
+MASS_RATE = 0.1
+#: weight of the newest round in the cost residuals
 COST_RATE = 1.0 / 8
+#: rounds of its own after which a bucket's cost residual weighs as much as the shared one
+COST_PRIOR_ROUNDS = 4.0
 #: weight of the newest showing round in a bucket's calibration sums (acceptance drifts slowly along a text)
-CALIBRATION_RATE = 1.0 / 16
+CALIBRATION_RATE = 1.0 / 64
 #: prior of the calibration, in drafts at ratio 1 (the drafter's probabilities taken as they are at first)
 PRIOR = 2.0
 
@@ -72,25 +85,41 @@ def monotone(values: Sequence[float]) -> List[float]:
     return out
 
 
+def _ewma(old: Optional[float], new: float, rate: float) -> float:
+    return new if old is None else (1 - rate) * old + rate * new
+
+
 class BudgetPolicy:
     """The per-round budget choice of the generations of one target and settings (module docstring).
 
-    ``costs [V]``: the measured seconds per round of each bucket.
+    ``costs [V]``: the measured seconds per round of each bucket with
+    ``lengths[0]`` tokens committed; ``long_costs [V]``: the same with
+    ``lengths[1]`` (None: costs that do not depend on the length).
     :meth:`start` begins a generation, :meth:`choose` gives the bucket of the
     next round, :meth:`observe` takes what the round's payload said. The
-    calibration and the cost corrections carry over from one generation to the
+    calibration and the cost residuals carry over from one generation to the
     next (the drafter, the target and the device stay the same); generations
     run at once on one target share them, which can only blur the estimates
     (each update is one float per bucket), never a round's tokens.
     """
 
-    def __init__(self, costs: Sequence[float]):
-        if not costs or any(not c > 0 for c in costs):
-            raise ValueError(f"costs must be positive seconds per bucket, got {list(costs)!r}")
-        self.measured = monotone(costs)
-        V = len(self.measured)
-        self.offset = 0.0  # seconds the rounds took beyond the measured costs (smoothed)
-        self._timed = False
+    def __init__(self, costs: Sequence[float], long_costs: Optional[Sequence[float]] = None,
+                 lengths: Sequence[int] = (0, 1)):
+        for name, values in (("costs", costs), ("long_costs", long_costs)):
+            if values is not None and (not values or any(not c > 0 for c in values)):
+                raise ValueError(f"{name} must be positive seconds per bucket, got {list(values)!r}")
+        if long_costs is not None and len(long_costs) != len(costs):
+            raise ValueError(f"costs and long_costs must have one value per bucket, got {len(costs)} and "
+                             f"{len(long_costs)}")
+        if long_costs is not None and not lengths[1] > lengths[0]:
+            raise ValueError(f"lengths must be two increasing committed lengths, got {list(lengths)!r}")
+        self.short = monotone(costs)
+        self.long = monotone(long_costs) if long_costs is not None else list(self.short)
+        self.lengths = (int(lengths[0]), int(lengths[1]))
+        V = len(self.short)
+        self.shared = None  # the residual of every round (smoothed), None before any timed round
+        self.residual: List[Optional[float]] = [None] * V  # per bucket, over the rounds that verified it
+        self.rounds = [0] * V
         self.mass: List[float] = []  # smoothed m_v
         self.accepted = [0.0] * V  # decayed sums of the drafts each bucket accepted, over the rounds showing it
         self.predicted = [0.0] * V  # and of the mass the drafter gave them
@@ -101,10 +130,24 @@ class BudgetPolicy:
         self.mass = []
         self.choices = []
 
-    @property
-    def costs(self) -> List[float]:
-        """``c_v``: the expected seconds of a round of each bucket."""
-        return [max(c + self.offset, 1e-9) for c in self.measured]
+    def measured(self, length: int) -> List[float]:
+        """The set-up measurement's seconds per bucket at ``length`` committed tokens (linear in the length,
+        extrapolated past the two measured lengths, never below the shorter length's)."""
+        (l0, l1), out = self.lengths, []
+        t = (length - l0) / (l1 - l0)
+        for a, b in zip(self.short, self.long):
+            out.append(max(a + t * (b - a), min(a, b)))
+        return out
+
+    def costs(self, length: int) -> List[float]:
+        """``c_v(L)``: the expected seconds of a round of each bucket with ``length`` tokens committed."""
+        out = []
+        for v, c in enumerate(self.measured(length)):
+            shared = self.shared or 0.0
+            own = self.residual[v]
+            w = self.rounds[v] / (self.rounds[v] + COST_PRIOR_ROUNDS)
+            out.append(max(c + (shared if own is None else w * own + (1 - w) * shared), 1e-9))
+        return out
 
     def ratios(self) -> List[float]:
         """``r_v`` per bucket."""
@@ -113,28 +156,31 @@ class BudgetPolicy:
     def expected(self) -> List[float]:
         """``E_v``: expected committed tokens of a round of each bucket (1 per bucket before any round)."""
         if not self.mass:
-            return [1.0] * len(self.measured)
+            return [1.0] * len(self.short)
         return [1.0 + r * m for r, m in zip(self.ratios(), self.mass)]
 
-    def choose(self) -> int:
-        """The bucket of the next round: the best expected tokens per second (the middle bucket at first)."""
+    def choose(self, length: int = 0) -> int:
+        """The bucket of the next round, with ``length`` tokens committed: the best expected tokens per second
+        (the middle bucket at first)."""
         if not self.mass:
-            v = (len(self.measured) - 1) // 2
+            v = (len(self.short) - 1) // 2
         else:
-            rates = [e / c for e, c in zip(self.expected(), self.costs)]
+            rates = [e / c for e, c in zip(self.expected(), self.costs(length))]
             v = max(range(len(rates)), key=rates.__getitem__)
         self.choices.append(v)
         return v
 
-    def observe(self, bucket: int, accepted: Sequence[int], masses: Sequence[Sequence[float]],
-                seconds: float = 0.0) -> None:
-        """A round verified ``bucket`` in ``seconds`` (0: not timed); ``accepted [V]``: the drafts each bucket would
-        have accepted (exact up to ``bucket``); ``masses [V][D]``: its tree's depth masses."""
+    def observe(self, bucket: int, accepted: Sequence[int], masses: Sequence[float], seconds: float = 0.0,
+                length: int = 0) -> None:
+        """A round verified ``bucket`` in ``seconds`` (0: not timed) with ``length`` tokens committed before it;
+        ``accepted [V]``: the drafts each bucket would have accepted (exact up to ``bucket``); ``masses [V]``:
+        each bucket's path mass (expected accepted drafts, by the drafter)."""
         if seconds > 0:
-            extra = seconds - self.measured[bucket]
-            self.offset = extra if not self._timed else (1 - COST_RATE) * self.offset + COST_RATE * extra
-            self._timed = True
-        totals = [float(sum(row)) for row in masses]
+            extra = seconds - self.measured(length)[bucket]
+            self.shared = _ewma(self.shared, extra, COST_RATE)
+            self.residual[bucket] = _ewma(self.residual[bucket], extra, COST_RATE)
+            self.rounds[bucket] += 1
+        totals = [float(m) for m in masses]
         if not self.mass:
             self.mass = totals
         else:

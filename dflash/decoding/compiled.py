@@ -311,29 +311,41 @@ class RoundSteps:
             return self.payload[bucket]
         return self._run_verify(bucket)
 
-    def measure_costs(self, repeats: int = 5) -> List[float]:
-        """Seconds of a round (draft + verify + the payload's read) per budget bucket: the median of ``repeats``
-        after one untimed round each (on a GPU its kernels' first launches compile). On the frozen caches at
-        their current lengths; the state is put back (:meth:`Round.snapshot`), as :meth:`prepare` does."""
+    def measure_costs(self, repeats: int = 5):
+        """Seconds of a round (draft + verify + the payload's read) per budget bucket, at two cache lengths:
+        ``(lengths, short [V], long [V])``. ``lengths[0]``: the committed tokens now (the set-up's prompt);
+        ``lengths[1]``: the most the caches hold for a round of the largest bucket (both caches moved on by the
+        same count). Each value the median of ``repeats`` after one untimed round (on a GPU its kernels' first
+        launches compile). The state is put back (:meth:`Round.snapshot`, and the caches' host lengths), as
+        :meth:`prepare` does."""
         rnd = self.rnd
         rnd.freeze()
         rnd.snapshot()
-        costs = []
+        committed = rnd.cache.length + 1
+        caches = [(rnd.cache, rnd.T)] + ([] if rnd.dcache is None else [(rnd.dcache, rnd.B)])
+        grow = max(0, min(cache.max_len - cache.length - rows for cache, rows in caches) - 1)
+        results, moved = [], 0
         try:
-            for bucket in range(self.buckets):
-                times = []
-                for i in range(repeats + 1):
-                    rnd.restore()
-                    t0 = time.perf_counter()
-                    self.draft()
-                    self.verify(bucket).to("cpu")
-                    if i:
-                        times.append(time.perf_counter() - t0)
-                costs.append(sorted(times)[len(times) // 2])
+            for extra in (0, grow):
+                rnd.move_snapshot(extra - moved)
+                moved = extra
+                costs = []
+                for bucket in range(self.buckets):
+                    times = []
+                    for i in range(repeats + 1):
+                        rnd.restore()
+                        t0 = time.perf_counter()
+                        self.draft()
+                        self.verify(bucket).to("cpu")
+                        if i:
+                            times.append(time.perf_counter() - t0)
+                    costs.append(sorted(times)[len(times) // 2])
+                results.append(costs)
         finally:
+            rnd.move_snapshot(-moved)
             rnd.restore()
             rnd.thaw()
-        return costs
+        return (committed, committed + max(grow, 1)), results[0], results[1]
 
     def release(self) -> None:
         """Free what the entry holds: CUDA graphs reset (their memory pool goes back), compiled code dropped,
@@ -483,7 +495,8 @@ def _bucket_costs(target, key, steps: RoundSteps) -> float:
         steps.policy = known[key]
         return 0.0
     t0 = time.perf_counter()
-    steps.policy = known[key] = BudgetPolicy(steps.measure_costs())
+    lengths, short, long = steps.measure_costs()
+    steps.policy = known[key] = BudgetPolicy(short, long, lengths)
     return time.perf_counter() - t0
 
 

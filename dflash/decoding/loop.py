@@ -71,7 +71,7 @@ def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> Genera
         while not out.done:
             before = out.committed
             rnd.check_room(before)  # host ints: a round never writes past either cache
-            bucket = policy.choose() if policy is not None else -1
+            bucket = policy.choose(before) if policy is not None else -1
             began = time.perf_counter()
             steps.draft()
             clock.mark("draft")
@@ -80,8 +80,8 @@ def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> Genera
             host = reader.read(payload)
             new = rnd.committed_tokens(host)
             if policy is not None:
-                policy.observe(bucket, rnd.bucket_acceptance(host), rnd.depth_masses(host),
-                               time.perf_counter() - began)
+                policy.observe(bucket, rnd.bucket_acceptance(host), rnd.path_masses(host),
+                               time.perf_counter() - began, before)
             rnd.mirror(before, len(new))
             out.extend(new)
             result.acceptance_lengths.append(out.committed - before)  # after the stop rules

@@ -25,9 +25,9 @@ tensor              shape                  meaning
 ``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes
 ``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
 ``path``            ``[D+1]`` int64        DDTree: the accepted path's rows (padded)
-``depth_mass``      ``[V, D]`` fp32        DDTree, budget chosen per round: per budget bucket ``v`` and depth ``k``,
-                                           the drafter's probability that the walk reaches depth ``k`` in the
-                                           bucket's tree (:meth:`_depth_mass`)
+``path_mass``       ``[V]`` fp32           DDTree, budget chosen per round: per budget bucket ``v``, the drafts
+                                           the drafter expects the walk over the bucket's tree to accept (the
+                                           sum of its nodes' path probabilities, :meth:`_path_mass`)
 ==================  =====================  ===========================================================
 
 Steps (nothing in them reads a value on the host):
@@ -72,7 +72,7 @@ precedes it, and no node past the ``n``-th can be among the top ``n``). The
 verify of bucket ``v`` (:meth:`verify` ``(v)``, one fixed shape per bucket)
 runs the target on that prefix only: the same tree, rows and walk as a round
 of fixed budget ``n``, so it is as lossless. The draft step also writes
-``depth_mass`` for every bucket, which the payload carries to the host's
+``path_mass`` for every bucket, which the payload carries to the host's
 budget choice (:mod:`dflash.decoding.budget_policy`); the choice is made on the
 host between rounds, so it costs no host read of its own.
 
@@ -107,7 +107,7 @@ __all__ = ["MASS_SCALE", "ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tr
 #: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
 
-#: the payload is int64: a depth mass ``m`` in [0, 1] travels as ``floor(m * MASS_SCALE)``
+#: the payload is int64: a path mass ``m`` in [0, D] travels as ``floor(m * MASS_SCALE)``
 MASS_SCALE = 1 << 24
 
 
@@ -241,15 +241,16 @@ class Round:
             # the tree build's index tables: the round's own, alive as long as the graphs that read them
             self.tree_tables = tree_device.tree_tables(self.D, self.K, self.budget, device)
             if self.auto:
-                self.depth_mass = torch.zeros(len(self.bucket_nodes), self.D, dtype=torch.float32, device=device)
+                self.path_mass = torch.zeros(len(self.bucket_nodes), dtype=torch.float32, device=device)
                 self._bucket_last = torch.tensor(self.bucket_nodes, **long) - 1
-                self._depth_ids = torch.arange(1, B, **long)
                 self._zero = torch.zeros(1, dtype=torch.float32, device=device)
+                #: pointer-jumping rounds that sum a node's ancestors over at most D levels: ceil(log2 D)
+                self._jumps = (self.D - 1).bit_length()
 
     @property
     def payload_size(self) -> int:
         """Elements of :meth:`verify`'s payload."""
-        extra = self.B + len(self.bucket_nodes) * self.D if self.auto else 0
+        extra = self.B + len(self.bucket_nodes) if self.auto else 0
         return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2 + extra}[self.method]
 
     # ---------------------------------------------------------------- set-up per generation (eager)
@@ -351,25 +352,25 @@ class Round:
         if self.auto:
             rows = self.depths - 1
             rank = (ids.index_select(0, rows) == self.tokens[:, None]).long().argmax(1, keepdim=True)
-            self._depth_mass(logprobs.index_select(0, rows).gather(1, rank)[:, 0])
+            self._path_mass(logprobs.index_select(0, rows).gather(1, rank)[:, 0])
 
-    def _depth_mass(self, own: torch.Tensor) -> None:
-        """``depth_mass [V, D]`` from each node's own log-prob ``own [N]`` (given its parent).
+    def _path_mass(self, own: torch.Tensor) -> None:
+        """``path_mass [V]`` from each node's own log-prob ``own [N]`` (given its parent).
 
         A node's path probability ``pi_i = exp(sum of own log-probs from the root to i)`` is the drafter's
-        probability that the target's choices follow the path to ``i``; nodes of one depth are disjoint events,
-        so ``depth_mass[v, k - 1] = sum of pi_i over the first N_v nodes at depth k`` is the drafter's
-        probability that the walk over bucket ``v``'s tree accepts at least ``k`` drafts (its expected accepted
-        drafts: the row's sum). Path sums by ``D - 1`` gathers along ``parents`` (fixed shapes, no host read).
+        probability that the target's choices follow the path to ``i``, i.e. that the walk accepts node ``i``.
+        The walk's accepted drafts are the number of accepted nodes, so their expectation over bucket ``v``'s
+        tree is ``path_mass[v] = sum of pi_i over its first N_v nodes`` (a cumulative sum read at each bucket's
+        last node). The path sums by pointer jumping over node ids (the root 0, scored 0 and its own ancestor):
+        ``score += score[anc]; anc = anc[anc]``, ``ceil(log2 D)`` times, so each node has summed its first
+        ``2^j`` ancestors after ``j`` rounds. Fixed shapes, no host read.
         """
-        own = own.float()
-        parent = self.parents[1:]  # node ids: 0 the root, whose score is the zero in front
-        score = own
-        for _ in range(self.D - 1):
-            score = own + torch.cat([self._zero, score]).index_select(0, parent)
-        at_depth = (self.depths[:, None] == self._depth_ids).float()  # [N, D]
-        cumulative = torch.cumsum(score.exp()[:, None] * at_depth, 0)
-        self.depth_mass.copy_(cumulative.index_select(0, self._bucket_last))
+        score = torch.cat([self._zero, own.float()])  # [N + 1] by node id
+        anc = self.parents.clamp(min=0)  # the root is its own ancestor
+        for _ in range(self._jumps):
+            score = score + score.index_select(0, anc)
+            anc = anc.index_select(0, anc)
+        self.path_mass.copy_(torch.cumsum(score[1:].exp(), 0).index_select(0, self._bucket_last))
 
     def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
@@ -434,7 +435,7 @@ class Round:
             above = (rows - 1).clamp(min=0)
             parent_slot = (candidates.index_select(0, above) == parent_token[:, None]).long().argmax(1)
             parent_slot = torch.where(rows > 0, parent_slot, torch.zeros_like(parent_slot))
-            self._depth_mass(child[rows, parent_slot, own_slot])
+            self._path_mass(child[rows, parent_slot, own_slot])
 
     def _draft_q_form(self) -> str:
         """How this round's drafter gives ``q`` to the rejection rule: ``"dense"`` (its rows through the
@@ -510,8 +511,8 @@ class Round:
         self.ctx.copy_(torch.cat([c.index_select(0, path) for c in captured], dim=1))
         self.ctx_count.copy_(path_len)
         self.last.copy_(committed.gather(0, path_len - 1))
-        if self.auto:  # and for the budget choice: the path's node ids, the depth masses
-            mass = (self.depth_mass * MASS_SCALE).long().flatten()
+        if self.auto:  # and for the budget choice: the path's node ids, the path masses
+            mass = (self.path_mass * MASS_SCALE).long()
             return torch.cat([committed, path_len, path, mass])
         return torch.cat([committed, path_len])
 
@@ -544,10 +545,9 @@ class Round:
             return host[: host[self.B] + 1]
         return host[: host[self.D + 1]]
 
-    def depth_masses(self, host: List[int]) -> List[List[float]]:
-        """``depth_mass`` (``[V][D]``) from a payload read on the host (budget chosen per round only)."""
-        flat = host[self.D + 2 + self.B :]
-        return [[x / MASS_SCALE for x in flat[v * self.D : (v + 1) * self.D]] for v in range(len(self.bucket_nodes))]
+    def path_masses(self, host: List[int]) -> List[float]:
+        """``path_mass`` (``[V]``) from a payload read on the host (budget chosen per round only)."""
+        return [x / MASS_SCALE for x in host[self.D + 2 + self.B :]]
 
     def bucket_acceptance(self, host: List[int]) -> List[int]:
         """Per budget bucket, the drafts its tree would have accepted in this round, from a payload read on the
@@ -609,3 +609,11 @@ class Round:
     def restore(self) -> None:
         for name, t in self._mutable().items():
             t.copy_(self._saved[name])
+
+    def move_snapshot(self, rows: int) -> None:
+        """Move the snapshot's committed lengths and the caches' host mirrors on by ``rows`` (back when negative):
+        the rounds :meth:`restore` starts then run as if ``rows`` more tokens were committed, over whatever the
+        caches hold there (a cost measurement at a longer prefix)."""
+        for i, cache in enumerate(self._caches()):
+            self._saved[f"length_{i}"] += int(rows)
+            cache.length += int(rows)
