@@ -50,6 +50,7 @@ NOT_RUN = {
     "python bench/compile_speed.py": "torch.compile of every method; tests/test_compiled_rounds.py compiles them",
     "bash bench/gpu_check.sh": "a GPU script; tests/test_gpu_check.py runs its CPU dry run",
     "python -m dflash generate --compile": "torch.compile of the rounds; tests/test_compiled_rounds.py compiles them",
+    "python bench/drafter_tau.py": "both shipped drafters on 16 prompts; tests/test_tiny_pair.py runs it at smoke size",
     "python bench/acceptance_rules.py": "four samplings of 8 prompts; tests/test_rejection.py runs it at smoke size",
     "python bench/auto_budget.py": "every fixed budget and auto on two prompt sets; tests/test_auto_budget.py runs "
                                    "it at smoke size",

@@ -79,3 +79,26 @@ def test_shipped_pair_reaches_tau_floor_and_is_lossless(pair, prompts, greedy, m
         assert torch.equal(r.output_ids, g), "speculative output differs from plain greedy decoding"
     tau = _pooled_tau(results)
     assert tau >= floor, f"{method} tau {tau:.2f} fell below the floor {floor} on the fixed held-out prompts"
+
+
+def test_drafter_tau_benchmark_runs_at_smoke_size(tmp_path, capsys):
+    """``python bench/drafter_tau.py`` (the README's drafter table) at one prompt and a few tokens: both shipped
+    drafters, both temperatures, their training steps from their logs."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "drafter_tau.py"
+    spec = importlib.util.spec_from_file_location("drafter_tau", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    out = tmp_path / "tau.json"
+    try:
+        with dflash_kernels.force_backend("reference"):
+            report = module.main(["--prompts", "1", "--new-tokens", "6", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == report and set(report) == {"dflash", "dflash2"}
+    for row in report.values():
+        assert row["tau_T0"] >= 1 and row["tau_T0.7"] >= 1 and row["steps"] >= 1
+    assert "| dflash2 |" in capsys.readouterr().out
