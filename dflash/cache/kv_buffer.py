@@ -1,24 +1,31 @@
 """The preallocated KV buffer both caches are built on, with its committed length on the device.
 
 One tensor ``kv [L, 2, Hkv, max_len, D]`` (layers, key/value, kv heads,
-positions, head dim; batch 1), the committed length ``length_t [1]`` int64 on
-the device and its host mirror ``length``. Two kinds of pass write to it:
+positions, head dim) per sequence; a batch of ``b`` sequences holds them as one
+contiguous ``kv_batched [b, L, 2, Hkv, max_len, D]`` (``kv`` is its row 0 when
+``b == 1``). The committed lengths ``length_t [b]`` int64 live on the device,
+their host mirrors in ``lengths`` (``length``: their maximum, what bounds the
+keys a pass reads). Two kinds of pass write to it:
 
 * an **eager** pass (the prompt's prefill; shapes vary with the prompt) of
   ``T`` rows writes rows ``[length, length + T)`` and attends over the views
   ``[0, length + T)``; :meth:`commit` then keeps what the caller accepted and
   moves both lengths on;
+  A batch is prefilled row by row, each row through its own one-sequence
+  view (:meth:`row`), then :meth:`take_lengths` gathers the rows' lengths;
 * a **round** pass (after :meth:`freeze`; shapes fixed, nothing read on the
-  host, so the same code runs eagerly, compiled and captured) writes its
-  rows at ``length_t + arange(T)`` (:meth:`write_rows`) and attends over the
-  whole layer ``[0, max_len)``, masking every key past ``length_t + T``. The
-  round moves ``length_t`` on the device; the host loop refreshes the mirror
-  from the round's one read (:meth:`mirror`).
+  host, so the same code runs eagerly, compiled and captured) writes row
+  ``r``'s ``T`` rows at ``length_t[r] + arange(T)`` (:meth:`write_rows`) and
+  attends over the whole layer ``[0, max_len)``, masking every key past
+  ``length_t[r] + T``. The round moves ``length_t`` on the device; the host
+  loop refreshes the mirrors from the round's one read (:meth:`mirror`).
 
 Rows past the committed length are scratch: the next pass overwrites them.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -35,25 +42,30 @@ class KVBuffer:
     """See the module docstring. ``kv``: optional caller storage (e.g. a view of a buffer pooled rounds share)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device,
-                 kv: "torch.Tensor | None" = None):
-        """``kv``: a contiguous ``[L, 2, Hkv, max_len, D]`` tensor of ``dtype`` on ``device``, zero-filled or
-        holding only K/V values earlier passes wrote (attention gives rows past a pass's keys weight 0,
-        which needs them finite); allocated (zeros) when omitted."""
+                 kv: "torch.Tensor | None" = None, batch: int = 1):
+        """``kv``: a contiguous ``[L, 2, Hkv, max_len, D]`` tensor (``batch == 1``) or ``[batch, L, 2, Hkv, max_len,
+        D]`` of ``dtype`` on ``device``, zero-filled or holding only K/V values earlier passes wrote (attention
+        gives rows past a pass's keys weight 0, which needs them finite); allocated (zeros) when omitted."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"{type(self).__name__}: batch must be an int >= 1, got {batch!r}")
         shape = (num_layers, 2, num_kv_heads, int(max_len), head_dim)
+        full = shape if batch == 1 else (batch,) + shape
         if kv is None:
-            kv = torch.zeros(shape, dtype=dtype, device=device)
+            kv = torch.zeros(full, dtype=dtype, device=device)
         else:
             want = torch.device(device)
             same_device = kv.device.type == want.type and (want.index is None or kv.device.index == want.index)
-            if tuple(kv.shape) != shape or kv.dtype != dtype or not same_device or not kv.is_contiguous():
-                raise ValueError(f"{type(self).__name__}: kv must be a contiguous {shape} {dtype} tensor on {want}, "
+            if tuple(kv.shape) != full or kv.dtype != dtype or not same_device or not kv.is_contiguous():
+                raise ValueError(f"{type(self).__name__}: kv must be a contiguous {full} {dtype} tensor on {want}, "
                                  f"got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
-        self.kv = kv
+        #: ``[b, L, 2, Hkv, max_len, D]``: every sequence's storage (row ``r`` is ``kv_batched[r]``)
+        self.kv_batched = kv if batch > 1 else kv[None]
+        self.batch = batch
         self.max_len = int(max_len)
-        #: host mirror of the committed length (exact between rounds; a round pass never reads it)
-        self.length = 0
-        #: the committed length on the device, read and moved by round passes
-        self.length_t = torch.zeros(1, dtype=torch.long, device=kv.device)
+        #: host mirrors of the committed lengths, one per sequence (exact between rounds; passes never read them)
+        self.lengths = [0] * batch
+        #: the committed lengths on the device, read and moved by round passes
+        self.length_t = torch.zeros(batch, dtype=torch.long, device=kv.device)
         #: ``arange(max_len)``: row offsets of a round pass's writes
         self.rows = torch.arange(self.max_len, device=kv.device)
         #: True between :meth:`freeze` and :meth:`thaw`: passes are round passes
@@ -61,6 +73,45 @@ class KVBuffer:
         #: eager round passes: attend over the rows the host mirror says can be visible (``length + T``), not
         #: the whole cache (a traced round, whose shapes may not change, sets this False)
         self.key_bound = True
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The one sequence's storage ``[L, 2, Hkv, max_len, D]`` (``batch == 1``)."""
+        if self.batch != 1:
+            raise ValueError(f"{type(self).__name__} holds a batch of {self.batch} sequences: use kv_batched "
+                             f"[b, L, 2, Hkv, S, D], or row(r) for one sequence")
+        return self.kv_batched[0]
+
+    @property
+    def length(self) -> int:
+        """The longest committed length (one sequence: its length)."""
+        return max(self.lengths)
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if self.batch != 1:
+            raise ValueError(f"{type(self).__name__} holds a batch of {self.batch} sequences: set lengths per row")
+        self.lengths = [int(value)]
+
+    def row(self, r: int) -> "KVBuffer":
+        """A one-sequence buffer over row ``r``'s storage, with lengths of its own (a batch's prefill runs row
+        by row through these; :meth:`take_lengths` then gathers them). The same class, shallow-copied."""
+        if not 0 <= r < self.batch:
+            raise IndexError(f"row {r} of a batch of {self.batch}")
+        view = copy.copy(self)
+        view.kv_batched = self.kv_batched[r : r + 1]
+        view.batch = 1
+        view.lengths = [self.lengths[r]]
+        view.length_t = self.length_t[r : r + 1].clone()
+        view.static = False
+        return view
+
+    def take_lengths(self, rows) -> None:
+        """Adopt the committed lengths of one-sequence views ``rows`` (:meth:`row`, in order), host and device."""
+        if len(rows) != self.batch:
+            raise ValueError(f"{self.batch} rows expected, got {len(rows)}")
+        self.lengths = [int(row.length) for row in rows]
+        self.length_t.copy_(torch.cat([row.length_t for row in rows]))
 
     def _check_room(self, new: int) -> None:
         if self.length + new > self.max_len:
@@ -83,11 +134,11 @@ class KVBuffer:
     def commit(self, n: int) -> None:
         """Keep the first ``n`` rows written after ``length`` (both lengths move)."""
         self._check_room(n)
-        self.length += int(n)
+        self.length = self.length + int(n)
         self.length_t.fill_(self.length)
 
     def crop(self, length: int) -> None:
-        """Forget everything from position ``length`` on."""
+        """Forget everything from position ``length`` on (one sequence)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = int(length)
@@ -96,30 +147,41 @@ class KVBuffer:
     # ------------------------------------------------- round passes
     def key_rows(self, new: int) -> int:
         """Rows a round pass writing ``new`` rows past the committed ones attends over: the whole cache
-        (``max_len``, fixed: traced rounds), or with :attr:`key_bound` the ``length + new`` the host mirror
-        bounds them by (keys past them are masked either way, so both give the same attention)."""
+        (``max_len``, fixed: traced rounds), or with :attr:`key_bound` the ``length + new`` the host mirrors
+        bound them by (the longest row's; keys past a row's are masked either way, so both give the same
+        attention)."""
         return min(self.max_len, self.length + int(new)) if self.key_bound else self.max_len
 
     def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, keys: int):
-        """Write ``k, v [Hkv, T, D]`` at rows ``start + arange(T)`` (``start [1]`` on the device; the rows are
-        distinct, so the scatter has no overlap); return the layer's first ``keys`` rows ``(k, v) [Hkv, keys,
-        D]`` (:meth:`key_rows`)."""
+        """Write ``k, v [b, Hkv, T, D]`` of each sequence ``r`` at rows ``start[r] + arange(T)`` (``start [b]`` on
+        the device; a sequence's rows are distinct, so the scatter has no overlap); return the layer's first
+        ``keys`` rows of every sequence ``(k, v) [b, Hkv, keys, D]`` (:meth:`key_rows`)."""
         T = k.shape[-2]
-        dflash_kernels.kv_write_(self.kv, layer_idx, start + self.rows[:T], k, v)
-        layer = self.kv[layer_idx]
-        return layer[0, :, :keys], layer[1, :, :keys]
+        if self.batch == 1:  # the one-sequence form of the op (the layout is the same)
+            dflash_kernels.kv_write_(self.kv_batched[0], layer_idx, start + self.rows[:T], k[0], v[0])
+        else:
+            dflash_kernels.kv_write_(self.kv_batched, layer_idx, start[:, None] + self.rows[:T], k, v)
+        layer = self.kv_batched[:, layer_idx]
+        return layer[:, 0, :, :keys], layer[:, 1, :, :keys]
 
     def freeze(self) -> None:
-        """From now on passes are round passes (``length_t`` holds the committed length)."""
-        self.length_t.fill_(self.length)
+        """From now on passes are round passes (``length_t`` holds the committed lengths: one sequence's from its
+        host mirror; a batch's were taken from its rows by :meth:`take_lengths`)."""
+        if self.batch == 1:
+            self.length_t.fill_(self.length)
         self.static = True
 
-    def mirror(self, length: int) -> None:
-        """Refresh the host mirror from a value the round's one read brought back (no device access)."""
-        self.length = int(length)
+    def mirror(self, lengths) -> None:
+        """Refresh the host mirrors from values the round's one read brought back (no device access): an int (one
+        sequence) or one per sequence."""
+        if isinstance(lengths, int):
+            lengths = [lengths]
+        if len(lengths) != self.batch:
+            raise ValueError(f"{self.batch} lengths expected, got {len(lengths)}")
+        self.lengths = [int(n) for n in lengths]
 
     def thaw(self) -> None:
-        """Back to an empty cache for the next prefill (the buffers are kept: captured graphs hold them)."""
+        """Back to empty caches for the next prefill (the buffers are kept: captured graphs hold them)."""
         self.static = False
-        self.length = 0
+        self.lengths = [0] * self.batch
         self.length_t.zero_()

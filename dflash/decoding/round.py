@@ -4,30 +4,33 @@ A :class:`Round` holds every value a round reads or writes as a device
 tensor of fixed shape, so its two steps are functions of those tensors alone:
 eager generation calls them directly; ``compile=True`` wraps the same two
 methods in ``torch.compile(fullgraph=True)`` and, on CUDA, CUDA graphs
-(:mod:`dflash.decoding.compiled`). Per generation (``B`` block size, ``N``
-tree nodes, ``D = B - 1``):
+(:mod:`dflash.decoding.compiled`). A round runs ``b`` sequences at once (a
+batch; ``b = 1`` is the same code), each with its own lengths, tree and
+commit. Per generation (``B`` block size, ``N`` tree nodes, ``D = B - 1``):
 
 ==================  =====================  ===========================================================
 tensor              shape                  meaning
 ==================  =====================  ===========================================================
-``cache.length_t``  ``[1]`` int64          target rows committed (= committed tokens - 1)
-``dcache.length_t`` ``[1]`` int64          drafter context rows committed
-``ctx``             ``[B, n*H]``           captured features of the last verify's accepted rows
-``ctx_count``       ``[1]`` int64          how many rows of ``ctx`` are real (``a + 1`` / path length)
-``last``            ``[1]`` int64          the last committed token (the next block's anchor)
+``cache.length_t``  ``[b]`` int64          target rows committed per sequence (= committed tokens - 1)
+``dcache.length_t`` ``[b]`` int64          drafter context rows committed
+``ctx``             ``[b, B, n*H]``        captured features of the last verify's accepted rows
+``ctx_count``       ``[b]`` int64          how many rows of ``ctx`` are real (``a + 1`` / path length)
+``last``            ``[b]`` int64          the last committed token (the next block's anchor)
+``alive``           ``[b]`` int64          1 for a sequence still generating, 0 once it stopped: a stopped
+                                           sequence's rows are still computed (fixed shapes) but commit nothing
 ``seed``            ``[1]`` int64          sampling key: +1 per choice, so every draw (and a replayed
-                                           graph) gets new noise
-``proposals``       ``[D]`` int64          DFlash: the drafter's chain
-``q_hidden``        ``[D, H]``             DFlash, rejection rule, dense q: the drafter's head rows the chain was
+                                           graph) gets new noise; the rows of one choice draw apart
+``proposals``       ``[b, D]`` int64       DFlash: the drafter's chain
+``q_hidden``        ``[b, D, H]``          DFlash, rejection rule, dense q: the drafter's head rows the chain was
                                            sampled from (q = their processed distribution through the lm_head)
-``q_ids/q_probs``   ``[D, k]`` int64/fp32  DFlash2: each proposal's candidates and their selector probabilities
+``q_ids/q_probs``   ``[b, D, k]``          DFlash2: each proposal's candidates and their selector probabilities
                                            (the rejection rule's sparse q)
-``tokens/depths``   ``[N]`` int64          DDTree: the tree's nodes
-``parents``         ``[N+1]`` int64        DDTree: parent of each verify row (-1 for the root)
-``path``            ``[D+1]`` int64        DDTree: the accepted path's rows (padded)
-``path_mass``       ``[V]`` fp32           DDTree, budget chosen per round: per budget bucket ``v``, the drafts
-                                           the drafter expects the walk over the bucket's tree to accept (the
-                                           sum of its nodes' path probabilities, :meth:`_path_mass`)
+``tokens/depths``   ``[b, N]`` int64       DDTree: the trees' nodes
+``parents``         ``[b, N+1]`` int64     DDTree: parent of each verify row (-1 for the root)
+``path``            ``[b, D+1]`` int64     DDTree: the accepted paths' rows (padded)
+``path_mass``       ``[b, V]`` fp32        DDTree, budget chosen per round: per sequence and budget bucket ``v``,
+                                           the drafts the drafter expects the walk over the bucket's tree to
+                                           accept (the sum of its nodes' path probabilities, :meth:`_path_mass`)
 ==================  =====================  ===========================================================
 
 Steps (nothing in them reads a value on the host):
@@ -48,9 +51,10 @@ Steps (nothing in them reads a value on the host):
   (:meth:`choose`); the accepted prefix ``a`` (chain) or the walked path
   (tree); the commit: both caches' device lengths, the accepted rows' K/V
   compacted (tree), the hybrid layers' states replayed through them, ``ctx``
-  = their captured features, ``last`` = the bonus token. Returns the payload
-  the host reads once: ``[choices (B), a]`` (chain), ``[committed (D + 1,
-  padded), path_len]`` (tree), ``[choice]`` (AR).
+  = their captured features, ``last`` = the bonus token (each count times
+  ``alive``, so a stopped sequence stays where it stopped). Returns the payload
+  the host reads once, a row per sequence flattened: ``[choices (B), a]``
+  (chain), ``[committed (D + 1, padded), path_len]`` (tree), ``[choice]`` (AR).
 
 Token choice (:meth:`choose`, the only one): greedy argmax, or a sample of
 the processed distribution (temperature, then top-k / top-p / min-p) keyed by
@@ -152,20 +156,24 @@ def _zeros(role, shape, dtype, device):
 class Round:
     """The state and the two steps of one generation's rounds (see the module docstring).
 
-    ``target_rows`` / ``draft_rows``: the rows each cache needs
-    (:func:`cache_rows`), rounded up to :data:`ROW_BUCKET`. ``kv_alloc(role,
-    shape, dtype, device) -> kv`` (role ``"target"`` or ``"draft"``) hands
-    each cache its storage (a view of a buffer pooled rounds share); zeros
-    when omitted.
+    ``target_rows`` / ``draft_rows``: the rows each sequence's cache needs
+    (:func:`cache_rows`), rounded up to :data:`ROW_BUCKET`. ``batch``: the
+    sequences ``b`` run at once. ``kv_alloc(role, shape, dtype, device) -> kv``
+    (role ``"target"`` or ``"draft"``; ``shape`` one sequence's, with the batch
+    in front when ``b > 1``) hands each cache its storage (a view of a buffer
+    pooled rounds share); zeros when omitted.
     """
 
     def __init__(self, adapter, draft, shape: RoundShape, *, target_rows: int, draft_rows: int,
-                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None):
+                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None, batch: int = 1):
         self.adapter, self.draft_model, self.shape = adapter, draft, shape
         method = self.method = shape.method
         self.sampling = sampling
         device = self.device = adapter.device
         self.backend = dflash_kernels.get_backend(device)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        self.b = b = batch
         self.B = B = shape.block_size
         self.D = B - 1
         self.budget = shape.tree_budget
@@ -183,65 +191,72 @@ class Round:
         self.bucket_budgets, self.bucket_nodes = [self.budget], [self.N]
         if self.auto:
             self.bucket_budgets, self.bucket_nodes = [], []
-            for b in shape.budget_buckets:
-                n = dflash_kernels.tree_size(self.D, self.K, b)
+            for bb in shape.budget_buckets:
+                n = dflash_kernels.tree_size(self.D, self.K, bb)
                 if n not in self.bucket_nodes:
-                    self.bucket_budgets.append(int(b))
+                    self.bucket_budgets.append(int(bb))
                     self.bucket_nodes.append(n)
         #: a sampled DFlash chain verified by rejection sampling (else drafts at the argmax, matched)
         self.rejection = method == "dflash" and shape.acceptance == "rejection" and not sampling.greedy
         #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
         self.host_tree = method == "ddtree" and device.type == "cpu" and self.backend == "reference"
         alloc = kv_alloc or _zeros
+        batched = (lambda shape5: tuple(shape5)) if b == 1 else (lambda shape5: (b, *shape5))
         S = bucket_rows(target_rows)
-        self.cache = adapter.new_cache(S, kv=alloc("target", adapter.cache_shape(S), adapter.dtype, device))
+        self.cache = adapter.new_cache(S, kv=alloc("target", batched(adapter.cache_shape(S)), adapter.dtype, device),
+                                       batch=b)
         linear = getattr(self.cache, "linear", None)
         if linear is not None:  # hybrid targets: the verify's stash and tree scratch, made before any trace
             for n in (self.bucket_nodes if method == "ddtree" else [self.T - 1]):
                 linear.stash(n + 1)
             linear.scratch(self.T)
         long = dict(dtype=torch.long, device=device)
-        self.last = torch.zeros(1, **long)
+        self.last = torch.zeros(b, **long)
+        self.alive = torch.ones(b, **long)
         self.seed = torch.zeros(1, **long)
         self.rows = torch.arange(max(B, self.N + 1) + 1, **long)
+        #: row ``r``'s offset in the batch's flattened rows of a pass of ``T`` rows: ``r * T``
+        self.sequence = torch.arange(b, **long)
         self.dcache = None
         if method == "ar":
             return
         draft_dtype = draft.fc.weight.dtype
         S_draft = bucket_rows(draft_rows)
-        self.dcache = DraftKVCache(draft.config, S_draft, dtype=draft_dtype, device=device,
-                                   kv=alloc("draft", DraftKVCache.kv_shape(draft.config, S_draft), draft_dtype,
-                                            device))
+        self.dcache = DraftKVCache(draft.config, S_draft, dtype=draft_dtype, device=device, batch=b,
+                                   kv=alloc("draft", batched(DraftKVCache.kv_shape(draft.config, S_draft)),
+                                            draft_dtype, device))
         for causal in {layer.causal for layer in draft.layers}:  # made before tracing: a traced step looks them up
             self.dcache.block_bits(B, causal)
         width = len(adapter.capture_layer_ids) * adapter.hidden_size
-        self.ctx = torch.zeros(B, width, dtype=adapter.dtype, device=device)
-        self.ctx_count = torch.zeros(1, **long)
-        self.mask_block = torch.full((self.D,), shape.mask_token_id, **long)
+        self.ctx = torch.zeros(b, B, width, dtype=adapter.dtype, device=device)
+        self.ctx_count = torch.zeros(b, **long)
+        self.mask_block = torch.full((b, self.D), shape.mask_token_id, **long)
         self.draft_rows = torch.arange(1, B, **long)
+        #: the drafted rows of the batch's flattened ``[b * B]`` block rows (rows ``1..D`` of each block)
+        self.draft_rows_flat = (self.sequence[:, None] * B + self.draft_rows).reshape(-1)
         #: DFlash2 drafters: the candidate selector's top-k per drafted position (0: no selector)
         selector = getattr(draft, "candidate_selector", None)
         self.selector_k = int(selector.top_k) if method == "dflash" and selector is not None else 0
         if method == "dflash":
-            self.proposals = torch.zeros(self.D, **long)
+            self.proposals = torch.zeros(b, self.D, **long)
             if self.selector_k:
                 # the selector's re-scored distribution each proposal was drawn from (sparse q: its candidates'
                 # ids and probabilities; zero outside them)
-                self.q_ids = torch.zeros(self.D, self.selector_k, **long)
-                self.q_probs = torch.zeros(self.D, self.selector_k, dtype=torch.float32, device=device)
+                self.q_ids = torch.zeros(b, self.D, self.selector_k, **long)
+                self.q_probs = torch.zeros(b, self.D, self.selector_k, dtype=torch.float32, device=device)
             if self.rejection:
                 self.q_form = self._draft_q_form()
                 if self.q_form == "dense":
-                    self.q_hidden = torch.zeros(self.D, adapter.hidden_size, dtype=draft_dtype, device=device)
+                    self.q_hidden = torch.zeros(b, self.D, adapter.hidden_size, dtype=draft_dtype, device=device)
         else:
-            self.tokens = torch.zeros(self.N, **long)
-            self.depths = torch.zeros(self.N, **long)
-            self.parents = torch.zeros(self.N + 1, **long)
-            self.path = torch.zeros(B, **long)
+            self.tokens = torch.zeros(b, self.N, **long)
+            self.depths = torch.zeros(b, self.N, **long)
+            self.parents = torch.zeros(b, self.N + 1, **long)
+            self.path = torch.zeros(b, B, **long)
             # the tree build's index tables: the round's own, alive as long as the graphs that read them
             self.tree_tables = tree_device.tree_tables(self.D, self.K, self.budget, device)
             if self.auto:
-                self.path_mass = torch.zeros(len(self.bucket_nodes), dtype=torch.float32, device=device)
+                self.path_mass = torch.zeros(b, len(self.bucket_nodes), dtype=torch.float32, device=device)
                 self._bucket_last = torch.tensor(self.bucket_nodes, **long) - 1
                 self._zero = torch.zeros(1, dtype=torch.float32, device=device)
                 #: pointer-jumping rounds that sum a node's ancestors over at most D levels: ceil(log2 D)
@@ -249,58 +264,82 @@ class Round:
 
     @property
     def payload_size(self) -> int:
-        """Elements of :meth:`verify`'s payload."""
+        """Elements of one sequence's row of :meth:`verify`'s payload (it holds ``b`` of them)."""
         extra = self.B + len(self.bucket_nodes) if self.auto else 0
         return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2 + extra}[self.method]
 
     # ---------------------------------------------------------------- set-up per generation (eager)
     def reset(self, seed: int) -> None:
-        """Empty caches for the next prefill, a fresh sampling key; the buffers are kept."""
+        """Empty caches for the next prefill, a fresh sampling key, every sequence alive; the buffers are kept."""
         self.thaw()
         self.last.zero_()
+        self.alive.fill_(1)
         self.seed.fill_(int(seed) & ((1 << 62) - 1))
         if self.method != "ar":
             self.ctx_count.zero_()
 
-    def start(self, prompt: torch.Tensor) -> torch.Tensor:
-        """Prefill ``prompt [P]`` (chunked, its shapes vary), choose the first token, ingest the prompt's
-        features into the drafter, freeze both caches. Returns the first token ``[1]`` (also in ``last``)."""
-        last_hidden, features = self.adapter.prefill(prompt, self.cache)
-        first = self.choose(last_hidden)
-        self.last.copy_(first.reshape(1))
-        if self.method != "ar":
-            self.draft_model.ingest_context(features, self.dcache)
+    def start(self, prompts) -> torch.Tensor:
+        """Prefill each sequence's prompt (``prompts``: ``b`` int64 tensors ``[P_r]``, or one ``[P]`` when ``b ==
+        1``; chunked, shapes vary) through its own one-sequence view of the caches, choose its first token,
+        ingest its features into the drafter; then freeze both caches. Returns the first tokens ``[b]`` (also
+        in ``last``)."""
+        if isinstance(prompts, torch.Tensor):
+            prompts = [prompts]
+        if len(prompts) != self.b:
+            raise ValueError(f"this round runs {self.b} sequences, got {len(prompts)} prompts")
+        one = self.b == 1
+        rows = [self.cache if one else self.cache.row(r) for r in range(self.b)]
+        drows = None if self.dcache is None else [self.dcache if one else self.dcache.row(r) for r in range(self.b)]
+        firsts = []
+        for r, prompt in enumerate(prompts):
+            last_hidden, features = self.adapter.prefill(prompt, rows[r])
+            firsts.append(self.choose(last_hidden).reshape(1))
+            if drows is not None:
+                self.draft_model.ingest_context(features, drows[r])
+        if not one:
+            self.cache.take_lengths(rows)
+            if drows is not None:
+                self.dcache.take_lengths(drows)
+        self.last.copy_(torch.cat(firsts))
         self.freeze()
-        return first
+        return self.last
 
-    def check_room(self, committed: int) -> None:
-        """Refuse (:class:`~dflash.cache.CacheFullError`) the next round when, with ``committed`` tokens
-        (prompt included), its verify or its draft could write past its cache. Host ints only."""
-        sides = [("target", committed - 1 + self.T, self.cache.max_len)]
+    def check_room(self, committed) -> None:
+        """Refuse (:class:`~dflash.cache.CacheFullError`) the next round when, with ``committed`` tokens (prompt
+        included; an int, or one per sequence, None for a stopped one), its verify or its draft could write past
+        a cache. Host ints only."""
+        counts = [committed] if isinstance(committed, int) else [c for c in committed if c is not None]
+        if not counts:
+            return
+        most = max(counts)
+        sides = [("target", most - 1 + self.T, self.cache.max_len)]
         if self.method != "ar":
-            sides.append(("drafter", committed - 1 + self.B, self.dcache.max_len))
+            sides.append(("drafter", most - 1 + self.B, self.dcache.max_len))
         for side, rows, capacity in sides:
             if rows > capacity:
                 raise CacheFullError(
-                    f"the {side} cache of this round holds {capacity} rows; the next round, after {committed} "
+                    f"the {side} cache of this round holds {capacity} rows; the next round, after {most} "
                     f"committed tokens, would need {rows}: the caches were sized for fewer tokens (prompt + "
                     "max_new_tokens)")
 
     # ---------------------------------------------------------------- the target's choice
     def choose(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's token after each row of pre-norm ``hidden [T, H]``: ``[T]`` int64.
+        """The target's token after each row of pre-norm ``hidden [..., H]`` (``[T, H]``, or ``[b, T, H]`` for a
+        batch's pass, flattened to one set of rows): ``[...]`` int64.
 
         Greedy: the argmax of the logits in the lm_head's dtype (lowest id on
         ties). Sampling: a draw from the processed distribution (temperature,
         then top-k, top-p, min-p, as transformers' warpers) keyed by ``seed``,
-        which moves on by one per call. The family's final norm and final-logit
-        softcap come from the adapter's head inputs.
+        which moves on by one per call; the flattened rows draw apart. The
+        family's final norm and final-logit softcap come from the adapter's
+        head inputs.
         """
-        rows, kw = self.adapter.head_inputs(hidden)
+        lead = hidden.shape[:-1]
+        rows, kw = self.adapter.head_inputs(hidden.reshape(-1, hidden.shape[-1]))
         if self.sampling.greedy:
             return dflash_kernels.lm_head_argmax(rows, self.adapter.lm_head.weight, check_bounds=False,
-                                                 backend=self.backend, **kw)
-        return self._sample(rows, kw)
+                                                 backend=self.backend, **kw).view(lead)
+        return self._sample(rows, kw).view(lead)
 
     def _sample(self, rows: torch.Tensor, kw: dict) -> torch.Tensor:
         """One draw per row of ``rows`` from the processed distribution of ``W rows`` (``kw``: the head's norm /
@@ -317,13 +356,13 @@ class Round:
 
     # ---------------------------------------------------------------- steps
     def draft(self) -> None:
-        """The drafter pass and its proposals (chain) or tree, into the state tensors (nothing for AR)."""
+        """The drafter pass and its proposals (chain) or trees, into the state tensors (nothing for AR)."""
         if self.method == "ar":
             return
         draft = self.draft_model
-        ids = torch.cat([self.last, self.mask_block])
+        ids = torch.cat([self.last[:, None], self.mask_block], 1)  # [b, B]
         embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
-        out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache)
+        out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache)  # [b, B, H]
         W = self.adapter.lm_head.weight
         head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
         if self.method == "dflash":
@@ -333,81 +372,95 @@ class Round:
             if self.rejection:
                 self._draft_sampled_dense(head)
                 return
-            self.proposals.copy_(dflash_kernels.lm_head_argmax(head, W, positions=self.draft_rows, check_bounds=False,
-                                                               softcap=draft.logit_softcap, backend=self.backend))
+            proposals = dflash_kernels.lm_head_argmax(head.reshape(-1, head.shape[-1]), W,
+                                                      positions=self.draft_rows_flat, check_bounds=False,
+                                                      softcap=draft.logit_softcap, backend=self.backend)
+            self.proposals.copy_(proposals.view(self.b, self.D))
             return
         if self.selector_tree:
             self._draft_selector_tree(out, head, W)
             return
-        logprobs, ids = dflash_kernels.lm_head_topk(head, W, self.K, positions=self.draft_rows, check_bounds=False,
+        logprobs, ids = dflash_kernels.lm_head_topk(head.reshape(-1, head.shape[-1]), W, self.K,
+                                                    positions=self.draft_rows_flat, check_bounds=False,
                                                     softcap=draft.logit_softcap, backend=self.backend)
-        if self.host_tree:
-            tokens, depths, parents = dflash_kernels.build_tree(logprobs, ids, self.budget)
-        else:
-            tokens, depths, parents = dflash_kernels.build_tree_device(logprobs, ids, self.budget,
-                                                                       tables=self.tree_tables, backend=self.backend)
-        self.tokens.copy_(tokens)
-        self.depths.copy_(depths)
-        self.parents.copy_(parents)
+        logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
+        for r in range(self.b):  # a tree per sequence (its build is a fixed-shape op sequence: a loop of b)
+            if self.host_tree:
+                tree = dflash_kernels.build_tree(logprobs[r], ids[r], self.budget)
+            else:
+                tree = dflash_kernels.build_tree_device(logprobs[r], ids[r], self.budget, tables=self.tree_tables,
+                                                        backend=self.backend)
+            for state, t in zip((self.tokens, self.depths, self.parents), tree):
+                state[r].copy_(t)
         if self.auto:
-            rows = self.depths - 1
-            rank = (ids.index_select(0, rows) == self.tokens[:, None]).long().argmax(1, keepdim=True)
-            self._path_mass(logprobs.index_select(0, rows).gather(1, rank)[:, 0])
+            rows = self.depths - 1  # [b, N]: the drafted row of each node
+            row_ids = ids.gather(1, rows[:, :, None].expand(-1, -1, self.K))  # [b, N, K]
+            rank = (row_ids == self.tokens[:, :, None]).long().argmax(2, keepdim=True)
+            own = logprobs.gather(1, rows[:, :, None].expand(-1, -1, self.K)).gather(2, rank)[:, :, 0]
+            self._path_mass(own)
 
     def _path_mass(self, own: torch.Tensor) -> None:
-        """``path_mass [V]`` from each node's own log-prob ``own [N]`` (given its parent).
+        """``path_mass [b, V]`` from each node's own log-prob ``own [b, N]`` (given its parent).
 
         A node's path probability ``pi_i = exp(sum of own log-probs from the root to i)`` is the drafter's
         probability that the target's choices follow the path to ``i``, i.e. that the walk accepts node ``i``.
         The walk's accepted drafts are the number of accepted nodes, so their expectation over bucket ``v``'s
-        tree is ``path_mass[v] = sum of pi_i over its first N_v nodes`` (a cumulative sum read at each bucket's
-        last node). The path sums by pointer jumping over node ids (the root 0, scored 0 and its own ancestor):
-        ``score += score[anc]; anc = anc[anc]``, ``ceil(log2 D)`` times, so each node has summed its first
-        ``2^j`` ancestors after ``j`` rounds. Fixed shapes, no host read.
+        tree is ``path_mass[r, v] = sum of pi_i over its first N_v nodes`` (a cumulative sum read at each
+        bucket's last node). The path sums by pointer jumping over node ids (the root 0, scored 0 and its own
+        ancestor): ``score += score[anc]; anc = anc[anc]``, ``ceil(log2 D)`` times, so each node has summed its
+        first ``2^j`` ancestors after ``j`` rounds. Fixed shapes, no host read.
         """
-        score = torch.cat([self._zero, own.float()])  # [N + 1] by node id
+        score = torch.cat([self._zero.expand(self.b, 1), own.float()], 1)  # [b, N + 1] by node id
         anc = self.parents.clamp(min=0)  # the root is its own ancestor
         for _ in range(self._jumps):
-            score = score + score.index_select(0, anc)
-            anc = anc.index_select(0, anc)
-        self.path_mass.copy_(torch.cumsum(score[1:].exp(), 0).index_select(0, self._bucket_last))
+            score = score + score.gather(1, anc)
+            anc = anc.gather(1, anc)
+        self.path_mass.copy_(torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last))
 
     def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
 
-        ``out [B, H]`` the drafter's final block states, ``head [B, H]`` the same scaled for the lm_head
+        ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
         (:meth:`~dflash.drafter.model.DFlashDraftModel.head_hidden`). Per drafted row ``j`` the unary
         scores are the top ``k`` log-probabilities of the drafter's logits (their ids the candidates);
         the reference package scores with the logits themselves, which differ from these by one constant per
         row: the same argmax and the same ``softmax(scores / T)``. The selector re-scores them from
         ``prev`` = the token chosen before (the anchor ``last`` for row 1) and takes the best (greedy), or
         draws from ``q_j = softmax(scores_j / T)`` with uniforms of the device seed (moved on by one, as
-        :meth:`choose` does); ``q_ids`` / ``q_probs`` keep that ``q`` (the candidates' ids and
-        probabilities, also written when greedy).
+        :meth:`choose` does; each sequence its own uniforms); ``q_ids`` / ``q_probs`` keep that ``q`` (the
+        candidates' ids and probabilities, also written when greedy). The ``b`` sequences in one launch.
         """
         draft, s = self.draft_model, self.sampling
         selector = draft.candidate_selector
-        logprobs, cand = dflash_kernels.lm_head_topk(head, W, self.selector_k, positions=self.draft_rows,
-                                                     check_bounds=False, softcap=draft.logit_softcap,
-                                                     backend=self.backend)
-        projected = selector.hidden_projection(out[1:])
+        k = self.selector_k
+        logprobs, cand = dflash_kernels.lm_head_topk(head.reshape(-1, head.shape[-1]), W, k,
+                                                     positions=self.draft_rows_flat, check_bounds=False,
+                                                     softcap=draft.logit_softcap, backend=self.backend)
+        logprobs, cand = logprobs.view(self.b, self.D, k), cand.view(self.b, self.D, k)
+        projected = selector.hidden_projection(out[:, 1:])
         temperature, seed = 0.0, None
         if not s.greedy:
             self.seed.add_(1)
             temperature, seed = float(s.temperature), self.seed
-        tokens, _, q = dflash_kernels.select_candidates(
-            logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
-            self.last, temperature, seed, backend=self.backend)
+        if self.b == 1:  # the one-sequence form of the op (sequence 0 of a batch draws the same)
+            tokens, _, q = dflash_kernels.select_candidates(
+                logprobs[0], cand[0], projected[0], selector.predecessor_codebook.weight,
+                selector.successor_codebook.weight, self.last, temperature, seed, backend=self.backend)
+            tokens, q = tokens[None], q[None]
+        else:
+            tokens, _, q = dflash_kernels.select_candidates(
+                logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
+                self.last, temperature, seed, backend=self.backend)
         self.proposals.copy_(tokens)
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
 
     def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
-        """The DDTree of a DFlash2 drafter, into ``tokens / depths / parents``.
+        """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
-        ``out [B, H]`` the drafter's final block states, ``head [B, H]`` the same scaled for the lm_head
-        (as :meth:`_draft_selector`). The selector's ``k`` candidates per drafted row (the top-k of the
-        drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
+        ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
+        (as :meth:`_draft_selector`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
+        the drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
         possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
         ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
         that lattice (:func:`dflash_kernels.build_selector_tree_device`), whose first path is the
@@ -416,26 +469,30 @@ class Round:
         """
         draft = self.draft_model
         selector = draft.candidate_selector
-        unary, candidates = dflash_kernels.lm_head_topk(head, W, self.K, positions=self.draft_rows,
-                                                        check_bounds=False, softcap=draft.logit_softcap,
-                                                        backend=self.backend)
-        projected = selector.hidden_projection(out[1:])
-        child = dflash_kernels.selector_child_logprobs(unary, candidates, projected,
-                                                       selector.predecessor_codebook.weight,
-                                                       selector.successor_codebook.weight, self.last)
-        tokens, depths, parents = dflash_kernels.build_selector_tree_device(child, candidates, self.budget,
-                                                                            backend=self.backend)
-        self.tokens.copy_(tokens)
-        self.depths.copy_(depths)
-        self.parents.copy_(parents)
-        if self.auto:  # own log-prob = child[d - 1, the parent's candidate slot (0 for the root), own slot]
-            rows = self.depths - 1
-            own_slot = (candidates.index_select(0, rows) == self.tokens[:, None]).long().argmax(1)
-            parent_token = torch.cat([self.last, self.tokens]).index_select(0, self.parents[1:])
-            above = (rows - 1).clamp(min=0)
-            parent_slot = (candidates.index_select(0, above) == parent_token[:, None]).long().argmax(1)
-            parent_slot = torch.where(rows > 0, parent_slot, torch.zeros_like(parent_slot))
-            self._path_mass(child[rows, parent_slot, own_slot])
+        unary, candidates = dflash_kernels.lm_head_topk(head.reshape(-1, head.shape[-1]), W, self.K,
+                                                        positions=self.draft_rows_flat, check_bounds=False,
+                                                        softcap=draft.logit_softcap, backend=self.backend)
+        unary, candidates = unary.view(self.b, self.D, self.K), candidates.view(self.b, self.D, self.K)
+        projected = selector.hidden_projection(out[:, 1:])
+        owns = []
+        for r in range(self.b):
+            child = dflash_kernels.selector_child_logprobs(unary[r], candidates[r], projected[r],
+                                                           selector.predecessor_codebook.weight,
+                                                           selector.successor_codebook.weight, self.last[r : r + 1])
+            tree = dflash_kernels.build_selector_tree_device(child, candidates[r], self.budget, backend=self.backend)
+            for state, t in zip((self.tokens, self.depths, self.parents), tree):
+                state[r].copy_(t)
+            if self.auto:  # own log-prob = child[d - 1, the parent's candidate slot (0 for the root), own slot]
+                tokens, depths, parents = self.tokens[r], self.depths[r], self.parents[r]
+                rows = depths - 1
+                own_slot = (candidates[r].index_select(0, rows) == tokens[:, None]).long().argmax(1)
+                parent_token = torch.cat([self.last[r : r + 1], tokens]).index_select(0, parents[1:])
+                above = (rows - 1).clamp(min=0)
+                parent_slot = (candidates[r].index_select(0, above) == parent_token[:, None]).long().argmax(1)
+                parent_slot = torch.where(rows > 0, parent_slot, torch.zeros_like(parent_slot))
+                owns.append(child[rows, parent_slot, own_slot])
+        if self.auto:
+            self._path_mass(torch.stack(owns))
 
     def _draft_q_form(self) -> str:
         """How this round's drafter gives ``q`` to the rejection rule: ``"dense"`` (its rows through the
@@ -444,17 +501,18 @@ class Round:
         return "sparse" if self.selector_k else "dense"
 
     def _draft_sampled_dense(self, out: torch.Tensor) -> None:
-        """Rejection rule, dense ``q``: ``q_hidden`` = the block rows ``1..D`` of the drafter's head rows ``[B, H]``
-        (its final states scaled for the lm_head),
+        """Rejection rule, dense ``q``: ``q_hidden`` = the block rows ``1..D`` of the drafter's head rows ``[b, B,
+        H]`` (its final states scaled for the lm_head),
         ``proposals`` = one draw from each row's processed distribution through the target's lm_head (the same
         temperature, top-k, top-p, min-p as the target; no final norm or softcap: the rows are normed), keyed by
         the seed. Verify recomputes ``q`` from the same rows with the same op, so it is the proposals' law."""
-        self.q_hidden.copy_(out[1:])
-        self.proposals.copy_(self._sample(self.q_hidden, {}))
+        self.q_hidden.copy_(out[:, 1:])
+        self.proposals.copy_(self._sample(self.q_hidden.reshape(-1, self.q_hidden.shape[-1]), {}).view(self.b,
+                                                                                                          self.D))
 
     def verify(self, bucket: int = -1) -> torch.Tensor:
         """The target's verify and the commit; returns the payload (module docstring). ``bucket``: DDTree, the
-        index of the budget bucket whose tree is verified (:attr:`bucket_nodes`; the last, the largest, by
+        index of the budget bucket whose trees are verified (:attr:`bucket_nodes`; the last, the largest, by
         default; a fixed budget has one)."""
         if self.method == "ar":
             return self._verify_ar()
@@ -464,61 +522,75 @@ class Round:
 
     def _verify_chain(self) -> torch.Tensor:
         length, rows = self.cache.length_t, self.rows[: self.B]
-        block = torch.cat([self.last, self.proposals])
-        hidden, captured = self.adapter.run_pass(block, length + rows, self.cache)
+        block = torch.cat([self.last[:, None], self.proposals], 1)  # [b, B]
+        hidden, captured = self.adapter.run_pass(block, length[:, None] + rows, self.cache)
         if self.rejection:
             choices, accepted = self._accept_by_rejection(hidden)
         else:
-            choices = self.choose(hidden)
-            accepted = torch.cumprod((self.proposals == choices[:-1]).long(), 0).sum().reshape(1)
-        self.ctx.copy_(torch.cat(captured, dim=1))
-        self.ctx_count.copy_(accepted + 1)
-        self.cache.advance(rows, accepted + 1)
-        self.last.copy_(choices.gather(0, accepted))
-        return torch.cat([choices, accepted])
+            choices = self.choose(hidden)  # [b, B]
+            accepted = torch.cumprod((self.proposals == choices[:, :-1]).long(), 1).sum(1)  # [b]
+        kept = (accepted + 1) * self.alive  # a stopped sequence keeps nothing
+        self.ctx.copy_(torch.cat(captured, dim=-1))
+        self.ctx_count.copy_(kept)
+        self.cache.advance(rows, kept)
+        self.last.copy_(choices.gather(1, accepted[:, None])[:, 0])
+        return torch.cat([choices, accepted[:, None]], 1).reshape(-1)
 
     def _accept_by_rejection(self, hidden: torch.Tensor):
-        """``(choices [B], accepted [1])`` of the rejection rule over the verify rows ``hidden [B, H]``:
-        ``choices[:a]`` the accepted proposals, ``choices[a]`` the resampled (or bonus) token; the noise is keyed by
-        the seed after moving it on by one."""
-        rows, kw = self.adapter.head_inputs(hidden)
+        """``(choices [b, B], accepted [b])`` of the rejection rule over the verify rows ``hidden [b, B, H]``:
+        ``choices[r, :a]`` the accepted proposals, ``choices[r, a]`` the resampled (or bonus) token. The noise is
+        keyed by the seed after moving it on by one; sequence ``r`` draws with that seed plus ``r << 40`` (apart
+        from the others; sequence 0 as one sequence does)."""
         s = self.sampling
-        if self.q_form == "dense":
-            q = dict(q_hidden=self.q_hidden)
-        else:
-            q = dict(q_ids=self.q_ids, q_probs=self.q_probs)
         self.seed.add_(1)
-        return dflash_kernels.rejection_sample(rows, self.adapter.lm_head.weight, self.proposals, s.temperature,
-                                               top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=self.seed,
-                                               check_bounds=False, backend=self.backend, **q, **kw)
+        choices, accepted = [], []
+        for r in range(self.b):
+            rows, kw = self.adapter.head_inputs(hidden[r])
+            if self.q_form == "dense":
+                q = dict(q_hidden=self.q_hidden[r])
+            else:
+                q = dict(q_ids=self.q_ids[r], q_probs=self.q_probs[r])
+            seed = self.seed if r == 0 else self.seed + (r << 40)
+            c, a = dflash_kernels.rejection_sample(rows, self.adapter.lm_head.weight, self.proposals[r],
+                                                   s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                                   seed=seed, check_bounds=False, backend=self.backend, **q, **kw)
+            choices.append(c)
+            accepted.append(a)
+        return torch.stack(choices), torch.cat(accepted)
 
     def _verify_tree(self, n: int) -> torch.Tensor:
-        """The verify of the tree's first ``n`` nodes (all of them at a fixed budget)."""
+        """The verify of each tree's first ``n`` nodes (all of them at a fixed budget)."""
         length = self.cache.length_t
-        tokens, depths, parents = self.tokens[:n], self.depths[:n], self.parents[: n + 1]
-        ids = torch.cat([self.last, tokens])
-        positions = length + torch.cat([depths.new_zeros(1), depths])  # the root at depth 0
-        bits = dflash_kernels.ancestor_bits(parents, check=False, backend=self.backend)
+        tokens, depths, parents = self.tokens[:, :n], self.depths[:, :n], self.parents[:, : n + 1]
+        ids = torch.cat([self.last[:, None], tokens], 1)  # [b, n + 1]
+        positions = length[:, None] + torch.cat([depths.new_zeros(self.b, 1), depths], 1)  # the root at depth 0
+        bits = torch.stack([dflash_kernels.ancestor_bits(parents[r], check=False, backend=self.backend)
+                            for r in range(self.b)])  # [b, n + 1, W]
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
-        choices = self.choose(hidden)
-        if self.host_tree:
-            path, path_len, committed = self._walk_on_host(parents, tokens, choices)
-        else:
-            path, path_len, committed = dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits,
-                                                                        backend=self.backend)
+        choices = self.choose(hidden)  # [b, n + 1]
+        walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) if self.host_tree else
+                 dflash_kernels.walk_tree_device(parents[r], tokens[r], choices[r], self.D, bits[r],
+                                                 backend=self.backend)
+                 for r in range(self.b)]
+        path = torch.stack([w[0] for w in walks])  # [b, D + 1]
+        path_len = torch.cat([w[1] for w in walks])  # [b]
+        committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
+        kept = path_len * self.alive  # a stopped sequence keeps nothing
         self.path.copy_(path)
-        self.cache.compact_advance(path, path_len)
-        self.ctx.copy_(torch.cat([c.index_select(0, path) for c in captured], dim=1))
-        self.ctx_count.copy_(path_len)
-        self.last.copy_(committed.gather(0, path_len - 1))
-        if self.auto:  # and for the budget choice: the path's node ids, the path masses
+        self.cache.compact_advance(path, kept)
+        width = captured[0].shape[-1]
+        index = path[:, :, None].expand(-1, -1, width)
+        self.ctx.copy_(torch.cat([c.gather(1, index) for c in captured], dim=-1))
+        self.ctx_count.copy_(kept)
+        self.last.copy_(committed.gather(1, (path_len - 1)[:, None])[:, 0])
+        if self.auto:  # and for the budget choice: the paths' node ids, the path masses
             mass = (self.path_mass * MASS_SCALE).long()
-            return torch.cat([committed, path_len, path, mass])
-        return torch.cat([committed, path_len])
+            return torch.cat([committed, path_len[:, None], path, mass], 1).reshape(-1)
+        return torch.cat([committed, path_len[:, None]], 1).reshape(-1)
 
     def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
-        """The C++ walk's path, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path [D+1],
-        path_len [1], committed [D+1])`` (unused slots 0)."""
+        """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
+        [D+1], path_len [1], committed [D+1])`` (unused slots 0)."""
         accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
         n = accepted.numel()
         path = torch.zeros(self.B, dtype=torch.long)
@@ -530,50 +602,65 @@ class Round:
 
     def _verify_ar(self) -> torch.Tensor:
         rows = self.rows[:1]
-        hidden, _ = self.adapter.run_pass(self.last, self.cache.length_t + rows, self.cache)
-        choice = self.choose(hidden)
-        self.cache.advance(rows, self.rows[1:2])
+        hidden, _ = self.adapter.run_pass(self.last[:, None], self.cache.length_t[:, None] + rows, self.cache)
+        choice = self.choose(hidden)[:, 0]  # [b]
+        self.cache.advance(rows, self.alive)
         self.last.copy_(choice)
         return choice
 
     # ---------------------------------------------------------------- the host's view of a payload
-    def committed_tokens(self, host: List[int]) -> List[int]:
-        """The tokens a round committed, from its payload read on the host."""
+    def payload_rows(self, host: List[int]) -> List[List[int]]:
+        """A payload read on the host, one list per sequence."""
+        n = self.payload_size
+        return [host[r * n : (r + 1) * n] for r in range(self.b)]
+
+    def committed_tokens(self, row: List[int]) -> List[int]:
+        """The tokens a round committed for one sequence, from its row of the payload (:meth:`payload_rows`)."""
         if self.method == "ar":
-            return host
+            return row
         if self.method == "dflash":
-            return host[: host[self.B] + 1]
-        return host[: host[self.D + 1]]
+            return row[: row[self.B] + 1]
+        return row[: row[self.D + 1]]
 
-    def path_masses(self, host: List[int]) -> List[float]:
-        """``path_mass`` (``[V]``) from a payload read on the host (budget chosen per round only)."""
-        return [x / MASS_SCALE for x in host[self.D + 2 + self.B :]]
+    def path_masses(self, row: List[int]) -> List[float]:
+        """One sequence's ``path_mass`` (``[V]``) from its payload row (budget chosen per round only)."""
+        return [x / MASS_SCALE for x in row[self.D + 2 + self.B :]]
 
-    def bucket_acceptance(self, host: List[int]) -> List[int]:
-        """Per budget bucket, the drafts its tree would have accepted in this round, from a payload read on the
-        host (budget chosen per round only): exact for the buckets up to the verified one, a lower bound above.
+    def bucket_acceptance(self, row: List[int]) -> List[int]:
+        """Per budget bucket, the drafts its tree would have accepted in this round for one sequence, from its
+        payload row (budget chosen per round only): exact for the buckets up to the verified one, a lower bound
+        above.
 
         The walk of a prefix tree (the first ``n`` nodes) follows the verified walk's path while its nodes are
         in the prefix: each node's target choice depends on its ancestors only, and a path's node ids
         increase. So bucket ``u`` accepts the path's nodes with ids ``<= n_u``."""
-        length = host[self.D + 1]
-        path = host[self.D + 2 : self.D + 2 + length]
+        length = row[self.D + 1]
+        path = row[self.D + 2 : self.D + 2 + length]
         return [sum(1 for node in path[1:] if node <= n) for n in self.bucket_nodes]
 
-    def mirror(self, committed_before: int, new: int) -> None:
-        """Refresh the caches' host lengths after a round that found ``committed_before`` tokens and
-        committed ``new`` (host ints from the payload: no device read)."""
-        self.cache.mirror(committed_before - 1 + new)
+    def mirror(self, committed_before, new) -> None:
+        """Refresh the caches' host lengths after a round that found ``committed_before`` tokens and committed
+        ``new`` (host ints from the payload, one per sequence or one int; no device read)."""
+        before = [committed_before] if isinstance(committed_before, int) else list(committed_before)
+        added = [new] if isinstance(new, int) else list(new)
+        self.cache.mirror([c - 1 + n for c, n in zip(before, added)])
         if self.dcache is not None:
-            self.dcache.mirror(committed_before - 1)
+            self.dcache.mirror([c - 1 for c in before])
 
-    def tree_record(self, length: int, bucket: int = -1) -> dict:
-        """The last DDTree round's tree (the verified bucket's) and accepted path (host copies, for
-        ``return_trees``)."""
+    def tree_record(self, length: int, bucket: int = -1, row: int = 0) -> dict:
+        """Sequence ``row``'s last DDTree round: its tree (the verified bucket's) and accepted path (host copies,
+        for ``return_trees``)."""
         host = lambda t: t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too: the state is reused)
         n = self.bucket_nodes[bucket]
-        return dict(tokens=host(self.tokens[:n]), depths=host(self.depths[:n]), parents=host(self.parents[: n + 1]),
-                    accepted=host(self.path[:length]))
+        return dict(tokens=host(self.tokens[row, :n]), depths=host(self.depths[row, :n]),
+                    parents=host(self.parents[row, : n + 1]), accepted=host(self.path[row, :length]))
+
+    def stop(self, rows) -> None:
+        """Sequences ``rows`` (host ints) stopped: from the next round on they commit nothing. One small upload
+        (the host decided it), not a read; a round without a newly stopped sequence makes none."""
+        keep = torch.ones(self.b, dtype=torch.long)
+        keep[list(rows)] = 0
+        self.alive.mul_(keep.to(self.device, non_blocking=True))
 
     # ---------------------------------------------------------------- compile / capture support
     def _caches(self):
@@ -593,7 +680,7 @@ class Round:
 
     def _mutable(self) -> dict:
         """The small tensors a step changes, besides cache rows past the committed lengths."""
-        names = ["last", "seed"] + ([] if self.method == "ar" else ["ctx", "ctx_count"])
+        names = ["last", "seed", "alive"] + ([] if self.method == "ar" else ["ctx", "ctx_count"])
         state = {n: getattr(self, n) for n in names}
         for i, cache in enumerate(self._caches()):
             state[f"length_{i}"] = cache.length_t
@@ -616,4 +703,4 @@ class Round:
         caches hold there (a cost measurement at a longer prefix)."""
         for i, cache in enumerate(self._caches()):
             self._saved[f"length_{i}"] += int(rows)
-            cache.length += int(rows)
+            cache.lengths = [n + int(rows) for n in cache.lengths]

@@ -5,13 +5,15 @@ rows are ingested eagerly (:meth:`DFlashDraftModel.ingest_context`, before
 :meth:`freeze`); every round's drafter pass is a round pass
 (:meth:`write_block`):
 
-* it writes ``C`` new context rows (a fixed count, of which the first
-  ``count [1]`` (device) are real) at rows ``[length_t, length_t + C)``, then
-  the ``B`` block rows at ``[length_t + count, length_t + count + B)`` (they
-  overwrite the padding rows they meet);
-* the block queries attend to rows ``[0, length_t + count)`` (all context)
-  and the ``B`` block rows, every one visible (the drafter is not causal);
-  rows past ``length_t + count + B`` are stale and masked by the attention;
+* it writes, for each sequence ``r`` of the batch, ``C`` new context rows (a
+  fixed count, of which the first ``count[r]`` (device) are real) at rows
+  ``[length_t[r], length_t[r] + C)``, then the ``B`` block rows at
+  ``[length_t[r] + count[r], ... + B)`` (they overwrite the padding rows they
+  meet);
+* the block queries attend to rows ``[0, length_t[r] + count[r])`` (all
+  context) and the ``B`` block rows, every one visible (the drafter is not
+  causal); rows past ``length_t[r] + count[r] + B`` are stale and masked by
+  the attention;
 * :meth:`advance` adds ``count`` to ``length_t`` on the device.
 """
 
@@ -27,7 +29,7 @@ __all__ = ["DraftKVCache"]
 class DraftKVCache(KVBuffer):
     """The drafter's cache (see the module docstring; ``kv=``: caller storage)."""
 
-    #: reference backend, during a round pass: ``{window: visible [B, S] bool}`` shared by the layers
+    #: reference backend, during a round pass: ``{window: visible [b, B, S] bool}`` shared by the layers
     visible = None
 
     @staticmethod
@@ -35,9 +37,9 @@ class DraftKVCache(KVBuffer):
         """``(L, 2, Hkv, max_len, D)`` of a drafter cache of ``max_len`` rows."""
         return (config.num_hidden_layers, 2, config.num_key_value_heads, int(max_len), config.head_dim)
 
-    def __init__(self, config, max_len: int, dtype, device, kv=None):
+    def __init__(self, config, max_len: int, dtype, device, kv=None, batch: int = 1):
         layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
-        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
+        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch)
         self._block_bits = {}
 
     def block_bits(self, B: int, causal: bool = False) -> torch.Tensor:
@@ -52,30 +54,30 @@ class DraftKVCache(KVBuffer):
                 for j in range(B):
                     words[:, j // 32] |= seen[:, j].long() << (j % 32)
                 words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as int32 bit patterns
-                bits = words.to(device=self.kv.device, dtype=torch.int32)
+                bits = words.to(device=self.length_t.device, dtype=torch.int32)
             else:
-                bits = torch.full((B, (B + 31) // 32), -1, dtype=torch.int32, device=self.kv.device)
+                bits = torch.full((B, (B + 31) // 32), -1, dtype=torch.int32, device=self.length_t.device)
             self._block_bits[(B, causal)] = bits
         return bits
 
     def write_block(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,
                     count: torch.Tensor):
-        """Write ``k, v [Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block).
+        """Write ``k, v [b, Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block).
 
-        Returns ``(k_all, v_all [Hkv, S', D], prefix [1])``: the layer's first
+        Returns ``(k_all, v_all [b, Hkv, S', D], prefix [b])``: the layer's first
         ``S' =`` :meth:`key_rows` ``(C + B)`` rows and the number of keys before
-        the block rows (``length_t + count``).
+        each sequence's block rows (``length_t + count``).
         """
         C = num_context
         prefix = self.length_t + count
-        keys = self.key_rows(k.shape[1])  # the pass's C + B rows past the committed context bound its keys
+        keys = self.key_rows(k.shape[-2])  # the pass's C + B rows past the committed context bound its keys
         # two writes in stream order: the context rows (padding included), then the block rows, which overwrite
         # the padding rows they meet; within each write the destination rows are distinct
         if C:
-            self.write_rows(layer_idx, k[:, :C], v[:, :C], self.length_t, keys)
-        k_all, v_all = self.write_rows(layer_idx, k[:, C:], v[:, C:], prefix, keys)
+            self.write_rows(layer_idx, k[:, :, :C], v[:, :, :C], self.length_t, keys)
+        k_all, v_all = self.write_rows(layer_idx, k[:, :, C:], v[:, :, C:], prefix, keys)
         return k_all, v_all, prefix
 
     def advance(self, count: torch.Tensor) -> None:
-        """Keep the pass's ``count [1]`` (device) real context rows."""
+        """Keep the pass's ``count [b]`` (device) real context rows of each sequence."""
         self.length_t.add_(count)

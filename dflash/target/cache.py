@@ -1,20 +1,21 @@
 """The target's preallocated KV cache, as Hugging Face attention modules call it.
 
 Storage and lengths as :class:`~dflash.cache.KVBuffer` (``kv [L, 2, Hkv,
-max_len, D]``, ``length_t [1]`` on the device, the host mirror ``length``).
-HF attention calls ``cache.update(key, value, layer_idx, ...)`` with ``key
-[1, Hkv, T, D]`` (batch 1):
+max_len, D]`` per sequence, ``kv_batched [b, ...]`` for a batch, ``length_t
+[b]`` on the device, the host mirrors). HF attention calls
+``cache.update(key, value, layer_idx, ...)`` with ``key [b, Hkv, T, D]``:
 
-* an eager pass (the prefill) writes rows ``[length, length + T)`` and gets
-  ``[1, Hkv, length + T, D]`` views; :meth:`commit` keeps them;
-* a round pass (after :meth:`freeze`) writes rows ``length_t + arange(T)`` by
-  index (:func:`dflash_kernels.kv_write_`) and gets the WHOLE
-  layer ``[1, Hkv, S, D]``; the attention masks every key past
-  ``length_t + T``. The round commits on the device:
-  :meth:`advance` (``length_t += n``: the DFlash chain's ``a + 1`` rows, an
-  AR step's 1) or :meth:`compact_advance` (the DDTree path's rows moved to
-  follow the prefix by one :func:`dflash_kernels.compact_kv_`
-  launch over every layer, then ``length_t += path_len``).
+* an eager pass (the prefill; one sequence, ``b = 1``) writes rows ``[length,
+  length + T)`` and gets ``[1, Hkv, length + T, D]`` views; :meth:`commit`
+  keeps them;
+* a round pass (after :meth:`freeze`) writes sequence ``r``'s rows at
+  ``length_t[r] + arange(T)`` by index (:func:`dflash_kernels.kv_write_`)
+  and gets the WHOLE layer ``[b, Hkv, S, D]``; the attention masks every key
+  past ``length_t[r] + T``. The round commits on the device: :meth:`advance`
+  (``length_t += n``: the DFlash chain's ``a + 1`` rows, an AR step's 1) or
+  :meth:`compact_advance` (the DDTree path's rows moved to follow the prefix
+  by one compaction launch over every layer and sequence, then ``length_t +=
+  path_len``).
 
 Rows past the committed length are scratch: the next pass overwrites them.
 """
@@ -40,9 +41,9 @@ class TargetKVCache(KVBuffer):
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return (config.num_hidden_layers, 2, kv_heads, int(max_len), head_dim)
 
-    def __init__(self, config, max_len: int, dtype, device, kv=None):
+    def __init__(self, config, max_len: int, dtype, device, kv=None, batch: int = 1):
         layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
-        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
+        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch)
 
     def kv_slot(self, layer_idx: int) -> int:
         """The ``kv`` slot of decoder layer ``layer_idx`` (every layer has one here)."""
@@ -52,9 +53,11 @@ class TargetKVCache(KVBuffer):
         slot = self.kv_slot(layer_idx)
         if self.static:
             T = key_states.shape[-2]
-            k, v = self.write_rows(slot, key_states[0], value_states[0], self.length_t, self.key_rows(T))
-        else:
-            k, v = self.write(slot, key_states[0], value_states[0])
+            return self.write_rows(slot, key_states, value_states, self.length_t, self.key_rows(T))
+        if key_states.shape[0] != 1:
+            raise ValueError(f"an eager pass (the prefill) runs one sequence at a time (a batch prefills row by row "
+                             f"through cache.row(r)), got key states {tuple(key_states.shape)}")
+        k, v = self.write(slot, key_states[0], value_states[0])
         return k[None], v[None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -65,15 +68,19 @@ class TargetKVCache(KVBuffer):
 
     # ------------------------------------------------------------ a round's commit (device counts)
     def advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
-        """Keep the first ``count [1]`` (device) rows of the last round pass, whose rows are ``rows [T]``
-        (``arange(T)``: a chain). K/V rows stay where they were written."""
+        """Keep the first ``count [b]`` (device) rows of each sequence's last round pass, whose rows are ``rows
+        [T]`` (``arange(T)``: a chain). K/V rows stay where they were written."""
         self.length_t.add_(count)
 
     def compact_advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
-        """Keep the last round pass's rows ``rows[:count]`` (relative to ``length_t``, increasing; ``rows [A]``
-        int64 and ``count [1]`` on the device): one compaction over every layer moves row ``rows[i]`` to
-        ``length_t + i``, then ``length_t += count``. Rows of ``rows`` past ``count`` are ignored."""
+        """Keep each sequence's last round pass rows ``rows[r, :count[r]]`` (relative to ``length_t[r]``,
+        increasing; ``rows [b, A]`` int64 and ``count [b]`` on the device; a count of 0 keeps nothing): one
+        compaction over every layer and sequence moves row ``rows[r, i]`` to ``length_t[r] + i``, then
+        ``length_t += count``. Entries of ``rows`` past ``count`` are ignored."""
         start = self.length_t
-        dflash_kernels.compact_kv_(self.kv, rows + start, start, num_rows=count, check=False)
+        if self.batch == 1:
+            dflash_kernels.compact_kv_(self.kv, rows[0] + start, start, num_rows=count, check=False)
+        else:
+            dflash_kernels.compact_kv_batched_(self.kv_batched, rows + start[:, None], start, count)
         self.length_t.add_(count)
 

@@ -421,8 +421,9 @@ class HybridKVCache(TargetKVCache):
 
     def compact_advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
         """Round commit of a tree path ``rows[:count]``: the linear layers advance through the path's stashed
-        rows, the attention layers' rows are compacted (:meth:`TargetKVCache.compact_advance`)."""
-        self.linear.apply(rows, count)
+        rows, the attention layers' rows are compacted (:meth:`TargetKVCache.compact_advance`; ``rows [1, A]``:
+        a hybrid cache holds one sequence)."""
+        self.linear.apply(rows[0], count)
         super().compact_advance(rows, count)
 
     def crop(self, length: int) -> None:
