@@ -394,6 +394,14 @@ def kv_write_(kv: torch.Tensor, layer: int, rows: torch.Tensor, key: torch.Tenso
     ``kv [L, 2, Hkv, S, D]``, in place: ``kv[layer, 0, :, rows] = key``, ``kv[layer, 1, :, rows] = value``
     (the C++ op ``torch.ops.dflash.kv_write_``, csrc/kv_write.cpp; the same on every backend).
 
+    A batch of ``b`` sequences: ``kv [b, L, 2, Hkv, S, D]``, ``rows [b, T]`` (distinct within each row,
+    ``< S``), ``key/value [b, Hkv, T, D]``::
+
+        kv[r, layer, 0, :, rows[r, t]] = key[r, :, t]        kv[r, layer, 1, :, rows[r, t]] = value[r, :, t]
+
+    Either form converts to ``kv``'s dtype, reads no value of ``rows`` on the host and is one indexed
+    write per key and per value (no loop over the batch).
+
     An op (not the ``index_copy_`` it runs) because a traced in-place write
     through a view of the cache is functionalized into a copy of the WHOLE
     cache per layer; an op with a mutable argument is re-inplaced by inductor:

@@ -559,7 +559,8 @@ def _compact_kv_tensor_fake(kv, src_positions, dst_start, num_rows=None):
 
 @torch.library.register_fake("dflash::kv_write_")
 def _kv_write_fake(kv, layer, rows, key, value) -> None:
-    """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing."""
+    """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing
+    (either form: ``kv [L, 2, Hkv, S, D]`` or a batch ``[b, L, 2, Hkv, S, D]``)."""
     return None
 
 

@@ -488,3 +488,93 @@ def test_nested_strides_is_a_sound_overlap_test():
     # size-1 dims do not count, whatever their stride; an empty layout has nothing to overlap
     assert nested_strides((2, 1, 3), (3, 0, 1)) and nested_strides((0, 3), (0, 0))
     assert not nested_strides((2, 3), (2, 1))  # offsets 0..4: element 2 is reached twice
+
+
+# --------------------------------------------------------------------------- kv_write_ (C++), one and a batch
+
+
+def _write_by_hand(kv, layer, rows, key, value):
+    """``kv[r, layer, 0, :, rows[r, t]] = key[r, :, t]`` (and value) by plain index assignment, row by row."""
+    out = kv.clone()
+    for r in range(rows.shape[0]):
+        for t in range(rows.shape[1]):
+            out[r, layer, 0, :, int(rows[r, t])] = key[r, :, t].to(kv.dtype)
+            out[r, layer, 1, :, int(rows[r, t])] = value[r, :, t].to(kv.dtype)
+    return out
+
+
+def _write_case(b, layers=3, heads=2, smax=12, head_dim=8, t=4, dtype=torch.float32, key_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(b, layers, 2, heads, smax, head_dim, generator=gen).to(DEVICE, dtype)
+    rows = torch.stack([torch.randperm(smax, generator=gen)[:t] for _ in range(b)]).to(DEVICE)
+    key = torch.randn(b, heads, t, head_dim, generator=gen).to(DEVICE, key_dtype or dtype)
+    value = torch.randn(b, heads, t, head_dim, generator=gen).to(DEVICE, key_dtype or dtype)
+    return kv, rows, key, value
+
+
+@pytest.mark.parametrize("b,heads,t,dtype,key_dtype", [
+    (1, 1, 1, torch.float32, None), (2, 2, 4, torch.bfloat16, torch.float32), (3, 2, 7, torch.float16, None),
+    (5, 1, 3, torch.float32, torch.float64),
+])
+def test_batched_kv_write_equals_index_assignment(b, heads, t, dtype, key_dtype):
+    kv, rows, key, value = _write_case(b, heads=heads, t=t, dtype=dtype, key_dtype=key_dtype, seed=b)
+    want = _write_by_hand(kv, 1, rows, key, value)
+    assert dk.kv_write_(kv, 1, rows, key, value) is None
+    assert torch.equal(kv, want)
+    # int32 rows, strided key / value views: the same write
+    kv2, rows2, key2, value2 = _write_case(b, heads=heads, t=t, dtype=dtype, key_dtype=key_dtype, seed=b)
+    key_view = key2.transpose(2, 3).contiguous().transpose(2, 3)
+    dk.kv_write_(kv2, 1, rows2.to(torch.int32), key_view, value2)
+    assert torch.equal(kv2, want)
+
+
+def test_batched_kv_write_with_one_row_equals_the_one_sequence_form():
+    kv, rows, key, value = _write_case(1, t=5, dtype=torch.bfloat16, seed=7)
+    one = kv[0].clone()
+    dk.kv_write_(one, 2, rows[0], key[0], value[0])
+    dk.kv_write_(kv, 2, rows, key, value)
+    assert torch.equal(kv[0], one)
+
+
+def test_batched_kv_write_is_two_indexed_writes_and_reads_nothing_on_the_host():
+    """One index_put_ per key and per value whatever b (no loop over the rows), and no scalar read of rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for b in (1, 5):
+        kv, rows, key, value = _write_case(b, seed=b)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.ops.dflash.kv_write_(kv, 0, rows, key, value)
+        names = [e.name for e in prof.events()]
+        assert names.count("aten::index_put_") == 2, names
+        assert not {"aten::item", "aten::_local_scalar_dense", "aten::nonzero"} & set(names), names
+
+
+def test_batched_kv_write_opcheck():
+    kv, rows, key, value = _write_case(3, seed=3)
+    torch.library.opcheck(torch.ops.dflash.kv_write_, (kv, 1, rows, key, value))
+
+
+def test_kv_write_errors_name_the_problem():
+    op = torch.ops.dflash.kv_write_
+    kv, rows, key, value = _write_case(3, layers=2, seed=1)
+    cases = [
+        ((kv[:, :, :1], 0, rows, key, value), r"kv must be \[L, 2, Hkv, S, D\] \(one sequence\) or "
+                                              r"\[b, L, 2, Hkv, S, D\] \(a batch\)"),
+        ((kv[None], 0, rows, key, value), r"kv must be \[L, 2, Hkv, S, D\]"),
+        ((kv, 2, rows, key, value), r"layer 2 is outside \[0, L=2\)"),
+        ((kv, -1, rows, key, value), r"layer -1 is outside"),
+        ((kv, 0, rows[0], key, value), r"batched kv \[b=3, L, 2, Hkv, S, D\], rows must be a 2-D \[b=3, T\]"),
+        ((kv, 0, rows[:2], key, value), r"rows must be a 2-D \[b=3, T\]"),
+        ((kv, 0, rows.float(), key, value), r"int64/int32"),
+        ((kv, 0, rows, key[:, :, :2], value), r"key/value must be \[b=3, Hkv=2, T=4, D=8\], got \[3, 2, 2, 8\]"),
+        ((kv, 0, rows, key, value[0]), r"key/value must be \[b=3, Hkv=2, T=4, D=8\]"),
+        ((kv[0], 0, rows, key[0], value[0]), r"one-sequence kv \[L, 2, Hkv, S, D\], rows must be a 1-D \[T\]"),
+        ((kv[0], 0, rows[0], key, value[0]), r"key/value must be \[Hkv=2, T=4, D=8\]"),
+    ]
+    if DEVICE == "cuda":  # (a meta tensor would send the call to the fake instead)
+        cases.append(((kv, 0, rows.cpu(), key, value), r"rows must be on kv's device"))
+    for args, message in cases:
+        before = kv.clone()
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
+        assert torch.equal(kv, before), message

@@ -75,6 +75,21 @@ def _kv_inputs():
     return kv, torch.tensor([3, 5, 6]), 3
 
 
+def _kv_write_inputs(batch=None):
+    """``(kv, layer, rows, key, value)`` of a one-sequence write (``batch=None``) or a batched one."""
+    g = torch.Generator().manual_seed(8)
+    lead = () if batch is None else (batch,)
+    kv = torch.randn(*lead, 2, 2, 2, 10, 4, generator=g)
+    rows = torch.tensor([7, 2, 5]) if batch is None else torch.stack([torch.randperm(10, generator=g)[:3]
+                                                                      for _ in range(batch)])
+    return kv, 1, rows, torch.randn(*lead, 2, 3, 4, generator=g), torch.randn(*lead, 2, 3, 4, generator=g)
+
+
+def _kv_write_public(kv, layer, rows, key, value):
+    dk.kv_write_(kv, layer, rows, key, value)
+    return kv
+
+
 def _dynamic_conv_module():
     """The module (the package attribute of that name is the op)."""
     import importlib
@@ -155,6 +170,8 @@ def cases():
         ("compact_kv_", OPS.compact_kv_, (kv, src, dst), {}, lambda *a: dk.compact_kv_(*a)),
         ("compact_kv_count", OPS.compact_kv_, (kv, src, dst, torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+        ("kv_write_", OPS.kv_write_, _kv_write_inputs(), {}, _kv_write_public),
+        ("kv_write_batched", OPS.kv_write_, _kv_write_inputs(batch=3), {}, _kv_write_public),
         # the tensor overloads: device prefix / seed / destination
         ("tree_attention_tensor", OPS.tree_attention.tensor, (s_query, s_key, s_value, s_bits, s_prefix), {},
          lambda *a: dk.tree_attention(*a)),
@@ -265,7 +282,8 @@ def test_opcheck(case, backend):
 
 
 #: The cases whose op mutates an argument and returns nothing: the index of that argument.
-MUTATED_ARG = {"gather_concat_into": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_tensor": 0}
+MUTATED_ARG = {"gather_concat_into": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_tensor": 0,
+               "kv_write_": 0, "kv_write_batched": 0}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
