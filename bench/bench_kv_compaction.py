@@ -13,6 +13,16 @@ With CUDA: a Qwen3-8B-sized cache (36 layers, 8 kv heads, head dim 128, bf16,
 Smax 8192), prefix 4000, tree of 256 tokens, 4 and 16 accepted rows. Without
 CUDA: a small cache; the kernel runs under the Triton interpreter (a
 correctness tool, not a speed path: one round only).
+
+A batch of ``b = 4`` such caches (``kv [4, L, 2, Hkv, Smax, D]``, each row its
+own committed length and accepted path, row counts ``[n, n - 1, 0, n // 2]``
+on the device: one finished row), ``test_compact_kv_batched``:
+
+* ``triton``: the batched :func:`dflash_kernels.compact_kv_` (one launch for
+  every row, layer, key/value and head);
+* ``triton_per_row``: ``b`` single-sequence device-destination launches;
+* ``torch_reference``: :func:`dflash_kernels.reference.compact_kv_` on the
+  batch (one gather and one scatter over every row).
 """
 
 import os
@@ -36,11 +46,33 @@ else:
     LAYERS, HKV, SMAX, HEAD_DIM, DTYPE, PREFIX, TREE = 4, 2, 1024, 64, torch.bfloat16, 300, 64
 
 
-def accepted_rows(n_rows, seed=0):
-    """Root stays at PREFIX; the other accepted nodes lie at increasing tree offsets."""
+BATCH = 4
+
+
+def accepted_rows(n_rows, seed=0, prefix=PREFIX):
+    """Root stays at ``prefix``; the other accepted nodes lie at increasing tree offsets."""
     gen = torch.Generator().manual_seed(seed)
-    tail = torch.randperm(TREE - 1, generator=gen)[: n_rows - 1].sort().values + PREFIX + 1
-    return torch.cat([torch.tensor([PREFIX]), tail])
+    tail = torch.randperm(TREE - 1, generator=gen)[: n_rows - 1].sort().values + prefix + 1
+    return torch.cat([torch.tensor([prefix]), tail])
+
+
+def timed(benchmark, fn, args, interpreted):
+    """CUDA: synchronized calls (and the peak extra memory); the interpreter: one round; else plain rounds."""
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+
+        def call():
+            fn(*args)
+            torch.cuda.synchronize()
+
+        benchmark(call)
+        benchmark.extra_info["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 3)
+    elif interpreted:
+        benchmark.pedantic(fn, args=args, rounds=1, iterations=1)
+    else:
+        benchmark(fn, *args)
 
 
 @pytest.mark.parametrize("n_rows", [4, 16])
@@ -53,18 +85,26 @@ def test_compact_kv(benchmark, provider, n_rows):
     benchmark.group = f"compact_kv rows={n_rows}"
     moved = LAYERS * 2 * HKV * n_rows * HEAD_DIM * kv.element_size()
     benchmark.extra_info.update(layers=LAYERS, hkv=HKV, head_dim=HEAD_DIM, device=DEVICE, moved_bytes=moved)
-    if CUDA:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    timed(benchmark, fn, args, provider == "triton" and triton_interpreting())
 
-        def call():
-            fn(*args)
-            torch.cuda.synchronize()
 
-        benchmark(call)
-        benchmark.extra_info["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 3)
-    elif provider == "triton" and triton_interpreting():
-        benchmark.pedantic(fn, args=args, rounds=1, iterations=1)
-    else:
-        benchmark(fn, *args)
+def _per_row(kv, src, dst, counts):
+    for r in range(kv.shape[0]):
+        compact_kv_triton(kv[r], src[r], dst[r:r + 1], num_rows=counts[r:r + 1], check=False)
+
+
+@pytest.mark.parametrize("n_rows", [4, 16])
+@pytest.mark.parametrize("provider", ["triton", "triton_per_row", "torch_reference"])
+def test_compact_kv_batched(benchmark, provider, n_rows):
+    kv = torch.randn(BATCH, LAYERS, 2, HKV, SMAX, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    prefixes = [PREFIX - 37 * r for r in range(BATCH)]  # every row its own committed length
+    src = torch.stack([accepted_rows(n_rows, seed=r, prefix=p) for r, p in enumerate(prefixes)]).to(DEVICE)
+    dst = torch.tensor(prefixes, device=DEVICE)
+    counts = torch.tensor([n_rows, n_rows - 1, 0, n_rows // 2], device=DEVICE)  # row 2: a finished sequence
+    fn = {"triton": lambda *a: compact_kv_triton(*a[:3], num_rows=a[3], check=False), "triton_per_row": _per_row,
+          "torch_reference": lambda *a: ref.compact_kv_(*a[:3], num_rows=a[3])}[provider]
+    benchmark.group = f"compact_kv batched b={BATCH} rows={n_rows}"
+    moved = int(counts.clamp(min=0).sum()) * LAYERS * 2 * HKV * HEAD_DIM * kv.element_size()
+    benchmark.extra_info.update(batch=BATCH, layers=LAYERS, hkv=HKV, head_dim=HEAD_DIM, device=DEVICE,
+                                moved_bytes=moved)
+    timed(benchmark, fn, (kv, src, dst, counts), provider != "torch_reference" and triton_interpreting())

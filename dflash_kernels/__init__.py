@@ -7,7 +7,9 @@ by :mod:`dflash_kernels._dispatch`. This package knows nothing about models.
 Each op has one public name here, takes ints or device tensors where a
 compiled round needs the latter (``lm_head_sample(..., seed=int|Tensor)``,
 ``tree_attention(..., prefix_len=int|Tensor)``, ``compact_kv_(kv, rows,
-dst_start=int|Tensor, num_rows=None|Tensor)``), and an optional ``backend=``
+dst_start=int|Tensor, num_rows=None|Tensor)``; ``compact_kv_`` and
+``kv_write_`` also take a batch of caches ``[b, L, 2, Hkv, S, D]`` with
+per-row tensors), and an optional ``backend=``
 that fixes the backend. Under ``torch.compile`` the Triton path goes through
 the op's ``torch.library`` registration (:mod:`dflash_kernels.ops`, the one
 module that registers ops).

@@ -38,7 +38,9 @@ where no Python value may change from round to round):
 
 * ``tree_attention.tensor``: the committed length, K/V the whole cache views;
 * ``lm_head_sample.tensor``: the seed (the noise a pure function of its value);
-* ``compact_kv_.tensor``: the first destination row (unchecked);
+* ``compact_kv_.tensor``: the first destination row (unchecked); also the
+  batched form (a 6-D ``kv [b, ...]`` with per-row ``[b]`` destinations and
+  counts: the schema fixes no shape);
 * ``build_tree_device.tables``: the device build over index tables the round
   owns (the tensors of a :class:`~dflash_kernels.tree_device.TreeTables`);
 * ``gather_concat.into``: ``gather_concat(out=...)``, writing ``out``.
@@ -548,7 +550,8 @@ def compact_kv_tensor(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
                        num_rows: Optional[Tensor] = None) -> None:
     """:func:`dflash_kernels.compact_kv_` with ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute
     ``src_positions`` device tensors, read in-kernel, unchecked (no host read); moves the rows in place
-    (returns nothing)."""
+    (returns nothing). Also the batched form: ``kv [b, L, 2, Hkv, Smax, D]``, ``src_positions [b, A]``,
+    ``dst_start [b]``, ``num_rows [b]`` (or None), one launch for every row."""
     _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=False)
 
 
@@ -559,7 +562,8 @@ def _compact_kv_tensor_fake(kv, src_positions, dst_start, num_rows=None):
 
 @torch.library.register_fake("dflash::kv_write_")
 def _kv_write_fake(kv, layer, rows, key, value) -> None:
-    """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing."""
+    """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing
+    (either form: ``kv [L, 2, Hkv, S, D]`` or a batch ``[b, L, 2, Hkv, S, D]``)."""
     return None
 
 

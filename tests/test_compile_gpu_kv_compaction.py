@@ -12,6 +12,13 @@ chunk as *global loads, then a CTA barrier (``bar.sync`` / ``barrier.sync``),
 then global stores* in the loop body: the barrier is what makes overlapping
 source/destination rows race free across warps (see the kernel module's
 docstring), and the interpreter cannot show its absence.
+
+The batched kernel (``kv [b, L, 2, Hkv, Smax, D]``, per-row ``[b]`` counts and
+destinations, ``kv_compaction.batched_launch_configs``: b = 4, the same real
+shapes, dtypes and position dtypes, with and without counts, contiguous
+``[b]`` counts and destinations whose unit strides the runtime makes
+constexprs) is held to the same: no spills, no shared memory, the barrier
+between each chunk's loads and stores.
 """
 
 import re
@@ -23,7 +30,8 @@ from gpu_compile import assert_fits, compile_many_for_gpu, gpu_compile_unavailab
 
 ARCHS = (90, 80)
 CONFIGS = kv_compaction.launch_configs()
-CASES = [(cfg, arch) for cfg in CONFIGS for arch in ARCHS]
+BATCHED_CONFIGS = kv_compaction.batched_launch_configs()
+CASES = [(cfg, arch) for cfg in CONFIGS + BATCHED_CONFIGS for arch in ARCHS]
 
 _LABEL = re.compile(r"^\s*(\$L\w+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L\w+);")
@@ -95,6 +103,22 @@ def test_configs_cover_real_shapes():
         assert cfg["constexprs"]["stride_dim"] == 1  # the runtime turns a unit int argument into a constexpr
         assert {"head_dim", "stride_layer", "stride_kv", "stride_head", "stride_pos"} <= set(cfg["divisible_by_16"])
         assert not {"n_rows", "dst_start"} & set(cfg["divisible_by_16"])
+        assert "n_heads" not in cfg["divisible_by_16"]  # 8 kv heads
+
+
+def test_batched_configs_cover_real_shapes():
+    assert len({cfg["name"] for cfg in CONFIGS + BATCHED_CONFIGS}) == len(CONFIGS) + len(BATCHED_CONFIGS)
+    assert {(cfg["head_dim"], cfg["signature"]["kv_ptr"], cfg["signature"]["src_ptr"], cfg["constexprs"]["HAS_COUNT"])
+            for cfg in BATCHED_CONFIGS} == {(d, t, s, c) for d in (64, 128) for t in ("*bf16", "*fp16", "*fp32")
+                                            for s in ("*i64", "*i32") for c in (False, True)}
+    for cfg in BATCHED_CONFIGS:
+        assert cfg["kernel"] is kv_compaction._compact_kv_batched_kernel and cfg["batch"] == 4
+        assert cfg["constexprs"]["BLOCK_A"] == 16
+        # unit strides (the head dim, contiguous [b] counts and destinations) are constexprs at run time
+        assert {cfg["constexprs"][k] for k in ("stride_dim", "stride_count", "stride_dst")} == {1}
+        assert {"head_dim", "stride_batch", "stride_layer", "stride_kv", "stride_head", "stride_pos"} <= set(
+            cfg["divisible_by_16"])
+        assert "n_rows" not in cfg["divisible_by_16"] and "n_rows" in cfg["signature"]  # A: never specialized
         assert "n_heads" not in cfg["divisible_by_16"]  # 8 kv heads
 
 

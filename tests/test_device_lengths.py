@@ -285,6 +285,32 @@ def test_reference_static_compaction_compiles_and_replays_any_destination():
     assert counter.frame_count == 1
 
 
+def test_reference_batched_compaction_compiles_and_replays_any_destinations_and_counts():
+    """The batched reference (kv [b, L, 2, Hkv, Smax, D], per-row [b] destinations and counts) traces into
+    one graph with no host read, and replays new per-row values (a finished row's count 0, a count above A,
+    a destination at the end of the cache) without recompiling."""
+    counter = CompileCounter()
+    compiled = torch.compile(lambda kv, s, d, n: ref.compact_kv_(kv, s, d, num_rows=n), backend=counter,
+                             fullgraph=True)
+    base = torch.randn(3, 2, 2, 2, 30, 4, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    dst, count = _t([0, 0, 0]), _t([0, 0, 0])
+    rounds = [  # per row: (destination, sources [A = 4], count)
+        [(4, [6, 8, 9, 29], 3), (0, [0, 1, 2, 3], 4), (27, [28, 29, 0, 0], 2)],
+        [(10, [10, 12, 20, 21], 9), (30, [0, 0, 0, 0], 0), (2, [5, 6, 7, 8], -1)],
+    ]
+    for rows in rounds:
+        dst.copy_(_t([d for d, _, _ in rows]))
+        count.copy_(_t([n for _, _, n in rows]))
+        got, want = base.clone(), base.clone()
+        compiled(got, _t([s for _, s, _ in rows]), dst, count)
+        for r, (d, s, n) in enumerate(rows):
+            n = max(0, min(n, 4))
+            if n:
+                ref.compact_kv_(want[r], torch.tensor(s[:n]), d)
+        assert torch.equal(got, want)
+    assert counter.frame_count == 1
+
+
 # ---------------------------------------------------------------------------------------------- noise
 
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85

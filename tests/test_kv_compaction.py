@@ -488,3 +488,369 @@ def test_nested_strides_is_a_sound_overlap_test():
     # size-1 dims do not count, whatever their stride; an empty layout has nothing to overlap
     assert nested_strides((2, 1, 3), (3, 0, 1)) and nested_strides((0, 3), (0, 0))
     assert not nested_strides((2, 3), (2, 1))  # offsets 0..4: element 2 is reached twice
+
+
+# --------------------------------------------------------------------------- kv_write_ (C++), one and a batch
+
+
+def _write_by_hand(kv, layer, rows, key, value):
+    """``kv[r, layer, 0, :, rows[r, t]] = key[r, :, t]`` (and value) by plain index assignment, row by row."""
+    out = kv.clone()
+    for r in range(rows.shape[0]):
+        for t in range(rows.shape[1]):
+            out[r, layer, 0, :, int(rows[r, t])] = key[r, :, t].to(kv.dtype)
+            out[r, layer, 1, :, int(rows[r, t])] = value[r, :, t].to(kv.dtype)
+    return out
+
+
+def _write_case(b, layers=3, heads=2, smax=12, head_dim=8, t=4, dtype=torch.float32, key_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(b, layers, 2, heads, smax, head_dim, generator=gen).to(DEVICE, dtype)
+    rows = torch.stack([torch.randperm(smax, generator=gen)[:t] for _ in range(b)]).to(DEVICE)
+    key = torch.randn(b, heads, t, head_dim, generator=gen).to(DEVICE, key_dtype or dtype)
+    value = torch.randn(b, heads, t, head_dim, generator=gen).to(DEVICE, key_dtype or dtype)
+    return kv, rows, key, value
+
+
+@pytest.mark.parametrize("b,heads,t,dtype,key_dtype", [
+    (1, 1, 1, torch.float32, None), (2, 2, 4, torch.bfloat16, torch.float32), (3, 2, 7, torch.float16, None),
+    (5, 1, 3, torch.float32, torch.float64),
+])
+def test_batched_kv_write_equals_index_assignment(b, heads, t, dtype, key_dtype):
+    kv, rows, key, value = _write_case(b, heads=heads, t=t, dtype=dtype, key_dtype=key_dtype, seed=b)
+    want = _write_by_hand(kv, 1, rows, key, value)
+    assert dk.kv_write_(kv, 1, rows, key, value) is None
+    assert torch.equal(kv, want)
+    # int32 rows, strided key / value views: the same write
+    kv2, rows2, key2, value2 = _write_case(b, heads=heads, t=t, dtype=dtype, key_dtype=key_dtype, seed=b)
+    key_view = key2.transpose(2, 3).contiguous().transpose(2, 3)
+    dk.kv_write_(kv2, 1, rows2.to(torch.int32), key_view, value2)
+    assert torch.equal(kv2, want)
+
+
+def test_batched_kv_write_with_one_row_equals_the_one_sequence_form():
+    kv, rows, key, value = _write_case(1, t=5, dtype=torch.bfloat16, seed=7)
+    one = kv[0].clone()
+    dk.kv_write_(one, 2, rows[0], key[0], value[0])
+    dk.kv_write_(kv, 2, rows, key, value)
+    assert torch.equal(kv[0], one)
+
+
+def test_batched_kv_write_is_two_indexed_writes_and_reads_nothing_on_the_host():
+    """One index_put_ per key and per value whatever b (no loop over the rows), and no scalar read of rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for b in (1, 5):
+        kv, rows, key, value = _write_case(b, seed=b)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.ops.dflash.kv_write_(kv, 0, rows, key, value)
+        names = [e.name for e in prof.events()]
+        assert names.count("aten::index_put_") == 2, names
+        assert not {"aten::item", "aten::_local_scalar_dense", "aten::nonzero"} & set(names), names
+
+
+def test_batched_kv_write_opcheck():
+    kv, rows, key, value = _write_case(3, seed=3)
+    torch.library.opcheck(torch.ops.dflash.kv_write_, (kv, 1, rows, key, value))
+
+
+def test_kv_write_errors_name_the_problem():
+    op = torch.ops.dflash.kv_write_
+    kv, rows, key, value = _write_case(3, layers=2, seed=1)
+    cases = [
+        ((kv[:, :, :1], 0, rows, key, value), r"kv must be \[L, 2, Hkv, S, D\] \(one sequence\) or "
+                                              r"\[b, L, 2, Hkv, S, D\] \(a batch\)"),
+        ((kv[None], 0, rows, key, value), r"kv must be \[L, 2, Hkv, S, D\]"),
+        ((kv, 2, rows, key, value), r"layer 2 is outside \[0, L=2\)"),
+        ((kv, -1, rows, key, value), r"layer -1 is outside"),
+        ((kv, 0, rows[0], key, value), r"batched kv \[b=3, L, 2, Hkv, S, D\], rows must be a 2-D \[b=3, T\]"),
+        ((kv, 0, rows[:2], key, value), r"rows must be a 2-D \[b=3, T\]"),
+        ((kv, 0, rows.float(), key, value), r"int64/int32"),
+        ((kv, 0, rows, key[:, :, :2], value), r"key/value must be \[b=3, Hkv=2, T=4, D=8\], got \[3, 2, 2, 8\]"),
+        ((kv, 0, rows, key, value[0]), r"key/value must be \[b=3, Hkv=2, T=4, D=8\]"),
+        ((kv[0], 0, rows, key[0], value[0]), r"one-sequence kv \[L, 2, Hkv, S, D\], rows must be a 1-D \[T\]"),
+        ((kv[0], 0, rows[0], key, value[0]), r"key/value must be \[Hkv=2, T=4, D=8\]"),
+    ]
+    if DEVICE == "cuda":  # (a meta tensor would send the call to the fake instead)
+        cases.append(((kv, 0, rows.cpu(), key, value), r"rows must be on kv's device"))
+    for args, message in cases:
+        before = kv.clone()
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
+        assert torch.equal(kv, before), message
+
+
+# --------------------------------------------------------------------------- batched compaction (one launch)
+
+
+def batch_cache(b, layers=2, heads=2, smax=48, head_dim=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, layers, 2, heads, smax, head_dim, generator=gen).to(DEVICE, dtype)
+
+
+def batch_rows(b, a, smax, seed=0):
+    """Per-row valid inputs: ``src [b, A]`` (strictly increasing, ``src[r, i] >= dst[r] + i``, ``< smax``) and
+    ``dst [b]``; the rows' first sources overlap their destinations as an accepted tree path's do."""
+    rng = random.Random(seed)
+    src, dst = [], []
+    for _ in range(b):
+        d = rng.randint(0, smax - a)
+        gaps = sorted(rng.randint(0, smax - d - a) for _ in range(a))  # nondecreasing: d + i + gap increases
+        src.append([d + i + g for i, g in enumerate(gaps)])
+        dst.append(d)
+    return torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
+
+
+def per_row_expected(kv, src, dst, counts):
+    """Each row compacted by hand on its own: ``n(r) = clamp(counts[r], 0, A)`` rows move."""
+    out = kv.clone()
+    a = src.shape[1]
+    for r in range(kv.shape[0]):
+        n = a if counts is None else max(0, min(int(counts[r]), a))
+        out[r] = expected_by_hand(kv[r], src[r, :n].tolist(), int(dst[r]))
+    return out
+
+
+def bits(t):
+    """The raw bits (NaN payloads compare equal)."""
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
+
+
+BATCH_CASES = [  # (b, A, L, Hkv, D, dtype): every value of each dim appears; kept small for the interpreter
+    (1, 1, 1, 1, 16, torch.float32),
+    (1, 16, 3, 2, 64, torch.bfloat16),
+    (2, 7, 3, 1, 128, torch.float16),
+    (2, 16, 1, 2, 16, torch.float32),
+    (3, 1, 3, 2, 64, torch.float16),
+    (3, 7, 1, 1, 128, torch.bfloat16),
+    (5, 16, 1, 1, 64, torch.float32),
+    (5, 7, 3, 2, 16, torch.bfloat16),
+    (3, 16, 1, 2, 128, torch.float16),
+]
+
+
+@pytest.mark.parametrize("b,a,layers,heads,head_dim,dtype", BATCH_CASES,
+                         ids=[f"b{c[0]}-A{c[1]}-L{c[2]}-H{c[3]}-D{c[4]}-{str(c[5])[6:]}" for c in BATCH_CASES])
+def test_batched_equals_per_row_single_calls(b, a, layers, heads, head_dim, dtype):
+    """One batched call (Triton under the interpreter, and the reference) equals b single device-destination
+    calls, one per row, bit for bit; counts 0, below A, A, above A (clamped) and negative."""
+    smax = 40
+    kv = batch_cache(b, layers, heads, smax, head_dim, dtype, seed=b * 100 + a)
+    src, dst = batch_rows(b, a, smax, seed=a + b)
+    counts = torch.tensor([(0, a, max(1, a // 2), a + 3, -2)[r % 5] for r in range(b)], device=DEVICE)
+    want = per_row_expected(kv, src, dst, counts)
+    single = kv.clone()
+    for r in range(b):
+        dk.compact_kv_(single[r], src[r], dst[r:r + 1], num_rows=counts[r:r + 1], check=False)
+    assert torch.equal(bits(single), bits(want))
+    for backend in ("triton", "reference"):
+        got = kv.clone()
+        with force_backend(backend):
+            assert dk.compact_kv_(got, src, dst, num_rows=counts, check=False) is got
+        assert torch.equal(bits(got), bits(want)), backend
+    # every count valid: the checked path, and no count at all (A rows each)
+    valid = counts.clamp(0, a)
+    got = kv.clone()
+    assert compact_kv_triton(got, src, dst, num_rows=valid, check=True) is got
+    assert torch.equal(bits(got), bits(want))
+    got, ref_got = kv.clone(), kv.clone()
+    compact_kv_triton(got, src, dst, check=True)
+    ref.compact_kv_(ref_got, src, dst)
+    assert torch.equal(bits(got), bits(per_row_expected(kv, src, dst, None)))
+    assert torch.equal(bits(ref_got), bits(got))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batched_with_one_row_is_the_single_form_bit_for_bit(dtype, backend):
+    """b = 1: kv[None] compacted by the batched form equals kv compacted by the device-destination form, with
+    NaN / inf in the cache (raw bits compared)."""
+    kv = cache(layers=3, heads=2, smax=40, head_dim=24, dtype=dtype, seed=11)
+    kv[0, 1, 0, 12] = float("nan")
+    kv[2, 0, 1, 17] = float("-inf")
+    src = torch.tensor([10, 12, 13, 17, 30, 31, 0, 0], device=DEVICE)
+    for count in (6, 3, 0, 9):
+        single, batched = kv.clone(), kv.clone()[None]
+        with force_backend(backend):
+            dk.compact_kv_(single, src, torch.tensor([10], device=DEVICE),
+                           num_rows=torch.tensor([count], device=DEVICE), check=False)
+            dk.compact_kv_(batched, src[None], torch.tensor([10], device=DEVICE),
+                           num_rows=torch.tensor([count], device=DEVICE), check=False)
+        assert torch.equal(bits(batched[0]), bits(single)), count
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batched_rows_past_the_count_are_never_read_or_written(backend):
+    """Garbage sources past a row's count (out of range, negative, decreasing) and a finished row whose
+    destination lies at or past the end of the cache: nothing outside the moved rows changes."""
+    smax, a = 32, 6
+    kv = batch_cache(3, smax=smax, seed=5)
+    src = torch.tensor([[9, 11, 12, 10 ** 6, -5, 0], [40, -1, 7, 7, 7, 7], [28, 30, 31, 0, 0, 0]], device=DEVICE)
+    dst = torch.tensor([8, smax, 28], device=DEVICE)  # row 1: a finished sequence at a full cache
+    counts = torch.tensor([3, 0, 3], device=DEVICE)
+    want = per_row_expected(kv, src, dst, counts)
+    with force_backend(backend):
+        dk.compact_kv_(kv, src, dst, num_rows=counts, check=False)
+    assert torch.equal(kv, want)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batched_overlapping_paths_every_row(backend):
+    """Each row an adversarial accepted path ([0, 2, 3, ...]: an earlier row's source is a later row's
+    destination), crossing a 16-row chunk, with a different prefix per row."""
+    prefixes, a = [3, 0, 11], 18
+    kv = batch_cache(3, heads=1, smax=48, seed=9)
+    nodes = [0] + list(range(2, a + 1))
+    src = torch.tensor([path_positions(nodes, p) for p in prefixes], device=DEVICE)
+    dst = torch.tensor(prefixes, device=DEVICE)
+    counts = [a, 17, 5]
+    want = per_row_expected(kv, src, dst, counts)
+    with force_backend(backend):
+        dk.compact_kv_(kv, src, dst, num_rows=torch.tensor(counts, device=DEVICE), check=True)
+    assert torch.equal(kv, want)
+
+
+def test_batched_int32_inputs_and_strided_counts():
+    """int32 positions, destinations and counts; the [b] destinations and counts as strided slices of a state
+    buffer (each at its own stride)."""
+    kv = batch_cache(3, seed=4)
+    src, dst = batch_rows(3, 5, 48, seed=4)
+    state = torch.zeros(3, 4, dtype=torch.int32, device=DEVICE)
+    state[:, 1] = dst.to(torch.int32)
+    state[:, 3] = torch.tensor([5, 2, 0], dtype=torch.int32)
+    want = per_row_expected(kv, src, dst, [5, 2, 0])
+    with force_backend("triton"):
+        dk.compact_kv_(kv, src.to(torch.int32), state[:, 1], num_rows=state[:, 3], check=True)
+    assert torch.equal(kv, want)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batched_views_are_compacted_in_place(backend):
+    """A slice of a pooled buffer and every other head: compacted in place, nothing outside the view moves."""
+    gen = torch.Generator().manual_seed(3)
+    for big, view in ((lambda t: (t, t[1:4]))(torch.randn(5, 2, 2, 2, 48, 16, generator=gen).to(DEVICE)),
+                      (lambda t: (t, t[:, :, :, ::2]))(torch.randn(3, 2, 2, 4, 48, 16, generator=gen).to(DEVICE)),
+                      (lambda t: (t, t.permute(1, 0, 2, 3, 4, 5)))(
+                          torch.randn(2, 3, 2, 2, 48, 16, generator=gen).to(DEVICE))):
+        before = big.clone()
+        src, dst = batch_rows(3, 4, 48, seed=7)
+        want = per_row_expected(view, src, dst, [4, 1, 3])
+        with force_backend(backend):
+            dk.compact_kv_(view, src, dst, num_rows=torch.tensor([4, 1, 3], device=DEVICE))
+        assert torch.equal(view, want)
+        mask = torch.ones_like(big, dtype=torch.bool)
+        mask.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(False)
+        assert torch.equal(big[mask], before[mask])
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batched_self_overlapping_kv_is_refused(backend):
+    """Rows of the batch must be disjoint memory: a broadcast batch, or a batch stride inside one row's span,
+    is refused before anything is written."""
+    base = batch_cache(3)
+    src, dst = batch_rows(3, 3, 48)
+    before = base.clone()
+    row = base[0].numel()
+    overlapping = base.as_strided(base.shape, (row // 2,) + base.stride()[1:])
+    with force_backend(backend):
+        with pytest.raises(ValueError, match="stride-0"):
+            dk.compact_kv_(base[:1].expand(3, -1, -1, -1, -1, -1), src, dst, check=False)
+        with pytest.raises(ValueError, match="overlaps itself") as err:
+            dk.compact_kv_(overlapping, src, dst, check=False)
+    assert f"strides {overlapping.stride()}" in str(err.value)
+    assert torch.equal(base, before)
+    with pytest.raises(ValueError, match="overlaps itself"):
+        ref.compact_kv_(overlapping, src, dst)
+
+
+def test_batched_bad_arguments_are_rejected():
+    kv = batch_cache(3)
+    src, dst = batch_rows(3, 4, 48)
+    counts = torch.tensor([1, 2, 3], device=DEVICE)
+    cases = [
+        (ValueError, (kv[:, :, :1], src, dst), {}, r"\[b, L, 2, Hkv, Smax, D\] \(a batch\)"),
+        (ValueError, (kv, src, 3), {}, r"batched kv \[b, L, 2, Hkv, Smax, D\] takes dst_start as an int64/int32 "
+                                       r"tensor \[b\] = \[3\]"),
+        (ValueError, (kv, src[0], dst), {}, r"src_positions must be \[b, A\] = \[3, A\]"),
+        (ValueError, (kv, src[:2], dst), {}, r"src_positions must be \[b, A\]"),
+        (ValueError, (kv, src.float(), dst), {}, "src_positions must be int64 or int32"),
+        (ValueError, (kv, src, dst[:1]), {}, r"dst_start must have shape \[b\] = \[3\]"),
+        (ValueError, (kv, src, dst[:, None]), {}, r"dst_start must have shape \[b\]"),
+        (ValueError, (kv, src, dst.float()), {}, "dst_start must be int64 or int32"),
+        (ValueError, (kv, src, dst), {"num_rows": counts[:1]}, r"num_rows must have shape \[b\] = \[3\]"),
+        (ValueError, (kv, src, dst), {"num_rows": counts.float()}, "num_rows must be int64 or int32"),
+        (TypeError, (kv, src, dst), {"num_rows": 2}, r"num_rows must be None or an int64 tensor \[b\]"),
+        (ValueError, (kv, src, dst), {"num_rows": counts.to("meta")}, "num_rows must be on kv's device"),
+        (ValueError, (kv, src, dst.to("meta")), {}, "dst_start must be on kv's device"),
+        (ValueError, (kv, src, kv.view(-1)[:6].view(torch.int64)), {}, "dst_start must not share storage"),
+        (ValueError, (kv, kv.view(-1)[:24].view(torch.int64).view(3, 4), dst), {},
+         "src_positions must not share storage"),
+    ]
+    if DEVICE == "cuda":
+        cases.append((ValueError, (kv, src.cpu(), dst), {}, "src_positions must be on kv's device"))
+    for backend in ("triton", "reference"):
+        for check in (True, False):
+            for error, args, kwargs, message in cases:
+                before = kv.clone()
+                with force_backend(backend), pytest.raises(error, match=message):
+                    dk.compact_kv_(*args, check=check, **kwargs)
+                assert torch.equal(kv, before), message
+
+
+@pytest.mark.parametrize(
+    "src,dst,counts,message",
+    [
+        ([[5, 6], [5, 5], [9, 9]], [5, 4, 9], [2, 2, 0], r"row 1: src_positions must be strictly increasing, "
+                                                          r"got 5 then 5 at 1, 0"),
+        ([[5, 6], [7, 8], [5, 9]], [5, 4, 6], [2, 2, 1], r"row 2: src_positions\[2, 0\] = 5 must be >= "
+                                                          r"dst_start \+ 0 = 6"),
+        ([[5, 6], [7, 8], [5, 9]], [5, 4, 4], [3, 2, 2], r"row 0: num_rows = 3 must be in \[0, A\] = \[0, 2\] "
+                                                          r"\(A = src_positions.shape\[1\]\)"),
+        ([[5, 6], [7, 8], [5, 9]], [5, 4, 4], [1, -1, 2], r"row 1: num_rows = -1 must be in \[0, A\]"),
+        ([[5, 48], [7, 8], [5, 9]], [5, 4, 4], [2, 2, 2], r"row 0: src_positions\[0, 1\] = 48 is beyond the cache "
+                                                           r"length Smax = 48"),
+        ([[5, 6], [7, 8], [5, 9]], [5, -1, 4], [2, 2, 2], r"row 1: dst_start = -1 must be >= 0"),
+    ],
+)
+def test_batched_bad_positions_are_rejected_row_by_row(src, dst, counts, message):
+    kv = batch_cache(3)
+    before = kv.clone()
+    with pytest.raises(ValueError, match=message):
+        dk.compact_kv_(kv, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE),
+                       num_rows=torch.tensor(counts, device=DEVICE))
+    assert torch.equal(kv, before)
+
+
+def test_batched_check_validates_only_the_counted_rows():
+    kv = batch_cache(2)
+    src = torch.tensor([[5, 7, 8, 3], [20, 3, 3, 3]], device=DEVICE)  # past the counts: not increasing
+    dst = torch.tensor([5, 19], device=DEVICE)
+    want = per_row_expected(kv, src, dst, [3, 1])
+    dk.compact_kv_(kv, src, dst, num_rows=torch.tensor([3, 1], device=DEVICE), check=True)
+    assert torch.equal(kv, want)
+
+
+@pytest.mark.parametrize("with_count", [False, True])
+def test_batched_check_false_reads_no_tensor_value_on_the_host(monkeypatch, with_count):
+    """Meta tensors (no values): check=False reaches the one launch; its grid covers every row's slices."""
+    stub = KernelStub()
+    monkeypatch.setattr(kv_module, "_compact_kv_batched_kernel", stub)
+    kv = torch.empty(4, 3, 2, 8, 64, 128, dtype=torch.bfloat16, device="meta")
+    src = torch.empty(4, 20, dtype=torch.int64, device="meta")
+    dst = torch.empty(4, dtype=torch.int64, device="meta")
+    count = torch.empty(4, dtype=torch.int64, device="meta") if with_count else None
+    with force_backend("triton"):
+        assert dk.compact_kv_(kv, src, dst, num_rows=count, check=False) is kv
+        (grid, args, kwargs), = stub.launches
+        assert grid == (4 * 3 * 2 * 8, 1) and kwargs["HAS_COUNT"] == with_count and kwargs["BLOCK_A"] == 16
+        assert args[4] == 20  # A: the sources' row stride too
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            dk.compact_kv_(kv, src, dst, num_rows=count, check=True)
+
+
+def test_batched_kernel_does_not_specialize_on_the_row_count():
+    kernel = kv_module._compact_kv_batched_kernel
+    declared = getattr(kernel, "do_not_specialize", None)
+    if declared is None:  # interpreter object
+        declared = kernel.kwargs["do_not_specialize"]
+    assert "n_rows" in {kernel.arg_names[n] if isinstance(n, int) else n for n in declared}

@@ -75,6 +75,28 @@ def _kv_inputs():
     return kv, torch.tensor([3, 5, 6]), 3
 
 
+def _batched_kv_inputs():
+    """A batch of 3 caches [3, L, 2, Hkv, Smax, D], per-row sources [3, A], destinations and counts [3]
+    (row 1 finished: count 0)."""
+    kv = torch.randn(3, 2, 2, 2, 10, 4, generator=torch.Generator().manual_seed(9))
+    return kv, torch.tensor([[3, 5, 6], [8, 9, 9], [1, 4, 9]]), torch.tensor([3, 8, 0]), torch.tensor([3, 0, 2])
+
+
+def _kv_write_inputs(batch=None):
+    """``(kv, layer, rows, key, value)`` of a one-sequence write (``batch=None``) or a batched one."""
+    g = torch.Generator().manual_seed(8)
+    lead = () if batch is None else (batch,)
+    kv = torch.randn(*lead, 2, 2, 2, 10, 4, generator=g)
+    rows = torch.tensor([7, 2, 5]) if batch is None else torch.stack([torch.randperm(10, generator=g)[:3]
+                                                                      for _ in range(batch)])
+    return kv, 1, rows, torch.randn(*lead, 2, 3, 4, generator=g), torch.randn(*lead, 2, 3, 4, generator=g)
+
+
+def _kv_write_public(kv, layer, rows, key, value):
+    dk.kv_write_(kv, layer, rows, key, value)
+    return kv
+
+
 def _dynamic_conv_module():
     """The module (the package attribute of that name is the op)."""
     import importlib
@@ -107,6 +129,7 @@ def cases():
     tree_bits = dk.ancestor_bits(parents)
     query, key, value, bits, prefix, att_pos, sinks = _attention_inputs()
     kv, src, dst = _kv_inputs()
+    b_kv, b_src, b_dst, b_count = _batched_kv_inputs()
     lm = dict(norm_weight=norm_weight, positions=positions)
     s_query, s_key, s_value, s_bits, s_prefix, s_pos, s_sinks = _static_attention_inputs()
     conv, sel = _dflash2_inputs()
@@ -155,6 +178,8 @@ def cases():
         ("compact_kv_", OPS.compact_kv_, (kv, src, dst), {}, lambda *a: dk.compact_kv_(*a)),
         ("compact_kv_count", OPS.compact_kv_, (kv, src, dst, torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+        ("kv_write_", OPS.kv_write_, _kv_write_inputs(), {}, _kv_write_public),
+        ("kv_write_batched", OPS.kv_write_, _kv_write_inputs(batch=3), {}, _kv_write_public),
         # the tensor overloads: device prefix / seed / destination
         ("tree_attention_tensor", OPS.tree_attention.tensor, (s_query, s_key, s_value, s_bits, s_prefix), {},
          lambda *a: dk.tree_attention(*a)),
@@ -183,6 +208,10 @@ def cases():
                                                                               seed=s, q_ids=qi, q_probs=qp)),
         ("compact_kv_tensor", OPS.compact_kv_.tensor, (kv, src, torch.tensor([dst]), torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+        ("compact_kv_batched", OPS.compact_kv_.tensor, (b_kv, b_src, b_dst, b_count), {},
+         lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
+        ("compact_kv_batched_all_rows", OPS.compact_kv_.tensor, (b_kv[[0, 2]], b_src[[0, 2]], b_dst[[0, 2]], None),
+         {}, lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
         ("dynamic_conv", OPS.dynamic_conv, conv[:3], {}, lambda *a: dk.dynamic_conv(*a)),
         ("dynamic_conv_residual_grad", OPS.dynamic_conv, conv_grad, {}, lambda *a: dk.dynamic_conv(*a)),
         ("dynamic_conv_backward", OPS.dynamic_conv_backward, (conv[3],) + conv[:3], {},
@@ -265,7 +294,8 @@ def test_opcheck(case, backend):
 
 
 #: The cases whose op mutates an argument and returns nothing: the index of that argument.
-MUTATED_ARG = {"gather_concat_into": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_tensor": 0}
+MUTATED_ARG = {"gather_concat_into": 1, "compact_kv_": 0, "compact_kv_count": 0, "compact_kv_tensor": 0,
+               "kv_write_": 0, "kv_write_batched": 0, "compact_kv_batched": 0, "compact_kv_batched_all_rows": 0}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -392,6 +422,12 @@ def _public_step(query, key, value, bits, prefix, hidden, weight, seed, kv, src,
     return out.sum(0), tokens, kv.sum()
 
 
+def _batched_commit_step(kv, src, dst, count):
+    """A batch's DDTree commit: every row's accepted rows moved by one op, the row lengths advanced."""
+    dk.compact_kv_(kv, src, dst, num_rows=count, check=False)
+    return kv.sum(), dst + count
+
+
 def _dflash2_step(x, dyn, base, residual, unary, candidates, projected, pred, succ, anchor, seed):
     """A DFlash2 layer's two convs (the second with the residual) and the selector's seeded chain, through
     the public ops."""
@@ -431,6 +467,7 @@ def _compile_cases():
          + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
         ("public_step", _public_step, _static_attention_inputs()[:5] + (hidden, weight, torch.tensor([3]))
          + (_kv_inputs()[0], _kv_inputs()[1], torch.tensor([3]), torch.tensor([2]))),
+        ("compact_kv_batched", _batched_commit_step, _batched_kv_inputs()),
         ("build_tree_device", _tree_step, (logprobs, ids, choice)),
         ("rejection_sample", _rejection_step, (hidden, weight, norm_weight, torch.tensor([3, 9, 9, 1]), hidden[1:] * 0.5,
                                                torch.tensor([[3, 4], [9, 0], [2, 9], [1, 39]]),

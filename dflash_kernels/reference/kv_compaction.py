@@ -9,6 +9,12 @@ with ``dst_start`` a tensor): for a captured step the first destination row
 is an int tensor ``[1]`` on the cache's device, the sources are device
 absolute rows, and nothing is read on the host: pure index math over fixed
 shapes (``torch.compile(fullgraph=True)`` traces it without a graph break).
+
+A batch of ``b`` independent sequences (:func:`compact_kv_` with a 6-D
+``kv [b, L, 2, Hkv, Smax, D]``, ``src_positions [b, A]``, ``dst_start [b]``,
+``num_rows [b]``): every row ``r`` is compacted as the device-destination
+form compacts one sequence, all rows by one gather and one scatter
+(:func:`_compact_batched_`), again with no host read.
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
 
     Args:
         kv: ``[L, 2, Hkv, Smax, D]`` cache (layers, key/value, heads, positions, head dim), any
-            layout that does not overlap itself (:func:`check_kv_layout`).
+            layout that does not overlap itself (:func:`check_kv_layout`). A batch of caches
+            ``[b, L, 2, Hkv, Smax, D]`` takes per-row tensors: see :func:`_compact_batched_`.
         src_positions: ``[A]`` int (CPU or ``kv.device``), over the moved
             rows strictly increasing, ``src_positions[i] >= dst_start + i``.
         dst_start: first destination position (an int tensor: see :func:`_compact_device_dst_`).
@@ -85,6 +92,8 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: int, *
         ``kv``. ``index_select`` copies the source rows out first, so the
         overlap of source and destination ranges does not matter here.
     """
+    if kv.dim() == 6:
+        return _compact_batched_(kv, src_positions, dst_start, num_rows=num_rows)
     if isinstance(dst_start, torch.Tensor):
         return _compact_device_dst_(kv, src_positions, dst_start, num_rows=num_rows)
     check_kv_layout(kv, "compact_kv_")
@@ -142,4 +151,62 @@ def _compact_device_dst_(kv: torch.Tensor, src_positions: torch.Tensor, dst_star
     dst_eff = torch.where(move, dst, still)
     picked = kv.index_select(3, src_eff)
     kv.index_copy_(3, dst_eff, picked)
+    return kv
+
+
+def _compact_batched_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor, *,
+                      num_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`compact_kv_` for ``b`` independent sequences at once: no host read, fixed shapes.
+
+    Args:
+        kv: ``[b, L, 2, Hkv, Smax, D]``; row ``r``'s slice ``kv[r]`` is one sequence's cache. Any layout
+            that does not overlap itself (:func:`check_kv_layout` over all six dims).
+        src_positions: ``[b, A]`` int on ``kv.device``: row ``r``'s source positions.
+        dst_start: ``[b]`` int tensor on ``kv.device``: row ``r``'s first destination position.
+        num_rows: ``[b]`` int tensor on ``kv.device`` or None (``A`` for every row).
+
+    With ``d(r, i) = dst_start[r] + i``, ``s(r, i) = src_positions[r, i]`` and
+    ``n(r) = clamp(num_rows[r], 0, A)``::
+
+        kv[r, :, :, :, d(r, i)] = kv_before[r, :, :, :, s(r, i)]        i < n(r)
+
+    Every other element keeps its value: a row with ``n(r) = 0`` (e.g. a finished sequence) moves
+    nothing. The contract over the moved rows is :func:`compact_kv_`'s, per row (``s(r, .)``
+    strictly increasing, ``d(r, i) <= s(r, i) < Smax``), not checked (a check reads values on the host).
+
+    How: :func:`_compact_device_dst_`'s effective pairs, per row: ``(s(r, i), d(r, i))`` for a moved
+    row, else ``(c, c)`` with ``c = min(d(r, i), Smax - 1)``. One advanced-index gather copies every
+    source out of ``kv_before`` (``[b, A, L, 2, Hkv, D]``), then one advanced-index write stores them.
+    Targets ``(r, c)`` repeat only where several rows of one ``r`` clamp to ``Smax - 1``, and every such
+    writer writes ``kv_before[r, .., Smax - 1]`` (a moved row there has ``s = d = Smax - 1``): the result
+    does not depend on the write order. Rows of different ``r`` never share a target.
+    """
+    if not isinstance(dst_start, torch.Tensor):
+        raise ValueError(f"compact_kv_: a batched kv [b, L, 2, Hkv, Smax, D] takes dst_start as an int tensor [b] "
+                         f"(each row's first destination), got {dst_start!r}")
+    b, smax = kv.shape[0], kv.shape[4]
+    if src_positions.dim() != 2 or src_positions.shape[0] != b:
+        raise ValueError(f"compact_kv_: with a batched kv (b = {b}), src_positions must be [b, A], "
+                         f"got shape {tuple(src_positions.shape)}")
+    for name, t in (("dst_start", dst_start), ("num_rows", num_rows)):
+        if t is not None and tuple(t.shape) != (b,):
+            raise ValueError(f"compact_kv_: with a batched kv (b = {b}), {name} must be [b], "
+                             f"got shape {tuple(t.shape)}")
+    check_kv_layout(kv, "compact_kv_")
+    a = src_positions.shape[1]
+    if b == 0 or a == 0 or smax == 0:
+        return kv
+    src = src_positions.to(device=kv.device, dtype=torch.int64)
+    rows = torch.arange(a, device=kv.device)
+    dst = dst_start.to(device=kv.device, dtype=torch.int64).reshape(b, 1) + rows  # [b, A]
+    if num_rows is None:
+        move = torch.ones(b, a, dtype=torch.bool, device=kv.device)
+    else:
+        move = rows < num_rows.to(device=kv.device, dtype=torch.int64).reshape(b, 1)
+    still = dst.clamp(0, smax - 1)
+    src_eff = torch.where(move, src, still)
+    dst_eff = torch.where(move, dst, still)
+    batch = torch.arange(b, device=kv.device).reshape(b, 1)
+    picked = kv[batch, :, :, :, src_eff]  # [b, A, L, 2, Hkv, D], a copy: every read before any write
+    kv[batch, :, :, :, dst_eff] = picked
     return kv
