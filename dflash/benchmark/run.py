@@ -583,6 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
     p.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and the plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help="measure padded batches instead (dflash/benchmark/batch.py): e.g. 1,4,16; ours batched, the "
+                        "same method row by row, and transformers' generate at each size")
     p.add_argument("--compile", action="store_true",
                    help="run ar / dflash / ddtree as compiled rounds (generate(compile=True)); the compile happens "
                         "in the warm-up and is never timed")
@@ -780,6 +783,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in ("num_prompts", "max_new_tokens", "prompt_len", "threads", "warmup_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_sizes:
+        return _main_batch(args, argv)
     results = run_benchmark(args, argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -799,5 +804,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}" + "".join(f", {p}" for p in plots))
     if failures:
         print(f"FAILURE: {len(failures)} greedy output(s) differ from ar's (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _main_batch(args, argv: Sequence[str]) -> int:
+    """``--batch-sizes``: the batch table (:mod:`dflash.benchmark.batch`), to stdout, results.json and results.md."""
+    from .batch import batch_markdown, run_batch_benchmark
+
+    if any(b < 1 for b in args.batch_sizes):
+        raise SystemExit("--batch-sizes must be ints >= 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch.set_num_threads(args.threads)
+    notes: List[str] = []
+    pair = load_pair_for(args, device, dtype, notes)
+    _, prompts, source = _bench_prompts(args, pair, device)
+    eos = stop_ids_for(pair, args.ignore_eos)
+    settings = RunSettings(args.max_new_tokens, eos, eos[0] if eos else 0, args.seed)
+    results = run_batch_benchmark(args, pair, prompts, settings)
+    results["notes"] = notes + results["notes"]
+    results["meta"] = dict(command=" ".join(["python -m dflash bench", *argv]), device=str(device),
+                           dtype=str(dtype).replace("torch.", ""), threads=args.threads, prompts=source,
+                           max_new_tokens=args.max_new_tokens, batch_sizes=list(args.batch_sizes),
+                           torch=torch.__version__, pair=describe_pair(pair))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = (f"# dflash batch benchmark\n\n`{results['meta']['command']}`\n\n- device: {device}, "
+            f"{results['meta']['dtype']}, {args.threads} CPU threads; prompts: {source}; up to {args.max_new_tokens} "
+            f"new tokens\n\n" + batch_markdown(results))
+    (out / "results.md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    if any(r["equal_to_alone"] is False for r in results["rows"]):
+        print("FAILURE: a greedy batched row differs from its prompt generated alone (see the table)", file=sys.stderr)
         return 1
     return 0

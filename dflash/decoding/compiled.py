@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import re
 import threading
@@ -386,16 +387,18 @@ class _SharedKV:
         self._blocks = {}
 
     def view(self, role: str, shape, dtype, device):
-        """``(kv, block)``: a ``shape`` view of the side's buffer, a new buffer when none is big enough or free."""
-        L, two, heads, rows, head_dim = (int(x) for x in shape)
+        """``(kv, block)``: a ``shape`` view of the side's buffer (one sequence's ``[L, 2, Hkv, S, D]``, or a batch's
+        ``[b, L, 2, Hkv, S, D]``), a new buffer when none is big enough or free."""
+        shape = tuple(int(x) for x in shape)
+        L, two, heads, rows, head_dim = shape[-5:]
         key = (role, L, heads, head_dim, dtype, str(device))
-        numel = L * two * heads * rows * head_dim
+        numel = math.prod(shape)
         ref = self._blocks.get(key)
         block = ref() if ref is not None else None
         if block is None or block.flat.numel() < numel or block.busy:
             block = _Block(torch.zeros(numel, dtype=dtype, device=device))
             self._blocks[key] = weakref.ref(block)
-        return block.flat[:numel].view(L, two, heads, rows, head_dim), block
+        return block.flat[:numel].view(shape), block
 
 
 class _RoundPool:
@@ -504,14 +507,25 @@ def _sampling_key(sampling):
     return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
 
+def batch_bucket(batch: int, mode) -> int:
+    """The sequences a round holds for ``batch`` prompts: ``batch`` itself eagerly; compiled (``mode`` not False),
+    the next power of two, so a few fixed batch shapes serve every batch size (the extra sequences are stopped
+    from the start: computed, never committed)."""
+    if mode is False or batch <= 1:
+        return batch
+    return 1 << (batch - 1).bit_length()
+
+
 @contextlib.contextmanager
-def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode):
+def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode, batch: int = 1):
     """The steps a generation runs, held for the ``with`` block: ``(steps, compile_time)``.
 
     ``mode`` False: a fresh :class:`Round` called eagerly. Otherwise the
     target's pooled entry for these settings (created, compiled and captured
     on first use: ``compile_time`` is its set-up, 0 when reused), leased so
-    no other generation runs on its caches meanwhile.
+    no other generation runs on its caches meanwhile. ``batch``: the round's
+    sequences (:func:`batch_bucket` of the prompts); ``total_tokens``: the
+    longest prompt plus the new tokens.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
@@ -519,9 +533,10 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
     draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
     key = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), bucket_rows(target_rows),
            bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(adapter.device), mode,
-           repr(sorted(_compile_kwargs(adapter.device).items())))
+           repr(sorted(_compile_kwargs(adapter.device).items())), batch)
     if mode is False:
-        rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling)
+        rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
+                    batch=batch)
         steps = RoundSteps(rnd, False)
         yield steps, _bucket_costs(target, key, steps)
         return
@@ -537,7 +552,7 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 return kv
 
             rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
-                        kv_alloc=kv_alloc)
+                        kv_alloc=kv_alloc, batch=batch)
             steps = RoundSteps(rnd, mode, blocks)
             pool.add(key, steps)
         pool.lease(steps)

@@ -50,7 +50,7 @@ def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: st
     """
     options = LoopOptions(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
                           stop_token_ids=plan.stop_token_ids, stopping_criteria=plan.stopping_criteria,
-                          streamer=plan.streamer,
+                          streamer=plan.streamer, attention_mask=plan.attention_mask, pad_token_id=plan.pad_token_id,
                           **{k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
     return generate_rounds(target, draft, input_ids, method, options, compile=compile)
 
@@ -61,7 +61,14 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
 
     ``target``: a HF causal LM (Qwen3, Llama, ...); ``draft``: a
     :class:`dflash.DFlashDraftModel` (unused by ``ar``); ``input_ids``:
-    ``[T]`` or ``[1, T]`` (batch 1).
+    ``[T]``, ``[1, T]``, or a batch ``[b, T]`` padded on the left with its
+    ``attention_mask [b, T]`` (as ``tokenizer(prompts, padding=True,
+    padding_side="left")`` gives; right padding is refused): each row is
+    generated as ``generate()`` generates it alone, its committed count its
+    own each round, and ``result.output_ids [b, T + n]`` is the input then
+    each row's new tokens, padded after a row's end with ``pad_token_id``
+    (else the eos id), as transformers pads; ``result.rows`` holds each row's
+    own result.
 
     Keywords are transformers' generate keywords, resolved exactly as
     ``target.generate()`` resolves them (defaults from

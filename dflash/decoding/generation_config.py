@@ -185,6 +185,10 @@ class GenerationPlan:
     streamer: Any = None
     return_dict_in_generate: bool = False
     loop_kwargs: Dict[str, Any] = field(default_factory=dict)
+    #: a batch's ``attention_mask [b, T]`` (left padding; checked), None for an unpadded prompt
+    attention_mask: Any = None
+    #: the id that pads a batch's finished rows (``pad_token_id``, else the first eos id, as transformers)
+    pad_token_id: Optional[int] = None
 
 
 def _token_ids(value, name: str) -> Tuple[int, ...]:
@@ -206,19 +210,21 @@ def _token_ids(value, name: str) -> Tuple[int, ...]:
 
 
 def _prompt_length(input_ids) -> int:
+    """The prompt's length ``T`` (a batch's padded width), or a clear error."""
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise UnsupportedGeneration("input_ids", f"batch size {input_ids.shape[0]} is not supported: pass one "
-                                                     "prompt (input_ids [1, T])")
+        if input_ids.dim() > 2:
+            raise UnsupportedGeneration("input_ids", f"input_ids must be [T] or [b, T], got shape "
+                                                     f"{tuple(input_ids.shape)}")
         return int(input_ids.shape[-1]) if input_ids.dim() > 0 else 1
     if input_ids is None:
         raise UnsupportedGeneration("input_ids", "input_ids is required (the prompt's token ids)")
     seq = list(input_ids)
     if seq and isinstance(seq[0], (list, tuple)):
-        if len(seq) != 1:
-            raise UnsupportedGeneration("input_ids", f"batch size {len(seq)} is not supported: pass one prompt "
-                                                     "(input_ids [1, T])")
-        return len(seq[0])
+        widths = {len(row) for row in seq}
+        if len(widths) != 1:
+            raise UnsupportedGeneration("input_ids", f"the rows of input_ids have different lengths {sorted(widths)}: "
+                                                     "pad them to one width (left padding, with an attention_mask)")
+        return widths.pop()
     return len(seq)
 
 
@@ -232,16 +238,41 @@ def _check_call_keywords(kwargs: dict) -> None:
         raise UnsupportedGeneration(name, f"{name}: {why}")
 
 
-def _check_attention_mask(mask, prompt_len: int) -> None:
+def _batch_size(input_ids) -> int:
+    if isinstance(input_ids, torch.Tensor):
+        return int(input_ids.shape[0]) if input_ids.dim() == 2 else 1
+    seq = list(input_ids)
+    return len(seq) if seq and isinstance(seq[0], (list, tuple)) else 1
+
+
+def _check_attention_mask(mask, input_ids, prompt_len: int):
+    """The attention mask as an int64 ``[b, T]`` CPU tensor (None when absent or all ones for one unpadded
+    prompt); left padding only: a row must be zeros then ones, with at least one token."""
     if mask is None:
-        return
+        return None
     mask = torch.as_tensor(mask)
-    if mask.shape[-1] != prompt_len or (mask.dim() == 2 and mask.shape[0] != 1) or mask.dim() > 2:
+    b = _batch_size(input_ids)
+    if mask.dim() == 1:
+        mask = mask[None]
+    if mask.dim() != 2 or tuple(mask.shape) != (b, prompt_len):
         raise UnsupportedGeneration("attention_mask", f"attention_mask of shape {tuple(mask.shape)} does not match "
-                                                      f"the prompt [1, {prompt_len}]")
-    if not bool((mask == 1).all()):
-        raise UnsupportedGeneration("attention_mask", "attention_mask with padding (zeros) is not supported: pass "
-                                                      "one unpadded prompt (an all-ones mask, or none)")
+                                                      f"input_ids [{b}, {prompt_len}]")
+    mask = mask.to("cpu", torch.long)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise UnsupportedGeneration("attention_mask", "attention_mask must hold 0 (padding) and 1 (token) only")
+    for r, row in enumerate(mask.tolist()):
+        first = row.index(1) if 1 in row else None
+        if first is None:
+            raise UnsupportedGeneration("attention_mask", f"row {r} of attention_mask is all padding: every prompt "
+                                                          "needs at least one token")
+        if 0 in row[first:]:
+            raise UnsupportedGeneration(
+                "attention_mask", f"row {r} of attention_mask has a 0 after a 1 (right padding): decoder-only "
+                "generation continues each row from its last token, so pad on the left "
+                "(tokenizer(..., padding_side='left')), as transformers warns for right-padded decoder-only input")
+    if b == 1 and bool((mask == 1).all()):
+        return None
+    return mask
 
 
 def _check_other_fields(config, defaults: dict) -> None:
@@ -279,7 +310,7 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     kwargs.pop("tokenizer", None)  # transformers uses it only for stop_strings / token healing, both refused
     _check_call_keywords(kwargs)
     prompt_len = _prompt_length(input_ids)
-    _check_attention_mask(attention_mask, prompt_len)
+    attention_mask = _check_attention_mask(attention_mask, input_ids, prompt_len)
     max_new = kwargs.get("max_new_tokens")
     if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
@@ -295,9 +326,17 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
                                      and callable(getattr(streamer, "end", None))):
         raise UnsupportedGeneration("streamer", "streamer must have put(value) and end() (transformers' protocol)")
     sampling = _sampling(config, explicit, legacy_temperature, target, kwargs.get("temperature"))
+    if streamer is not None and _batch_size(input_ids) > 1:
+        raise UnsupportedGeneration("streamer", "a streamer takes one sequence's tokens (transformers' streamers "
+                                                "support batch size 1 only): stream one prompt at a time")
+    pad = config.pad_token_id if config.pad_token_id is not None else (stop_ids[0] if stop_ids else None)
+    if pad is None and stopping_criteria is not None and _batch_size(input_ids) > 1:
+        raise UnsupportedGeneration("pad_token_id", "a batch whose rows a stopping criterion may end early needs a "
+                                                    "pad_token_id (or an eos_token_id) to pad the finished rows")
     return GenerationPlan(max_new_tokens=max_new, sampling=sampling, stop_token_ids=stop_ids,
                           stopping_criteria=stopping_criteria, streamer=streamer,
-                          return_dict_in_generate=bool(config.return_dict_in_generate), loop_kwargs=loop_kwargs)
+                          return_dict_in_generate=bool(config.return_dict_in_generate), loop_kwargs=loop_kwargs,
+                          attention_mask=attention_mask, pad_token_id=None if pad is None else int(pad))
 
 
 def _merged_config(target, generation_config, kwargs):

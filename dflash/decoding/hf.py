@@ -5,13 +5,15 @@ unchanged ``target.generate(**inputs, max_new_tokens=..., do_sample=...,
 streamer=..., return_dict_in_generate=...)`` runs our loop, with the keywords
 resolved exactly as transformers resolves them
 (:mod:`dflash.decoding.generation_config`), and returns what transformers
-returns: the ``LongTensor`` of sequences ``[1, prompt + new]``, or with
+returns: the ``LongTensor`` of sequences ``[b, prompt + new]`` (a batch left-padded
+by ``tokenizer(prompts, padding=True, padding_side="left")``: each row as its
+prompt alone would give, finished rows padded with ``pad_token_id``), or with
 ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` whose
 ``sequences`` is that tensor (scores, logits, attentions, hidden states and
 the cache are None: requests for them fall back, below).
 
-- **Fallback**: a call our loop cannot serve (batch > 1, beams, an
-  attention_mask with padding, logits processors, output_scores / logits /
+- **Fallback**: a call our loop cannot serve (right padding, a batch on a
+  hybrid target, beams, logits processors, output_scores / logits /
   attentions / hidden states, any refused keyword) runs transformers' own ``generate`` unchanged,
   with a warning the first time each reason occurs on that target: never a
   wrong answer.
@@ -45,6 +47,7 @@ from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
 from ..target.patches import Patch, hold
 from .generate import METHODS, prepare_generation, run_generation
+from .generation_config import UnsupportedGeneration
 from .options import check_acceptance, check_pair, check_tree_budget
 
 _STATE = "_dflash_dropin"
@@ -195,7 +198,11 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
         return original(*args, **kwargs)
     if "seed" not in plan.loop_kwargs or plan.loop_kwargs["seed"] is None:
         plan.loop_kwargs["seed"] = None if plan.sampling.greedy else _torch_seed()
-    result = run_generation(target, draft, inputs, plan, method=method)
+    try:
+        result = run_generation(target, draft, inputs, plan, method=method)
+    except UnsupportedGeneration as exc:  # refused before any model runs (a batch on a hybrid target)
+        _warn_once(state, exc.keyword or str(exc), str(exc))
+        return original(*args, **kwargs)
     sequences = result.output_ids.clone()  # a normal tensor (the loop's is an inference-mode tensor)
     if isinstance(inputs, torch.Tensor):
         sequences = sequences.to(inputs.device)

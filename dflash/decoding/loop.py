@@ -3,10 +3,11 @@
 ::
 
     adapter opens (patches on) -> options resolved -> steps leased (a fresh round, or the pooled compiled one)
-    round.start(prompt): prefill, first token, drafter ingests the prompt, caches frozen
-    while not done:   check room -> [budget bucket chosen] -> steps.draft() -> payload = steps.verify(bucket)
-                      -> ONE host read -> committed tokens -> stop rules, streamer, stats, host mirrors of
-                      the lengths -> [the budget policy told what the round accepted]
+    round.start(prompts): each row prefilled, its first token, drafter ingests it, caches frozen
+    while a row is live: check room -> [budget bucket chosen] -> steps.draft() -> payload = steps.verify(bucket)
+                      -> ONE host read (every row) -> each live row's committed tokens -> its stop rules,
+                      streamer, stats; host mirrors of the lengths -> [the budget policy told what the round
+                      accepted] -> rows that just ended stop committing (one small upload)
 
 Nothing here touches the round's device state: the round's two steps own it
 (:mod:`dflash.decoding.round`); ``compile`` only changes what runs them
@@ -20,8 +21,9 @@ import time
 import torch
 
 from ..target import TargetAdapter
-from .compiled import lease_steps
-from .options import LoopOptions, check_pair, prepare_prompt
+from .compiled import batch_bucket, lease_steps
+from .generation_config import UnsupportedGeneration
+from .options import LoopOptions, check_pair, prepare_prompts
 from .output import CommittedOutput, HostReader, SeedSource, StageClock
 from .result import GenerationResult
 
@@ -30,7 +32,10 @@ __all__ = ["generate_rounds"]
 
 @torch.inference_mode()
 def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions, compile=False) -> GenerationResult:
-    """Generate with ``method`` under ``options``; ``compile`` as :data:`~dflash.decoding.compiled.COMPILE_MODES`."""
+    """Generate with ``method`` under ``options``; ``compile`` as :data:`~dflash.decoding.compiled.COMPILE_MODES`.
+
+    ``input_ids``: one prompt, or a left-padded batch with ``options.attention_mask``: every row runs in the same
+    rounds, each with its own lengths and commit (:mod:`dflash.decoding.round`)."""
     if compile is None:
         compile = False
     if compile is not False and options.return_trees:
@@ -41,64 +46,130 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
         if method != "ar":
             check_pair(adapter, draft)
         shape = options.resolve(method, draft, adapter.vocab_size)
-        prompt = prepare_prompt(input_ids, adapter.vocab_size, adapter.device)
+        prompts, padded = prepare_prompts(input_ids, adapter.vocab_size, adapter.device, options.attention_mask)
+        batch = batch_bucket(len(prompts), compile)
+        if batch > 1 and adapter.hybrid:
+            raise UnsupportedGeneration("input_ids", f"{type(target).__name__} is a hybrid target (linear-attention "
+                                                     "layers), whose recurrent states are kept for one sequence: "
+                                                     "generate its prompts one at a time")
         seeds = SeedSource(options.seed)
-        total = prompt.numel() + options.max_new_tokens
-        with lease_steps(target, adapter, draft, shape, options.sampling, total, compile) as (steps, setup):
-            result = _run(steps, prompt, options, seeds.next())
+        total = max(p.numel() for p in prompts) + options.max_new_tokens
+        with lease_steps(target, adapter, draft, shape, options.sampling, total, compile, batch) as (steps, setup):
+            result = _run(steps, prompts, padded, options, seeds.next())
             result.compile_time = setup
             return result
     finally:
         adapter.close()
 
 
-def _run(steps, prompt: torch.Tensor, options: LoopOptions, seed: int) -> GenerationResult:
+def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) -> GenerationResult:
     rnd = steps.rnd
+    n, b = len(prompts), rnd.b
     policy = steps.policy
     if policy is not None:
         policy.start()
     rnd.reset(seed)
-    out = CommittedOutput(prompt, options.max_new_tokens, options.stop_ids,
-                          stopping_criteria=options.stopping_criteria, streamer=options.streamer)
+    # a compiled round's batch bucket may hold more sequences than prompts: the extra ones run the first prompt's
+    # first token, stopped from the start (computed, never committed)
+    filler = [prompts[0][:1]] * (b - n)
+    outs = [CommittedOutput(p, options.max_new_tokens, options.stop_ids, stopping_criteria=options.stopping_criteria,
+                            streamer=options.streamer) for p in prompts]
+    rows = [GenerationResult(output_ids=p[None], num_prompt_tokens=p.numel(), method=rnd.method, block_size=rnd.B)
+            for p in prompts]
     try:
-        result = GenerationResult(output_ids=prompt[None], num_prompt_tokens=prompt.numel(), method=rnd.method,
-                                  block_size=rnd.B)
-        reader = HostReader(rnd.device, rnd.payload_size)
+        reader = HostReader(rnd.device, rnd.payload_size * b)
         start = time.perf_counter()
-        out.extend(reader.read(rnd.start(prompt)))
-        result.time_to_first_token = time.perf_counter() - start
+        firsts = reader.read(rnd.start(list(prompts) + filler))
+        for out, first in zip(outs, firsts):
+            out.extend([first])
+        first_time = time.perf_counter() - start
+        device_committed = [out.committed for out in outs] + [1] * (b - n)  # what each sequence's caches hold
+        stopped = [r for r in range(n) if outs[r].done] + list(range(n, b))
+        if stopped:
+            rnd.stop(stopped)
         clock = StageClock(rnd.device, options.stage_timing)
-        while not out.done:
-            before = out.committed
-            rnd.check_room(before)  # host ints: a round never writes past either cache
-            bucket = policy.choose(before) if policy is not None else -1
+        while not all(out.done for out in outs):
+            before = [out.committed for out in outs]
+            live = [r for r in range(n) if not outs[r].done]
+            rnd.check_room([device_committed[r] for r in live])  # host ints: no round writes past a cache
+            bucket = policy.choose(max(before[r] for r in live)) if policy is not None else -1
             began = time.perf_counter()
             steps.draft()
             clock.mark("draft")
             payload = steps.verify(bucket)
             clock.mark("verify")
-            host = reader.read(payload)
-            new = rnd.committed_tokens(host)
+            host = rnd.payload_rows(reader.read(payload))
+            news = [rnd.committed_tokens(host[r]) if r in live else [] for r in range(b)]
             if policy is not None:
-                policy.observe(bucket, rnd.bucket_acceptance(host), rnd.path_masses(host),
-                               time.perf_counter() - began, before)
-            rnd.mirror(before, len(new))
-            out.extend(new)
-            result.acceptance_lengths.append(out.committed - before)  # after the stop rules
-            if rnd.method != "ar":
-                result.accepted_depths.append(len(new) - 1)  # as verified: the drafts before the bonus token
-            if rnd.method == "ddtree":
-                result.tree_sizes.append(rnd.bucket_nodes[bucket])
-                if options.return_trees:
-                    result.trees.append(rnd.tree_record(len(new), bucket))
+                _observe(policy, rnd, bucket, [host[r] for r in live], time.perf_counter() - began,
+                         max(before[r] for r in live))
+            rnd.mirror(device_committed, [len(new) for new in news])
+            ended = []
+            for r in live:
+                new, row, out = news[r], rows[r], outs[r]
+                device_committed[r] += len(new)
+                out.extend(new)
+                row.acceptance_lengths.append(out.committed - before[r])  # after the stop rules
+                if rnd.method != "ar":
+                    row.accepted_depths.append(len(new) - 1)  # as verified: the drafts before the bonus token
+                if rnd.method == "ddtree":
+                    row.tree_sizes.append(rnd.bucket_nodes[bucket])
+                    if options.return_trees:
+                        row.trees.append(rnd.tree_record(len(new), bucket, r))
+                if out.done:
+                    ended.append(r)
+            if ended:
+                rnd.stop(ended)
             clock.mark("commit")
-        result.total_time = time.perf_counter() - start
+        total = time.perf_counter() - start
         stages = clock.totals()
-        result.draft_time = stages.get("draft", 0.0)
-        result.verify_time = stages.get("verify", 0.0)
-        result.commit_time = stages.get("commit", 0.0)
-        result.output_ids = torch.tensor([out.tokens], device=rnd.device)
-        return result
+        for out, row in zip(outs, rows):
+            row.output_ids = torch.tensor([out.tokens], device=rnd.device)
+            row.time_to_first_token, row.total_time = first_time, total
+            row.draft_time = stages.get("draft", 0.0)
+            row.verify_time = stages.get("verify", 0.0)
+            row.commit_time = stages.get("commit", 0.0)
+        if n == 1 and padded.shape[1] == prompts[0].numel():
+            return rows[0]
+        return _batch_result(rows, padded, options.pad_token_id)
     finally:
-        out.close()
+        for out in outs:
+            out.close()
         rnd.thaw()
+
+
+def _observe(policy, rnd, bucket: int, live_rows, seconds: float, length: int) -> None:
+    """Tell the budget policy what a round of several sequences did: each bucket's acceptance and mass averaged
+    over the live sequences (the batch's expected committed tokens are the live count times one sequence's, so
+    the best bucket per second is the same)."""
+    accepted = [rnd.bucket_acceptance(row) for row in live_rows]
+    masses = [rnd.path_masses(row) for row in live_rows]
+    k = len(live_rows)
+    policy.observe(bucket, [sum(a[v] for a in accepted) / k for v in range(len(accepted[0]))],
+                   [sum(m[v] for m in masses) / k for v in range(len(masses[0]))], seconds, length)
+
+
+def _batch_result(rows, padded: torch.Tensor, pad_token_id) -> GenerationResult:
+    """One result for a batch (or a left-padded prompt): ``output_ids [b, T + n]`` = the input as given, then each
+    row's new tokens padded to the longest with ``pad_token_id`` (transformers' layout); the rows' results in
+    ``rows``; the pooled statistics (every row's rounds) in the result's own lists."""
+    width = max(row.num_new_tokens for row in rows)
+    if pad_token_id is None and any(row.num_new_tokens < width for row in rows):
+        raise ValueError("rows of this batch ended at different lengths and no pad_token_id (nor eos) is set to "
+                         "pad them: pass pad_token_id=")
+    new = torch.full((len(rows), width), -1 if pad_token_id is None else int(pad_token_id), dtype=torch.long,
+                     device=padded.device)
+    for r, row in enumerate(rows):
+        new[r, : row.num_new_tokens] = row.generated_ids[0]
+    first = rows[0]
+    result = GenerationResult(output_ids=torch.cat([padded, new], 1), num_prompt_tokens=padded.shape[1],
+                              method=first.method, block_size=first.block_size, rows=list(rows),
+                              time_to_first_token=first.time_to_first_token, total_time=first.total_time,
+                              draft_time=first.draft_time, verify_time=first.verify_time,
+                              commit_time=first.commit_time)
+    for row in rows:
+        result.acceptance_lengths += row.acceptance_lengths
+        result.accepted_depths += row.accepted_depths
+        result.tree_sizes += row.tree_sizes
+        result.trees += row.trees
+    return result

@@ -8,7 +8,7 @@ before anything runs, with errors that name the setting and what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from ..drafter.config import DraftConfigError, validate_target_layer_ids
 from .generation_config import SamplingSettings
 
 __all__ = ["ACCEPTANCE_RULES", "AUTO_BUDGETS", "LoopOptions", "METHODS", "RoundShape", "check_acceptance",
-           "check_pair", "check_tree_budget", "prepare_prompt"]
+           "check_pair", "check_tree_budget", "prepare_prompts"]
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -43,7 +43,9 @@ class LoopOptions:
     ``stage_timing`` records per-stage times. ``acceptance``: the rule of a
     sampled DFlash chain (:data:`ACCEPTANCE_RULES`; None: ``"rejection"``);
     DDTree always walks its tree (``"match"``), greedy rounds match the argmax
-    whatever the rule.
+    whatever the rule. ``attention_mask``: a left-padded batch's mask ``[b, T]``
+    (each row's prompt is its tokens); ``pad_token_id`` pads a batch's rows
+    that ended early, in ``result.output_ids``.
     """
 
     max_new_tokens: int
@@ -59,6 +61,8 @@ class LoopOptions:
     return_trees: bool = False
     stage_timing: bool = True
     acceptance: Optional[str] = None
+    attention_mask: object = None
+    pad_token_id: Optional[int] = None
     #: the resolved stop ids (set by :meth:`resolve`)
     stop_ids: set = field(default_factory=set, repr=False)
 
@@ -164,24 +168,33 @@ def check_tree_budget(tree_budget):
     return tree_budget
 
 
-def prepare_prompt(input_ids, vocab_size: int, device) -> torch.Tensor:
-    """``input_ids`` (``[T]`` or ``[1, T]``, ints in the vocabulary) as a ``[T]`` int64 tensor on ``device``."""
+def prepare_prompts(input_ids, vocab_size: int, device, attention_mask=None) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """``(prompts, padded)``: each row's prompt (``[T_r]`` int64 on ``device``, its left padding removed: the
+    tokens where ``attention_mask`` is 1, every token without one) and the input as given (``[b, T]`` int64 on
+    ``device``). ``input_ids``: ``[T]``, ``[1, T]`` or a left-padded batch ``[b, T]`` (a checked ``attention_mask
+    [b, T]``, :func:`~dflash.decoding.generation_config.resolve_generation`); ints in the vocabulary."""
     if not isinstance(input_ids, torch.Tensor):
         input_ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if input_ids.dim() == 2:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"batch size {input_ids.shape[0]} is not supported: pass one prompt (input_ids [1, T])")
-        input_ids = input_ids[0]
-    if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(input_ids.shape)}")
-    if input_ids.numel() == 0:
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [T] or [b, T], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise ValueError("the prompt is empty: generation needs at least one input token")
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
     lo, hi = int(input_ids.min()), int(input_ids.max())
+    if attention_mask is not None:  # padding ids may lie anywhere; only the tokens must be in the vocabulary
+        mask = torch.as_tensor(attention_mask).to(input_ids.device).bool()
+        real = input_ids[mask]
+        lo, hi = int(real.min()), int(real.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"input_ids hold ids outside the target vocabulary [0, {vocab_size}): min {lo}, max {hi}")
-    return input_ids.to(device=device, dtype=torch.long)
+    padded = input_ids.to(device=device, dtype=torch.long)
+    if attention_mask is None:
+        return [row for row in padded], padded
+    starts = (torch.as_tensor(attention_mask) == 0).sum(1).tolist()  # left padding: the zeros come first
+    return [padded[r, start:] for r, start in enumerate(starts)], padded
 
 
 def check_pair(adapter, draft) -> None:

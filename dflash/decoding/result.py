@@ -53,6 +53,14 @@ class GenerationResult:
     DFlash chain's accepted prefix, the depth of DDTree's accepted path; empty
     for ``ar``. So the final round's ``acceptance_lengths`` entry can be below
     its ``accepted_depths`` entry + 1; every earlier round's equals it.
+
+    A batch (or a left-padded prompt): ``output_ids [b, T + n]`` is the input
+    as given then each row's new tokens, padded to the longest with the pad id;
+    ``rows`` holds each row's own result (its unpadded ``output_ids``, its
+    rounds, its tau, its ``position_acceptance``); this result's round lists
+    pool every row's rounds (so :attr:`tau` and :attr:`position_acceptance`
+    are the batch's), and :attr:`num_new_tokens` counts every row's new
+    tokens (what :attr:`tokens_per_second` divides).
     """
 
     output_ids: torch.Tensor
@@ -71,6 +79,8 @@ class GenerationResult:
     trees: List[dict] = field(default_factory=list)
     #: the block size B of the rounds (anchor + B - 1 draft positions; 1 for ``ar``)
     block_size: Optional[int] = None
+    #: a batch's per-row results (empty for one unpadded prompt)
+    rows: List["GenerationResult"] = field(default_factory=list)
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -84,6 +94,9 @@ class GenerationResult:
 
     @property
     def num_new_tokens(self) -> int:
+        """New tokens generated (a batch: summed over its rows)."""
+        if self.rows:
+            return sum(row.num_new_tokens for row in self.rows)
         return self.output_ids.shape[1] - self.num_prompt_tokens
 
     @property
@@ -148,4 +161,5 @@ class GenerationResult:
             commit_time=self.commit_time,
             compile_time=self.compile_time,
             position_acceptance=self.position_acceptance,
+            **({"rows": [row.summary() for row in self.rows]} if self.rows else {}),
         )

@@ -213,6 +213,9 @@ class Round:
         long = dict(dtype=torch.long, device=device)
         self.last = torch.zeros(b, **long)
         self.alive = torch.ones(b, **long)
+        #: :meth:`stop`'s upload: a page-locked host buffer on CUDA (the copy never waits), and its device copy
+        self._keep_host = torch.ones(b, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._keep = torch.ones(b, **long)
         self.seed = torch.zeros(1, **long)
         self.rows = torch.arange(max(B, self.N + 1) + 1, **long)
         #: row ``r``'s offset in the batch's flattened rows of a pass of ``T`` rows: ``r * T``
@@ -658,9 +661,11 @@ class Round:
     def stop(self, rows) -> None:
         """Sequences ``rows`` (host ints) stopped: from the next round on they commit nothing. One small upload
         (the host decided it), not a read; a round without a newly stopped sequence makes none."""
-        keep = torch.ones(self.b, dtype=torch.long)
+        keep = self._keep_host  # the previous upload finished: the round's read since waited for the stream
+        keep.fill_(1)
         keep[list(rows)] = 0
-        self.alive.mul_(keep.to(self.device, non_blocking=True))
+        self._keep.copy_(keep, non_blocking=True)
+        self.alive.mul_(self._keep)
 
     # ---------------------------------------------------------------- compile / capture support
     def _caches(self):

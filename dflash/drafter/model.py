@@ -60,8 +60,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [heads, T, D]`` with ``cos, sin [T, D]``."""
-    return x * cos[None] + rotate_half(x) * sin[None]
+    """RoPE on ``x [..., heads, T, D]`` with ``cos, sin`` broadcastable to it (``[T, D]``, or ``[b, 1, T, D]``)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class DraftMLP(nn.Module):
@@ -101,10 +101,11 @@ class DraftAttention(nn.Module):
         self.scaling = D**-0.5
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Keys and values of ``x [T, H]``: ``[Hkv, T, D]`` each, RoPE'd keys."""
-        T = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        """Keys and values of ``x [..., T, H]``: ``[..., Hkv, T, D]`` each, RoPE'd keys (``cos, sin`` broadcastable
+        to them)."""
+        heads = (self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).unflatten(-1, heads)).transpose(-3, -2)
+        v = self.v_proj(x).unflatten(-1, heads).transpose(-3, -2)
         return apply_rope(k, cos, sin), v
 
     def forward(
@@ -126,35 +127,48 @@ class DraftAttention(nn.Module):
         Without ``cache`` (training): keys are ``[context ; block]``,
         ``attn_mask`` an additive float mask ``[B, C + B]`` (None: everything
         visible; a sliding window is part of it). With a frozen
-        :class:`~dflash.drafter.cache.DraftKVCache` (a decoding round): only the
-        first ``context_count [1]`` (device) of the ``C`` context rows are
+        :class:`~dflash.drafter.cache.DraftKVCache` (a decoding round of ``b``
+        sequences): ``block [b * B, H]`` (each sequence's block in turn),
+        ``context [b, C, H]``, ``cos/sin [b, C + B, D]``; only the first
+        ``context_count[r]`` (device) of sequence ``r``'s ``C`` context rows are
         real; they and the block go to the cache and the block attends to all
-        cached context and the whole block, nothing read on the host. K/V are
-        read once per kv head: the Triton path runs
+        its sequence's cached context and the whole block, nothing read on the
+        host. K/V are read once per kv head: the Triton path runs
         :func:`dflash_kernels.tree_attention` with every block key visible
-        (GQA packed, ``window`` applied at ``block_positions [B]``: the rows'
+        (GQA packed, ``window`` applied at ``block_positions [b, B]``: the rows'
         own positions, or their block's anchor for an ``anchored`` window), the
         reference path the pass's mask made once per (window, causal, anchored) in
         :meth:`DFlashDraftModel.draft_block`.
         """
+        if cache is not None:
+            return self._round(block, context, cos, sin, cache, window, block_positions, context_count, causal,
+                               anchored)
         B, C = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos[C:], sin[C:])
         k, v = self.project_kv(torch.cat([context, block], 0), cos, sin)
-        if cache is not None:
-            k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
-            if cache.visible is not None:  # reference backend
-                out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal, anchored],
-                                                      scale=self.scaling)
-            else:
-                out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal), prefix,
-                                                    scale=self.scaling, positions=block_positions, window=window,
-                                                    backend="triton")
-        else:
-            mask = attn_mask.to(q.dtype) if attn_mask is not None else None
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
-                                                 enable_gqa=True)[0]
+        mask = attn_mask.to(q.dtype) if attn_mask is not None else None
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
+
+    def _round(self, block, context, cos, sin, cache, window, block_positions, context_count, causal, anchored):
+        """The decoding round's attention (see :meth:`forward`): ``[b * B, H]``."""
+        b, C = context.shape[0], context.shape[1]
+        B = block.shape[0] // b
+        rows = block.view(b, B, -1)
+        q = self.q_norm(self.q_proj(rows).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
+        q = apply_rope(q, cos[:, None, C:], sin[:, None, C:])  # [b, Hq, B, D]
+        k, v = self.project_kv(torch.cat([context, rows], 1), cos[:, None], sin[:, None])  # [b, Hkv, C + B, D]
+        k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
+        if cache.visible is not None:  # reference backend
+            out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal, anchored],
+                                                  scale=self.scaling)
+        else:
+            out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal), prefix,
+                                                scale=self.scaling, positions=block_positions, window=window,
+                                                backend="triton")
+        return self.o_proj(out.transpose(1, 2).reshape(b * B, self.num_heads * self.head_dim))
 
 
 class DraftLayer(nn.Module):
@@ -205,11 +219,12 @@ class DraftLayer(nn.Module):
 
     def window_positions(self, block_positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """The positions a layer's window is measured from: each row's own, or (``window_anchored``) the
-        position of its block's anchor (rows in blocks of ``block_size``, the pass's block length)."""
+        position of its block's anchor (rows in blocks of ``block_size``, the pass's block length; any shape
+        whose last dimension holds whole blocks, kept)."""
         if not self.window_anchored:
             return block_positions
         B = int(block_size)
-        return block_positions.view(-1, B)[:, :1].expand(-1, B).reshape(-1)
+        return block_positions.reshape(-1, B)[:, :1].expand(-1, B).reshape(block_positions.shape)
 
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
                 context_count=None, block_size: Optional[int] = None):
@@ -273,7 +288,10 @@ class DFlashDraftModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
-        """``cos, sin [T, D]`` at absolute ``positions [T]``."""
+        """``cos, sin [T, D]`` at absolute ``positions [T]`` (``[b, T, D]`` at ``[b, T]``)."""
+        if positions.dim() == 2:
+            cos, sin = self.rotary_emb(like, positions)
+            return cos.to(like.dtype), sin.to(like.dtype)
         cos, sin = self.rotary_emb(like, positions[None])
         return cos[0].to(like.dtype), sin[0].to(like.dtype)
 
@@ -312,28 +330,40 @@ class DFlashDraftModel(nn.Module):
         return self.norm(block)
 
     def draft_block(self, block_embeds: torch.Tensor, context_features: torch.Tensor,
-                    context_count: torch.Tensor, cache) -> torch.Tensor:
-        """The decoding round's drafter pass (fixed shapes, nothing read on the host).
+                    context_count: torch.Tensor, cache, block_size: Optional[int] = None) -> torch.Tensor:
+        """The decoding round's drafter pass of ``b`` sequences (fixed shapes, nothing read on the host).
 
-        ``block_embeds [B, H]``; ``context_features [C, n*H]`` of which the
-        first ``context_count [1]`` (device int64) rows are the new context;
-        ``cache`` a frozen :class:`~dflash.drafter.cache.DraftKVCache` holding
-        the committed length ``L`` on the device. New context row ``i`` sits at
-        position ``L + i``; the block at ``L + count + arange(B)``. Advances the
-        cache by ``count``; returns the final-normed block ``[B, H]``.
+        ``block_embeds [b, B, H]``; ``context_features [b, C, n*H]`` of which
+        the first ``context_count[r]`` (device int64 ``[b]``) rows of sequence
+        ``r`` are its new context; ``cache`` a frozen
+        :class:`~dflash.drafter.cache.DraftKVCache` of ``b`` sequences holding
+        their committed lengths ``L [b]`` on the device. New context row ``i``
+        of sequence ``r`` sits at position ``L[r] + i``; its block at ``L[r] +
+        count[r] + arange(B)``. Advances the cache by ``count``; returns the
+        final-normed blocks ``[b, B, H]``. One sequence may also come unbatched
+        (``[B, H]``, ``[C, n*H]``, count ``[1]``; returns ``[B, H]``), on a cache
+        of one sequence. (``block_size``: accepted for the callers that name it;
+        it is ``B``.)
         """
+        if block_embeds.dim() == 2:
+            return self.draft_block(block_embeds[None], context_features[None], context_count, cache,
+                                    block_size)[0]
         dtype = self.fc.weight.dtype
-        block = block_embeds.to(dtype)
-        context = self.context_states(context_features)
-        C, B = context.shape[0], block.shape[0]
+        b, B, H = block_embeds.shape
+        if block_size is not None and int(block_size) != B:
+            raise ValueError(f"block_size {block_size} but the block embeddings hold {B} rows")
+        block = block_embeds.to(dtype).reshape(b * B, H)
+        context = self.context_states(context_features)  # [b, C, H]
+        C = context.shape[1]
         rows = cache.rows
-        block_positions = cache.length_t + context_count + rows[:B]
-        positions = torch.cat([cache.length_t + rows[:C], block_positions])
+        length = cache.length_t[:, None]
+        block_positions = length + context_count[:, None] + rows[:B]  # [b, B]
+        positions = torch.cat([length + rows[:C], block_positions], 1)  # [b, C + B]
         cos, sin = self.rope(positions, block)
         cache.visible = None
         if dflash_kernels.get_backend(block.device) != "triton":
-            # every block row sees the committed context and the whole block (causal layers: the block up to
-            # itself): [B, S] per distinct (window, causal, anchored)
+            # every block row sees its sequence's committed context and the whole block (causal layers: the block
+            # up to itself): [b, B, S] per distinct (window, causal, anchored)
             cache.visible = {(layer.sliding_window, layer.causal, layer.window_anchored): None
                              for layer in self.layers}
             for layer in self.layers:
@@ -347,7 +377,7 @@ class DFlashDraftModel(nn.Module):
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
                           context_count=context_count, block_size=B)
         cache.advance(context_count)
-        return self.norm(block)
+        return self.norm(block).view(b, B, H)
 
     def ingest_context(self, context_features: torch.Tensor, cache) -> None:
         """Append the K/V of ``context_features [C, n*H]`` (rows at positions ``length ..``) to ``cache`` eagerly.

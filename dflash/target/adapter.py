@@ -176,16 +176,21 @@ class TargetAdapter:
             return HybridKVCache.kv_shape(self.config, self.linear_shape, max_len)
         return TargetKVCache.kv_shape(self.config, max_len)
 
-    def new_cache(self, max_len: int, kv: Optional[torch.Tensor] = None) -> TargetKVCache:
-        """The target's cache of ``max_len`` positions (a :class:`HybridKVCache` for hybrid targets);
-        ``kv``: caller storage of :meth:`cache_shape` (see :class:`~dflash.cache.KVBuffer`)."""
+    def new_cache(self, max_len: int, kv: Optional[torch.Tensor] = None, batch: int = 1) -> TargetKVCache:
+        """The target's cache of ``max_len`` positions for ``batch`` sequences (a :class:`HybridKVCache` for hybrid
+        targets, one sequence); ``kv``: caller storage of :meth:`cache_shape` (with the batch in front when
+        ``batch > 1``; see :class:`~dflash.cache.KVBuffer`)."""
         if self.hybrid:
+            if batch != 1:
+                raise UnsupportedTargetFeature(type(self.model).__name__, "batch > 1",
+                                               "a hybrid target's linear-attention states are kept for one sequence; "
+                                               "generate its prompts one at a time")
             return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device,
                                  kv=kv)
-        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv)
+        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch)
 
     def embed(self, ids: torch.Tensor, raw_scale: Optional[float] = None) -> torch.Tensor:
-        """Token embeddings ``[T, H]`` of ``ids [T]`` (also the drafter's block input).
+        """Token embeddings ``[..., H]`` of ``ids [...]`` (``[T]``, or ``[b, T]``; also the drafter's block input).
 
         ``raw_scale``: None, the embedding module's output (with a family's own
         scale, e.g. Gemma's ``sqrt(H)``); a float ``s``, the rows of the
@@ -216,6 +221,10 @@ class TargetAdapter:
         """The decoder on ``ids [T]`` at ``positions [T]``: ``(hidden [T, H] pre-norm, captured)``, with
         ``captured[i] [T, H]`` the output of layer ``capture_layer_ids[i]``. The one pass of every caller.
 
+        A batch of ``b`` sequences on a frozen batched cache: ``ids`` and ``positions`` ``[b, T]`` (``tree_bits
+        [b, T, words]``, ``tree_parents [b, T]``), outputs ``[b, T, H]``; each sequence attends over its own
+        cache rows only, at its own committed length.
+
         The new K/V go to the rows after the committed ones (the caller
         commits what it keeps): on an eager cache rows ``[length, length+T)``,
         on a frozen one (a decoding round, see :class:`TargetKVCache`) rows
@@ -227,7 +236,7 @@ class TargetAdapter:
         Sliding-window layers also hide keys ``window`` or more positions back.
         No mask is built here: the attention function reads the pass's
         :class:`~dflash.target.attention.AttentionPass` (on a frozen cache
-        with the reference backend, one ``[T, S]`` visibility per distinct
+        with the reference backend, one ``[b, T, S]`` visibility per distinct
         window, shared by the layers).
 
         Hybrid targets: a tree pass also needs ``tree_parents [T]`` (int64 on
@@ -238,23 +247,35 @@ class TargetAdapter:
         advances the states in place; any other pass leaves them to the
         commit (:mod:`dflash.target.hybrid`).
         """
+        single = ids.dim() == 1
+        if single:
+            ids, positions = ids[None], positions[None]
+            tree_bits = None if tree_bits is None else tree_bits[None]
+            tree_parents = None if tree_parents is None else tree_parents[None]
+        b, T = ids.shape
+        if b != cache.batch:
+            raise ValueError(f"a pass of {b} sequences on a cache of {cache.batch}")
+        if not cache.static and b != 1:
+            raise ValueError("an eager pass (the prefill) runs one sequence at a time: prefill a batch row by row "
+                             "through cache.row(r)")
         backend = dflash_kernels.get_backend(self.device)
         features = self._has_attn_features
         visible = None
         if cache.static and backend != "triton":
-            T = ids.shape[0]
             S = cache.key_rows(T)
             tree_pos = positions if tree_bits is not None else None
-            # one causal row over exactly its keys (an eager AR step) sees them all: no mask where no window
-            sees_all = cache.key_bound and tree_bits is None and T == 1
+            # one causal row over exactly its keys (an eager AR step of one sequence) sees them all: no mask where no
+            # window
+            sees_all = cache.key_bound and tree_bits is None and T == 1 and b == 1
             visible = {w: None if sees_all and w is None else
                        dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
                                                       window=w)
                        for w in set(self.windows)}
+        static = cache.static
         attention_pass = AttentionPass(
-            prefix_len=cache.length_t if cache.static else cache.length,
-            bits=tree_bits,
-            positions=positions if tree_bits is not None else None,
+            prefix_len=cache.length_t if static else cache.length,
+            bits=tree_bits if static or tree_bits is None else tree_bits[0],
+            positions=(positions if static else positions[0]) if tree_bits is not None else None,
             windows=self.windows,
             backend=backend,
             softcaps=self.spec.attn_softcaps if features else (),
@@ -263,19 +284,19 @@ class TargetAdapter:
         )
         kw = {self._cache_kw: cache, PASS_KWARG: attention_pass}
         if self.hybrid:
-            kw[LINEAR_PASS_KWARG] = self._linear_pass(ids.numel(), cache, tree_bits, tree_parents, whole)
-        pos = positions[None]
-        h = self.embed(ids[None])
-        rope = self._position_embeddings(h, pos)
+            kw[LINEAR_PASS_KWARG] = self._linear_pass(T, cache, None if tree_bits is None else tree_bits[0],
+                                                      None if tree_parents is None else tree_parents[0], whole)
+        h = self.embed(ids)
+        rope = self._position_embeddings(h, positions)
         wanted = set(self.capture_layer_ids)
         outputs = {}
         for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
-            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=position_embeddings,
+            out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings,
                         use_cache=True, **kw)
             h = out[0] if isinstance(out, (tuple, list)) else out
             if idx in wanted:
-                outputs[idx] = h[0]
-        return h[0], [outputs[k] for k in self.capture_layer_ids]
+                outputs[idx] = h[0] if single else h
+        return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
 
     def _linear_pass(self, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
         """The hybrid layers' part of a pass (see :meth:`forward`), announced to the cache."""
@@ -295,10 +316,11 @@ class TargetAdapter:
         return linear_pass
 
     def _position_embeddings(self, h: torch.Tensor, pos: torch.Tensor) -> list:
-        """Each layer's rotary ``(cos, sin)``: one table for all layers, or one per layer type (Gemma3).
+        """Each layer's rotary ``(cos, sin)`` at ``pos [b, T]``: one table for all layers, or one per layer type
+        (Gemma3).
 
         A multimodal-rope text model (Qwen3.5: ``rope_sections = 3``) takes the
-        positions once per section, ``[3, 1, T]`` (text: all sections equal)."""
+        positions once per section, ``[3, b, T]`` (text: all sections equal)."""
         if self.spec.rope_sections:
             pos = pos[None].expand(self.spec.rope_sections, -1, -1)
         if self.spec.rope_types is None:

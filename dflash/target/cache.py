@@ -81,6 +81,6 @@ class TargetKVCache(KVBuffer):
         if self.batch == 1:
             dflash_kernels.compact_kv_(self.kv, rows[0] + start, start, num_rows=count, check=False)
         else:
-            dflash_kernels.compact_kv_batched_(self.kv_batched, rows + start[:, None], start, count)
+            dflash_kernels.compact_kv_(self.kv_batched, rows + start[:, None], start, num_rows=count, check=False)
         self.length_t.add_(count)
 
