@@ -36,7 +36,7 @@ per-round value, the two schemas are two overloads of that name (as aten's
 an int64 device tensor ``[1]`` read in-kernel (a compiled / CUDA-graph step,
 where no Python value may change from round to round):
 
-* ``tree_attention.tensor``: the committed length, K/V the whole cache views;
+* ``tree_attention.tensor``: the committed length (``[b]``: one per batch row), K/V the whole cache views;
 * ``lm_head_sample.tensor``: the seed (the noise a pure function of its value);
 * ``compact_kv_.tensor``: the first destination row (unchecked); also the
   batched form (a 6-D ``kv [b, ...]`` with per-row ``[b]`` destinations and
@@ -501,8 +501,9 @@ def _walk_tree_device_fake(parents, token_ids, target_choice, max_depth, bits=No
 def tree_attention(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: int,
                    scale: Optional[float] = None, positions: Optional[Tensor] = None, window: Optional[int] = None,
                    softcap: Optional[float] = None, sinks: Optional[Tensor] = None) -> Tensor:
-    """:func:`dflash_kernels.tree_attention`: query-shaped output in the query's dtype (K/V any strides,
-    e.g. views of the cache: read, never copied or written)."""
+    """:func:`dflash_kernels.tree_attention`: query-shaped output in the query's dtype (``[Hq, T, D]`` or
+    ``[b, Hq, T, D]`` for a batch of ``b`` rows; K/V any strides, e.g. views of the cache: read, never copied or
+    written)."""
     return _tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                 softcap=softcap, sinks=sinks)
 
@@ -518,8 +519,9 @@ def tree_attention_tensor(query: Tensor, key: Tensor, value: Tensor, bits: Optio
                           scale: Optional[float] = None, positions: Optional[Tensor] = None,
                           window: Optional[int] = None, softcap: Optional[float] = None,
                           sinks: Optional[Tensor] = None) -> Tensor:
-    """:func:`dflash_kernels.tree_attention` with the committed length ``prefix_len`` an int64 device tensor
-    ``[1]`` (read in-kernel), K/V the whole cache views ``[.., Hkv, S_max, D]``; query-shaped output."""
+    """:func:`dflash_kernels.tree_attention` with the committed lengths ``prefix_len`` an int64 device tensor
+    ``[b]`` (``[1]`` / ``[]`` for one row; read in-kernel), K/V the whole cache views ``[b, Hkv, S_max, D]``
+    (or ``[Hkv, S_max, D]``); query-shaped output."""
     return _tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                   softcap=softcap, sinks=sinks)
 

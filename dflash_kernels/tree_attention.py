@@ -11,7 +11,10 @@ bitmask of :func:`dflash_kernels.ancestor_bits`, or all ones), or iff
 additionally hides key ``k`` when ``pos_q(i) - pos_k(k) >= window`` (see
 :func:`dflash_kernels.reference.tree_visibility`, the spec in code). Scores
 may be soft-capped (``c * tanh(s / c)``, Gemma 2) and each query head may add
-a sink logit to its softmax denominator (gpt-oss).
+a sink logit to its softmax denominator (gpt-oss). A call may carry a batch
+of ``b`` independent sequences (rows): each row has its own queries, keys,
+committed length and, optionally, its own tree and positions; row ``r`` of the
+output is the single-row call on row ``r``'s slices.
 
 * :func:`tree_attention`: FlashAttention-2 style Triton kernel with GQA
   packing. A program owns ``BLOCK_M`` rows of one kv head, the (token, query
@@ -26,33 +29,43 @@ a sink logit to its softmax denominator (gpt-oss).
   exists anywhere. When the grid does not fill whole waves of the GPU, the
   key axis is split across programs that write partial ``(output, log2-sum-
   exp)`` pairs, merged by a second small kernel (flash-decoding style).
+  A batch adds its rows to the grid (axis 1 is ``batch row * Hkv + kv
+  head``): one launch, and one binary whatever ``b``.
 * Loads and stores never overlap, so no program can race another: the
-  attention kernel only reads ``q``, ``k``, ``v``, ``bits``, ``positions``
-  and ``sinks`` (the launcher's outputs are fresh allocations, never views
-  of them), and each output row (unsplit) or partial row ``(split, row)``
-  (split) is written by exactly one program, once, at its end. The merge
-  kernel reads the partials the attention launch wrote; the two launches are
-  ordered on one stream, so every partial is complete before it is read, and
-  the merge writes each output row from one program.
-* Device-side prefix (``prefix_len`` an int64 tensor ``[1]`` / ``[]``, for
-  a compiled / CUDA-graph step; op ``torch.ops.dflash.tree_attention.tensor``):
-  K/V are the whole cache views ``[Hkv, S_max, D]``, the pass's rows are
-  ``[p, p + T)``. The grid (row tiles, kv heads, splits) depends only on
-  ``T`` and ``S_max`` (the split count from ``S_max - T`` prefix keys); every
-  program loads ``p`` from memory first (``PREFIX_IN_MEMORY``) and derives
-  its key range from it, so a split whose share of ``[0, p + T)`` is empty
-  runs no loop and writes the neutral partial ``(0, -inf)``, which the merge
-  weighs 0. Overlap argument, additionally: ``p`` is read-only for both
-  launches (the launcher's outputs are fresh allocations, never ``p``'s
+  attention kernel only reads ``q``, ``k``, ``v``, ``bits``, ``positions``,
+  ``sinks`` and the prefix tensor (the launcher's outputs are fresh
+  allocations, never views of them), and each output row (unsplit) or partial
+  row ``(split, batch row, kv head, row)`` (split) is written by exactly one
+  program, once, at its end: programs of different batch rows write through
+  their own row's output base (``out[r]``, a distinct slice of the fresh
+  ``[b, Hq, T, D]`` output) and partial index (axis 1 of the workspace is
+  ``b * Hkv``), so neither kv heads nor batch rows share a written element;
+  inputs shared by the rows (one tree's bits, shared positions, the sinks)
+  are only read. The merge kernel reads the partials the attention launch
+  wrote; the two launches are ordered on one stream, so every partial is
+  complete before it is read, and the merge writes each output row from one
+  program (grid axis 1 again ``batch row * Hkv + kv head``).
+* Device-side prefix (``prefix_len`` an int64 tensor ``[b]``, or ``[1]`` /
+  ``[]`` for one row, for a compiled / CUDA-graph step; op
+  ``torch.ops.dflash.tree_attention.tensor``): K/V are the whole cache views
+  ``[b, Hkv, S_max, D]``, row ``r``'s pass rows are ``[p_r, p_r + T)``. The
+  grid (row tiles, b x kv heads, splits) depends only on ``b``, ``T`` and
+  ``S_max`` (the split count from ``S_max - T`` prefix keys); every program
+  loads its row's ``p_r`` from memory first (``PREFIX_IN_MEMORY``) and
+  derives its key range from it, so a split whose share of ``[0, p_r + T)``
+  is empty runs no loop and writes the neutral partial ``(0, -inf)``, which
+  the merge weighs 0. Overlap argument, additionally: ``p`` is read-only for
+  both launches (the launcher's outputs are fresh allocations, never ``p``'s
   storage), and is loaded before any address that depends on it is formed,
-  so no store of this launch can change it; K/V rows ``>= p + T`` are never
-  loaded (every key load is masked by ``key < p`` or ``node < T``), so
-  whatever they hold (NaN, inf) cannot reach the output.
+  so no store of this launch can change it; K/V rows ``>= p_r + T`` of row
+  ``r`` are never loaded (every key load is masked by ``key < p_r`` or
+  ``node < T``), so whatever they hold (NaN, inf) cannot reach the output.
 * :func:`warmup_tree_attention`: compiles every variant a generation at
   given shapes can hit, so none compiles mid-generation.
 * :func:`tree_visibility` / :func:`masked_attention`: the visibility rule as a
-  bool ``[T, S]`` and SDPA under it, in torch ops (the reference path of a
-  pass: one visibility per window, reused by every layer).
+  bool ``[T, S]`` (``[b, T, S]`` for per-row inputs) and SDPA under it, in
+  torch ops (the reference path of a pass: one visibility per window, reused
+  by every layer).
 * :func:`tree_attention_mask`: the dense additive mask (a test and benchmark
   helper, imported from this module).
 
@@ -64,7 +77,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -110,16 +123,20 @@ def _tree_mask_kernel(
              value.to(mask_ptr.dtype.element_ty), mask=row_ok[:, None] & key_ok[None, :])
 
 
-def _check_bits(bits: torch.Tensor, n_tree: int, who: str) -> None:
+def _check_bits(bits: torch.Tensor, n_tree: int, who: str, batch: Optional[int] = None) -> None:
+    """``[T, >= ceil(T/32)]`` int32, or with ``batch`` also ``[batch, T, >= ceil(T/32)]`` (a tree per row)."""
     if not isinstance(bits, torch.Tensor):
         raise TypeError(f"{who}: bits must be a torch.Tensor, got {type(bits).__name__}")
     if bits.dtype != torch.int32:
         raise ValueError(f"{who}: bits must be int32 (from ancestor_bits), got {bits.dtype}")
-    if bits.dim() != 2 or bits.shape[0] != n_tree or bits.shape[1] < triton.cdiv(n_tree, 32):
-        raise ValueError(
-            f"{who}: bits must be [T, >= ceil(T/32)] = [{n_tree}, >= {triton.cdiv(n_tree, 32)}], "
-            f"got {tuple(bits.shape)}"
-        )
+    words = triton.cdiv(n_tree, 32)
+    lead = () if bits.dim() == 2 else (batch,)
+    if bits.dim() not in (2, 3) or (bits.dim() == 3 and batch is None) or tuple(bits.shape[:-1]) != lead + (
+            n_tree,) or bits.shape[-1] < words:
+        per_row = "" if batch is None else f" (one tree for every row), or [b, T, >= ceil(T/32)] = [{batch}, " \
+                                           f"{n_tree}, >= {words}] (a tree per row)"
+        raise ValueError(f"{who}: bits must be [T, >= ceil(T/32)] = [{n_tree}, >= {words}]{per_row}, "
+                         f"got {tuple(bits.shape)}")
 
 
 def _check_prefix_len(prefix_len: int, who: str) -> None:
@@ -127,13 +144,17 @@ def _check_prefix_len(prefix_len: int, who: str) -> None:
         raise ValueError(f"{who}: prefix_len must be an int >= 0, got {prefix_len!r}")
 
 
-def _check_prefix_tensor(prefix_len: torch.Tensor, device: torch.device, who: str) -> None:
-    """A device prefix: an int64 / int32 tensor with one element (``[1]`` or ``[]``) on ``device``; its value
-    is not read (that would be a host sync)."""
+def _check_prefix_tensor(prefix_len: torch.Tensor, device: torch.device, batch: int, who: str) -> None:
+    """A device prefix: an int64 / int32 tensor ``[batch]`` on ``device`` (one committed length per row; for
+    one row also ``[]``); its values are not read (that would be a host sync)."""
     if prefix_len.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{who}: a tensor prefix_len must be int64 (or int32), got {prefix_len.dtype}")
-    if prefix_len.numel() != 1 or prefix_len.dim() > 1:
-        raise ValueError(f"{who}: a tensor prefix_len must have shape [1] or [], got {tuple(prefix_len.shape)}")
+    if tuple(prefix_len.shape) != (batch,) and not (batch == 1 and prefix_len.dim() == 0):
+        if batch == 1:
+            raise ValueError(f"{who}: a tensor prefix_len must have shape [1] or [] (one row), "
+                             f"got {tuple(prefix_len.shape)}")
+        raise ValueError(f"{who}: a tensor prefix_len must have shape [b] = [{batch}] (one committed length per "
+                         f"row of the batch), got {tuple(prefix_len.shape)}")
     if prefix_len.device != device:
         raise ValueError(f"{who}: prefix_len is on {prefix_len.device} but query is on {device}")
 
@@ -186,7 +207,17 @@ def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype 
 #: Integer arguments of :func:`_tree_attention_kernel` that change from one
 #: decoding round (or pass) to the next: never specialized, so a growing
 #: prefix, another tree size or another window never compiles a new binary.
-TREE_ATTENTION_DYNAMIC_INTS = ["n_tree", "prefix_len", "window", "stride_bits_row", "stride_pos"]
+#: The batch strides of bits / positions / the prefix tensor are among them
+#: (0 when shared by the rows, ``T * W`` / ``T`` / 1 per row): shared or per
+#: row, one binary. Those of q / k / v / out are specialized like the other
+#: q / k / v / out strides (0 for one row; with ``D % 16 == 0`` multiples of
+#: 16 at any ``T``; a cache batch stride past 2^31 elements is an i64
+#: argument, fixed for a cache), and must stay so: without the divisibility
+#: hint the row's base pointers lose their 16-byte alignment, the K/V tile
+#: loads are no longer vectorized and ptxas spills (16 to 500+ bytes of stack
+#: at the bf16 D = 128 tiles, sm_80 and sm_90).
+TREE_ATTENTION_DYNAMIC_INTS = ["n_tree", "prefix_len", "window", "stride_bits_row", "stride_pos", "stride_bits_b",
+                               "stride_pos_b", "stride_prefix_b"]
 #: The same for :func:`_merge_splits_kernel`.
 MERGE_DYNAMIC_INTS = ["n_tree", "num_splits"]
 MERGE_UNALIGNED_PTRS = ["sinks_ptr"]
@@ -252,20 +283,25 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scal
             do_not_specialize_on_alignment=TREE_ATTENTION_UNALIGNED_PTRS)
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, sinks_ptr, prefix_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_qh, stride_qt, stride_qd,
-    stride_kh, stride_ks, stride_kd,
-    stride_vh, stride_vs, stride_vd,
-    stride_bits_row, stride_bits_word, stride_pos,
-    stride_oh, stride_ot, stride_od,
-    n_tree, prefix_len, window, group, qk_scale, softcap_scale,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_bits_b, stride_bits_row, stride_bits_word, stride_pos_b, stride_pos, stride_prefix_b,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_tree, prefix_len, window, n_kv_heads, group, qk_scale, softcap_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CHAIN: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFIX_IN_MEMORY: tl.constexpr = False,
 ):
-    """Program (row tile, kv head, key split).
+    """Program (row tile, batch row x kv head, key split).
 
-    Rows ``r = t * group + g`` (``t`` the token, ``g`` the query head within
+    Grid axis 1 is ``batch * n_kv_heads + kv_head``: every batch row (an
+    independent sequence) has its own programs, which add the row's batch
+    strides to the base pointers once, first (``stride_*b``; 0 for a tensor
+    shared by every row, such as one tree's bits, and for every tensor when
+    there is one row, so one binary serves any batch size). Within a row:
+    rows ``r = t * group + g`` (``t`` the token, ``g`` the query head within
     the group, query head ``kv_head * group + g``), ``n_tree * group`` of them.
     The key axis is cut in ``BLOCK_N`` tiles ("units"): ``ceil(prefix_len /
     BLOCK_N)`` prefix units, then the tree units, aligned on node indices (so
@@ -277,8 +313,8 @@ def _tree_attention_kernel(
     after the last bitmask word any of the program's rows has a bit in are
     not visited (for ancestor bits: the units past its last token). Without ``SPLIT_KEYS`` the
     normalized output is stored; otherwise the ``(output, log2-sum-exp)``
-    partials go to the workspace ``[S, Hkv, rows, BLOCK_D]`` / ``[S, Hkv,
-    rows]``. The split count is a grid dim, never a constexpr.
+    partials go to the workspace ``[S, b * Hkv, rows, BLOCK_D]`` / ``[S, b *
+    Hkv, rows]``. The split count is a grid dim, never a constexpr.
 
     ``HAS_SOFTCAP``: scores are capped (see :func:`_online_softmax_step`).
     ``HAS_SINKS``: query head ``h``'s sink logit ``sinks[h]`` joins the
@@ -287,17 +323,30 @@ def _tree_attention_kernel(
     kernel adds it once, so the partials here never include it.
 
     ``PREFIX_IN_MEMORY``: ``prefix_len`` (the argument, then 0) is replaced
-    by ``prefix_ptr[0]`` before anything uses it: the key range, the masks and
-    the tree keys' rows all follow the value in memory (a captured graph
-    replays with a new committed length without a new launch configuration).
+    by the batch row's ``prefix_ptr[batch * stride_prefix_b]`` before anything
+    uses it: the key range, the masks and the tree keys' rows all follow the
+    value in memory (a captured graph replays with new committed lengths
+    without a new launch configuration).
     """
-    if PREFIX_IN_MEMORY:
-        # Read once, first: every later address and bound derives from it (no store of this
-        # launch can write it: it is an input, the outputs are fresh buffers).
-        prefix_len = tl.load(prefix_ptr).to(tl.int32)
     row_tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    batch_head = tl.program_id(1)
     split = tl.program_id(2)
+    batch = batch_head // n_kv_heads
+    kv_head = batch_head - batch * n_kv_heads
+    # The batch row's offsets, once, in int64 (a cache [b, L, 2, Hkv, S_max, D] has a batch
+    # stride of L * 2 * Hkv * S_max * D elements, past 2^31): folded into the base pointers, so
+    # no per-element address below carries them.
+    row = batch.to(tl.int64)
+    if PREFIX_IN_MEMORY:
+        # Read once, before any address or bound that depends on it (no store of this launch
+        # can write it: it is an input, the outputs are fresh buffers).
+        prefix_len = tl.load(prefix_ptr + row * stride_prefix_b).to(tl.int32)
+    q_ptr += row * stride_qb
+    k_ptr += row * stride_kb
+    v_ptr += row * stride_vb
+    out_ptr += row * stride_ob
+    bits_ptr += row * stride_bits_b
+    pos_ptr += row * stride_pos_b
 
     n_rows = n_tree * group
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -415,7 +464,7 @@ def _tree_attention_kernel(
                  + offs_d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        part_row = (split * tl.num_programs(1) + kv_head).to(tl.int64) * n_rows + rows
+        part_row = (split * tl.num_programs(1) + batch_head).to(tl.int64) * n_rows + rows
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
         tl.store(part_out_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
@@ -423,20 +472,22 @@ def _tree_attention_kernel(
 
 @triton.jit(do_not_specialize=MERGE_DYNAMIC_INTS, do_not_specialize_on_alignment=MERGE_UNALIGNED_PTRS)
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, n_tree, group, num_splits,
-    stride_oh, stride_ot, stride_od,
+    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, n_tree, n_kv_heads, group, num_splits,
+    stride_ob, stride_oh, stride_ot, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Program (row tile, kv head): ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
+    """Program (row tile, batch row x kv head): ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
 
-    Rows and workspace as in :func:`_tree_attention_kernel`; an empty split
-    has ``lse = -inf`` and weighs nothing. ``HAS_SINKS``: the sink of the
-    row's query head is one more term of the denominator, added here once
+    Grid, rows and workspace as in :func:`_tree_attention_kernel`; an empty
+    split has ``lse = -inf`` and weighs nothing. ``HAS_SINKS``: the sink of
+    the row's query head is one more term of the denominator, added here once
     (``2^(sink * log2(e) - M)``, output 0).
     """
     row_tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    n_kv_heads = tl.num_programs(1)
+    batch_head = tl.program_id(1)
+    batch = batch_head // n_kv_heads
+    kv_head = batch_head - batch * n_kv_heads
+    out_ptr += batch.to(tl.int64) * stride_ob
     n_rows = n_tree * group
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
@@ -451,7 +502,7 @@ def _merge_splits_kernel(
         w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for split in range(0, num_splits):
-        part_row = (split * n_kv_heads + kv_head).to(tl.int64) * n_rows + rows
+        part_row = (split * tl.num_programs(1) + batch_head).to(tl.int64) * n_rows + rows
         lse = tl.load(part_lse_ptr + part_row, mask=row_ok, other=float("-inf"))
         part = tl.load(part_out_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
                        other=0.0)
@@ -559,13 +610,22 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int:
+    """The launcher's split count for a grid of ``programs`` (row tiles x batch rows x kv heads): the wave-filling
+    :func:`choose_num_splits` on a GPU, 1 elsewhere (the interpreter runs programs one by one)."""
+    if device.type != "cuda":
+        return 1
+    sms = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    return choose_num_splits(programs, key_tiles, sms)
+
+
 def wave_efficiency(programs: int, sms: int) -> float:
     """``programs / (whole waves * sms)``: how fully the last wave is used."""
     return programs / (triton.cdiv(programs, sms) * sms)
 
 
 def choose_num_splits(programs: int, key_tiles: int, sms: int) -> int:
-    """Key splits for a grid of ``programs`` (row tiles x kv heads) on ``sms`` SMs.
+    """Key splits for a grid of ``programs`` (row tiles x batch rows x kv heads) on ``sms`` SMs.
 
     At most ``key_tiles // MIN_TILES_PER_SPLIT`` (and ``MAX_SPLITS``) splits.
     For the fewest waves ``w = 1 .. MAX_WAVES`` that can be filled, the most
@@ -604,14 +664,13 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _placeholders[key]
 
 
-def _squeeze_batch(x: torch.Tensor, name: str) -> Tuple[torch.Tensor, bool]:
+def _batch_view(x: torch.Tensor, name: str, layout: str) -> Tuple[torch.Tensor, Optional[int]]:
+    """``x`` as a 4-D view and its batch size (None when it came without a batch dim)."""
     if x.dim() == 4:
-        if x.shape[0] != 1:
-            raise ValueError(f"tree_attention: {name} with a batch dim must have batch size 1, got {tuple(x.shape)}")
-        return x[0], True
-    if x.dim() != 3:
-        raise ValueError(f"tree_attention: {name} must be [H, T, D] or [1, H, T, D], got {tuple(x.shape)}")
-    return x, False
+        return x, x.shape[0]
+    if x.dim() == 3:
+        return x[None], None
+    raise ValueError(f"tree_attention: {name} must be {layout} or [b, {layout[1:]}, got {tuple(x.shape)}")
 
 
 def _check_softcap(softcap, who: str) -> Optional[float]:
@@ -638,7 +697,20 @@ def _check_sinks(sinks, n_heads: int, device: torch.device, who: str) -> None:
         raise ValueError(f"{who}: sinks is on {sinks.device} but query is on {device}")
 
 
-def _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap=None, sinks=None):
+class _Inputs(NamedTuple):
+    """:func:`tree_attention`'s arguments checked and in the launcher's layout: one batch dim everywhere."""
+
+    q: torch.Tensor  # [b, Hq, T, D]
+    k: torch.Tensor  # [b, Hkv, S, D]
+    v: torch.Tensor
+    bits: Optional[torch.Tensor]  # None (chain), or [b, T, W] (a shared tree expanded: batch stride 0)
+    positions: Optional[torch.Tensor]  # None, or [b, T] (shared ones expanded)
+    prefix_len: object  # an int, or an int tensor [b] (a view of the caller's)
+    batched: bool  # the query had a batch dim (the output gets it too)
+
+
+def _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap=None,
+                            sinks=None) -> _Inputs:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tree_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -646,17 +718,27 @@ def _check_attention_inputs(query, key, value, bits, prefix_len, positions, wind
         raise TypeError(
             f"tree_attention: bits must be a torch.Tensor or None (causal chain), got {type(bits).__name__}"
         )
-    if isinstance(prefix_len, torch.Tensor):
-        _check_prefix_tensor(prefix_len, query.device, "tree_attention")
-    else:
+    if not isinstance(prefix_len, torch.Tensor):
         _check_prefix_len(prefix_len, "tree_attention")
-    q, batched = _squeeze_batch(query, "query")
-    k, _ = _squeeze_batch(key, "key")
-    v, _ = _squeeze_batch(value, "value")
-    hq, n_tree, d = q.shape
-    hkv, s, dk = k.shape
+    q, q_batch = _batch_view(query, "query", "[Hq, T, D]")
+    k, k_batch = _batch_view(key, "key", "[Hkv, S, D]")
+    v, v_batch = _batch_view(value, "value", "[Hkv, S, D]")
+    b = 1 if q_batch is None else q_batch
+    for name, other in (("key", k_batch), ("value", v_batch)):
+        if other is None and b != 1:
+            raise ValueError(
+                f"tree_attention: {name} without a batch dim ([Hkv, S, D]) needs a query of batch size 1, "
+                f"got query {tuple(query.shape)}: pass key/value as [b, Hkv, S, D], one row per sequence"
+            )
+        if other is not None and other != b:
+            raise ValueError(
+                f"tree_attention: {name} has batch size {other} but query has {b}: query [b, Hq, T, D] and "
+                f"key/value [b, Hkv, S, D] need the same b (one row per sequence)"
+            )
+    _, hq, n_tree, d = q.shape
+    _, hkv, s, dk = k.shape
     if v.shape != k.shape:
-        raise ValueError(f"tree_attention: value shape {tuple(v.shape)} must equal key shape {tuple(k.shape)}")
+        raise ValueError(f"tree_attention: value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
     if dk != d:
         raise ValueError(f"tree_attention: query head dim {d} != key head dim {dk}")
     if not 1 <= d <= 256:
@@ -664,11 +746,13 @@ def _check_attention_inputs(query, key, value, bits, prefix_len, positions, wind
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"tree_attention: query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if isinstance(prefix_len, torch.Tensor):
+        _check_prefix_tensor(prefix_len, query.device, b, "tree_attention")
         if s < n_tree:
             raise ValueError(
                 f"tree_attention: with a tensor prefix_len, key/value are the whole cache views and need "
                 f"S_max >= T rows, got S_max = {s} < T = {n_tree}"
             )
+        prefix_len = prefix_len.reshape(b)
     elif s != prefix_len + n_tree:
         raise ValueError(
             f"tree_attention: key/value length {s} must be prefix_len + T = {prefix_len} + {n_tree}; "
@@ -685,20 +769,25 @@ def _check_attention_inputs(query, key, value, bits, prefix_len, positions, wind
     if len(devices) != 1:
         raise ValueError(f"tree_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
     if bits is not None:
-        _check_bits(bits, n_tree, "tree_attention")
+        _check_bits(bits, n_tree, "tree_attention", batch=b)
+        bits = bits.expand(b, *bits.shape[-2:]) if bits.dim() == 3 else bits[None].expand(b, *bits.shape)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"tree_attention: window must be None or an int >= 1, got {window!r}")
     if positions is not None:
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"tree_attention: positions must be a torch.Tensor or None, got {type(positions).__name__}")
-        if positions.dtype not in (torch.int32, torch.int64) or positions.dim() != 1 or positions.shape[0] != n_tree:
+        if positions.dtype not in (torch.int32, torch.int64) or not (
+                (positions.dim() == 1 and positions.shape[0] == n_tree)
+                or (positions.dim() == 2 and tuple(positions.shape) == (b, n_tree))):
             raise ValueError(
-                f"tree_attention: positions must be a 1-D [T] = [{n_tree}] int32/int64 tensor, "
-                f"got {tuple(positions.shape)} {positions.dtype}"
+                f"tree_attention: positions must be a 1-D [T] = [{n_tree}] int32/int64 tensor (shared by every "
+                f"row) or a 2-D [b, T] = [{b}, {n_tree}] one (a row each), got {tuple(positions.shape)} "
+                f"{positions.dtype}"
             )
+        positions = positions.expand(b, n_tree) if positions.dim() == 2 else positions[None].expand(b, n_tree)
     _check_softcap(softcap, "tree_attention")
     _check_sinks(sinks, hq, query.device, "tree_attention")
-    return q, k, v, batched
+    return _Inputs(q, k, v, bits, positions, prefix_len, q_batch is not None)
 
 
 def tree_attention_triton(
@@ -722,15 +811,20 @@ def tree_attention_triton(
     empty) and ``config`` (one of :func:`tree_attention_configs`) override the
     launcher's choice; tests use them to run every code path.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
-                                               sinks)
-    return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks, num_splits, config)
+    inputs = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap, sinks)
+    return _launch(inputs, scale, window, softcap, sinks, num_splits, config)
 
 
-def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap=None, sinks=None,
-            num_splits=None, config=None):
-    hq, n_tree, head_dim = q.shape
-    hkv = k.shape[0]
+def _batch_stride(x: torch.Tensor) -> int:
+    """The batch stride the kernel gets: 0 for one row (never used; so a call of one row launches the same binary
+    whatever layout its tensors had), else the tensor's."""
+    return x.stride(0) if x.shape[0] > 1 else 0
+
+
+def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits=None, config=None):
+    q, k, v, bits, positions, prefix_len = inputs[:6]
+    b, hq, n_tree, head_dim = q.shape
+    hkv = k.shape[1]
     group = hq // hkv
     n_rows = n_tree * group
     device = q.device
@@ -739,39 +833,35 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softca
     block_m, block_n, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     if block_n % 32 != 0 or block_m < 16 or block_d < head_dim:
         raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0, BLOCK_M >= 16, BLOCK_D >= D, got {cfg}")
-    out = torch.empty(hq, n_tree, head_dim, dtype=q.dtype, device=device)
-    if n_tree == 0:
-        return out.unsqueeze(0) if batched else out
+    out = torch.empty(b, hq, n_tree, head_dim, dtype=q.dtype, device=device)
+    if n_tree == 0 or b == 0:
+        return out if inputs.batched else out[0]
     row_tiles = triton.cdiv(n_rows, block_m)
     in_memory = isinstance(prefix_len, torch.Tensor)
     # The static form sizes the split count for the largest prefix the cache holds (S_max - T).
-    host_prefix = k.shape[1] - n_tree if in_memory else prefix_len
+    host_prefix = k.shape[2] - n_tree if in_memory else prefix_len
     if num_splits is None:
-        if device.type == "cuda":
-            visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
-            key_tiles = triton.cdiv(visible_prefix, block_n) + triton.cdiv(n_tree, block_n)
-            sms = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-            num_splits = choose_num_splits(row_tiles * hkv, key_tiles, sms)
-        else:
-            num_splits = 1
+        visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
+        key_tiles = triton.cdiv(visible_prefix, block_n) + triton.cdiv(n_tree, block_n)
+        num_splits = _auto_num_splits(device, row_tiles * b * hkv, key_tiles)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"tree_attention: num_splits must be an int >= 1, got {num_splits!r}")
 
     chain = bits is None
     if chain:
-        bits = _placeholder(device, torch.int32)
+        bits = _placeholder(device, torch.int32).view(1, 1, 1)
     window_arg = 1 if window is None else min(window, 2**30)  # an i32 argument; wider windows hide nothing more
     if window is None:
-        pos = _placeholder(device, torch.int64)
+        pos = _placeholder(device, torch.int64).view(1, 1)
     elif positions is not None:
         pos = positions
-    elif in_memory:  # default positions p + arange(T), formed on the device (no host read)
-        pos = prefix_len.reshape(1).to(torch.int64) + torch.arange(n_tree, device=device)
+    elif in_memory:  # default positions p_r + arange(T), formed on the device (no host read)
+        pos = prefix_len.to(torch.int64)[:, None] + torch.arange(n_tree, device=device)
     else:
-        pos = torch.arange(prefix_len, prefix_len + n_tree, device=device)
+        pos = torch.arange(prefix_len, prefix_len + n_tree, device=device)[None].expand(b, n_tree)
     if num_splits > 1:
-        part_out = torch.empty(num_splits, hkv, n_rows, block_d, dtype=torch.float32, device=device)
-        part_lse = torch.empty(num_splits, hkv, n_rows, dtype=torch.float32, device=device)
+        part_out = torch.empty(num_splits, b * hkv, n_rows, block_d, dtype=torch.float32, device=device)
+        part_lse = torch.empty(num_splits, b * hkv, n_rows, dtype=torch.float32, device=device)
     else:
         part_out = part_lse = _placeholder(device, torch.float32)
     if softcap is None:
@@ -785,17 +875,17 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softca
     elif sinks.stride(0) != 1:
         sinks = sinks.contiguous()
     if in_memory:
-        prefix_ptr, prefix_arg = prefix_len.reshape(1), 0
+        prefix_ptr, prefix_arg = prefix_len, 0
     else:
         prefix_ptr, prefix_arg = _placeholder(device, torch.int64), prefix_len
-    _tree_attention_kernel[(row_tiles, hkv, num_splits)](
+    _tree_attention_kernel[(row_tiles, b * hkv, num_splits)](
         q, k, v, bits, pos, sinks, prefix_ptr, out, part_out, part_lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        bits.stride(0), bits.stride(-1), pos.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_tree, prefix_arg, window_arg, group, qk_scale, softcap_scale,
+        _batch_stride(q), q.stride(1), q.stride(2), q.stride(3),
+        _batch_stride(k), k.stride(1), k.stride(2), k.stride(3),
+        _batch_stride(v), v.stride(1), v.stride(2), v.stride(3),
+        bits.stride(0), bits.stride(1), bits.stride(2), pos.stride(0), pos.stride(1), prefix_ptr.stride(0),
+        _batch_stride(out), out.stride(1), out.stride(2), out.stride(3),
+        n_tree, prefix_arg, window_arg, hkv, group, qk_scale, softcap_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         CHAIN=chain, WINDOW=window is not None, SPLIT_KEYS=num_splits > 1,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=has_sinks,
@@ -803,13 +893,13 @@ def _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softca
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(triton.cdiv(n_rows, MERGE_BLOCK_M), hkv)](
-            part_out, part_lse, sinks, out, n_tree, group, num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
+        _merge_splits_kernel[(triton.cdiv(n_rows, MERGE_BLOCK_M), b * hkv)](
+            part_out, part_lse, sinks, out, n_tree, hkv, group, num_splits,
+            _batch_stride(out), out.stride(1), out.stride(2), out.stride(3),
             HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M, BLOCK_D=block_d, HAS_SINKS=has_sinks,
             num_warps=MERGE_NUM_WARPS,
         )
-    return out.unsqueeze(0) if batched else out
+    return out if inputs.batched else out[0]
 
 
 def tree_attention(
@@ -826,30 +916,39 @@ def tree_attention(
     sinks: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """Attention of T query tokens over ``[prefix ; tree]`` keys.
+    """Attention of T query tokens over ``[prefix ; tree]`` keys, for one sequence or a batch of ``b``.
 
     Args:
-        query: ``[Hq, T, D]`` or ``[1, Hq, T, D]``, T tokens in node order.
-        key, value: ``[Hkv, S, D]`` or ``[1, Hkv, S, D]``, ``S = prefix_len + T``;
+        query: ``[Hq, T, D]`` (one sequence) or ``[b, Hq, T, D]`` (``b``
+            independent sequences, "rows"), T tokens in node order.
+        key, value: ``[Hkv, S, D]`` or ``[b, Hkv, S, D]`` (the query's ``b``;
+            without a batch dim only with ``b = 1``), ``S = prefix_len + T``;
             any strides (e.g. ``cache[l, 0, :, :S]`` of a ``[L, 2, Hkv, Smax, D]``
-            buffer): nothing is copied. ``Hq % Hkv == 0``; query head ``h`` reads
-            kv head ``h // (Hq // Hkv)``. ``1 <= D <= 256``.
+            buffer, or ``kv[:, l, 0]`` of a ``[b, L, 2, Hkv, Smax, D]`` one,
+            whose batch stride may pass 2^31 elements): nothing is copied.
+            ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq //
+            Hkv)``. ``1 <= D <= 256``.
         bits: ``[T, >= ceil(T/32)]`` int32 bitmask (tree key ``j`` visible to
             query ``i`` iff bit ``j`` of row ``i``: :func:`ancestor_bits`, or all
-            ones for a non-causal block), or None for a causal chain (``j <= i``;
-            no bitmask is read).
-        prefix_len: keys before the tree keys, visible to every query (subject to the window).
-            Or an int64 (int32) tensor ``[1]`` / ``[]`` on the query's device
-            (a compiled / CUDA-graph step): then key/value are the whole
-            cache views ``[Hkv, S_max, D]``, ``S_max >= p + T`` (not checked:
-            that would read ``p``), the pass's rows at ``[p, p + T)``, rows
-            ``>= p + T`` never read. The launch (grid, split count, binary)
-            depends on ``T`` and ``S_max`` only and ``p`` is read in-kernel, so
-            a CUDA graph of the call replays for any ``p``.
+            ones for a non-causal block), the same tree for every batch row;
+            or ``[b, T, >= ceil(T/32)]``, a tree per row; or None for a causal
+            chain (``j <= i``; no bitmask is read).
+        prefix_len: keys before the tree keys, visible to every query (subject
+            to the window); an int is every row's. Or an int64 (int32) tensor
+            ``[b]`` (``[1]`` / ``[]`` also for one row) on the query's device (a
+            compiled / CUDA-graph step), row ``r``'s committed length ``p_r``:
+            then key/value are the whole cache views ``[b, Hkv, S_max, D]``,
+            ``S_max >= p_r + T`` (not checked: that would read ``p``), row
+            ``r``'s pass rows at ``[p_r, p_r + T)``, its rows ``>= p_r + T``
+            never read (NaN / inf there cannot reach the output). The launch
+            (grid, split count, binary) depends on ``b``, ``T`` and ``S_max``
+            only and ``p`` is read in-kernel, so a CUDA graph of the call
+            replays for any ``p``.
         scale: softmax scale, default ``D ** -0.5``.
-        positions: ``[T]`` int32/int64 absolute positions of the tree tokens on
-            the query's device (default ``prefix_len + arange(T)``); prefix key
-            ``k`` sits at position ``k``. Only read with ``window``.
+        positions: ``[T]`` (every row's) or ``[b, T]`` (per row) int32/int64
+            absolute positions of the tree tokens on the query's device
+            (default row ``r``'s ``p_r + arange(T)``); prefix key ``k`` sits
+            at position ``k``. Only read with ``window``.
         window: None or an int ``>= 1``: also hide key ``k`` from query ``i`` when
             ``pos_q(i) - pos_k(k) >= window`` (later keys are never hidden by it);
             prefix tiles outside every query's window are not read at all.
@@ -857,7 +956,7 @@ def tree_attention(
             becomes ``c * tanh(s / c)`` before the mask and the softmax (Gemma 2's
             ``attn_logit_softcapping``).
         sinks: None or a ``[Hq]`` float tensor (any float dtype) on the query's
-            device: one extra logit per query head in the softmax denominator
+            device, every row's: one extra logit per query head in the softmax denominator
             only (gpt-oss's ``sinks``): ``out_i = sum_j e^(s_ij - m) v_j /
             (e^(sink_h - m) + sum_j e^(s_ij - m))``, ``m`` the max over the
             visible scores and the sink. A row that sees no key outputs 0 (as
@@ -868,18 +967,20 @@ def tree_attention(
 
     Returns:
         ``softmax(q k^T * scale + mask) v`` (capped / with the sink column as
-        above) in the query's dtype and rank, accumulated in float32, with the
-        visibility of :func:`dflash_kernels.reference.tree_visibility`.
-        fp16/bf16/fp32. No host synchronization: only shapes are read on the host.
+        above) in the query's dtype and rank (``[b, Hq, T, D]`` for a batch:
+        row ``r`` is the call on row ``r``'s query, key, value, prefix, bits
+        and positions; with ``b = 1`` exactly the single-row call's values),
+        accumulated in float32, with the visibility of
+        :func:`dflash_kernels.reference.tree_visibility`. fp16/bf16/fp32. No
+        host synchronization: only shapes are read on the host.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
-                                               sinks)
+    inputs = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap, sinks)
     if resolve_backend(backend, query.device) == "triton":
         if tracing():
             op = torch.ops.dflash.tree_attention
             op = op.tensor if isinstance(prefix_len, torch.Tensor) else op.default
             return op(query, key, value, bits, prefix_len, scale, positions, window, softcap, sinks)
-        return _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks)
+        return _launch(inputs, scale, window, softcap, sinks)
     return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
                                      softcap=softcap, sinks=sinks)
 
@@ -889,6 +990,9 @@ def tree_visibility(bits: Optional[torch.Tensor], prefix_len, n_tree: int, *, n_
                     device=None) -> torch.Tensor:
     """Which keys each of a pass's ``T = n_tree`` rows sees: bool ``[T, prefix_len + T]``, or ``[T, n_keys]``
     over a whole cache of ``n_keys = S_max`` rows when ``prefix_len`` is a device tensor ``[1]``.
+
+    Batched, ``[b, T, ...]``, when any input is per batch row: ``bits [b, T, W]``, ``positions [b, T]`` or a
+    device ``prefix_len [b]`` (``b > 1``; the others shared by every row).
 
     The rule of :func:`tree_attention` (:func:`dflash_kernels.reference.tree_visibility`; ``bits=None``: a
     causal chain), in fixed-shape torch ops on every backend. A pass computes it once per distinct window and
@@ -902,8 +1006,9 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: Optional[float] = None) -> torch.Tensor:
     """Attention of a pass over the whole cache with a precomputed ``visible [T, S]`` (:func:`tree_visibility`).
 
-    ``query [1, Hq, T, D]`` or ``[Hq, T, D]``, ``key/value [1, Hkv, S, D]`` or
-    ``[Hkv, S, D]`` (GQA: ``Hq % Hkv == 0``): ``softmax(q k^T * scale +
+    ``query [b, Hq, T, D]`` or ``[Hq, T, D]``, ``key/value [b, Hkv, S, D]`` or
+    ``[Hkv, S, D]`` (GQA: ``Hq % Hkv == 0``), ``visible [T, S]`` (every batch
+    row's) or ``[b, T, S]`` (a row each): ``softmax(q k^T * scale +
     where(visible, 0, -inf)) v``, SDPA with the boolean mask in the model's
     dtype, as the eager reference path runs it. Rows past the pass's keys get
     weight 0; they hold zeros or stale finite values of earlier passes (the
@@ -912,6 +1017,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     if query.dim() == 3:  # [Hq, T, D] (the drafter's layout)
         return masked_attention(query[None], key[None], value[None], visible, scale=scale)[0]
+    if visible.dim() == 3:  # a mask per batch row, broadcast over the heads
+        visible = visible[:, None]
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale,
                                                             enable_gqa=True)
 
@@ -934,13 +1041,14 @@ def warmup_tree_attention(
     The binaries depend on the dtype, head dim, row count bucket (``T * G``),
     the chain / window / softcap / sinks flags and whether the key axis is
     split, never on ``prefix_len``, ``T`` within its bucket, the window size,
-    the softcap value, the sinks' values or the split count; so one unsplit
+    the softcap value, the sinks' values, the split count, the batch size
+    (see ``TREE_ATTENTION_DYNAMIC_INTS`` for its strides) or whether bits /
+    positions are shared or per row; so one unsplit
     and one split launch (plus the merge kernel) cover a generation that
     keeps these flags and shapes. A no-op on the reference backend.
     """
-    q, k, v, batched = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap,
-                                               sinks)
+    inputs = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap, sinks)
     if get_backend(query.device) != "triton":
         return
     for num_splits in (1, 2):
-        _launch(q, k, v, bits, prefix_len, scale, batched, positions, window, softcap, sinks, num_splits=num_splits)
+        _launch(inputs, scale, window, softcap, sinks, num_splits=num_splits)

@@ -156,38 +156,61 @@ def _compile_all(calls, workers=2):
     return results
 
 
-ATTENTION_INTS = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "stride_vs", "stride_bits_row",
-                  "stride_pos", "stride_oh", "stride_ot", "n_tree", "prefix_len", "window", "group"]
-# Multiples of 16 at real shapes (head_dim 64/128/256 strides); never a do_not_specialize int.
-ALIGNED = ["stride_qh", "stride_qt", "stride_kh", "stride_ks", "stride_vh", "stride_vs", "stride_oh", "stride_ot"]
+ATTENTION_INTS = ["stride_qb", "stride_qh", "stride_qt", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
+                  "stride_vh", "stride_vs", "stride_bits_b", "stride_bits_row", "stride_pos_b", "stride_pos",
+                  "stride_prefix_b", "stride_ob", "stride_oh", "stride_ot", "n_tree", "prefix_len", "window",
+                  "n_kv_heads", "group"]
+# Multiples of 16 at real shapes (head_dim 64/128/256 strides; the batch strides are 0 for one row and
+# multiples of the head dim else); never a do_not_specialize int.
+ALIGNED = ["stride_qb", "stride_qh", "stride_qt", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh",
+           "stride_vs", "stride_ob", "stride_oh", "stride_ot"]
 UNIT_STRIDES = {"stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "stride_bits_word": 1, "stride_od": 1}
+# The batch strides of K / V when the cache [b, L, 2, Hkv, S_max, D] holds 2^31 elements or more: i64 arguments.
+WIDE_BATCH_STRIDES = ("stride_kb", "stride_vb")
 
 
 def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, softcap=False, sinks=False,
-                   prefix_in_memory=False):
+                   prefix_in_memory=False, wide_batch=False, kv_heads=8):
     ptr = f"*{TRITON_TYPE[dtype]}"
     sig = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "bits_ptr": "*i32", "pos_ptr": "*i64",
            "prefix_ptr": "*i64",
            "sinks_ptr": ptr if sinks else "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "qk_scale": "fp32", "softcap_scale": "fp32"}
     sig.update({name: "i32" for name in ATTENTION_INTS})
+    if wide_batch:
+        sig.update({name: "i64" for name in WIDE_BATCH_STRIDES})
     constexprs = dict(UNIT_STRIDES, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, HAS_SOFTCAP=softcap,
                       HAS_SINKS=sinks, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype),
                       PREFIX_IN_MEMORY=prefix_in_memory)
-    if group == 1:  # the runtime specializes an int equal to 1
-        del sig["group"]
-        constexprs["group"] = 1
+    for name, value in (("group", group), ("n_kv_heads", kv_heads)):
+        if value == 1:  # the runtime specializes an int equal to 1
+            del sig[name]
+            constexprs[name] = 1
     return ("dflash_kernels.tree_attention", "_tree_attention_kernel", sig, constexprs, arch, cfg["num_warps"],
             cfg["num_stages"], tuple(ALIGNED), cfg.get("maxnreg"))
 
 
-def _flags(chain, window, split, group=4, softcap=False, sinks=False, prefix_in_memory=False):
+def _flags(chain, window, split, group=4, softcap=False, sinks=False, prefix_in_memory=False, wide_batch=False,
+           kv_heads=8):
     return (f"{'chain' if chain else 'tree'}{'-window' if window else ''}-{'split' if split else 'whole'}-G{group}"
-            f"{'-softcap' if softcap else ''}{'-sinks' if sinks else ''}{'-prefixmem' if prefix_in_memory else ''}")
+            f"{'-softcap' if softcap else ''}{'-sinks' if sinks else ''}{'-prefixmem' if prefix_in_memory else ''}"
+            f"{'-i64batch' if wide_batch else ''}{'-Hkv1' if kv_heads == 1 else ''}")
 
 
-# (arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks, prefix_in_memory)
+def _case(arch, dtype, head_dim, cfg, chain, window, split, group=4, softcap=False, sinks=False,
+          prefix_in_memory=False, wide_batch=False, kv_heads=8):
+    """``(arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks, prefix_in_memory,
+    wide_batch, kv_heads)``, :func:`attention_call`'s arguments."""
+    return (arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks, prefix_in_memory, wide_batch,
+            kv_heads)
+
+
+def _case_id(case):
+    arch, dtype, head_dim, cfg = case[:4]
+    return f"sm{arch}-{TRITON_TYPE[dtype]}-D{head_dim}-M{cfg['BLOCK_M']}-N{cfg['BLOCK_N']}-{_flags(*case[4:])}"
+
+
 ATTENTION_CASES = []
 for _arch in ARCHS:
     for _dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -201,25 +224,41 @@ for _arch in ARCHS:
                 if _dtype == torch.float16:
                     variants = variants[:1]
                 for _chain, _window, _split in variants:
-                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, _chain, _window, _split, 4, False, False, False))
+                    ATTENTION_CASES.append(_case(_arch, _dtype, _d, _cfg, _chain, _window, _split))
                 if _dtype != torch.float16:  # the heaviest softcap / sinks variant (fp16: the bf16 code)
-                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, False))
-                    # ... and with the committed length read from memory (the static op)
-                    ATTENTION_CASES.append((_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, True))
+                    ATTENTION_CASES.append(_case(_arch, _dtype, _d, _cfg, False, True, True, 4, True, True))
+                    # ... and with the committed lengths read from memory (the static op)
+                    ATTENTION_CASES.append(_case(_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, True))
+                    # ... and so over a cache of 2^31 elements or more (K/V batch strides are i64 arguments)
+                    ATTENTION_CASES.append(_case(_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, True,
+                                                 True))
     # Every flag combination at Qwen3-8B's T = 65 tile (D 128, bf16, 64 rows), and MHA (G = 1).
     _cfg = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 64)
     for _chain in (False, True):
         for _window in (False, True):
             for _split in (False, True):
                 for _mem in (False, True):
-                    case = (_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4, False, False, _mem)
+                    case = _case(_arch, torch.bfloat16, 128, _cfg, _chain, _window, _split, 4, False, False, _mem)
                     if case not in ATTENTION_CASES:
                         ATTENTION_CASES.append(case)
     for _chain in (False, True):
-        ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1, False, False, False))
+        ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1))
     # softcap + sinks unsplit (sink-initialized softmax, normalized store) and in chain mode, at the T = 65 tile
-    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, False, True, False, 4, True, True, False))
-    ATTENTION_CASES.append((_arch, torch.bfloat16, 128, _cfg, True, True, True, 4, True, True, False))
+    ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, False, True, False, 4, True, True))
+    ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, True, True, True, 4, True, True))
+    # A batched static step over a big cache (i64 K/V batch strides), chain / tree, whole / split, at the T = 65
+    # tile; at the 32-row one (the tightest bf16 tile on sm_90) with both batch stride widths.
+    _tile32 = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 32)
+    for _tile, _wides in ((_cfg, (True,)), (_tile32, (False, True))):
+        for _chain in (False, True):
+            for _split in (False, True):
+                for _wide in _wides:
+                    ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _tile, _chain, False, _split, 4, False,
+                                                 False, True, _wide))
+    # One kv head (G = 8: the runtime specializes n_kv_heads = 1, the batch row is the grid's axis 1 itself).
+    for _chain in (False, True):
+        ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 8, False, False, True,
+                                     False, 1))
 
 MERGE_CASES = [(arch, dtype, d, sinks) for arch in ARCHS for dtype in (torch.bfloat16, torch.float32)
                for d in (64, 128, 256) for sinks in (False, True) if not (sinks and dtype == torch.float32)]
@@ -227,20 +266,19 @@ MERGE_CASES = [(arch, dtype, d, sinks) for arch in ARCHS for dtype in (torch.bfl
 
 def merge_call(arch, dtype, head_dim, sinks=False):
     sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": f"*{TRITON_TYPE[dtype]}",
-           "out_ptr": f"*{TRITON_TYPE[dtype]}", "n_tree": "i32", "group": "i32", "num_splits": "i32",
-           "stride_oh": "i32", "stride_ot": "i32"}
+           "out_ptr": f"*{TRITON_TYPE[dtype]}", "n_tree": "i32", "n_kv_heads": "i32", "group": "i32",
+           "num_splits": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_ot": "i32"}
     constexprs = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": MERGE_BLOCK_M, "BLOCK_D": head_dim,
                   "HAS_SINKS": sinks}
     return ("dflash_kernels.tree_attention", "_merge_splits_kernel", sig, constexprs, arch, MERGE_NUM_WARPS, 1,
-            ("stride_oh", "stride_ot"), None)
+            ("stride_ob", "stride_oh", "stride_ot"), None)
 
 
 @pytest.fixture(scope="module")
 def compiled():
     calls = [attention_call(*case) for case in ATTENTION_CASES] + [merge_call(*case) for case in MERGE_CASES]
     results = _compile_all(calls)
-    return dict(zip([("attn",) + c[:3] + (c[3]["BLOCK_M"],) + c[4:] for c in ATTENTION_CASES]
-                    + [("merge",) + c for c in MERGE_CASES], results))
+    return dict(zip([_case_id(c) for c in ATTENTION_CASES] + [("merge",) + c for c in MERGE_CASES], results))
 
 
 def _result(compiled, key):
@@ -253,25 +291,26 @@ def _result(compiled, key):
 def test_signatures_match_the_runtime_specialization():
     assert not set(ALIGNED) & set(TREE_ATTENTION_DYNAMIC_INTS)
     assert set(TREE_ATTENTION_DYNAMIC_INTS) <= set(ATTENTION_INTS)
-    assert set(MERGE_DYNAMIC_INTS) <= {"n_tree", "group", "num_splits"}
+    assert set(MERGE_DYNAMIC_INTS) <= {"n_tree", "n_kv_heads", "group", "num_splits"}
+    assert len({_case_id(c) for c in ATTENTION_CASES}) == len(ATTENTION_CASES)
     call = attention_call(90, torch.bfloat16, 128, tree_attention_configs(128, torch.bfloat16)[0], False, False, False)
     assert set(_tree_attention_kernel.arg_names) == set(call[2]) | set(call[3])
     # the static op's variant (prefix read from memory) is compiled at every head dim of both float widths
-    assert {(c[1], c[2]) for c in ATTENTION_CASES if c[-1]} == {(dt, d) for dt in (torch.bfloat16, torch.float32)
-                                                                for d in (64, 128, 256)}
+    every_dim = {(dt, d) for dt in (torch.bfloat16, torch.float32) for d in (64, 128, 256)}
+    assert {(c[1], c[2]) for c in ATTENTION_CASES if c[10]} == every_dim
+    # ... and so is its batched form over a cache past 2^31 elements (i64 batch strides)
+    assert {(c[1], c[2]) for c in ATTENTION_CASES if c[11]} == every_dim
+    wide = attention_call(*_case(90, torch.bfloat16, 128, tree_attention_configs(128, torch.bfloat16)[0], False,
+                                 False, False, wide_batch=True))
+    assert {name for name, ty in wide[2].items() if ty == "i64"} == set(WIDE_BATCH_STRIDES)
     call = merge_call(90, torch.bfloat16, 128)
     assert set(_merge_splits_kernel.arg_names) == set(call[2]) | set(call[3])
 
 
-@pytest.mark.parametrize(
-    "arch,dtype,head_dim,cfg,chain,window,split,group,softcap,sinks,prefix_in_memory", ATTENTION_CASES,
-    ids=[f"sm{a}-{TRITON_TYPE[dt]}-D{d}-M{c['BLOCK_M']}-N{c['BLOCK_N']}-{_flags(ch, w, s, g, sc, sk, pm)}"
-         for a, dt, d, c, ch, w, s, g, sc, sk, pm in ATTENTION_CASES],
-)
-def test_tree_attention_kernel(compiled, arch, dtype, head_dim, cfg, chain, window, split, group, softcap, sinks,
-                               prefix_in_memory):
-    result = _result(compiled, ("attn", arch, dtype, head_dim, cfg["BLOCK_M"], chain, window, split, group, softcap,
-                                sinks, prefix_in_memory))
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=[_case_id(c) for c in ATTENTION_CASES])
+def test_tree_attention_kernel(compiled, case):
+    arch, dtype, head_dim, cfg = case[:4]
+    result = _result(compiled, _case_id(case))
     check_resources(result, arch)
     ptx = result["ptx"]
     if cfg["num_stages"] > 1:

@@ -70,6 +70,25 @@ def _static_attention_inputs():
     return query, cache[1, 0], cache[1, 1], bits, torch.tensor([prefix]), positions, sinks
 
 
+def _batched_attention_inputs():
+    """A batch of 3 rows: K/V views ``kv[:, layer, 0/1]`` of a ``[b, L, 2, Hkv, Smax, D]`` cache, a tree and
+    positions per row; the int form (K/V cut to prefix + T) and the static one (whole views, per-row prefixes
+    [3, 0, 6], garbage past each row's prefix + T)."""
+    g = torch.Generator().manual_seed(8)
+    b, prefix, t = 3, 3, 5
+    query = torch.randn(b, t, 4, 8, generator=g).transpose(1, 2)  # [b, Hq, T, D], a transposed view
+    cache = torch.randn(b, 2, 2, 2, 12, 8, generator=g)
+    prefixes = torch.tensor([3, 0, 6])
+    for r, p in enumerate(prefixes.tolist()):
+        cache[r, :, :, :, p + t:] = 1e30  # never read by the static form
+    bits = torch.stack([dk.ancestor_bits(torch.tensor(p)) for p in
+                        ([-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0])])
+    positions = torch.tensor([[3, 4, 4, 5, 5], [3, 4, 5, 6, 7], [3, 4, 4, 4, 4]])
+    static = (query, cache[:, 1, 0], cache[:, 1, 1], bits, prefixes, positions - 3 + prefixes[:, None])
+    whole = (query, cache[:, 0, 0, :, :prefix + t], cache[:, 0, 1, :, :prefix + t], bits, prefix, positions)
+    return whole, static
+
+
 def _kv_inputs():
     kv = torch.randn(2, 2, 2, 10, 4, generator=torch.Generator().manual_seed(3))
     return kv, torch.tensor([3, 5, 6]), 3
@@ -128,6 +147,7 @@ def cases():
     logprobs, ids, token_ids, depths, parents, choice = _tree_inputs()
     tree_bits = dk.ancestor_bits(parents)
     query, key, value, bits, prefix, att_pos, sinks = _attention_inputs()
+    (b_query, b_key, b_value, b_bits, b_prefix, b_pos), batched_static = _batched_attention_inputs()
     kv, src, dst = _kv_inputs()
     b_kv, b_src, b_dst, b_count = _batched_kv_inputs()
     lm = dict(norm_weight=norm_weight, positions=positions)
@@ -175,6 +195,11 @@ def cases():
         ("tree_attention_window", OPS.tree_attention, (query, key, value, bits, prefix, 0.3),
          dict(positions=att_pos, window=2, softcap=3.0, sinks=sinks),
          lambda *a, **kw: dk.tree_attention(*a, **kw)),
+        ("tree_attention_batched", OPS.tree_attention, (b_query, b_key, b_value, b_bits, b_prefix), {},
+         lambda *a: dk.tree_attention(*a)),
+        ("tree_attention_batched_shared_window", OPS.tree_attention,
+         (b_query, b_key, b_value, b_bits[0], b_prefix, 0.3), dict(positions=b_pos, window=2, softcap=3.0, sinks=sinks),
+         lambda *a, **kw: dk.tree_attention(*a, **kw)),
         ("compact_kv_", OPS.compact_kv_, (kv, src, dst), {}, lambda *a: dk.compact_kv_(*a)),
         ("compact_kv_count", OPS.compact_kv_, (kv, src, dst, torch.tensor([2])), {},
          lambda kv_, s, d, n: dk.compact_kv_(kv_, s, d, num_rows=n)),
@@ -187,6 +212,13 @@ def cases():
          (s_query[None], s_key[None], s_value[None], None, s_prefix.reshape(())), {}, lambda *a: dk.tree_attention(*a)),
         ("tree_attention_tensor_window", OPS.tree_attention.tensor, (s_query, s_key, s_value, s_bits, s_prefix, 0.3),
          dict(positions=s_pos, window=2, softcap=3.0, sinks=s_sinks), lambda *a, **kw: dk.tree_attention(*a, **kw)),
+        ("tree_attention_tensor_batched", OPS.tree_attention.tensor, batched_static[:5], {},
+         lambda *a: dk.tree_attention(*a)),
+        ("tree_attention_tensor_batched_window", OPS.tree_attention.tensor, batched_static[:5] + (0.3,),
+         dict(positions=batched_static[5], window=2, softcap=3.0, sinks=s_sinks),
+         lambda *a, **kw: dk.tree_attention(*a, **kw)),
+        ("tree_attention_tensor_batched_chain", OPS.tree_attention.tensor,
+         batched_static[:3] + (None, batched_static[4].int()), dict(window=3), lambda *a, **kw: dk.tree_attention(*a, **kw)),
         ("lm_head_sample_tensor", OPS.lm_head_sample.tensor, (hidden, weight, 0.8, torch.tensor([1234])),
          dict(lm, softcap=5.0), lambda h, w, t, s, **kw: dk.lm_head_sample(h, w, t, seed=s, **kw)),
         ("lm_head_sample_processed", OPS.lm_head_sample_processed,
