@@ -63,19 +63,21 @@ class SteeredDraft(DFlashDraftModel):
         self.noise = torch.Generator(device=self.W.device).manual_seed(seed)
 
     def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
-        B = block_embeds.shape[0]
+        """``[b, B, H]`` block states; every sequence steered to the one reference text."""
+        b, B = block_embeds.shape[:2]
         rows = torch.arange(B, device=block_embeds.device)
-        position = (cache.length_t + context_count + rows).clamp(max=self.reference.numel() - 1)
+        position = ((cache.length_t + context_count)[:, None] + rows).clamp(max=self.reference.numel() - 1)
         cache.advance(context_count)
-        right = self.reference.index_select(0, position)
+        right = self.reference.index_select(0, position.reshape(-1))  # [b * B]
         V = self.W.shape[0]
-        wrong = (right + 1 + torch.randint(0, V - 2, (B,), generator=self.noise, device=right.device)) % V
-        ok = torch.rand(B, generator=self.noise, device=right.device) < self.p_right
-        ranked = torch.stack([torch.where(ok, right, wrong), torch.where(ok, wrong, right)], 1)  # [B, 2]
-        A = self.W.float().index_select(0, ranked.flatten()).view(B, 2, -1)  # [B, 2, H]
-        y = torch.tensor([self.top, self.top - self.gap], device=A.device).expand(B, 2)
-        coeff = torch.linalg.solve(A @ A.transpose(1, 2), y.unsqueeze(-1))  # [B, 2, 1]
-        return (A.transpose(1, 2) @ coeff).squeeze(-1).to(block_embeds.dtype)
+        n = right.numel()
+        wrong = (right + 1 + torch.randint(0, V - 2, (n,), generator=self.noise, device=right.device)) % V
+        ok = torch.rand(n, generator=self.noise, device=right.device) < self.p_right
+        ranked = torch.stack([torch.where(ok, right, wrong), torch.where(ok, wrong, right)], 1)  # [b * B, 2]
+        A = self.W.float().index_select(0, ranked.flatten()).view(n, 2, -1)  # [b * B, 2, H]
+        y = torch.tensor([self.top, self.top - self.gap], device=A.device).expand(n, 2)
+        coeff = torch.linalg.solve(A @ A.transpose(1, 2), y.unsqueeze(-1))  # [b * B, 2, 1]
+        return (A.transpose(1, 2) @ coeff).squeeze(-1).view(b, B, -1).to(block_embeds.dtype)
 
 
 def parse_args(argv=None):

@@ -41,7 +41,10 @@
 #   auto:     bench/gpu_auto_budget.py: tree_budget="auto" against DDTree budgets 4..64 at Qwen3-8B shapes
 #             (4 layers, fp32, a drafter steered to the target's greedy text, right 80% per position):
 #             tokens/s and tau per row, auto over the best and the median fixed budget
-#   micro:    the pytest-benchmark suite in bench/ (without bench_train_memory.py) at real shapes
+#   batch:    bench/gpu_batch_crossover.py: ar, the DFlash chain and DDTree budgets 8 / 32 / 64 at batch 1, 4
+#             and 16, Qwen3-8B shapes (4 layers, fp32, the steered drafter): where trees stop paying
+#   micro:    the pytest-benchmark suite in bench/ (without bench_train_memory.py) at real shapes (last: it
+#             gets what the steps before it left)
 # Output, in $OUT when set, else bench/results/gpu_check/: each step's log (<step>.log) and JSON,
 # written as soon as the step ends (the scripts rewrite theirs after each part), and
 # gpu_check_summary.json (every step's state, seconds, planned limit, granted limit and JSON file),
@@ -79,18 +82,19 @@ MIN_STEP_S=10  # a step granted less than this is not started ("no time")
 # (before its vocabulary-sized weights were drawn on the device instead of the host)
 PLAN=(
     probe:10
-    build:60
+    build:55
     kernels:35
     tests:70
     syncs:30
     round:25
     compiled:75
     hybrid:30
-    families:55
+    families:50
     stress:15
-    e2e:25
+    e2e:20
     auto:30
-    micro:20
+    batch:30
+    micro:5
 )
 
 selected() {  # name: whether GPU_CHECK_STEPS asks for it (the probe always runs)
@@ -131,7 +135,7 @@ fi
 JSON_OF=([probe]="" [build]=build.json [kernels]=gpu_kernel_check.json [tests]=gpu_tests.json
          [syncs]=gpu_round_syncs.json [round]=gpu_round_latency.json [compiled]=gpu_compiled_round.json
          [hybrid]=gpu_hybrid_check.json [families]=gpu_family_check.json [stress]=gpu_compaction_stress.json
-         [e2e]=e2e/results.json [auto]=gpu_auto_budget.json [micro]=$MICRO_JSON)
+         [e2e]=e2e/results.json [auto]=gpu_auto_budget.json [batch]=gpu_batch_crossover.json [micro]=$MICRO_JSON)
 
 die() {
     echo "gpu_check: FAIL: $*" >&2
@@ -399,6 +403,10 @@ fi
 # ---------------------------------------------------------------- auto: the budget chosen per round
 step auto "$PY" bench/gpu_auto_budget.py --layers 4 --prompt-len 256 --new-tokens 48 --repeats 2 \
     --json "$OUT_DIR/gpu_auto_budget.json" "${DRY[@]}"
+
+# ---------------------------------------------------------------- batch: trees against the chain as b grows
+step batch "$PY" bench/gpu_batch_crossover.py --layers 4 --prompt-len 256 --new-tokens 48 --repeats 1 \
+    --json "$OUT_DIR/gpu_batch_crossover.json" "${DRY[@]}"
 
 # ---------------------------------------------------------------- micro: pytest-benchmark suite, last
 if [ "$DRY_RUN" = 1 ]; then

@@ -1017,7 +1017,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     if query.dim() == 3:  # [Hq, T, D] (the drafter's layout)
         return masked_attention(query[None], key[None], value[None], visible, scale=scale)[0]
-    if visible.dim() == 3:  # a mask per batch row, broadcast over the heads
+    if visible is not None and visible.dim() == 3:  # a mask per batch row, broadcast over the heads
         visible = visible[:, None]
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale,
                                                             enable_gqa=True)

@@ -51,11 +51,12 @@ class TableDraft(dflash.DFlashDraftModel):
     def _rows(self, positions):
         return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
 
-    def draft_block(self, block_embeds, context_features, context_count, cache):
-        B = block_embeds.shape[0]
-        positions = cache.length_t + context_count + cache.rows[:B]
+    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
+        """``[b, B, H]``: sequence ``r``'s block rows at ``length[r] + count[r] + j`` (device ops: traceable)."""
+        B = block_embeds.shape[1]
+        positions = (cache.length_t + context_count)[:, None] + cache.rows[:B]
         cache.advance(context_count)
-        return self._rows(positions).to(block_embeds.dtype)
+        return self._rows(positions.reshape(-1)).view(*positions.shape, -1).to(block_embeds.dtype)
 
     def ingest_context(self, context_features, cache):
         cache.commit(context_features.shape[0])

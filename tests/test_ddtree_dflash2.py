@@ -70,11 +70,13 @@ class TableDraft2(DFlash2DraftModel):
         rows = [steer(W, [r] if ok else [w, r]) for r, w, ok in zip(ref_ids, wrong, right)]
         self.register_buffer("table", torch.stack(rows).to(lm_head_weight.dtype), persistent=False)
 
-    def draft_block(self, block_embeds, context_features, context_count, cache):
-        B = block_embeds.shape[0]
-        positions = cache.length_t + context_count + cache.rows[:B]
+    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
+        """``[b, B, H]``: sequence ``r``'s block rows at ``length[r] + count[r] + j``."""
+        B = block_embeds.shape[1]
+        positions = ((cache.length_t + context_count)[:, None] + cache.rows[:B]).reshape(-1)
         cache.advance(context_count)
-        return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1)).to(block_embeds.dtype)
+        rows = self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
+        return rows.view(block_embeds.shape[0], B, -1).to(block_embeds.dtype)
 
     def ingest_context(self, context_features, cache):
         cache.commit(context_features.shape[0])

@@ -22,7 +22,8 @@ the model's own attention function is made to fail if it is ever called.
 | Qwen3-MoE (Qwen3MoeForCausalLM)  | MoE experts, windows on every layer                        | yes | A, B, C, E |
 | gpt-oss (GptOssForCausalLM)      | attention sinks, alternating windows, MoE with biases, yarn rope | yes | A, B, C, E |
 
-A: ``test_family_is_lossless`` (reference and triton); B: ``test_adapter_forward_is_the_models_forward``
+A: ``test_family_is_lossless`` (reference and triton) and ``test_family_batch_rows_are_lossless`` (a left-padded
+batch of prompts of different lengths, each row its own greedy text); B: ``test_adapter_forward_is_the_models_forward``
 (prefill + chain verify + tree verify hidden states and logits vs the model's own forward);
 C: ``test_family_table_resolves`` and ``test_the_model_is_untouched_after_generate``;
 D: ``test_sampling_with_a_final_softcap_matches_the_softcapped_distribution``;
@@ -107,6 +108,28 @@ def test_family_is_lossless(family, target, backend_name):
     assert max(chain.acceptance_lengths) >= 3  # real acceptances, not only bonus tokens
     # a budget above the vocabulary: each round but the cut last one accepts at least one tree node
     assert min(tree.acceptance_lengths[:-1]) >= 2, tree.acceptance_lengths
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "triton"])
+def test_family_batch_rows_are_lossless(family, target, backend_name):
+    """A batch of three prompts (12, 7 and 9 tokens: each row at its own positions, windows and per-row prefixes
+    in the attention), left-padded: every row of dflash and ddtree equals the model's generate() on that prompt
+    alone."""
+    n = 12 if backend_name == "reference" else 6
+    prompts = [PROMPT, PROMPT[3:10], PROMPT[:9][::-1]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
+    with backend(backend_name), forbid_own_attention(target) as own:
+        chain = dflash.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n)
+        tree = dflash.generate(target, draft, ids, attention_mask=mask, method="ddtree", max_new_tokens=n,
+                               tree_budget=6)
+    assert own.call_count == 0
+    for r, prompt in enumerate(prompts):
+        ref = greedy(target, n, prompt)
+        assert torch.equal(chain.rows[r].output_ids, ref), f"{family} dflash row {r} differs from generate()"
+        assert torch.equal(tree.rows[r].output_ids, ref), f"{family} ddtree row {r} differs from generate()"
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])

@@ -140,7 +140,7 @@ def _bad_cases():
         ("block size", t, d, ok, dict(block_size=1), ValueError, "block_size must be >= 2"),
         ("max_new_tokens 0", t, d, ok, dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
         ("empty prompt", t, d, [], {}, ValueError, "prompt is empty"),
-        ("batch > 1", t, d, [[1, 2], [3, 4]], {}, ValueError, "batch size 2 is not supported"),
+        ("ragged rows", t, d, [[1, 2], [3]], {}, ValueError, "rows of input_ids have different lengths"),
         ("id >= vocab", t, d, [1, 96], {}, ValueError, "outside the target vocabulary"),
         ("negative temperature", t, d, ok, dict(temperature=-1.0), ValueError, "temperature must be >= 0"),
         ("unknown method", t, d, ok, dict(method="beam"), ValueError, "unknown method 'beam'"),

@@ -112,7 +112,7 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None, steps=None)
 
 
 STEPS = ["build", "kernels", "tests", "syncs", "round", "compiled", "hybrid", "families", "stress", "e2e", "auto",
-         "micro"]
+         "batch", "micro"]
 
 
 def summary_states(stdout):
@@ -218,7 +218,8 @@ def test_script_installs_offline_and_runs_every_gpu_script():
     assert "PYTHON:-python3" in text
     assert "built_with_cuda" not in text and "cuda_device_count" not in text and "cuda-ext" not in text
     for script in ("gpu_kernel_check.py", "gpu_round_syncs.py", "gpu_compaction_stress.py", "gpu_round_latency.py",
-                   "gpu_family_check.py", "gpu_compiled_round.py", "gpu_hybrid_check.py", "gpu_auto_budget.py"):
+                   "gpu_family_check.py", "gpu_compiled_round.py", "gpu_hybrid_check.py", "gpu_auto_budget.py",
+                   "gpu_batch_crossover.py"):
         assert f"bench/{script}" in text
 
 
@@ -443,6 +444,21 @@ def test_auto_budget_runs_at_tiny_shapes(tmp_path, capsys):
     assert report["table"]["ddtree 8"]["tau"] > 1.5  # the steering works: drafts are accepted
     assert report["auto_over_best"] > 0 and report["best_fixed"] in (2, 4, 8)
     assert "| ddtree auto |" in capsys.readouterr().out
+
+
+def test_batch_crossover_runs_at_tiny_shapes(tmp_path, capsys):
+    """The batch GPU script at tiny fp32 shapes on the CPU: every method at batch 1 and 3, every row equal to greedy
+    decoding, the steered drafter accepted, the fastest method named per batch size."""
+    script = load_script("gpu_batch_crossover")
+    out = tmp_path / "b.json"
+    assert script.main(["--dry-run", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {(r["method"], r["batch_size"]) for r in report["table"]} == {
+        (m, b) for m in ("ar", "dflash", "ddtree 4", "ddtree 8") for b in (1, 3)}
+    assert all(r["equal_to_greedy"] for r in report["table"])
+    assert max(r["tau"] for r in report["table"]) > 1.5
+    assert set(report["best"]) == {"1", "3"}
+    assert "batch 3: fastest" in capsys.readouterr().out
 
 
 class LogitTarget(torch.nn.Module):

@@ -114,12 +114,16 @@ class RiggedDraft(DFlashDraftModel):
         self.second_right = second_right
         self.rng = torch.Generator().manual_seed(seed)
 
-    def draft_block(self, block_embeds, context_features, context_count, cache):
-        """The round's drafter pass: block ``j`` sits at ``length + count + j`` (read on the host: a test
-        drafter runs eagerly only)."""
-        block_pos = int(cache.length_t + context_count) + torch.arange(block_embeds.shape[0])
+    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
+        """The round's drafter pass, ``block_embeds [b, B, H]``: sequence ``r``'s block ``j`` sits at ``length[r] +
+        count[r] + j`` (read on the host: a test drafter runs eagerly only); every sequence steered to the
+        one reference text."""
+        if block_embeds.dim() == 2:
+            return self.draft_block(block_embeds[None], context_features[None], context_count, cache)[0]
+        B = block_embeds.shape[1]
+        starts = (cache.length_t + context_count).tolist()
         cache.advance(context_count)
-        return self.steered(block_pos, block_embeds)
+        return torch.stack([self.steered(start + torch.arange(B), block_embeds) for start in starts])
 
     def steered(self, block_pos, block_embeds):
         ref = self.reference[block_pos.clamp(max=self.reference.numel() - 1)]
