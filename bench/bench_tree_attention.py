@@ -12,11 +12,15 @@ Providers, at equal inputs (the tree's ancestor bits already built):
   Modes: ``tree`` (random DDTree-like ancestor bits), ``chain`` (``bits=None``,
   the DFlash verify / AR / prefill-chunk pass) and ``window`` (tree bits and a
   4096-key sliding window at positions ``prefix + depth``), the last two at
-  T = 16 and 65 only.
+  T = 16 and 65 only; and ``batch4``: 4 independent sequences in one call
+  (a tree each, per-row committed lengths ``prefix - 0/37/100/250`` as a
+  device tensor ``[4]``, K/V the whole views ``kv[:, l, 0/1]`` of a ``[4, L, 2,
+  Hkv, Smax, D]`` cache), T = 16 and 65.
 * ``sdpa_dense_mask``: the ``[T, prefix + T]`` mask (``tree_attention_mask``
   for bits; the reference's ``tree_visibility`` for chain / window), then
   ``torch.nn.functional.scaled_dot_product_attention`` with ``enable_gqa``, as
-  an attention backend without a tree kernel must do.
+  an attention backend without a tree kernel must do (``batch4``: the
+  ``[4, T, Smax]`` visibility over the whole cache views, one batched SDPA).
 
 With CUDA every provider also records its peak extra GPU memory in
 ``extra_info["peak_extra_mib"]``; without CUDA only prefix 1k, T 16 / 65 run.
@@ -45,7 +49,9 @@ if CUDA:
 else:
     PREFIXES, TREES = (1024,), (16, 65)
 CASES = [(p, t, "tree") for p in PREFIXES for t in TREES]
-CASES += [(p, t, mode) for p in PREFIXES for t in TREES if t <= 65 for mode in ("chain", "window")]
+CASES += [(p, t, mode) for p in PREFIXES for t in TREES if t <= 65 for mode in ("chain", "window", "batch4")]
+#: ``batch4``: the rows of the batch and how far each row's committed length is below ``prefix``.
+BATCH, BATCH_SHORTFALL = 4, (0, 37, 100, 250)
 
 
 def tree_parents(n_tree, seed=0):
@@ -61,7 +67,22 @@ def tree_parents(n_tree, seed=0):
     return parents, depth
 
 
+def batch_inputs(prefix_len, n_tree):
+    """``batch4``: query ``[4, Hq, T, D]``, the whole K/V views ``[4, Hkv, Smax, D]``, a tree per row, the
+    committed lengths ``[4]`` on the device."""
+    s_max = prefix_len + n_tree + 64
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(BATCH, n_tree, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen).transpose(1, 2)
+    kv = torch.randn(BATCH, 2, 2, HKV, s_max, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
+    bits = torch.stack([dk.ancestor_bits(torch.tensor(tree_parents(n_tree, seed=r)[0], dtype=torch.int64,
+                                                      device=DEVICE)) for r in range(BATCH)])
+    prefixes = torch.tensor([max(0, prefix_len - d) for d in BATCH_SHORTFALL], device=DEVICE)
+    return q, kv[:, 1, 0], kv[:, 1, 1], bits, prefixes, {}
+
+
 def inputs(prefix_len, n_tree, mode):
+    if mode == "batch4":
+        return batch_inputs(prefix_len, n_tree)
     s = prefix_len + n_tree
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     # [1, Hq, T, D] as the model passes it: a transposed view of [1, T, Hq, D].
@@ -75,10 +96,13 @@ def inputs(prefix_len, n_tree, mode):
         bits = dk.ancestor_bits(torch.tensor(parents, dtype=torch.int64, device=DEVICE))
     if mode == "window":
         kwargs = {"positions": torch.tensor([prefix_len + d for d in depth], device=DEVICE), "window": WINDOW}
-    return q, cache[1, 0, :, :s][None], cache[1, 1, :, :s][None], bits, kwargs
+    return q, cache[1, 0, :, :s][None], cache[1, 1, :, :s][None], bits, prefix_len, kwargs
 
 
 def sdpa_dense_mask(q, k, v, bits, prefix_len, positions=None, window=None):
+    if isinstance(prefix_len, torch.Tensor):  # batch4: [b, T, Smax] over the whole cache views
+        mask = ref.tree_visibility(bits, prefix_len, q.shape[2], n_keys=k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
     if bits is not None and window is None and CUDA:
         mask = tree_attention_mask(bits, prefix_len, q.dtype) == 0
     else:
@@ -114,17 +138,18 @@ def run_provider(benchmark, fn, args, kwargs):
 @pytest.mark.parametrize("prefix_len,n_tree,mode", CASES, ids=[f"p{p}-T{t}-{m}" for p, t, m in CASES])
 @pytest.mark.parametrize("provider", ["tree_attention", "sdpa_dense_mask"])
 def test_tree_attention(benchmark, provider, prefix_len, n_tree, mode):
-    q, k, v, bits, kwargs = inputs(prefix_len, n_tree, mode)
+    q, k, v, bits, prefix, kwargs = inputs(prefix_len, n_tree, mode)
+    batch = q.shape[0] if mode == "batch4" else 1
     benchmark.group = f"tree_attention {mode} prefix={prefix_len} T={n_tree}"
     benchmark.extra_info.update(
-        hq=HQ, hkv=HKV, head_dim=HEAD_DIM, dtype=str(DTYPE), device=DEVICE, mode=mode,
+        hq=HQ, hkv=HKV, head_dim=HEAD_DIM, dtype=str(DTYPE), device=DEVICE, mode=mode, batch=batch,
         window=kwargs.get("window"), backend="triton" if CUDA else "reference",
-        dense_mask_mib=round(n_tree * (prefix_len + n_tree) * q.element_size() / 2**20, 3),
+        dense_mask_mib=round(batch * n_tree * k.shape[-2] * q.element_size() / 2**20, 3),
     )
     if provider == "tree_attention":
         if CUDA:
-            dk.warmup_tree_attention(q, k, v, bits, prefix_len, **kwargs)
-        out = run_provider(benchmark, tree_attention, (q, k, v, bits, prefix_len), kwargs)
+            dk.warmup_tree_attention(q, k, v, bits, prefix, **kwargs)
+        out = run_provider(benchmark, tree_attention, (q, k, v, bits, prefix), kwargs)
     else:
-        out = run_provider(benchmark, sdpa_dense_mask, (q, k, v, bits, prefix_len), kwargs)
+        out = run_provider(benchmark, sdpa_dense_mask, (q, k, v, bits, prefix), kwargs)
     assert out.shape == q.shape

@@ -298,9 +298,10 @@ def _tree_attention_kernel(
 
     Grid axis 1 is ``batch * n_kv_heads + kv_head``: every batch row (an
     independent sequence) has its own programs, which add the row's batch
-    strides to the base pointers once, first (``stride_*b``; 0 for a tensor
-    shared by every row, such as one tree's bits, and for every tensor when
-    there is one row, so one binary serves any batch size). Within a row:
+    strides to the base pointers once, first (``stride_*b``: 0 for a tensor
+    shared by every row, such as one tree's bits; q / k / v / out get 0 when
+    there is one row; the batch size is no argument, so one binary serves
+    any, see ``TREE_ATTENTION_DYNAMIC_INTS``). Within a row:
     rows ``r = t * group + g`` (``t`` the token, ``g`` the query head within
     the group, query head ``kv_head * group + g``), ``n_tree * group`` of them.
     The key axis is cut in ``BLOCK_N`` tiles ("units"): ``ceil(prefix_len /

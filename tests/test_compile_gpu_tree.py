@@ -28,6 +28,14 @@ Device-side prefix (``PREFIX_IN_MEMORY``: the committed length loaded from
 variant at every bf16 and fp32 config of every head dim, and every
 chain / window / split combination at the T = 65 tile, with the same checks.
 
+Batch: every variant is the batched kernel (b sequences on grid axis 1; the
+batch strides of q / k / v / out are hinted multiples of 16, 0 for one row,
+those of bits / positions / the prefix plain ``i32``). A batched static step
+over a cache of 2^31 elements or more passes its K/V batch strides as ``i64``:
+that signature at the heaviest variant of every bf16 / fp32 config and head
+dim, chain / tree x whole / split at the T = 65 and 32-row tiles (the latter
+also with ``i32`` strides), and one kv head (``n_kv_heads`` specialized to 1).
+
 The attention launches pass ``maxnreg`` (see ``MAX_REGISTERS``), which
 ``compile_for_gpu`` has no argument for, so they compile through
 :func:`_compile_with_options` (the same steps plus the option) on the same
