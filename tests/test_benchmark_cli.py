@@ -155,6 +155,26 @@ def test_a_greedy_mismatch_is_a_failure_and_exits_nonzero(pair_dirs, tmp_path, m
     assert md.count("| **FAILURE** |") == 2 and f"| **FAILURE** | {label} differs from ar on prompt 1 at new token 3" in md
 
 
+def test_batch_sizes_table_ours_row_by_row_and_hf(pair_dirs, tmp_path, capsys):
+    """``--batch-sizes``: per batch size every method batched, row by row and transformers' batched generate; greedy
+    batched rows equal their prompts alone; a batch size above the prompt count is skipped with a note."""
+    out = tmp_path / "batch"
+    rc = cli_main(bench_args(pair_dirs, out, "--num-prompts", "4", "--prompt-len", "12", "--budgets", "3",
+                             "--temperatures", "0", "--methods", "ar,dflash,ddtree,hf", "--batch-sizes", "1,2,8"))
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
+    assert {(r["batch_size"], r["method"]) for r in rows} == {
+        (b, m) for b in (1, 2) for m in ("ar", "dflash", "ddtree", "hf")}
+    assert all(r["equal_to_alone"] for r in rows if r["method"] != "hf")
+    ours = [r for r in rows if r["method"] != "hf"]
+    assert all(r["tokens_per_second"] > 0 and r["row_by_row_tokens_per_second"] > 0 and r["over_hf"] > 0
+               for r in ours)
+    assert any("batch size 8 is larger than the 4 prompts" in n for n in results["notes"])
+    assert "| 2 | dflash | – | 0 |" in stdout and (out / "results.md").is_file()
+
+
 def test_configs_put_ar_first_and_peers_at_their_temperatures():
     configs = benchmark.expand_configs(["dflash", "hf", "hf-sample", "prompt-lookup"], [8], [0.0, 1.0], [16])
     assert [c.label for c in configs] == [
