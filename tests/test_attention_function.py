@@ -122,7 +122,7 @@ def test_reference_masks_are_small_and_gqa_is_native():
     # per round: one mask for the drafter's pass, one for the target's verify (no window here)
     assert len(shapes) == 2 * result.num_rounds
     # an eager round's keys stop at the host-known length + T, not the 256-row cache bucket
-    assert all(shape == (n, S) and S < 256 for n, S, shape in shapes)
+    assert all(shape == (1, n, S) and S < 256 for n, S, shape in shapes)  # [b, T, S], one sequence here
     assert all(kw.get("enable_gqa") for kw in sdpa_kwargs)
     assert any(kw.get("is_causal") for kw in sdpa_kwargs)  # the prefill: no mask at all
 

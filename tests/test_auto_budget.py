@@ -94,15 +94,16 @@ def test_each_bucket_is_the_fixed_budget_tree(reference_ops, host_tree, dflash2)
         _, fixed = _round(target, draft, n)
         fixed.host_tree = fixed.host_tree and host_tree
         fixed.draft()
-        assert torch.equal(auto.tokens[:n], fixed.tokens), n
-        assert torch.equal(auto.depths[:n], fixed.depths), n
-        assert torch.equal(auto.parents[: n + 1], fixed.parents), n
+        assert torch.equal(auto.tokens[:, :n], fixed.tokens), n
+        assert torch.equal(auto.depths[:, :n], fixed.depths), n
+        assert torch.equal(auto.parents[:, : n + 1], fixed.parents), n
     adapter.close()
 
 
 def _reference_masses(rnd, own_logprob):
-    """Per bucket, the sum of exp(path score) over the bucket's nodes (plain Python, parent by parent)."""
-    parents = rnd.parents.tolist()
+    """Per bucket, the sum of exp(path score) over the bucket's nodes (plain Python, parent by parent; the round's
+    one sequence)."""
+    parents = rnd.parents[0].tolist()
     score = [0.0]
     for i in range(1, rnd.N + 1):
         score.append(score[parents[i]] + own_logprob(i))
@@ -114,14 +115,14 @@ def test_path_masses_are_the_path_probabilities(reference_ops):
     target, draft = pair(block_size=7)  # D = 6: pointer jumping's last round covers depths 5-6 only partly
     adapter, rnd = _round(target, draft, [2, 5, 12, 40])
     rnd.draft()
-    ids = torch.cat([rnd.last, rnd.mask_block])
+    ids = torch.cat([rnd.last[:, None], rnd.mask_block], 1)
     out = draft.draft_block(adapter.embed(ids, raw_scale=draft.input_embedding_scale), rnd.ctx, rnd.ctx_count,
                             rnd.dcache)
-    head = draft.head_hidden(out)[1:]
+    head = draft.head_hidden(out)[0, 1:]
     logprobs = torch.log_softmax(head.float() @ adapter.lm_head.weight.float().T, -1)
-    tokens, depths = rnd.tokens.tolist(), rnd.depths.tolist()
+    tokens, depths = rnd.tokens[0].tolist(), rnd.depths[0].tolist()
     want = _reference_masses(rnd, lambda i: float(logprobs[depths[i - 1] - 1, tokens[i - 1]]))
-    got = rnd.path_mass.tolist()
+    got = rnd.path_mass[0].tolist()
     assert got == pytest.approx(want, abs=1e-5)
     assert all(a <= b + 1e-6 for a, b in zip(got, got[1:]))  # grows with the bucket
     assert all(0.0 <= m <= rnd.D for m in got)
@@ -143,11 +144,11 @@ def test_path_masses_sum_every_ancestor_of_deep_trees(reference_ops):
             parents.append(p)
             depths.append(depths[p] + 1)
         assert max(depths) == rnd.D, block
-        rnd.parents.copy_(torch.tensor(parents))
+        rnd.parents.copy_(torch.tensor([parents]))
         own = -torch.rand(rnd.N, generator=gen)
-        rnd._path_mass(own)
+        rnd._path_mass(own[None])
         want = _reference_masses(rnd, lambda i: float(own[i - 1]))
-        assert rnd.path_mass.tolist() == pytest.approx(want, rel=1e-5), block
+        assert rnd.path_mass[0].tolist() == pytest.approx(want, rel=1e-5), block
         adapter.close()
 
 
@@ -172,7 +173,7 @@ def test_path_masses_of_a_dflash2_tree(reference_ops):
     finally:
         round_module.dflash_kernels.selector_child_logprobs = orig
     child, cand = captured["child"], captured["candidates"].tolist()
-    tokens, depths, parents = rnd.tokens.tolist(), rnd.depths.tolist(), rnd.parents.tolist()
+    tokens, depths, parents = rnd.tokens[0].tolist(), rnd.depths[0].tolist(), rnd.parents[0].tolist()
 
     def own(i):
         d = depths[i - 1]
@@ -181,7 +182,7 @@ def test_path_masses_of_a_dflash2_tree(reference_ops):
         slot = 0 if p == 0 else cand[d - 2].index(tokens[p - 1])
         return float(child[d - 1, slot, j])
 
-    assert rnd.path_mass.tolist() == pytest.approx(_reference_masses(rnd, own), abs=1e-5)
+    assert rnd.path_mass[0].tolist() == pytest.approx(_reference_masses(rnd, own), abs=1e-5)
     adapter.close()
 
 
@@ -416,7 +417,7 @@ def test_payload_masses_round_trip(reference_ops):
         rnd.draft()
         host = rnd.verify(0).tolist()
     assert len(host) == rnd.payload_size
-    assert rnd.path_masses(host) == pytest.approx(rnd.path_mass.tolist(), abs=1e-6)
+    assert rnd.path_masses(host) == pytest.approx(rnd.path_mass[0].tolist(), abs=1e-6)
     adapter.close()
 
 

@@ -70,9 +70,10 @@ def test_a_block_shorter_than_the_convolutions_is_refused(target, draft):
 
 
 def _first_round(target, draft, prompt, **kw):
-    """The pooled round of a one-round static generation (its proposals and q are the first round's)."""
+    """The pooled round of a one-round static generation (its proposals and q are the first round's; its
+    state of one sequence: row 0 of the batch dimension)."""
     dflash.generate(target, draft, prompt, max_new_tokens=2, compile="static", **kw)
-    steps = [s for k, s in target._dflash_compiled_rounds.items() if k[1] == id(draft) and k[-2] == "static"]
+    steps = [s for k, s in target._dflash_compiled_rounds.items() if k[1] == id(draft) and "static" in k]
     return steps[-1].rnd
 
 
@@ -109,12 +110,12 @@ def test_proposals_are_the_selector_chain(target, extra):
     draft = tiny_dflash2_draft(target, block_size=6, target_layer_ids=[0, 2], seed=2, **extra)
     tokens, cand, q, argmax = _expected_chain(target, draft, PROMPTS[0])
     rnd = _first_round(target, draft, PROMPTS[0])
-    assert torch.equal(rnd.proposals, tokens)
+    assert torch.equal(rnd.proposals[0], tokens)
     assert not torch.equal(tokens, argmax), "the selector's codebooks are too small to change the chain"
-    assert rnd.q_ids.shape == rnd.q_probs.shape == (5, draft.candidate_selector.top_k)
+    assert rnd.q_ids.shape == rnd.q_probs.shape == (1, 5, draft.candidate_selector.top_k)
     assert rnd.q_ids.dtype == torch.int64 and rnd.q_probs.dtype == torch.float32
-    assert torch.equal(rnd.q_ids, cand)
-    torch.testing.assert_close(rnd.q_probs, q)
+    assert torch.equal(rnd.q_ids[0], cand)
+    torch.testing.assert_close(rnd.q_probs[0], q)
     for ref in PROMPTS:
         assert torch.equal(dflash.generate(target, draft, ref, max_new_tokens=N).output_ids, greedy(target, ref))
 
@@ -138,10 +139,10 @@ def test_sampled_selector_rounds(target, draft):
     assert torch.equal(a.output_ids, b.output_ids) and a.acceptance_lengths == b.acceptance_lengths
     assert not torch.equal(a.output_ids, c.output_ids)
     rnd = _first_round(target, draft, PROMPTS[0], do_sample=True, temperature=0.9, seed=5)
-    hit = rnd.q_ids == rnd.proposals[:, None]
+    hit = rnd.q_ids[0] == rnd.proposals[0, :, None]
     assert torch.equal(hit.sum(-1), torch.ones(5, dtype=torch.long))  # each proposal is one of its candidates
-    assert bool((rnd.q_probs[hit] > 0).all())
-    torch.testing.assert_close(rnd.q_probs.sum(-1), torch.ones(5))
+    assert bool((rnd.q_probs[0][hit] > 0).all())
+    torch.testing.assert_close(rnd.q_probs[0].sum(-1), torch.ones(5))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

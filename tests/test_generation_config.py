@@ -155,7 +155,7 @@ def test_sampling_with_do_sample_is_reproducible_under_a_seed(pair):
     (dict(bad_words_ids=[[3]]), "bad_words_ids"), (dict(suppress_tokens=[3]), "suppress_tokens"),
     (dict(min_new_tokens=3, eos_token_id=5), "min_new_tokens"), (dict(stop_strings=["x"]), "stop_strings"),
     (dict(logits_processor=[lambda i, s: s]), "logits_processor"), (dict(frobnicate=1), "frobnicate"),
-    (dict(attention_mask=torch.tensor([[0] + [1] * 9])), "attention_mask"),
+    (dict(attention_mask=torch.tensor([[1] * 9 + [0]])), "attention_mask"),  # right padding
     (dict(tree_budget=4), "tree_budget"),
 ])
 def test_refused_keywords_name_themselves(pair, kw, name):

@@ -124,6 +124,7 @@ class CommittedOutput:
         if streamer is not None or stopping_criteria is not None:
             self.host = torch.empty(self.num_prompt + max_new_tokens, dtype=torch.long)
             self.host[: self.num_prompt].copy_(prompt)
+            self._host_values = self.host.numpy()  # the same memory: a token written there is one host store
         if streamer is not None:
             streamer.put(self.host[None, : self.num_prompt].clone())
 
@@ -139,7 +140,7 @@ class CommittedOutput:
             t = int(t)
             self.tokens.append(t)
             if self.host is not None:
-                self.host[len(self.tokens) - 1] = t
+                self._host_values[len(self.tokens) - 1] = t
             if (t in self.stop_ids or len(self.tokens) - self.num_prompt >= self.max_new
                     or (self.criteria is not None and self._criteria_say_stop())):
                 self.done = True

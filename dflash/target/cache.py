@@ -76,7 +76,12 @@ class TargetKVCache(KVBuffer):
         """Keep each sequence's last round pass rows ``rows[r, :count[r]]`` (relative to ``length_t[r]``,
         increasing; ``rows [b, A]`` int64 and ``count [b]`` on the device; a count of 0 keeps nothing): one
         compaction over every layer and sequence moves row ``rows[r, i]`` to ``length_t[r] + i``, then
-        ``length_t += count``. Entries of ``rows`` past ``count`` are ignored."""
+        ``length_t += count``. Entries of ``rows`` past ``count`` are ignored. One sequence may pass ``rows [A]``."""
+        if rows.dim() == 1:
+            rows = rows[None]
+        if rows.dim() != 2 or rows.shape[0] != self.batch:
+            raise ValueError(f"compact_advance: rows must be [b, A] with b = {self.batch} (or [A] for one sequence), "
+                             f"got {tuple(rows.shape)}")
         start = self.length_t
         if self.batch == 1:
             dflash_kernels.compact_kv_(self.kv, rows[0] + start, start, num_rows=count, check=False)

@@ -423,7 +423,7 @@ class HybridKVCache(TargetKVCache):
         """Round commit of a tree path ``rows[:count]``: the linear layers advance through the path's stashed
         rows, the attention layers' rows are compacted (:meth:`TargetKVCache.compact_advance`; ``rows [1, A]``:
         a hybrid cache holds one sequence)."""
-        self.linear.apply(rows[0], count)
+        self.linear.apply(rows if rows.dim() == 1 else rows[0], count)
         super().compact_advance(rows, count)
 
     def crop(self, length: int) -> None:
