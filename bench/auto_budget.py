@@ -72,7 +72,7 @@ def measure(target, draft, prompts, budgets, new_tokens, repeats):
     rows = [("ar", None)] + [(f"ddtree {b}", b) for b in budgets] + [("ddtree auto", list(budgets))]
     stats = {name: dict(tokens=0, seconds=0.0, rounds=0, committed=0, equal=True, sizes=[]) for name, _ in rows}
     for name, budget in rows:  # warm-up (and auto's cost measurement) outside the timed runs
-        run(target, draft, torch.tensor(prompts[0]), budget, 8)
+        run(target, draft, torch.tensor(prompts[0]), budget, new_tokens)  # the timed runs' cache size: set-up here
     for _ in range(repeats):
         for prompt in prompts:
             ids = torch.tensor(prompt)

@@ -72,6 +72,17 @@ def test_build_tree(benchmark, impl, budget):
             assert python / cpp >= 30, f"C++ build_tree is only {python / cpp:.1f}x the Python heap at budget 512"
 
 
+@pytest.mark.parametrize("budget", [64])
+@pytest.mark.parametrize("scored", [False, True])
+def test_build_tree_scores(benchmark, scored, budget):
+    """The C++ build with each node's path score (what a budget chosen per round sums) against without."""
+    logprobs, ids = draft_inputs(budget)
+    build = dk.build_tree_scores if scored else dk.build_tree
+    benchmark.group = f"build_tree scores budget={budget}"
+    out = benchmark(build, logprobs, ids, budget)
+    assert out[0].numel() == budget and len(out) == (4 if scored else 3)
+
+
 DEVICE = "cuda" if CUDA else "cpu"
 
 

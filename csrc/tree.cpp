@@ -18,7 +18,8 @@
 //   score pop the entry pushed first (lower insertion counter).
 //   The node count n = min(budget, sum_{d=1..D} K^d) is known up front (the
 //   queue only runs empty once the whole tree is popped), so the loop writes
-//   straight into the preallocated outputs. Inputs are read in place
+//   straight into the preallocated outputs. build_tree_scored also returns
+//   each node's score (its path sum, double), non-increasing in node order. Inputs are read in place
 //   (float32/float64, int64/int32, any strides), with no conversion copies.
 //   Queue entries are 128-bit integer keys (score, then ~counter), so each
 //   heap comparison is one unsigned compare (see make_key below).
@@ -140,7 +141,8 @@ int64_t full_tree_nodes(int64_t max_depth, int64_t k, int64_t cap) {
 // depths[i], its parent to parents[i + 1] and its token to tokens[i].
 template <typename lp_t, typename id_t>
 void build_tree_loop(const lp_t* lp, int64_t lp_s0, int64_t lp_s1, const id_t* ids, int64_t id_s0, int64_t id_s1,
-                     int64_t max_depth, int64_t k, int64_t n, int64_t* tokens, int64_t* depths, int64_t* parents) {
+                     int64_t max_depth, int64_t k, int64_t n, int64_t* tokens, int64_t* depths, int64_t* parents,
+                     double* scores) {
   // NaN anywhere is an error, as in the reference (which checks every entry).
   for (int64_t d = 0; d < max_depth; ++d) {
     const lp_t* row = lp + d * lp_s0;
@@ -174,6 +176,7 @@ void build_tree_loop(const lp_t* lp, int64_t lp_s0, int64_t lp_s1, const id_t* i
     depths[node - 1] = c.depth;
     parents[node] = c.parent;
     node_score[node] = score;
+    if (scores != nullptr) scores[node - 1] = score;
     if (node == n) break;  // the last node's sibling and child are never popped
     if (c.rank + 1 < k) {
       payload[counter] = Payload{c.parent, c.depth, c.rank + 1};
@@ -190,19 +193,19 @@ void build_tree_loop(const lp_t* lp, int64_t lp_s0, int64_t lp_s1, const id_t* i
 
 template <typename lp_t>
 void build_tree_dispatch_ids(const torch::Tensor& lp, const torch::Tensor& ids, int64_t n, int64_t* tokens,
-                             int64_t* depths, int64_t* parents) {
+                             int64_t* depths, int64_t* parents, double* scores) {
   const lp_t* lp_ptr = lp.data_ptr<lp_t>();
   if (ids.scalar_type() == torch::kInt64) {
     build_tree_loop(lp_ptr, lp.stride(0), lp.stride(1), ids.data_ptr<int64_t>(), ids.stride(0), ids.stride(1),
-                    lp.size(0), lp.size(1), n, tokens, depths, parents);
+                    lp.size(0), lp.size(1), n, tokens, depths, parents, scores);
   } else {
     build_tree_loop(lp_ptr, lp.stride(0), lp.stride(1), ids.data_ptr<int32_t>(), ids.stride(0), ids.stride(1),
-                    lp.size(0), lp.size(1), n, tokens, depths, parents);
+                    lp.size(0), lp.size(1), n, tokens, depths, parents, scores);
   }
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(const torch::Tensor& top_logprobs_in,
-                                                                       const torch::Tensor& top_ids_in, int64_t budget) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_impl(
+    const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget, bool with_scores) {
   TORCH_CHECK(top_logprobs_in.dim() == 2, "build_tree: top_logprobs must be 2-D [depth, K], got shape ",
               top_logprobs_in.sizes());
   TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(), "build_tree: top_ids must have the shape of top_logprobs ",
@@ -234,15 +237,28 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(const tor
   torch::Tensor out_tokens = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
   torch::Tensor out_depths = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
   torch::Tensor out_parents = at::detail::empty_cpu({n + 1}, torch::kInt64, false, c10::nullopt);
+  torch::Tensor out_scores = at::detail::empty_cpu({with_scores ? n : 0}, torch::kFloat64, false, c10::nullopt);
   int64_t* tokens = out_tokens.data_ptr<int64_t>();
   int64_t* depths = out_depths.data_ptr<int64_t>();
   int64_t* parents = out_parents.data_ptr<int64_t>();
+  double* scores = with_scores ? out_scores.data_ptr<double>() : nullptr;
   if (lp.scalar_type() == torch::kFloat32) {
-    build_tree_dispatch_ids<float>(lp, ids, n, tokens, depths, parents);
+    build_tree_dispatch_ids<float>(lp, ids, n, tokens, depths, parents, scores);
   } else {
-    build_tree_dispatch_ids<double>(lp, ids, n, tokens, depths, parents);
+    build_tree_dispatch_ids<double>(lp, ids, n, tokens, depths, parents, scores);
   }
-  return {std::move(out_tokens), std::move(out_depths), std::move(out_parents)};
+  return {std::move(out_tokens), std::move(out_depths), std::move(out_parents), std::move(out_scores)};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(const torch::Tensor& top_logprobs,
+                                                                       const torch::Tensor& top_ids, int64_t budget) {
+  auto out = build_tree_impl(top_logprobs, top_ids, budget, false);
+  return {std::move(std::get<0>(out)), std::move(std::get<1>(out)), std::move(std::get<2>(out))};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_scored_cpu(
+    const torch::Tensor& top_logprobs, const torch::Tensor& top_ids, int64_t budget) {
+  return build_tree_impl(top_logprobs, top_ids, budget, true);
 }
 
 std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in, const torch::Tensor& token_ids_in,
@@ -304,6 +320,9 @@ std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in
 void register_tree_ops(pybind11::module_& m) {
   m.def("build_tree", &build_tree_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"), pybind11::arg("budget"),
         "Best-first DDTree build on CPU tensors: returns (token_ids [N], depths [N], parents [N+1]) as int64");
+  m.def("build_tree_scored", &build_tree_scored_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"),
+        pybind11::arg("budget"),
+        "build_tree, and each node's score (its path sum of log-probs) as a float64 [N] tensor");
   m.def("walk_tree", &walk_tree_cpu, pybind11::arg("parents"), pybind11::arg("token_ids"),
         pybind11::arg("target_choice"),
         "Walk of a verified DDTree on CPU tensors: returns (accepted node indices [A] int64, bonus token)");

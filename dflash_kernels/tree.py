@@ -40,6 +40,7 @@ from .tree_device import TreeTables, tree_size
 
 __all__ = [
     "build_tree",
+    "build_tree_scores",
     "walk_tree",
     "ancestor_bits",
     "tree_positions",
@@ -78,6 +79,19 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
     if type(top_ids) is not torch.Tensor and not isinstance(top_ids, torch.Tensor):
         raise TypeError(f"build_tree: top_ids must be a torch.Tensor, got {type(top_ids).__name__}")
     return _C.build_tree(top_logprobs, top_ids, budget)
+
+
+def build_tree_scores(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int):
+    """:func:`build_tree` and each node's score (C++): ``(token_ids [N], depths [N], parents [N+1], scores [N]
+    float64)``, ``scores[i]`` the sum of the log-probs along node ``i + 1``'s path from the root (the key the
+    best-first queue popped it by: non-increasing in node order). The drafter's probability that a walk
+    accepts the node is ``exp(scores[i])``; a DDTree round with a budget chosen per round sums these."""
+    if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise TypeError(f"build_tree_scores: budget must be an int, got {type(budget).__name__}")
+    for name, t in (("top_logprobs", top_logprobs), ("top_ids", top_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"build_tree_scores: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return _C.build_tree_scored(top_logprobs, top_ids, budget)
 
 
 def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:

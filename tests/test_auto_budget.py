@@ -110,10 +110,12 @@ def _reference_masses(rnd, own_logprob):
     return [sum(math.exp(score[i]) for i in range(1, n + 1)) for n in rnd.bucket_nodes]
 
 
+@pytest.mark.parametrize("host_tree", [True, False])  # the C++ build's scores; the device build's pointer jumping
 @torch.inference_mode()
-def test_path_masses_are_the_path_probabilities(reference_ops):
+def test_path_masses_are_the_path_probabilities(reference_ops, host_tree):
     target, draft = pair(block_size=7)  # D = 6: pointer jumping's last round covers depths 5-6 only partly
     adapter, rnd = _round(target, draft, [2, 5, 12, 40])
+    rnd.host_tree = rnd.host_tree and host_tree
     rnd.draft()
     ids = torch.cat([rnd.last[:, None], rnd.mask_block], 1)
     out = draft.draft_block(adapter.embed(ids, raw_scale=draft.input_embedding_scale), rnd.ctx, rnd.ctx_count,

@@ -331,3 +331,24 @@ def test_tree_positions():
     _, depths, _ = dk.build_tree(lp, ids, 10)
     positions = dk.tree_positions(depths, 100)
     assert positions.dtype == torch.int64 and positions.tolist() == [100] + (100 + depths).tolist()
+
+
+def test_scores_are_each_nodes_path_sum():
+    """build_tree_scores: the same tree as build_tree, and each node's score the float64 sum of the log-probs along
+    its path (recomputed here parent by parent), non-increasing in node order (the pop order)."""
+    gen = torch.Generator().manual_seed(7)
+    for depth, k, budget in [(1, 3, 2), (7, 8, 64), (15, 32, 200), (4, 2, 30)]:
+        lp, ids = draft(depth, k, gen)
+        tokens, depths, parents, scores = dk.build_tree_scores(lp, ids, budget)
+        assert_same_tree((tokens, depths, parents), dk.build_tree(lp, ids, budget))
+        assert scores.dtype == torch.float64 and scores.shape == tokens.shape
+        rows = lp.double().tolist()
+        want = [0.0]
+        for i in range(1, tokens.numel() + 1):
+            d, t = int(depths[i - 1]), int(tokens[i - 1])
+            rank = ids[d - 1].tolist().index(t)
+            want.append(want[int(parents[i])] + rows[d - 1][rank])
+        assert scores.tolist() == want[1:]
+        assert all(a >= b for a, b in zip(scores.tolist(), scores.tolist()[1:]))
+    with pytest.raises(TypeError, match="budget must be an int"):
+        dk.build_tree_scores(lp, ids, 2.0)

@@ -10,7 +10,9 @@ as ``tokenizer(prompts, padding=True, padding_side="left")`` gives) and every ro
 * **hf**: transformers' ``generate()`` on the same padded batch (plain greedy or sampled decoding).
 
 Columns: tokens/s of each (every row's new tokens over the wall time of the calls, set-up excluded),
-batched over row by row, batched over hf at the same ``b``, tau of the batched rows (pooled), and whether
+batched over row by row, batched over hf at the same ``b``, tau of the batched rows (pooled), the batched
+rounds' milliseconds (a round runs every row, a stopped one masked: what a round of ``b`` costs against one
+of 1 is what a stopped row keeps costing), and whether
 every greedy batched row equals the same prompt generated alone (``ar`` alone for every method: the
 target's own greedy text). The configurations take turns batch by batch after one warm-up each, so a slow
 phase of a noisy machine falls on all of them alike.
@@ -50,8 +52,10 @@ def _ours(pair, method: str, ids, mask, settings, temperature: float, budget, se
         kw["tree_budget"] = budget
     result = generate(pair.target, pair.draft if method != "ar" else None, ids, **kw)
     rows = result.rows or [result]
+    # the batch's rounds: every row runs in each, so the longest row's count
+    rounds = max(len(row.acceptance_lengths) for row in rows)
     return ([row.generated_ids[0].tolist() for row in rows], result.total_time, sum(result.acceptance_lengths),
-            len(result.acceptance_lengths))
+            len(result.acceptance_lengths), rounds)
 
 
 def _hf(pair, ids, mask, settings, temperature: float, seed: int):
@@ -107,7 +111,7 @@ def run_batch_benchmark(args, pair, prompts: List[List[int]], settings) -> dict:
         padded = [left_padded(batch, settings.pad_token_id, device) for batch in batches]
         stats: Dict[tuple, dict] = {}
         for cfg in configs + [("hf", None, t) for t in args.temperatures if "hf" in args.methods]:
-            stats[cfg] = dict(batched=[0, 0.0], alone=[0, 0.0], committed=0, rounds=0, equal=True)
+            stats[cfg] = dict(batched=[0, 0.0], alone=[0, 0.0], committed=0, rounds=0, batch_rounds=0, equal=True)
         # warm-up of every configuration at this batch size (kernels, caches, allocator)
         warm = [prompts[0]] * b
         w_ids, w_mask = left_padded(warm, settings.pad_token_id, device)
@@ -127,13 +131,15 @@ def run_batch_benchmark(args, pair, prompts: List[List[int]], settings) -> dict:
                 if m == "hf":
                     got, seconds = _hf(pair, ids, mask, settings, t, seed)
                 else:
-                    got, seconds, committed, rounds = _ours(pair, m, ids, mask, settings, t, budget, seed)
+                    got, seconds, committed, rounds, batch_rounds = _ours(pair, m, ids, mask, settings, t, budget,
+                                                                          seed)
                     s["committed"] += committed
                     s["rounds"] += rounds
+                    s["batch_rounds"] += batch_rounds
                     alone_tokens, alone_seconds = 0, 0.0
                     for j, prompt in enumerate(batch):
                         one_ids, one_mask = left_padded([prompt], settings.pad_token_id, device)
-                        tokens, secs, _, _ = _ours(pair, m, one_ids, None, settings, t, budget, seed)
+                        tokens, secs, _, _, _ = _ours(pair, m, one_ids, None, settings, t, budget, seed)
                         alone_tokens += len(tokens[0])
                         alone_seconds += secs
                         if t == 0 and m == "ar":
@@ -152,6 +158,7 @@ def run_batch_benchmark(args, pair, prompts: List[List[int]], settings) -> dict:
             alone = s["alone"][0] / s["alone"][1] if s["alone"][1] else None
             rows.append(dict(batch_size=b, method=m, budget=budget, temperature=t, tokens_per_second=tps,
                              row_by_row_tokens_per_second=alone, tau=s["committed"] / s["rounds"] if s["rounds"]
+                             else None, ms_per_round=1e3 * s["batched"][1] / s["batch_rounds"] if s["batch_rounds"]
                              else None, equal_to_alone=s["equal"] if t == 0 else None, prompts=n))
     for row in rows:
         hf = next((r for r in rows if r["method"] == "hf" and r["batch_size"] == row["batch_size"]
@@ -169,13 +176,13 @@ def _fmt(x, spec) -> str:
 def batch_markdown(results: dict) -> str:
     """The batch table (one row per batch size and configuration)."""
     lines = ["| batch | method | budget | T | tokens/s | row by row tokens/s | batched / row by row | "
-             "batched / hf | tau | rows equal to ar alone |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "batched / hf | tau | ms per round | rows equal to ar alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         equal = "–" if r["equal_to_alone"] is None else ("yes" if r["equal_to_alone"] else "**NO**")
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['budget'] or '–'} | {r['temperature']:g} | "
                      f"{r['tokens_per_second']:.1f} | {_fmt(r['row_by_row_tokens_per_second'], '.1f')} | "
                      f"{_fmt(r['over_row_by_row'], '.2f')}{'x' if r['over_row_by_row'] else ''} | "
                      f"{_fmt(r['over_hf'], '.2f')}{'x' if r['over_hf'] else ''} | {_fmt(r['tau'], '.2f')} | "
-                     f"{equal} |")
+                     f"{_fmt(r.get('ms_per_round'), '.2f')} | {equal} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in results["notes"]])

@@ -58,14 +58,17 @@ class KVBuffer:
             if tuple(kv.shape) != full or kv.dtype != dtype or not same_device or not kv.is_contiguous():
                 raise ValueError(f"{type(self).__name__}: kv must be a contiguous {full} {dtype} tensor on {want}, "
                                  f"got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
-        #: ``[b, L, 2, Hkv, max_len, D]``: every sequence's storage (row ``r`` is ``kv_batched[r]``)
+        #: ``[b, L, 2, Hkv, max_len, D]``: every sequence's storage (row ``r`` is ``kv_batched[r]``); after
+        #: :meth:`narrow`, the first rows of the whole storage
         self.kv_batched = kv if batch > 1 else kv[None]
+        self._kv_whole = self.kv_batched
         self.batch = batch
         self.max_len = int(max_len)
         #: host mirrors of the committed lengths, one per sequence (exact between rounds; passes never read them)
         self.lengths = [0] * batch
         #: the committed lengths on the device, read and moved by round passes
         self.length_t = torch.zeros(batch, dtype=torch.long, device=kv.device)
+        self._length_whole = self.length_t
         #: ``arange(max_len)``: row offsets of a round pass's writes
         self.rows = torch.arange(self.max_len, device=kv.device)
         #: True between :meth:`freeze` and :meth:`thaw`: passes are round passes
@@ -112,6 +115,31 @@ class KVBuffer:
             raise ValueError(f"{self.batch} rows expected, got {len(rows)}")
         self.lengths = [int(row.length) for row in rows]
         self.length_t.copy_(torch.cat([row.length_t for row in rows]))
+
+    def narrow(self, n: int) -> None:
+        """Hold the first ``n`` sequences only (an eager round of the rows still generating runs over these):
+        ``kv_batched``, ``length_t`` and the host mirrors become the first ``n`` rows of the whole buffers."""
+        whole = self._kv_whole.shape[0]
+        if not 1 <= n <= whole:
+            raise ValueError(f"narrow({n}) of a buffer of {whole} sequences")
+        self.kv_batched = self._kv_whole[:n]
+        self.length_t = self._length_whole[:n]
+        self.lengths = (self.lengths + [0] * whole)[:n]
+        self.batch = n
+
+    def widen(self) -> None:
+        """Hold every sequence of the whole buffers again (their lengths zero: the next generation prefills)."""
+        self.lengths = [0] * self._kv_whole.shape[0]
+        self.narrow(self._kv_whole.shape[0])
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy sequence ``src``'s committed rows, its lengths (host and device) into row ``dst`` (whose contents
+        are no longer needed): the committed rows only, ``[0, length)``, the rest is scratch."""
+        used = self.lengths[src]
+        if used:
+            self.kv_batched[dst, :, :, :, :used].copy_(self.kv_batched[src, :, :, :, :used])
+        self.length_t[dst : dst + 1].copy_(self.length_t[src : src + 1])
+        self.lengths[dst] = self.lengths[src]
 
     def _check_room(self, new: int) -> None:
         if self.length + new > self.max_len:

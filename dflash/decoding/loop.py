@@ -83,43 +83,45 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
         for out, first in zip(outs, firsts):
             out.extend([first])
         first_time = time.perf_counter() - start
-        device_committed = [out.committed for out in outs] + [1] * (b - n)  # what each sequence's caches hold
-        stopped = [r for r in range(n) if outs[r].done] + list(range(n, b))
-        if stopped:
-            rnd.stop(stopped)
+        # the round's sequences in batch order: the prompt index of each (None: a filler); what each one's caches
+        # hold. An eager round drops a sequence that stopped (Round.retire: the last one takes its index); a
+        # traced one keeps its fixed batch and masks it (Round.stop).
+        order = list(range(n)) + [None] * (b - n)
+        device_committed = [out.committed for out in outs] + [1] * (b - n)
+        _leave(steps, order, device_committed, [i for i in range(b) if order[i] is None or outs[order[i]].done])
         clock = StageClock(rnd.device, options.stage_timing)
         while not all(out.done for out in outs):
-            before = [out.committed for out in outs]
-            live = [r for r in range(n) if not outs[r].done]
-            rnd.check_room([device_committed[r] for r in live])  # host ints: no round writes past a cache
-            bucket = policy.choose(max(before[r] for r in live)) if policy is not None else -1
+            live = [i for i, r in enumerate(order) if r is not None and not outs[r].done]
+            before = [outs[order[i]].committed for i in live]
+            rnd.check_room([device_committed[i] for i in live])  # host ints: no round writes past a cache
+            bucket = policy.choose(max(before)) if policy is not None else -1
             began = time.perf_counter()
             steps.draft()
             clock.mark("draft")
             payload = steps.verify(bucket)
             clock.mark("verify")
             host = rnd.payload_rows(reader.read(payload))
-            news = [rnd.committed_tokens(host[r]) if r in live else [] for r in range(b)]
+            news = [rnd.committed_tokens(host[i]) if i in live else [] for i in range(rnd.b)]
             if policy is not None:
-                _observe(policy, rnd, bucket, [host[r] for r in live], time.perf_counter() - began,
-                         max(before[r] for r in live))
+                _observe(policy, rnd, bucket, [host[i] for i in live], time.perf_counter() - began, max(before))
             rnd.mirror(device_committed, [len(new) for new in news])
             ended = []
-            for r in live:
-                new, row, out = news[r], rows[r], outs[r]
-                device_committed[r] += len(new)
+            for i, committed in zip(live, before):
+                new, r = news[i], order[i]
+                row, out = rows[r], outs[r]
+                device_committed[i] += len(new)
                 out.extend(new)
-                row.acceptance_lengths.append(out.committed - before[r])  # after the stop rules
+                row.acceptance_lengths.append(out.committed - committed)  # after the stop rules
                 if rnd.method != "ar":
                     row.accepted_depths.append(len(new) - 1)  # as verified: the drafts before the bonus token
                 if rnd.method == "ddtree":
                     row.tree_sizes.append(rnd.bucket_nodes[bucket])
                     if options.return_trees:
-                        row.trees.append(rnd.tree_record(len(new), bucket, r))
+                        row.trees.append(rnd.tree_record(len(new), bucket, i))
                 if out.done:
-                    ended.append(r)
+                    ended.append(i)
             if ended:
-                rnd.stop(ended)
+                _leave(steps, order, device_committed, ended)
             clock.mark("commit")
         total = time.perf_counter() - start
         stages = clock.totals()
@@ -136,6 +138,25 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
         for out in outs:
             out.close()
         rnd.thaw()
+
+
+def _leave(steps, order: list, device_committed: list, ended) -> None:
+    """Sequences ``ended`` (indices of the round's batch) stop: an eager round drops them (the batch narrows;
+    ``order`` and ``device_committed`` follow the moves), a traced one keeps them, masked. Never the last
+    sequence of an eager round (the loop ends with it)."""
+    rnd = steps.rnd
+    if not ended:
+        return
+    if steps.traced:
+        rnd.stop(ended)
+        return
+    for i in sorted(ended, reverse=True):  # from the back: each move takes the batch's last sequence
+        if rnd.b == 1:
+            break
+        rnd.retire(i)
+        order[i], device_committed[i] = order[-1], device_committed[-1]
+        order.pop()
+        device_committed.pop()
 
 
 def _observe(policy, rnd, bucket: int, live_rows, seconds: float, length: int) -> None:

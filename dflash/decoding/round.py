@@ -221,7 +221,9 @@ class Round:
         #: row ``r``'s offset in the batch's flattened rows of a pass of ``T`` rows: ``r * T``
         self.sequence = torch.arange(b, **long)
         self.dcache = None
+        self.batch_size = b
         if method == "ar":
+            self._register_batched()
             return
         draft_dtype = draft.fc.weight.dtype
         S_draft = bucket_rows(draft_rows)
@@ -264,6 +266,43 @@ class Round:
                 self._zero = torch.zeros(1, dtype=torch.float32, device=device)
                 #: pointer-jumping rounds that sum a node's ancestors over at most D levels: ceil(log2 D)
                 self._jumps = (self.D - 1).bit_length()
+        self._register_batched()
+
+    #: state tensors with the batch in front (:meth:`narrow` views their first rows)
+    _BATCHED = ("last", "alive", "sequence", "ctx", "ctx_count", "mask_block", "proposals", "q_ids", "q_probs",
+                "q_hidden", "tokens", "depths", "parents", "path", "path_mass")
+
+    def _register_batched(self) -> None:
+        self._whole = {name: getattr(self, name) for name in self._BATCHED if hasattr(self, name)}
+        if self.method != "ar":
+            self._whole["draft_rows_flat"] = self.draft_rows_flat
+
+    def narrow(self, n: int) -> None:
+        """Run the first ``n`` sequences only: every batched state tensor and both caches become views of their
+        first ``n`` rows (an eager round's shapes may change; a traced one keeps its batch and masks). The
+        steps then run over those rows as a batch of ``n``."""
+        for name, whole in self._whole.items():
+            setattr(self, name, whole[: n * self.D] if name == "draft_rows_flat" else whole[:n])
+        for cache in self._caches():
+            cache.narrow(n)
+        self.b = n
+
+    def retire(self, row: int) -> None:
+        """Sequence ``row`` (an index of the current batch) stopped: the last sequence's state and committed cache
+        rows move into its place (a copy of that sequence's committed rows, once), and the batch narrows by
+        one, so later eager rounds stop computing the stopped sequence at all. The caller renumbers its
+        sequences the same way (the last takes ``row``'s index)."""
+        last = self.b - 1
+        if not 0 <= row <= last:
+            raise IndexError(f"sequence {row} of a batch of {self.b}")
+        if row != last:
+            for cache in self._caches():
+                cache.move_row(last, row)
+            for name, whole in self._whole.items():
+                if name in ("sequence", "draft_rows_flat", "mask_block"):  # the same in every row
+                    continue
+                whole[row].copy_(whole[last])
+        self.narrow(last)
 
     @property
     def payload_size(self) -> int:
@@ -273,7 +312,12 @@ class Round:
 
     # ---------------------------------------------------------------- set-up per generation (eager)
     def reset(self, seed: int) -> None:
-        """Empty caches for the next prefill, a fresh sampling key, every sequence alive; the buffers are kept."""
+        """Empty caches for the next prefill, a fresh sampling key, every sequence alive and in the batch; the
+        buffers are kept."""
+        if self.b != self.batch_size:
+            for cache in self._caches():
+                cache.widen()
+            self.narrow(self.batch_size)
         self.thaw()
         self.last.zero_()
         self.alive.fill_(1)
@@ -283,29 +327,68 @@ class Round:
 
     def start(self, prompts) -> torch.Tensor:
         """Prefill each sequence's prompt (``prompts``: ``b`` int64 tensors ``[P_r]``, or one ``[P]`` when ``b ==
-        1``; chunked, shapes vary) through its own one-sequence view of the caches, choose its first token,
-        ingest its features into the drafter; then freeze both caches. Returns the first tokens ``[b]`` (also
-        in ``last``)."""
+        1``; chunked, shapes vary), choose its first token, ingest its features into the drafter; then freeze
+        both caches. Returns the first tokens ``[b]`` (also in ``last``).
+
+        One sequence: the adapter's eager prefill (causal SDPA per chunk, as ``generate()`` runs its prompt). A
+        batch: :meth:`_prefill_batch`, every sequence's prompt in the same passes."""
         if isinstance(prompts, torch.Tensor):
             prompts = [prompts]
         if len(prompts) != self.b:
             raise ValueError(f"this round runs {self.b} sequences, got {len(prompts)} prompts")
-        one = self.b == 1
-        rows = [self.cache if one else self.cache.row(r) for r in range(self.b)]
-        drows = None if self.dcache is None else [self.dcache if one else self.dcache.row(r) for r in range(self.b)]
-        firsts = []
-        for r, prompt in enumerate(prompts):
-            last_hidden, features = self.adapter.prefill(prompt, rows[r])
-            firsts.append(self.choose(last_hidden).reshape(1))
-            if drows is not None:
-                self.draft_model.ingest_context(features, drows[r])
-        if not one:
-            self.cache.take_lengths(rows)
-            if drows is not None:
-                self.dcache.take_lengths(drows)
-        self.last.copy_(torch.cat(firsts))
+        if self.b == 1:
+            last_hidden, features = self.adapter.prefill(prompts[0], self.cache)
+            self.last.copy_(self.choose(last_hidden).reshape(1))
+            if self.dcache is not None:
+                self.draft_model.ingest_context(features, self.dcache)
+        else:
+            self._prefill_batch(prompts)
         self.freeze()
         return self.last
+
+    def _prefill_batch(self, prompts, chunk_size: Optional[int] = None) -> None:
+        """The prompts of a batch in the same causal passes: each sequence's tokens from position 0, padded on the
+        right to the longest (``[b, P_max]``; a pad row comes after every real one, so causality keeps it out
+        of every real row), in chunks of :data:`~dflash.target.adapter.PREFILL_CHUNK` rows. Each pass is a round
+        pass over the frozen target cache (every sequence at its own length); then each sequence keeps its real
+        rows only (``length += min(P_r - start, chunk)``), its last real row's hidden state chooses its first
+        token, and its real rows' captured features go to its drafter cache (eagerly, row by row)."""
+        from ..target.adapter import PREFILL_CHUNK
+
+        chunk = PREFILL_CHUNK if chunk_size is None else int(chunk_size)
+        device, b = self.device, self.b
+        lengths = [int(p.numel()) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(b, width, dtype=torch.long, device=device)
+        for r, p in enumerate(prompts):
+            ids[r, : lengths[r]] = p
+        counts = torch.tensor(lengths, dtype=torch.long, device=device)
+        last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
+        drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
+        cache = self.cache
+        cache.length_t.zero_()
+        cache.freeze()
+        columns = torch.arange(width, device=device)
+        for start in range(0, width, chunk):
+            end = min(width, start + chunk)
+            hidden, captured = self.adapter.run_pass(ids[:, start:end], columns[start:end].expand(b, -1), cache)
+            kept = (counts - start).clamp(min=0, max=end - start)  # each sequence's real rows in this chunk
+            cache.advance(None, kept)
+            cache.mirror([min(max(n - start, 0), end - start) + done for n, done in zip(lengths, cache.lengths)])
+            ends = [n - 1 - start for n in lengths]
+            for r in range(b):
+                if 0 <= ends[r] < end - start:
+                    last_hidden[r].copy_(hidden[r, ends[r]])
+            if drows is not None:
+                features = torch.cat(captured, dim=-1)  # [b, T, n*H]
+                for r in range(b):
+                    real = min(max(lengths[r] - start, 0), end - start)
+                    if real:
+                        self.draft_model.ingest_context(features[r, :real], drows[r])
+        cache.static = False
+        if drows is not None:
+            self.dcache.take_lengths(drows)
+        self.last.copy_(self.choose(last_hidden))
 
     def check_room(self, committed) -> None:
         """Refuse (:class:`~dflash.cache.CacheFullError`) the next round when, with ``committed`` tokens (prompt
@@ -389,13 +472,18 @@ class Round:
         logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
         for r in range(self.b):  # a tree per sequence (its build is a fixed-shape op sequence: a loop of b)
             if self.host_tree:
-                tree = dflash_kernels.build_tree(logprobs[r], ids[r], self.budget)
+                if self.auto:  # the C++ build knows each node's path score: the masses come from those
+                    *tree, scores = dflash_kernels.build_tree_scores(logprobs[r], ids[r], self.budget)
+                    mass = torch.cumsum(scores.exp(), 0).index_select(0, self._bucket_last)
+                    self.path_mass[r].copy_(mass)
+                else:
+                    tree = dflash_kernels.build_tree(logprobs[r], ids[r], self.budget)
             else:
                 tree = dflash_kernels.build_tree_device(logprobs[r], ids[r], self.budget, tables=self.tree_tables,
                                                         backend=self.backend)
             for state, t in zip((self.tokens, self.depths, self.parents), tree):
                 state[r].copy_(t)
-        if self.auto:
+        if self.auto and not self.host_tree:
             rows = self.depths - 1  # [b, N]: the drafted row of each node
             row_ids = ids.gather(1, rows[:, :, None].expand(-1, -1, self.K))  # [b, N, K]
             rank = (row_ids == self.tokens[:, :, None]).long().argmax(2, keepdim=True)
