@@ -364,6 +364,20 @@ def _tree_attention_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    # A K / V tile's element offsets within the kv head: the tile's first key times the key
+    # stride (a scalar, once per tile) plus these, the same for every tile (loop-invariant,
+    # formed once), so a tile's addresses cost one int32 add per element rather than a
+    # multiply-add from its key index; this keeps the bf16 D = 128 x 32-row and D = 64 x
+    # 64-row tiles under 255 registers (they spilled 8-64 B with Triton 3.9 when every
+    # offset was rebuilt from the key index). The int64 base is added last, to the int32
+    # sum: an int64 tile base plus these would let the compiler hoist a 64-bit copy of every
+    # element's offset out of the key loops (twice their registers). int32 is in range: an
+    # offset, masked lanes included (less than one tile past the last key, BLOCK_D - 1 past
+    # the head dim), is below (S + BLOCK_N) * stride_s + BLOCK_D * stride_d, which the
+    # launcher checks is below 2^31 (_check_kv_offsets); the batch row and kv head offsets
+    # are in the int64 bases.
+    k_offs = lane[None, :] * stride_ks + offs_d[:, None] * stride_kd
+    v_offs = lane[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
     if HAS_SINKS and not SPLIT_KEYS:
         # The sink as one more key with value 0: exp(sink - m) in the denominator only.
@@ -410,12 +424,11 @@ def _tree_attention_kernel(
 
     # Prefix keys: visible to every row; masked only at the ragged end and by the window.
     for unit in range(lo, tl.minimum(hi, prefix_units)):
-        offs_n = unit * BLOCK_N + lane
+        first_key = unit * BLOCK_N
+        offs_n = first_key + lane
         n_ok = offs_n < prefix_len
-        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_base + (first_key * stride_ks + k_offs), mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_base + (first_key * stride_vs + v_offs), mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -447,11 +460,9 @@ def _tree_attention_kernel(
         if WINDOW:
             pos_k = tl.load(pos_ptr + nodes.to(tl.int64) * stride_pos, mask=n_ok, other=0).to(tl.int32)
             visible = visible & ((pos_q[:, None] - pos_k[None, :]) < window)
-        offs_n = prefix_len + nodes
-        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        first_key = prefix_len + first_node
+        k = tl.load(k_base + (first_key * stride_ks + k_offs), mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_base + (first_key * stride_vs + v_offs), mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -822,6 +833,20 @@ def _batch_stride(x: torch.Tensor) -> int:
     return x.stride(0) if x.shape[0] > 1 else 0
 
 
+def _check_kv_offsets(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> None:
+    """The attention kernel's K / V element offsets within one kv head are int32 (its batch row and head
+    offsets are int64): every one, masked lanes included (less than one key tile past the last key,
+    ``BLOCK_D - 1`` past the head dim), is below ``(S + BLOCK_N) * stride_s + BLOCK_D * stride_d``, which must
+    stay below 2^31."""
+    for name, x in (("key", k), ("value", v)):
+        extent = (x.shape[2] + block_n) * x.stride(2) + block_d * x.stride(3)
+        if extent >= 2**31:
+            raise ValueError(
+                f"tree_attention: {name} spans {extent} elements within one kv head ((S + {block_n}) * "
+                f"stride {x.stride(2)} + {block_d} * stride {x.stride(3)}), past the kernel's int32 offsets "
+                f"(2^31); use a layout with the keys of one head closer together, e.g. [b, Hkv, S, D] views")
+
+
 def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits=None, config=None):
     q, k, v, bits, positions, prefix_len = inputs[:6]
     b, hq, n_tree, head_dim = q.shape
@@ -834,6 +859,7 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
     block_m, block_n, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     if block_n % 32 != 0 or block_m < 16 or block_d < head_dim:
         raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0, BLOCK_M >= 16, BLOCK_D >= D, got {cfg}")
+    _check_kv_offsets(k, v, block_n, block_d)
     out = torch.empty(b, hq, n_tree, head_dim, dtype=q.dtype, device=device)
     if n_tree == 0 or b == 0:
         return out if inputs.batched else out[0]
@@ -926,7 +952,10 @@ def tree_attention(
             without a batch dim only with ``b = 1``), ``S = prefix_len + T``;
             any strides (e.g. ``cache[l, 0, :, :S]`` of a ``[L, 2, Hkv, Smax, D]``
             buffer, or ``kv[:, l, 0]`` of a ``[b, L, 2, Hkv, Smax, D]`` one,
-            whose batch stride may pass 2^31 elements): nothing is copied.
+            whose batch stride may pass 2^31 elements): nothing is copied;
+            the Triton kernel addresses one kv head's keys with int32
+            offsets: ``(S + 64) * stride(-2) + 256 * stride(-1) < 2^31``
+            always suffices (a longer span is refused).
             ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq //
             Hkv)``. ``1 <= D <= 256``.
         bits: ``[T, >= ceil(T/32)]`` int32 bitmask (tree key ``j`` visible to

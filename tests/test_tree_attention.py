@@ -607,3 +607,18 @@ def test_errors_are_clear():
         dk.tree_attention(q, k, v, bits, 3, sinks=torch.zeros(4, device="meta"))
     with pytest.raises(ValueError, match="softcap"):
         dk.warmup_tree_attention(q, k, v, bits, 3, softcap=-2.0)
+
+
+def test_kv_offsets_past_int32_are_refused():
+    """The kernel's K / V offsets within one kv head are int32: a view whose keys of one head span 2^31
+    elements or more (with a tile of slack for masked lanes) is refused by the Triton launcher, not read
+    through wrapped offsets. Meta tensors: no memory, and the check runs before any launch."""
+    n_tree, prefix, d = 5, 3, 16
+    q = torch.empty(4, n_tree, d, device="meta")
+    bits = torch.empty(n_tree, 1, dtype=torch.int32, device="meta")
+    wide = torch.empty_strided((2, prefix + n_tree, d), (0, 2**26, 1), device="meta")
+    with pytest.raises(ValueError, match=r"key spans .* int32 offsets \(2\^31\)"):
+        tree_attention_triton(q, wide, wide, bits, prefix)
+    narrow = torch.empty_strided((2, prefix + n_tree, d), (0, 2**20, 1), device="meta")
+    with pytest.raises(ValueError, match=r"value spans"):
+        tree_attention_triton(q, narrow, wide, bits, prefix)
