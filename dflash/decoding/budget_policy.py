@@ -130,6 +130,18 @@ class BudgetPolicy:
         self.mass = []
         self.choices = []
 
+    def fresh(self) -> "BudgetPolicy":
+        """A policy with this one's set-up measurement and nothing learned: what a sampled generation runs with.
+
+        A sampled round draws its noise by verify row, so the tokens a seed gives depend on the trees verified;
+        learned residuals (wall-clock seconds) and calibration carried over from other generations would make
+        them differ from call to call. With the measured costs alone (kept per process) and what this
+        generation's own rounds show (observed without seconds), the same seed chooses the same buckets and
+        gives the same tokens in one process."""
+        copy = BudgetPolicy(self.short, self.long, self.lengths)
+        copy.start()
+        return copy
+
     def measured(self, length: int) -> List[float]:
         """The set-up measurement's seconds per bucket at ``length`` committed tokens (linear in the length,
         extrapolated past the two measured lengths, never below the shorter length's)."""

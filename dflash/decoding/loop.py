@@ -66,8 +66,11 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
     rnd = steps.rnd
     n, b = len(prompts), rnd.b
     policy = steps.policy
+    timed = True
     if policy is not None:
         policy.start()
+        if not rnd.sampling.greedy:  # reproducible under a seed (BudgetPolicy.fresh)
+            policy, timed = policy.fresh(), False
     rnd.reset(seed)
     # a compiled round's batch bucket may hold more sequences than prompts: the extra ones run the first prompt's
     # first token, stopped from the start (computed, never committed)
@@ -103,7 +106,8 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
             host = rnd.payload_rows(reader.read(payload))
             news = [rnd.committed_tokens(host[i]) if i in live else [] for i in range(rnd.b)]
             if policy is not None:
-                _observe(policy, rnd, bucket, [host[i] for i in live], time.perf_counter() - began, max(before))
+                _observe(policy, rnd, bucket, [host[i] for i in live], time.perf_counter() - began if timed else 0.0,
+                         max(before))
             rnd.mirror(device_committed, [len(new) for new in news])
             ended = []
             for i, committed in zip(live, before):
