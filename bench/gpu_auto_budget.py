@@ -80,6 +80,30 @@ class SteeredDraft(DFlashDraftModel):
         return (A.transpose(1, 2) @ coeff).squeeze(-1).view(b, B, -1).to(block_embeds.dtype)
 
 
+def steered_pair(args, device):
+    """``(target, draft, prompt [P], reference [1, P + n], dtype, layers)``: the Qwen3-8B-shaped target cut to
+    ``args.layers`` (default 4) in ``args.dtype`` (tiny, fp32 and 2 layers with ``args.tiny``), a random prompt of
+    ``args.prompt_len``, the target's greedy text of ``args.new_tokens`` after it, and a 2-layer
+    :class:`SteeredDraft` of block ``args.block`` steered to that text with ``args.p_right``."""
+    shape = TINY if args.tiny else QWEN3_8B
+    dtype = torch.float32 if args.tiny else getattr(torch, args.dtype)
+    layers = args.layers or (2 if args.tiny else 4)
+    target = build_target(shape, layers, dtype, device)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).to(device)
+    with torch.inference_mode():
+        ref = target.generate(prompt[None], max_new_tokens=args.new_tokens, do_sample=False)
+    cfg = dflash.make_draft_config(
+        hidden_size=shape["hidden_size"], num_hidden_layers=2, num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"], intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"], num_target_layers=layers, block_size=args.block,
+        mask_token_id=shape["vocab_size"] - 1, target_layer_ids=[0, layers - 1], head_dim=shape["head_dim"],
+        max_position_embeddings=32768)
+    torch.manual_seed(1)
+    draft = SteeredDraft(cfg, target.lm_head.weight, ref, args.p_right).to(device=device, dtype=dtype).eval()
+    return target, draft, prompt, ref, dtype, layers
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -105,23 +129,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if fail_without_cuda(torch, device, PROG):
         return 2
-    shape = TINY if args.tiny else QWEN3_8B
-    dtype = torch.float32 if args.tiny else getattr(torch, args.dtype)
-    layers = args.layers or (2 if args.tiny else 4)
     budgets = [int(x) for x in args.budgets.split(",") if x.strip()]
-    target = build_target(shape, layers, dtype, device)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).to(device)
-    with torch.inference_mode():
-        ref = target.generate(prompt[None], max_new_tokens=args.new_tokens, do_sample=False)
-    cfg = dflash.make_draft_config(
-        hidden_size=shape["hidden_size"], num_hidden_layers=2, num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"], intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"], num_target_layers=layers, block_size=args.block,
-        mask_token_id=shape["vocab_size"] - 1, target_layer_ids=[0, layers - 1], head_dim=shape["head_dim"],
-        max_position_embeddings=32768)
-    torch.manual_seed(1)
-    draft = SteeredDraft(cfg, target.lm_head.weight, ref, args.p_right).to(device=device, dtype=dtype).eval()
+    target, draft, prompt, ref, dtype, layers = steered_pair(args, device)
     rows = [(f"ddtree {b}", b) for b in budgets] + [("ddtree auto", list(budgets))]
     stats = {name: dict(tokens=0, seconds=0.0, rounds=0, committed=0, equal=True, nodes=[]) for name, _ in rows}
     kw = dict(method="ddtree", max_new_tokens=args.new_tokens)

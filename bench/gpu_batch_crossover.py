@@ -30,9 +30,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_auto_budget import SteeredDraft  # noqa: E402
+from gpu_auto_budget import steered_pair  # noqa: E402
 from gpu_common import add_dry_run, apply_dry_run, default_json, fail_without_cuda, write_json  # noqa: E402
-from gpu_round_latency import QWEN3_8B, TINY, build_target  # noqa: E402
 
 import dflash  # noqa: E402
 
@@ -69,22 +68,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if fail_without_cuda(torch, device, PROG):
         return 2
-    shape = TINY if args.tiny else QWEN3_8B
-    dtype = torch.float32 if args.tiny else getattr(torch, args.dtype)
-    layers = args.layers or (2 if args.tiny else 4)
-    target = build_target(shape, layers, dtype, device)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, shape["vocab_size"], (args.prompt_len,), generator=gen).to(device)
-    with torch.inference_mode():
-        ref = target.generate(prompt[None], max_new_tokens=args.new_tokens, do_sample=False)
-    cfg = dflash.make_draft_config(
-        hidden_size=shape["hidden_size"], num_hidden_layers=2, num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"], intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"], num_target_layers=layers, block_size=args.block,
-        mask_token_id=shape["vocab_size"] - 1, target_layer_ids=[0, layers - 1], head_dim=shape["head_dim"],
-        max_position_embeddings=32768)
-    torch.manual_seed(1)
-    draft = SteeredDraft(cfg, target.lm_head.weight, ref, args.p_right).to(device=device, dtype=dtype).eval()
+    target, draft, prompt, ref, dtype, layers = steered_pair(args, device)
     methods = [("ar", None), ("dflash", None)] + [(f"ddtree {b}", b) for b in args.budgets]
     rows = [(name, budget, b) for b in args.batch_sizes for name, budget in methods]
     stats = {row: dict(tokens=0, seconds=0.0, rounds=0, committed=0, equal=True) for row in rows}

@@ -206,6 +206,18 @@ def test_bucket_acceptance_is_each_prefix_trees_walk(reference_ops):
 
 
 # ------------------------------------------------------------------ generation
+def cycle_buckets(monkeypatch):
+    """Make the policy pick a new bucket every round (0, 1, 2, ... round robin)."""
+    turn = iter(range(10 ** 6))
+
+    def cycle(self, length=0):
+        v = next(turn) % len(self.short)
+        self.choices.append(v)
+        return v
+
+    monkeypatch.setattr(BudgetPolicy, "choose", cycle)
+
+
 @pytest.mark.parametrize("mode", [False, "static"])
 @pytest.mark.parametrize("dflash2", [False, True])
 def test_auto_is_lossless(reference_ops, mode, dflash2):
@@ -221,14 +233,7 @@ def test_every_bucket_choice_is_lossless(reference_ops, monkeypatch):
     """Whatever the policy picks (here: a new bucket every round), the tokens are the target's."""
     target, draft = pair()
     ref = greedy(target, 30)
-    turn = iter(range(10 ** 6))
-
-    def cycle(self, length=0):
-        v = next(turn) % len(self.short)
-        self.choices.append(v)
-        return v
-
-    monkeypatch.setattr(BudgetPolicy, "choose", cycle)
+    cycle_buckets(monkeypatch)
     out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=30, tree_budget=[1, 2, 5, 11])
     assert torch.equal(out.output_ids, ref)
     assert set(out.tree_sizes) == {1, 2, 5, 11}
@@ -280,14 +285,7 @@ def test_traced_auto_one_graph_per_bucket_and_no_recompile(reference_ops, trace_
     from torch._dynamo.utils import counters
     target, draft = pair()
     ref = greedy(target, 30)
-    turn = iter(range(10 ** 6))
-
-    def cycle(self, length=0):
-        v = next(turn) % len(self.short)
-        self.choices.append(v)
-        return v
-
-    monkeypatch.setattr(BudgetPolicy, "choose", cycle)
+    cycle_buckets(monkeypatch)
     kw = dict(method="ddtree", max_new_tokens=30, tree_budget=[2, 5, 11], compile=True)
     out = dflash.generate(target, draft, PROMPT, **kw)
     assert torch.equal(out.output_ids, ref)
