@@ -340,6 +340,19 @@ def test_policy_picks_the_best_tokens_per_second():
     assert policy.choose() == max(range(3), key=rates.__getitem__)
 
 
+def test_policy_opens_a_generation_with_the_last_ones_usual_bucket():
+    policy = BudgetPolicy([1.0, 1.2, 2.0])
+    policy.start()
+    assert policy.choose() == 1  # nothing known: the middle bucket
+    for _ in range(5):
+        policy.observe(policy.choices[-1], [1, 1, 1], [0.2, 0.3, 0.35])
+        policy.choose()
+    assert policy.choices.count(0) > len(policy.choices) // 2  # low masses: the cheapest bucket wins
+    policy.start()
+    assert policy.choose() == 0  # the next text opens where the last one mostly was, not at the middle
+    assert policy.fresh().choose() == 1  # a sampled generation's policy knows nothing learned
+
+
 def test_policy_calibration_follows_what_was_accepted():
     """A drafter twice too confident about the big tree: the ratio learned from rounds that show it halves its
     estimate, and the cheaper bucket wins."""

@@ -124,9 +124,13 @@ class BudgetPolicy:
         self.accepted = [0.0] * V  # decayed sums of the drafts each bucket accepted, over the rounds showing it
         self.predicted = [0.0] * V  # and of the mass the drafter gave them
         self.choices: List[int] = []
+        self.opening: Optional[int] = None  # the first round's bucket: the one the last generation chose most
 
     def start(self) -> None:
-        """A new generation: the smoothed masses start over (a new text), the calibration and costs carry on."""
+        """A new generation: the smoothed masses start over (a new text), the calibration and costs carry on,
+        and the first round (no masses yet) takes the bucket the previous generation chose most often."""
+        if self.choices:
+            self.opening = max(set(self.choices), key=lambda v: (self.choices.count(v), -v))
         self.mass = []
         self.choices = []
 
@@ -173,9 +177,10 @@ class BudgetPolicy:
 
     def choose(self, length: int = 0) -> int:
         """The bucket of the next round, with ``length`` tokens committed: the best expected tokens per second
-        (the middle bucket at first)."""
+        (before any round of this generation: the previous generation's most chosen bucket, the middle one at the
+        very first)."""
         if not self.mass:
-            v = (len(self.short) - 1) // 2
+            v = (len(self.short) - 1) // 2 if self.opening is None else self.opening
         else:
             rates = [e / c for e, c in zip(self.expected(), self.costs(length))]
             v = max(range(len(rates)), key=rates.__getitem__)
