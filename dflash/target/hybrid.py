@@ -2,7 +2,8 @@
 
 A hybrid decoder interleaves full-attention layers (K/V in our cache, as for
 dense targets) with Gated-DeltaNet linear-attention layers. Such a layer keeps,
-per sequence, no K/V but
+per sequence (a batch of ``b`` sequences keeps ``b`` of each, in
+:class:`LinearStates`), no K/V but
 
 * a causal-convolution window: its last ``K`` conv inputs ``[K, C]`` (``K =
   linear_conv_kernel_dim``, ``C = 2 Hk Dk + Hv Dv``; transformers keeps ``K``
@@ -24,15 +25,18 @@ recurrent states). Here a verify pass never touches the committed state:
   recurrence from the committed state (:func:`dflash_kernels.gated_delta_tree`:
   node ``i`` starts from its parent's state), and the outputs; the pass's conv
   inputs, conv outputs (``q | k | v``), ``g`` and ``beta`` are stashed
-  per layer in :class:`LinearStates` (``[L_lin, T, .]``: a few rows of
-  activations, not ``T`` states);
-* **commit** (a decoding round's ``advance(rows, count)`` for a chain, rows
-  ``0..count-1``, or ``compact_advance(path, path_len)`` for a tree, the
-  accepted path; ``commit(n)`` after an eager chain pass): ONE
+  per layer in :class:`LinearStates` (``[L_lin, b, T, .]``: a few rows of
+  activations per sequence, not ``T`` states); a batch's sequences each run
+  their own tree (``parents [b, T]``) from their own window and state;
+* **commit** (a decoding round's ``advance(rows, count [b])`` for a chain,
+  rows ``0..count[r]-1`` of sequence ``r``, or ``compact_advance(path [b,
+  A], path_len [b])`` for a tree, each accepted path; ``commit(n)`` after an
+  eager chain pass of one sequence): ONE
   :func:`dflash_kernels.gated_delta_replay_` launch advances every linear
-  layer's committed state through exactly the accepted rows (the row count
-  read on the device), and :func:`dflash_kernels.conv_window_after` moves
-  every window. The state then equals what plain decoding of the committed
+  layer's committed state of every sequence through exactly its accepted
+  rows (the row counts read on the device; a count of 0, a stopped sequence
+  of a traced round, leaves its states as they are), and
+  :func:`dflash_kernels.conv_window_after` moves every window. The state then equals what plain decoding of the committed
   tokens holds. Rows past the count are never applied.
 
 Replay instead of per-step checkpoints (writing the state after every block
@@ -56,7 +60,16 @@ linear-attention cache protocol (below): its chunked rule for prefill and its
 per-token decode path, so prefill and AR states are exactly transformers'.
 Such a pass advances the states in place; committing fewer rows than it ran
 is an error (it cannot be rolled back), as is cropping a hybrid cache to any
-length but its own or 0.
+length but its own or 0. It runs one sequence: a batch prefills each
+sequence's prompt through :meth:`HybridKVCache.row` (its K/V rows, windows and
+states are views of that sequence's), one after the other, never a padded
+batched pass (a pad row would run through a shorter prompt's recurrence).
+
+**Batches** follow :class:`~dflash.cache.KVBuffer`: :meth:`HybridKVCache.narrow`
+views the first ``n`` sequences' states, :meth:`HybridKVCache.move_row` copies
+one sequence's windows and states into another's place (an eager round drops
+a stopped sequence, ``Round.retire``), and a traced round keeps a stopped
+sequence, which commits 0 rows.
 
 **transformers' protocol** (both 5.17 and 5.24 read the module's cache this
 way): 5.24 calls ``get_conv_state(layer, state_idx=0)``,
