@@ -139,8 +139,8 @@ def state_errors(ours, theirs) -> tuple:
     """Largest relative error over the linear layers: (recurrent states, conv windows)."""
     e_state = e_conv = 0.0
     for layer, slot in ours.linear.slots.items():
-        e_state = max(e_state, rel_err(ours.linear.state[slot], theirs.layers[layer].recurrent_states[0][0]))
-        e_conv = max(e_conv, rel_err(ours.linear.conv[slot].t(), theirs.layers[layer].conv_states[0][0]))
+        e_state = max(e_state, rel_err(ours.linear.state[slot, 0], theirs.layers[layer].recurrent_states[0][0]))
+        e_conv = max(e_conv, rel_err(ours.linear.conv[slot, 0].t(), theirs.layers[layer].conv_states[0][0]))
     return e_state, e_conv
 
 

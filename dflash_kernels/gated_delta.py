@@ -9,6 +9,13 @@ key head ``h // (Hv // Hk)``, node ``i`` with parent state ``S_p``::
 
     S' = exp(g_i) S_p ;  delta = beta_i (v_i - S'^T k_i) ;  S_i = S' + k_i delta^T ;  o_i = S_i^T q_i
 
+Every op takes one sequence or a batch of ``b`` sequences (a leading ``[b]``
+on each per-sequence tensor, after the layer dim where there is one): each
+sequence has its own committed state and window, its own tree (``parents [b,
+N]``; the node count ``N`` is shared) and its own accepted rows and count
+(``rows [b, A]``, ``num_rows [b]``). One sequence is the batch of one: the
+same kernels and launchers, so its results are those of a batch row.
+
 Ops (Triton on CUDA / the interpreter, else the reference; ``get_backend``):
 
 * :func:`gated_delta_tree` (Triton): outputs of every node of a tree (or chain).
@@ -22,9 +29,9 @@ Ops (Triton on CUDA / the interpreter, else the reference; ``get_backend``):
 
 Tree-scan kernel
 ----------------
-Grid ``(Hv, cdiv(Dv, BV))``: a program (one CTA) owns the ``[Dk, BV]`` slice
-of one value head's state, fp32 in registers, and walks the nodes in index
-order. When ``parents[i] == i - 1`` (every step of a chain) the registers
+Grid ``(Hv, cdiv(Dv, BV), b)``: a program (one CTA) owns the ``[Dk, BV]``
+slice of one value head's state of one sequence, fp32 in registers, and walks
+that sequence's nodes in index order. When ``parents[i] == i - 1`` (every step of a chain) the registers
 already hold the parent's state: no state traffic at all. Otherwise it loads
 the parent's slice, from ``state`` when the parent is ``-1`` or from the
 per-node ``scratch`` that it stored at the parent's own iteration. Every
@@ -52,8 +59,10 @@ across threads) at an iteration ``i > p`` with ``parents[i] == p != i - 1``.
    its flag is set precisely because node ``i`` (``parents[i] = p``, ``i !=
    p + 1``) reloads it. Each scratch slot is written once (at its own
    iteration), so no later store overwrites a slice before a reader.
-4. Different programs own different ``(h, v-columns)``, i.e. disjoint state,
-   scratch and output elements: no ordering between CTAs is needed. ``state``,
+4. Different programs own different ``(sequence, h, v-columns)``, i.e.
+   disjoint scratch and output elements (a sequence's scratch and outputs are
+   its own ``[r]`` rows) and read disjoint state elements: no ordering
+   between CTAs is needed. ``state``,
    ``q``, ``k``, ``v``, ``g``, ``beta`` and ``parents`` are only read; the
    caller must not alias ``scratch`` or ``out`` with them. A parent ``-1``
    reloads from ``state``, which nothing writes: no hazard there.
@@ -69,13 +78,16 @@ under ``flags[i] != 0``, again one value for the whole CTA.
 
 Replay kernel
 -------------
-Grid ``(L, Hv, cdiv(Dv, BV))``: load the slice, read ``n = clamp(num_rows, 0,
-A)`` on the device, loop ``j < n`` (row ``rows[j]``, one load each), then
-store the slice over the one it loaded. The store overwrites elements other
+Grid ``(L * b, Hv, cdiv(Dv, BV))`` (program ``l * b + r`` on axis 0: layer
+``l`` of sequence ``r``): load the slice, read ``n = clamp(num_rows[r], 0,
+A)`` on the device, loop ``j < n`` (row ``rows[r, j]``, one load each), then
+store the slice over the one it loaded (a count of 0 stores what it loaded:
+a stopped sequence's state is unchanged). The store overwrites elements other
 threads loaded at the start (write after read): a ``tl.debug_barrier()``
 before the store makes every thread's initial load performed first (same
 argument as above; the loop bound is one loaded value, so the barrier is
-uniform). Programs own disjoint slices.
+uniform). Programs own disjoint slices: distinct ``(l, r, h, v-block)``
+address distinct elements of ``state [L, b, Hv, Dk, Dv]``.
 
 Conv kernel (Triton, not torch)
 -------------------------------
@@ -84,7 +96,8 @@ dependent steps of a few ops each), a concatenation, a gather, ``conv1d`` and
 the activation: some 20 launches per layer per round at ``K = 4``, against
 one kernel that follows the parent pointers itself and reads every input
 once (the launch count, not the bytes, is what costs at these sizes).
-Grid ``(cdiv(N, BN), cdiv(C, BC))``; fp32 accumulation of
+Grid ``(cdiv(N, BN), cdiv(C, BC), b)`` (sequence ``r`` reads its own ``x``,
+window and parents and writes its own output rows); fp32 accumulation of
 ``weight[:, K-1-m] * tap_m`` after casting each tap to the weight's dtype
 (transformers casts the concatenated inputs to the weight's dtype), the conv
 result rounded to the weight's dtype, the SiLU in fp32 rounded again (as
@@ -155,33 +168,47 @@ def _l2norm(x, QK_L2NORM: tl.constexpr):
 
 @triton.jit(do_not_specialize=TREE_DYNAMIC_INTS)
 def _gated_delta_tree_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [N, Hk, Dk] x2, [N, Hv, Dv], [N, Hv] x2
-    state_ptr,  # fp32 [Hv, Dk, Dv], read only
-    parents_ptr,  # int [N] (unused with CHAIN)
-    flags_ptr,  # int32 [N]: store node i's slice (read with STORE == 2 only)
-    out_ptr,  # [N, Hv, Dv] in v's dtype
-    scratch_ptr,  # fp32 [>= N, Hv, Dk, Dv] per-node states (unused with STORE == 0)
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [b, N, Hk, Dk] x2, [b, N, Hv, Dv], [b, N, Hv] x2
+    state_ptr,  # fp32 [b, Hv, Dk, Dv], read only
+    parents_ptr,  # int [b, N] (unused with CHAIN)
+    flags_ptr,  # int32 [b, N]: store node i's slice (read with STORE == 2 only)
+    out_ptr,  # [b, N, Hv, Dv] in v's dtype
+    scratch_ptr,  # fp32 [b, >= N, Hv, Dk, Dv] per-node states (unused with STORE == 0)
     n_nodes, group, dim_k, dim_v, scale,
-    stride_qn, stride_qh, stride_qd,
-    stride_kn, stride_kh, stride_kd,
-    stride_vn, stride_vh, stride_vd,
-    stride_gn, stride_gh,
-    stride_bn, stride_bh,
-    stride_sh, stride_sk, stride_sv,
-    stride_on, stride_oh, stride_od,
-    stride_xn, stride_xh, stride_xk, stride_xv,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gn, stride_gh,
+    stride_bb, stride_bn, stride_bh,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    stride_pb, stride_fb,
+    stride_ob, stride_on, stride_oh, stride_od,
+    stride_xb, stride_xn, stride_xh, stride_xk, stride_xv,
     CHAIN: tl.constexpr, STORE: tl.constexpr, QK_L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Program (value head h, value columns block): the nodes in order, the state slice in registers."""
+    """Program (value head h, value columns block, sequence r): the nodes of sequence r's tree in order, the
+    state slice in registers. Every pointer is first moved to sequence r's rows (its own tree, state, scratch
+    and outputs)."""
     h = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(2).to(tl.int64)
+    q_ptr += r * stride_qb
+    k_ptr += r * stride_kb
+    v_ptr += r * stride_vb
+    g_ptr += r * stride_gb
+    beta_ptr += r * stride_bb
+    parents_ptr += r * stride_pb
+    flags_ptr += r * stride_fb
+    out_ptr += r * stride_ob
     hk = h // group
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
     k_ok = offs_k < dim_k
     v_ok = offs_v < dim_v
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    state_tile = state_ptr + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
-    scratch_tile = scratch_ptr + h * stride_xh + offs_k[:, None] * stride_xk + offs_v[None, :] * stride_xv
+    state_tile = (state_ptr + r * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk
+                  + offs_v[None, :] * stride_sv)
+    scratch_tile = (scratch_ptr + r * stride_xb + h * stride_xh + offs_k[:, None] * stride_xk
+                    + offs_v[None, :] * stride_xv)
     s = tl.load(state_tile, mask=tile_ok, other=0.0)
     for i in range(n_nodes):
         row = tl.cast(i, tl.int64)
@@ -216,20 +243,24 @@ def _gated_delta_tree_kernel(
 
 @triton.jit(do_not_specialize=REPLAY_DYNAMIC_INTS, do_not_specialize_on_alignment=REPLAY_UNALIGNED_PTRS)
 def _gated_delta_replay_kernel(
-    state_ptr,  # fp32 [L, Hv, Dk, Dv], advanced in place
-    k_ptr, v_ptr, g_ptr, beta_ptr,  # [L, N, Hk, Dk], [L, N, Hv, Dv], [L, N, Hv] x2 (q does not enter the state)
-    rows_ptr,  # int [A]: the accepted rows, in order (the same for every layer)
-    count_ptr,  # int [1]: how many of them (read on the device)
-    n_rows, group, dim_k, dim_v,
-    stride_sl, stride_sh, stride_sk, stride_sv,
-    stride_kl, stride_kn, stride_kh, stride_kd,
-    stride_vl, stride_vn, stride_vh, stride_vd,
-    stride_gl, stride_gn, stride_gh,
-    stride_bl, stride_bn, stride_bh,
+    state_ptr,  # fp32 [L, b, Hv, Dk, Dv], advanced in place
+    k_ptr, v_ptr, g_ptr, beta_ptr,  # [L, b, N, Hk, Dk], [L, b, N, Hv, Dv], [L, b, N, Hv] x2 (q: not needed)
+    rows_ptr,  # int [b, A]: each sequence's accepted rows, in order (the same for every layer)
+    count_ptr,  # int [b]: how many of them (read on the device)
+    n_rows, n_batch, group, dim_k, dim_v,
+    stride_sl, stride_sb, stride_sh, stride_sk, stride_sv,
+    stride_kl, stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vl, stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gl, stride_gb, stride_gn, stride_gh,
+    stride_bl, stride_bb, stride_bn, stride_bh,
+    stride_rb, stride_cb,
     QK_L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Program (layer, value head, value columns block): the accepted rows in order, then one store."""
-    layer = tl.program_id(0).to(tl.int64)
+    """Program (layer x sequence, value head, value columns block): the sequence's accepted rows in order,
+    then one store."""
+    pid = tl.program_id(0)
+    layer = (pid // n_batch).to(tl.int64)
+    r = (pid % n_batch).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hk = h // group
     offs_k = tl.arange(0, BK)
@@ -237,14 +268,15 @@ def _gated_delta_replay_kernel(
     k_ok = offs_k < dim_k
     v_ok = offs_v < dim_v
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    state_tile = (state_ptr + layer * stride_sl + h * stride_sh + offs_k[:, None] * stride_sk
+    state_tile = (state_ptr + layer * stride_sl + r * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk
                   + offs_v[None, :] * stride_sv)
     s = tl.load(state_tile, mask=tile_ok, other=0.0)
-    k_base = k_ptr + layer * stride_kl + hk * stride_kh + offs_k * stride_kd
-    v_base = v_ptr + layer * stride_vl + h * stride_vh + offs_v * stride_vd
-    g_base = g_ptr + layer * stride_gl + h * stride_gh
-    b_base = beta_ptr + layer * stride_bl + h * stride_bh
-    n = tl.minimum(tl.maximum(tl.load(count_ptr).to(tl.int32), 0), n_rows)
+    k_base = k_ptr + layer * stride_kl + r * stride_kb + hk * stride_kh + offs_k * stride_kd
+    v_base = v_ptr + layer * stride_vl + r * stride_vb + h * stride_vh + offs_v * stride_vd
+    g_base = g_ptr + layer * stride_gl + r * stride_gb + h * stride_gh
+    b_base = beta_ptr + layer * stride_bl + r * stride_bb + h * stride_bh
+    rows_ptr += r * stride_rb
+    n = tl.minimum(tl.maximum(tl.load(count_ptr + r * stride_cb).to(tl.int32), 0), n_rows)
     for j in range(0, n):
         row = tl.load(rows_ptr + j).to(tl.int64)
         k = tl.load(k_base + row * stride_kn, mask=k_ok, other=0.0)
@@ -263,21 +295,28 @@ def _gated_delta_replay_kernel(
 
 @triton.jit(do_not_specialize=CONV_DYNAMIC_INTS)
 def _causal_conv_tree_kernel(
-    x_ptr,  # [N, C]
-    window_ptr,  # [K-1, C], oldest row first
+    x_ptr,  # [b, N, C]
+    window_ptr,  # [b, K-1, C], oldest row first
     weight_ptr,  # [C, K]
     bias_ptr,  # [C] (read with HAS_BIAS only)
-    parents_ptr,  # int [N] (unused with CHAIN)
-    y_ptr,  # [N, C] in x's dtype
+    parents_ptr,  # int [b, N] (unused with CHAIN)
+    y_ptr,  # [b, N, C] in x's dtype
     n_nodes, channels,
-    stride_xn, stride_xc, stride_wr, stride_wc, stride_fc, stride_fk, stride_yn, stride_yc,
+    stride_xb, stride_xn, stride_xc, stride_wb, stride_wr, stride_wc, stride_fc, stride_fk, stride_pb,
+    stride_yb, stride_yn, stride_yc,
     K: tl.constexpr, CHAIN: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BN: tl.constexpr, BC: tl.constexpr,
 ):
-    """Program (node block, channel block): walk each node's K taps up its ancestors, then the window.
+    """Program (node block, channel block, sequence r): walk each node's K taps up its ancestors in sequence
+    r's tree, then r's window.
 
     ``e`` indexes ``concat(window, x)``: window row ``e`` when ``e < K-1``, else node ``e - (K-1)``.
     """
+    r = tl.program_id(2).to(tl.int64)
+    x_ptr += r * stride_xb
+    window_ptr += r * stride_wb
+    parents_ptr += r * stride_pb
+    y_ptr += r * stride_yb
     nodes = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     n_ok = nodes < n_nodes
@@ -338,26 +377,58 @@ def _require_index(op, name, t, device, shapes):
         raise ValueError(f"{op}: {name} must have shape {allowed}, got {list(t.shape)}")
 
 
-def _require_rows(op, rows, device):
+def _require_rows(op, rows, device, batch=None):
+    """``rows [A]`` (shared by every sequence), or ``[b, A]`` when ``batch`` is the batch ``b`` of a batched call."""
     _require_tensor(op, "rows", rows)
-    if rows.dim() != 1:
-        raise ValueError(f"{op}: rows must be 1-D [A], got shape {list(rows.shape)}")
+    dims = (1,) if batch is None else (1, 2)
+    if rows.dim() not in dims or (rows.dim() == 2 and rows.shape[0] != batch):
+        want = "1-D [A]" if batch is None else f"[A] (every sequence's) or [b, A] = [{batch}, A]"
+        raise ValueError(f"{op}: rows must be {want}, got shape {list(rows.shape)}")
     _require_index(op, "rows", rows, device, [tuple(rows.shape)])
 
 
-def _check_qkv(op, q, k, v, g, beta, lead=()):
+def _require_counts(op, num_rows, device, batch=None):
+    """``num_rows [1]`` / ``[]``, or with a batch ``b`` also ``[b]`` (one count per sequence)."""
+    shapes = [(1,), ()] if batch is None else [(batch,), (1,), ()]
+    _require_index(op, "num_rows", num_rows, device, shapes)
+
+
+def _check_rows_values(op, rows, num_rows, n):
+    """Each sequence's count in ``[0, A]`` and its ``rows[:count]`` in ``[0, N)`` (host read: the debug path)."""
+    table = rows.detach().cpu().reshape(-1, rows.shape[-1])
+    counts = num_rows.detach().cpu().reshape(-1)
+    a = rows.shape[-1]
+    for r in range(max(table.shape[0], counts.numel())):
+        count = int(counts[r if counts.numel() > 1 else 0])
+        where = f" (sequence {r})" if max(table.shape[0], counts.numel()) > 1 else ""
+        if not 0 <= count <= a:
+            raise ValueError(f"{op}: num_rows = {count}{where} must be in [0, A] = [0, {a}] (A = len(rows))")
+        picked = table[r if table.shape[0] > 1 else 0, :count]
+        bad = (picked < 0) | (picked >= n)
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{op}: rows[{j}] = {int(picked[j])}{where} is not a row of the verify pass [0, {n})")
+
+
+def _check_qkv(op, q, k, v, g, beta, lead=(), lead_name="layer"):
     """Shapes, dtypes, devices: ``q, k [*lead, N, Hk, Dk]``, ``v [*lead, N, Hv, Dv]``, ``g, beta [*lead, N, Hv]``."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(op, name, t)
         _require_float(op, name, t)
     nl = len(lead)
     if q.dim() != 3 + nl or v.dim() != 3 + nl:
-        want = f"[L, N, H, D] (a leading layer dim L = {lead[0]}, as the state's)" if nl else "[N, H, D]"
+        if not nl:
+            want = "[N, H, D]"
+        elif lead_name == "layer":
+            want = (f"[L, N, H, D] (a leading layer dim L = {lead[0]}, as the state's)" if nl == 1 else
+                    f"[L, b, N, H, D] (leading layer and batch dims L = {lead[0]}, b = {lead[1]}, as the state's)")
+        else:
+            want = f"[b, N, H, D] (a leading batch dim b = {lead[0]}, as the state's)"
         raise ValueError(f"{op}: q, k and v must be {want}, got q {list(q.shape)} and v {list(v.shape)}")
     if k.shape != q.shape:
         raise ValueError(f"{op}: k must have q's shape {list(q.shape)}, got {list(k.shape)}")
     if tuple(q.shape[:nl]) != tuple(lead) or tuple(v.shape[:nl]) != tuple(lead):
-        raise ValueError(f"{op}: q and v must have the leading layer dim {list(lead)}, got q {list(q.shape)}, "
+        raise ValueError(f"{op}: q and v must have the leading {lead_name} dims {list(lead)}, got q {list(q.shape)}, "
                          f"v {list(v.shape)}")
     n, n_k_heads = q.shape[nl], q.shape[nl + 1]
     if v.shape[nl] != n:
@@ -390,12 +461,13 @@ def _check_scale(op, scale):
 
 
 def _check_parent_values(op, parents, n):
-    """``parents[i]`` in ``[-1, i)`` (host read: the debug path)."""
-    par = parents.detach().to("cpu", torch.int64)
+    """``parents[..., i]`` in ``[-1, i)`` for every sequence (host read: the debug path)."""
+    par = parents.detach().to("cpu", torch.int64).reshape(-1, n)
     bad = (par < -1) | (par >= torch.arange(n))
     if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{op}: parents[{i}] = {int(par[i])} must be in [-1, {i}) (a parent precedes its child; "
+        r, i = (int(x) for x in bad.nonzero()[0])
+        where = f"[{r}, {i}]" if parents.dim() == 2 else f"[{i}]"
+        raise ValueError(f"{op}: parents{where} = {int(par[r, i])} must be in [-1, {i}) (a parent precedes its child; "
                          "-1 means the committed state)")
 
 
@@ -403,21 +475,30 @@ def _check_parent_values(op, parents, n):
 
 
 def _branch_flags(parents: torch.Tensor, n: int) -> torch.Tensor:
-    """int32 ``[N]``: 1 where some node ``j != i + 1`` has parent ``i`` (its slice is reloaded)."""
+    """int32 ``[b, N]``: 1 where some node ``j != i + 1`` of the same sequence has parent ``i`` (its slice is
+    reloaded), from ``parents [b, N]``."""
     par = parents.to(torch.int64)
     idx = torch.arange(n, device=parents.device)
     jump = (par >= 0) & (par != idx - 1)
-    flags = torch.zeros(n + 1, dtype=torch.int32, device=parents.device)
-    flags.index_fill_(0, torch.where(jump, par, torch.full_like(par, n)), 1)
-    return flags[:n]
+    flags = torch.zeros(par.shape[0], n + 1, dtype=torch.int32, device=parents.device)
+    flags.scatter_(1, torch.where(jump, par, torch.full_like(par, n)), 1)
+    return flags[:, :n]
 
 
 def _tree_triton(q, k, v, g, beta, state, parents, scale, qk_l2norm, scratch, store_states):
-    n, n_v_heads, dim_v = v.shape
+    """The launch over a batch: ``q, k [b, N, Hk, Dk]``, ``v [b, N, Hv, Dv]``, ``g, beta [b, N, Hv]``, ``state [b,
+    Hv, Dk, Dv]``, ``parents [b, N]`` or None, ``scratch [b, >= N, Hv, Dk, Dv]`` or None -> ``[b, N, Hv, Dv]``.
+
+    Grid ``(Hv, cdiv(Dv, BV), b)``: program ``(h, j, r)`` reads sequence ``r``'s inputs, parents and state and
+    writes only sequence ``r``'s outputs ``out[r, :, h, j-block]`` and scratch slices ``scratch[r, :, h, :,
+    j-block]``: for ``r != r'`` those lie in different ``[r]`` rows of ``out`` / ``scratch``, and within a
+    sequence different ``(h, j)`` own disjoint columns. So no two programs write the same element, and a
+    program reads back only scratch elements it wrote itself (module docstring, points 1-4)."""
+    nb, n, n_v_heads, dim_v = v.shape
     dim_k = q.shape[-1]
-    out = torch.empty(n, n_v_heads, dim_v, dtype=v.dtype, device=v.device)
+    out = torch.empty(nb, n, n_v_heads, dim_v, dtype=v.dtype, device=v.device)
     if n == 0 or out.numel() == 0 or dim_k == 0:
-        if n and dim_k == 0:
+        if out.numel() and dim_k == 0:
             out.zero_()
         return out
     chain = parents is None
@@ -426,17 +507,19 @@ def _tree_triton(q, k, v, g, beta, state, parents, scale, qk_l2norm, scratch, st
     else:
         mode = STORE_ALL if (scratch is not None or not chain) else STORE_NONE
     if mode != STORE_NONE and scratch is None:
-        scratch = torch.empty(n, n_v_heads, dim_k, dim_v, dtype=torch.float32, device=v.device)
-    # Pointers a mode never reads get ``state`` as a stand-in (one fp32 signature per mode).
+        scratch = torch.empty(nb, n, n_v_heads, dim_k, dim_v, dtype=torch.float32, device=v.device)
+    # Pointers a mode never reads get ``state`` as a stand-in (one fp32 signature per mode), with stride 0.
     flags = _branch_flags(parents, n) if mode == STORE_FLAGGED else state
     scratch_arg = scratch if mode != STORE_NONE else state
-    xs = scratch_arg.stride() if mode != STORE_NONE else (0, 0, 0, 0)
+    xs = scratch_arg.stride() if mode != STORE_NONE else (0, 0, 0, 0, 0)
     cfg = state_config(dim_k, dim_v)
-    grid = (n_v_heads, triton.cdiv(dim_v, cfg["BV"]))
+    grid = (n_v_heads, triton.cdiv(dim_v, cfg["BV"]), nb)
     _gated_delta_tree_kernel[grid](
         q, k, v, g, beta, state, parents if parents is not None else state, flags, out, scratch_arg,
-        n, n_v_heads // q.shape[1], dim_k, dim_v, float(dim_k ** -0.5 if scale is None else scale),
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(), *out.stride(), *xs,
+        n, n_v_heads // q.shape[2], dim_k, dim_v, float(dim_k ** -0.5 if scale is None else scale),
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(),
+        parents.stride(0) if parents is not None else 0, flags.stride(0) if mode == STORE_FLAGGED else 0,
+        *out.stride(), *xs,
         CHAIN=chain, STORE=mode, QK_L2NORM=bool(qk_l2norm), BK=cfg["BK"], BV=cfg["BV"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -447,44 +530,52 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      state: torch.Tensor, parents: Optional[torch.Tensor] = None, *, scale: Optional[float] = None,
                      qk_l2norm: bool = True, scratch: Optional[torch.Tensor] = None, store_states: str = "all",
                      check: bool = False) -> torch.Tensor:
-    """Gated-delta outputs of every node of a tree (a chain when ``parents`` is None).
+    """Gated-delta outputs of every node of a tree (a chain when ``parents`` is None), for one sequence or a batch.
 
     Node ``i`` starts from its parent's state (``state`` when ``parents[i] ==
-    -1``); see the module docstring for the recurrence.
+    -1``); see the module docstring for the recurrence. A batch of ``b``
+    sequences (every tensor with a leading ``[b]``) runs ``b`` independent
+    trees of the same node count in one launch, each from its own state.
 
     Args:
-        q, k: ``[N, Hk, Dk]``; v: ``[N, Hv, Dv]``; any float dtype and strides; ``Hv % Hk == 0``.
-        g: ``[N, Hv]`` log-decay (float, used in fp32); beta: ``[N, Hv]`` float.
-        state: fp32 ``[Hv, Dk, Dv]``, the committed state (not modified).
-        parents: ``[N]`` int64/int32 on the inputs' device, ``parents[i]`` in ``[-1, i)``; None: the chain
-            ``-1, 0, ..., N-2`` (no state traffic at all).
+        q, k: ``[N, Hk, Dk]`` (a batch: ``[b, N, Hk, Dk]``); v: ``[N, Hv, Dv]`` (``[b, N, Hv, Dv]``); any float
+            dtype and strides; ``Hv % Hk == 0``.
+        g: ``[N, Hv]`` (``[b, N, Hv]``) log-decay (float, used in fp32); beta: likewise, float.
+        state: fp32 ``[Hv, Dk, Dv]`` (``[b, Hv, Dk, Dv]``), the committed state (not modified).
+        parents: ``[N]`` (``[b, N]``: each sequence's tree) int64/int32 on the inputs' device, ``parents[..., i]``
+            in ``[-1, i)``; None: the chain ``-1, 0, ..., N-2`` (no state traffic at all).
         scale: query scale (default ``Dk ** -0.5``, as transformers).
         qk_l2norm: l2-normalize q and k first (fp32, eps 1e-6), as ``use_qk_l2norm_in_kernel=True``.
-        scratch: optional fp32 ``[>= N, Hv, Dk, Dv]`` buffer (reuse one across layers). When given,
-            ``scratch[i]`` receives node ``i``'s state (chain too); when None a tree gets an internal one.
+        scratch: optional fp32 ``[>= N, Hv, Dk, Dv]`` (``[b, >= N, Hv, Dk, Dv]``) buffer (reuse one across
+            layers). When given, ``scratch[..., i, :, :, :]`` receives node ``i``'s state (chain too); when None
+            a tree gets an internal one.
         store_states: ``"all"`` (every node's state is stored in the scratch) or ``"branches"`` (the Triton
             kernel stores only the states a later node reloads and leaves the other scratch rows unwritten:
             use it when the commit replays the path; the reference writes every row either way).
         check: True also validates the parents' values (reads them on the host: a sync on a GPU).
 
     Returns:
-        ``[N, Hv, Dv]`` in ``v.dtype``: ``o_i = S_i^T (scale * q_i)``.
+        ``[N, Hv, Dv]`` (``[b, N, Hv, Dv]``) in ``v.dtype``: ``o_i = S_i^T (scale * q_i)``.
     """
     op = "gated_delta_tree"
-    n, n_k_heads, n_v_heads, dim_k, dim_v = _check_qkv(op, q, k, v, g, beta)
-    _check_state(op, state, (n_v_heads, dim_k, dim_v), q.device)
+    _require_tensor(op, "q", q)
+    lead = tuple(q.shape[:1]) if q.dim() == 4 else ()
+    n, n_k_heads, n_v_heads, dim_k, dim_v = _check_qkv(op, q, k, v, g, beta, lead, "batch")
+    _check_state(op, state, lead + (n_v_heads, dim_k, dim_v), q.device)
     _check_scale(op, scale)
     if store_states not in STORE_STATES:
         raise ValueError(f"{op}: store_states must be one of {STORE_STATES}, got {store_states!r}")
     if parents is not None:
-        _require_index(op, "parents", parents, q.device, [(n,)])
+        _require_index(op, "parents", parents, q.device, [lead + (n,)])
         if check:
             _check_parent_values(op, parents, n)
     if scratch is not None:
         _require_tensor(op, "scratch", scratch)
-        if (scratch.dtype != torch.float32 or scratch.dim() != 4 or scratch.shape[0] < n
-                or tuple(scratch.shape[1:]) != (n_v_heads, dim_k, dim_v)):
-            raise ValueError(f"{op}: scratch must be float32 [>= {n}, {n_v_heads}, {dim_k}, {dim_v}], got "
+        nl = len(lead)
+        if (scratch.dtype != torch.float32 or scratch.dim() != 4 + nl or tuple(scratch.shape[:nl]) != lead
+                or scratch.shape[nl] < n or tuple(scratch.shape[nl + 1:]) != (n_v_heads, dim_k, dim_v)):
+            want = [*lead, f">= {n}", n_v_heads, dim_k, dim_v]
+            raise ValueError(f"{op}: scratch must be float32 [{', '.join(map(str, want))}], got "
                              f"{scratch.dtype} {list(scratch.shape)}")
         if scratch.device != q.device:
             raise ValueError(f"{op}: scratch is on {scratch.device} but q is on {q.device}")
@@ -492,7 +583,11 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if tracing():
             return torch.ops.dflash.gated_delta_tree(q, k, v, g, beta, state, parents, scratch, scale, qk_l2norm,
                                                      store_states, False)
-        return _tree_triton(q, k, v, g, beta, state, parents, scale, qk_l2norm, scratch, store_states)
+        if lead:
+            return _tree_triton(q, k, v, g, beta, state, parents, scale, qk_l2norm, scratch, store_states)
+        one = lambda t: None if t is None else t[None]  # noqa: E731  (one sequence: a batch of 1)
+        return _tree_triton(q[None], k[None], v[None], g[None], beta[None], state[None], one(parents), scale,
+                            qk_l2norm, one(scratch), store_states)[0]
     return _reference.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm,
                                        scratch=scratch)
 
@@ -501,15 +596,24 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def _replay_triton(state, k, v, g, beta, rows, num_rows, qk_l2norm):
-    n_layers, n_v_heads, dim_k, dim_v = state.shape
-    if state.numel() == 0 or rows.shape[0] == 0 or k.shape[1] == 0:
+    """The launch over layers and a batch: ``state [L, b, Hv, Dk, Dv]``, ``k [L, b, N, Hk, Dk]``, ``v [L, b, N,
+    Hv, Dv]``, ``g, beta [L, b, N, Hv]``, ``rows [b, A]`` (any strides: a shared ``[A]`` expanded with stride 0),
+    ``num_rows [b]`` (or ``[1]``, read by every sequence).
+
+    Grid ``(L * b, Hv, cdiv(Dv, BV))``: program ``(l * b + r, h, j)`` loads and stores only ``state[l, r, h, :,
+    j-block]``; distinct programs have distinct ``(l, r, h, j)``, hence disjoint slices of ``state`` (``state``
+    must not alias itself: a contiguous or sliced buffer). Everything else is read only."""
+    n_layers, nb, n_v_heads, dim_k, dim_v = state.shape
+    if state.numel() == 0 or rows.shape[-1] == 0 or k.shape[2] == 0:
         return
     cfg = state_config(dim_k, dim_v)
-    grid = (n_layers, n_v_heads, triton.cdiv(dim_v, cfg["BV"]))
+    grid = (n_layers * nb, n_v_heads, triton.cdiv(dim_v, cfg["BV"]))
+    counts = num_rows.reshape(-1)
     _gated_delta_replay_kernel[grid](
-        state, k, v, g, beta, rows, num_rows.reshape(1),
-        rows.shape[0], n_v_heads // k.shape[2], dim_k, dim_v,
+        state, k, v, g, beta, rows, counts,
+        rows.shape[-1], nb, n_v_heads // k.shape[3], dim_k, dim_v,
         *state.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        rows.stride(0), counts.stride(0) if counts.numel() > 1 else 0,
         QK_L2NORM=bool(qk_l2norm), BK=cfg["BK"], BV=cfg["BV"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -522,45 +626,47 @@ def gated_delta_replay_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
     The commit of a verify: the state after exactly the accepted path, from
     the pre-verify state and the verify pass's per-row inputs. One launch;
-    the count is read on the device (no host sync, fixed shapes).
+    the count is read on the device (no host sync, fixed shapes). A batch
+    (``state [L, b, Hv, Dk, Dv]``) advances each sequence ``r`` through its own
+    ``rows[r, :num_rows[r]]`` (a count of 0 leaves its state as it is).
 
     Args:
-        state: fp32 ``[Hv, Dk, Dv]``, or ``[L, Hv, Dk, Dv]`` for ``L`` layers in one launch (any strides).
-        q, k: ``[N, Hk, Dk]`` (``[L, N, Hk, Dk]``); v ``[N, Hv, Dv]`` (``[L, N, Hv, Dv]``);
-            g, beta ``[N, Hv]`` (``[L, N, Hv]``): the verify pass's inputs, any float dtype.
+        state: fp32 ``[Hv, Dk, Dv]``, ``[L, Hv, Dk, Dv]`` for ``L`` layers in one launch, or ``[L, b, Hv, Dk,
+            Dv]`` for ``L`` layers of a batch of ``b`` sequences (any strides).
+        q, k: ``[*lead, N, Hk, Dk]``; v ``[*lead, N, Hv, Dv]``; g, beta ``[*lead, N, Hv]`` (``lead`` the state's
+            leading dims ``()``, ``[L]`` or ``[L, b]``): the verify pass's inputs, any float dtype.
         rows: ``[A]`` int64/int32 on the state's device: row indices into ``N`` (the accepted path, in order;
-            the same for every layer); entries past ``n`` are never read.
-        num_rows: ``[1]`` or ``[]`` int64/int32 on the state's device.
+            the same for every layer, and for every sequence of a batch), or ``[b, A]`` (each sequence's; a
+            batch only); entries past ``n`` are never read.
+        num_rows: ``[1]`` or ``[]`` int64/int32 on the state's device; a batch may pass ``[b]`` (one per
+            sequence).
         scale, qk_l2norm: as :func:`gated_delta_tree` (q is not needed for the state: it is validated only).
         check: True validates ``num_rows`` in ``[0, A]`` and ``rows[:n]`` in ``[0, N)`` (host read: a sync).
     """
     op = "gated_delta_replay_"
     _require_tensor(op, "state", state)
-    if state.dim() not in (3, 4):
-        raise ValueError(f"{op}: state must be [Hv, Dk, Dv] or [L, Hv, Dk, Dv], got {list(state.shape)}")
-    lead = tuple(state.shape[:1]) if state.dim() == 4 else ()
+    if state.dim() not in (3, 4, 5):
+        raise ValueError(f"{op}: state must be [Hv, Dk, Dv] or [L, Hv, Dk, Dv] (or [L, b, Hv, Dk, Dv] for a batch "
+                         f"of b sequences), got {list(state.shape)}")
+    lead = tuple(state.shape[:-3])
     n, n_k_heads, n_v_heads, dim_k, dim_v = _check_qkv(op, q, k, v, g, beta, lead)
     _check_state(op, state, lead + (n_v_heads, dim_k, dim_v), q.device)
     _check_scale(op, scale)
-    _require_rows(op, rows, q.device)
-    _require_index(op, "num_rows", num_rows, q.device, [(1,), ()])
+    batch = lead[1] if len(lead) == 2 else None
+    _require_rows(op, rows, q.device, batch)
+    _require_counts(op, num_rows, q.device, batch)
     if check:
-        count = int(num_rows.reshape(()).item())
-        a = rows.shape[0]
-        if not 0 <= count <= a:
-            raise ValueError(f"{op}: num_rows = {count} must be in [0, A] = [0, {a}] (A = len(rows))")
-        picked = rows[:count].detach().cpu()
-        bad = (picked < 0) | (picked >= n)
-        if bool(bad.any()):
-            j = int(bad.nonzero()[0, 0])
-            raise ValueError(f"{op}: rows[{j}] = {int(picked[j])} is not a row of the verify pass [0, {n})")
+        _check_rows_values(op, rows, num_rows, n)
     if get_backend(state.device) == "triton":
         if tracing():
             torch.ops.dflash.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale, qk_l2norm, False)
             return None
-        if not lead:
-            state, k, v, g, beta = state[None], k[None], v[None], g[None], beta[None]
-        _replay_triton(state, k, v, g, beta, rows, num_rows, qk_l2norm)
+        if len(lead) < 2:  # layers of one sequence, or one layer: a batch of 1 (of 1 layer)
+            add = (lambda t: t[None, None]) if not lead else (lambda t: t[:, None])
+            state, k, v, g, beta = (add(t) for t in (state, k, v, g, beta))
+        nb = state.shape[1]
+        _replay_triton(state, k, v, g, beta, rows.expand(nb, -1) if rows.dim() == 1 else rows, num_rows,
+                       qk_l2norm)
         return None
     _reference.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale=scale, qk_l2norm=qk_l2norm)
     return None
@@ -573,37 +679,46 @@ def _check_conv(op, x, window, weight, bias):
     for name, t in (("x", x), ("window", window), ("weight", weight)):
         _require_tensor(op, name, t)
         _require_float(op, name, t)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be [N, C], got {list(x.shape)}")
-    if weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 1:
-        raise ValueError(f"{op}: weight must be [C, K] = [{x.shape[1]}, K >= 1], got {list(weight.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{op}: x must be [N, C] (or [b, N, C] for a batch), got {list(x.shape)}")
+    lead = tuple(x.shape[:-2])
+    channels = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"{op}: weight must be [C, K] = [{channels}, K >= 1], got {list(weight.shape)}")
     km1 = weight.shape[1] - 1
-    if tuple(window.shape) != (km1, x.shape[1]):
-        raise ValueError(f"{op}: window must be [K-1, C] = [{km1}, {x.shape[1]}], got {list(window.shape)}")
+    if tuple(window.shape) != lead + (km1, channels):
+        want = list(lead) + [km1, channels]
+        raise ValueError(f"{op}: window must be [{'b, ' if lead else ''}K-1, C] = {want}, got {list(window.shape)}")
     if window.dtype != x.dtype:
         raise ValueError(f"{op}: window must have x's dtype {x.dtype}, got {window.dtype}")
     if bias is not None:
         _require_tensor(op, "bias", bias)
-        if tuple(bias.shape) != (x.shape[1],) or bias.dtype != weight.dtype:
-            raise ValueError(f"{op}: bias must be [C] = [{x.shape[1]}] of the weight's dtype {weight.dtype}, got "
+        if tuple(bias.shape) != (channels,) or bias.dtype != weight.dtype:
+            raise ValueError(f"{op}: bias must be [C] = [{channels}] of the weight's dtype {weight.dtype}, got "
                              f"{bias.dtype} {list(bias.shape)}")
     for name, t in (("window", window), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+    return lead
 
 
 def _conv_triton(x, window, weight, parents, bias, activation):
-    n, channels = x.shape
-    y = torch.empty(n, channels, dtype=x.dtype, device=x.device)
+    """The launch over a batch: ``x [b, N, C]``, ``window [b, K-1, C]``, ``parents [b, N]`` or None -> ``[b, N, C]``.
+
+    Grid ``(cdiv(N, BN), cdiv(C, BC), b)``: program ``(i, j, r)`` stores only ``y[r, i-block, j-block]``; the
+    programs' blocks are disjoint, every other tensor is only read."""
+    nb, n, channels = x.shape
+    y = torch.empty(nb, n, channels, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
     k = weight.shape[1]
-    grid = (triton.cdiv(n, CONV_BLOCK_N), triton.cdiv(channels, CONV_BLOCK_C))
+    grid = (triton.cdiv(n, CONV_BLOCK_N), triton.cdiv(channels, CONV_BLOCK_C), nb)
     # A K = 1 conv has an empty window: pass x as a never-read stand-in with x's strides.
     win = window if k > 1 else x
     _causal_conv_tree_kernel[grid](
         x, win, weight, bias if bias is not None else weight, parents if parents is not None else x, y,
-        n, channels, *x.stride(), *win.stride(), *weight.stride(), *y.stride(),
+        n, channels, *x.stride(), *win.stride(), *weight.stride(), parents.stride(0) if parents is not None else 0,
+        *y.stride(),
         K=k, CHAIN=parents is None, HAS_BIAS=bias is not None, SILU=activation == "silu",
         BN=CONV_BLOCK_N, BC=CONV_BLOCK_C, num_warps=CONV_NUM_WARPS, num_stages=1,
     )
@@ -618,30 +733,37 @@ def causal_conv_tree(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
     ``y_i = act(sum_{m<K} weight[:, K-1-m] * x_{a_m(i)} + bias)`` with ``a_0 = i``,
     ``a_{m+1} = parent(a_m)``; past the root the chain continues into
     ``window`` most recent row first. Equals transformers'
-    ``causal_conv1d_update`` run along the root -> node path.
+    ``causal_conv1d_update`` run along the root -> node path. A batch (every
+    tensor but the weight and bias with a leading ``[b]``) convolves each
+    sequence's tree over its own window.
 
     Args:
-        x: ``[N, C]`` float; window: ``[K-1, C]`` of ``x``'s dtype, rows oldest first.
+        x: ``[N, C]`` (``[b, N, C]``) float; window: ``[K-1, C]`` (``[b, K-1, C]``) of ``x``'s dtype, rows oldest
+            first.
         weight: ``[C, K]`` (the conv1d weight squeezed); bias: ``[C]`` of its dtype, or None.
-        parents: ``[N]`` int on x's device, ``parents[i]`` in ``[-1, i)``; None: the chain.
+        parents: ``[N]`` (``[b, N]``) int on x's device, ``parents[..., i]`` in ``[-1, i)``; None: the chain.
         activation: ``"silu"`` or None.
         check: True also validates the parents' values (host read).
 
     Returns:
-        ``[N, C]`` in ``x.dtype`` (computed in the weight's dtype, as transformers).
+        ``[N, C]`` (``[b, N, C]``) in ``x.dtype`` (computed in the weight's dtype, as transformers).
     """
     op = "causal_conv_tree"
-    _check_conv(op, x, window, weight, bias)
+    lead = _check_conv(op, x, window, weight, bias)
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be 'silu' or None, got {activation!r}")
+    n = x.shape[-2]
     if parents is not None:
-        _require_index(op, "parents", parents, x.device, [(x.shape[0],)])
+        _require_index(op, "parents", parents, x.device, [lead + (n,)])
         if check:
-            _check_parent_values(op, parents, x.shape[0])
+            _check_parent_values(op, parents, n)
     if get_backend(x.device) == "triton":
         if tracing():
             return torch.ops.dflash.causal_conv_tree(x, window, weight, parents, bias, activation, False)
-        return _conv_triton(x, window, weight, parents, bias, activation)
+        if lead:
+            return _conv_triton(x, window, weight, parents, bias, activation)
+        return _conv_triton(x[None], window[None], weight, None if parents is None else parents[None], bias,
+                            activation)[0]
     return _reference.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation)
 
 
@@ -650,29 +772,32 @@ def conv_window_after(window: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
     """The last ``K-1`` rows of ``concat(window, x[rows[:n]])``, ``n = clamp(num_rows, 0, A)``: the committed window.
 
     Args:
-        window: ``[K-1, C]`` (or ``[L, K-1, C]``), oldest row first.
-        x: ``[N, C]`` (or ``[L, N, C]``): the verify pass's conv inputs, ``window``'s dtype.
-        rows: ``[A]`` int on the device (the accepted rows in order; the same for every layer).
-        num_rows: ``[1]`` / ``[]`` int on the device.
+        window: ``[K-1, C]``, ``[L, K-1, C]``, or ``[L, b, K-1, C]`` (``L`` layers of ``b`` sequences), oldest row
+            first.
+        x: ``[N, C]`` (``[L, N, C]``, ``[L, b, N, C]``): the verify pass's conv inputs, ``window``'s dtype.
+        rows: ``[A]`` int on the device (the accepted rows in order; the same for every layer and sequence),
+            or ``[b, A]`` (each sequence's; a batch only).
+        num_rows: ``[1]`` / ``[]`` int on the device; a batch may pass ``[b]`` (one per sequence).
 
     Returns:
-        a new ``[K-1, C]`` (``[L, K-1, C]``) tensor. Torch index math on every
-        backend (two gathers and a select: there is nothing to fuse); no host read.
+        a new tensor of ``window``'s shape. Torch index math on every backend
+        (gathers and a select: there is nothing to fuse); no host read.
     """
     op = "conv_window_after"
     for name, t in (("window", window), ("x", x)):
         _require_tensor(op, name, t)
-    if window.dim() not in (2, 3) or x.dim() != window.dim():
-        raise ValueError(f"{op}: window and x must be [K-1, C] and [N, C] (or [L, K-1, C] and [L, N, C]), got "
-                         f"{list(window.shape)} and {list(x.shape)}")
+    if window.dim() not in (2, 3, 4) or x.dim() != window.dim():
+        raise ValueError(f"{op}: window and x must be [K-1, C] and [N, C] (or [L, K-1, C] and [L, N, C], or "
+                         f"[L, b, K-1, C] and [L, b, N, C]), got {list(window.shape)} and {list(x.shape)}")
     if window.shape[-1] != x.shape[-1] or window.shape[:-2] != x.shape[:-2]:
-        raise ValueError(f"{op}: window {list(window.shape)} and x {list(x.shape)} disagree on C or L")
+        raise ValueError(f"{op}: window {list(window.shape)} and x {list(x.shape)} disagree on C or L (or b)")
     if window.dtype != x.dtype:
         raise ValueError(f"{op}: x must have window's dtype {window.dtype}, got {x.dtype}")
     if x.device != window.device:
         raise ValueError(f"{op}: x is on {x.device} but window is on {window.device}")
-    _require_rows(op, rows, window.device)
-    _require_index(op, "num_rows", num_rows, window.device, [(1,), ()])
+    batch = window.shape[1] if window.dim() == 4 else None
+    _require_rows(op, rows, window.device, batch)
+    _require_counts(op, num_rows, window.device, batch)
     return _reference.conv_window_after(window, x, rows, num_rows)
 
 
@@ -683,13 +808,14 @@ QWEN35_SHAPES = (("27B", 16, 48, 128, 128, 4), ("9B", 16, 32, 128, 128, 4))
 
 
 def launch_configs(shapes=QWEN35_SHAPES, dtypes=(torch.bfloat16, torch.float32), n_nodes: int = 65,
-                   n_layers: int = 48) -> List[dict]:
+                   n_layers: int = 48, batch: int = 4, path_rows: int = 17) -> List[dict]:
     """Every binary the launchers pick at these shapes (for the sm_90 / sm_80 compile test).
 
     Each entry: ``name``, ``kernel``, ``signature``, ``constexprs``, ``num_warps``, ``num_stages``,
     ``divisible_by_16``. Integer arguments are specialized as the Triton runtime does for the
-    real layout: q / k / v are views of the conv output ``[N, C]`` (row stride ``C``), ``g`` /
-    ``beta`` / ``out`` / ``state`` / ``scratch`` contiguous; unit strides become constexprs,
+    real layout of a batch of ``batch`` sequences: q / k / v are views of the conv output ``[b, N,
+    C]`` (row stride ``C``), ``g`` / ``beta`` / ``out`` / ``state`` / ``scratch`` / ``parents``
+    contiguous, the replay's rows per sequence ``[b, path_rows]``; unit strides become constexprs,
     multiples of 16 get the divisibility hint, the counts are ``do_not_specialize``.
     """
     from .gather import runtime_int_specialization
@@ -716,13 +842,16 @@ def launch_configs(shapes=QWEN35_SHAPES, dtypes=(torch.bfloat16, torch.float32),
             qkv = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "g_ptr": "*fp32", "beta_ptr": t}
             tree_ints = {
                 "n_nodes": n_nodes, "group": hv // hk, "dim_k": dk, "dim_v": dv,
-                "stride_qn": channels, "stride_qh": dk, "stride_qd": 1,
-                "stride_kn": channels, "stride_kh": dk, "stride_kd": 1,
-                "stride_vn": channels, "stride_vh": dv, "stride_vd": 1,
-                "stride_gn": hv, "stride_gh": 1, "stride_bn": hv, "stride_bh": 1,
-                "stride_sh": dk * dv, "stride_sk": dv, "stride_sv": 1,
-                "stride_on": hv * dv, "stride_oh": dv, "stride_od": 1,
-                "stride_xn": hv * dk * dv, "stride_xh": dk * dv, "stride_xk": dv, "stride_xv": 1,
+                "stride_qb": n_nodes * channels, "stride_qn": channels, "stride_qh": dk, "stride_qd": 1,
+                "stride_kb": n_nodes * channels, "stride_kn": channels, "stride_kh": dk, "stride_kd": 1,
+                "stride_vb": n_nodes * channels, "stride_vn": channels, "stride_vh": dv, "stride_vd": 1,
+                "stride_gb": n_nodes * hv, "stride_gn": hv, "stride_gh": 1,
+                "stride_bb": n_nodes * hv, "stride_bn": hv, "stride_bh": 1,
+                "stride_sb": hv * dk * dv, "stride_sh": dk * dv, "stride_sk": dv, "stride_sv": 1,
+                "stride_pb": n_nodes, "stride_fb": n_nodes,
+                "stride_ob": n_nodes * hv * dv, "stride_on": hv * dv, "stride_oh": dv, "stride_od": 1,
+                "stride_xb": n_nodes * hv * dk * dv, "stride_xn": hv * dk * dv, "stride_xh": dk * dv,
+                "stride_xk": dv, "stride_xv": 1,
             }
             for chain, store in ((True, STORE_NONE), (True, STORE_ALL), (False, STORE_ALL), (False, STORE_FLAGGED)):
                 # never-read pointers get ``state`` (fp32) as their stand-in, as the launcher passes them
@@ -730,31 +859,40 @@ def launch_configs(shapes=QWEN35_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                             flags_ptr="*i32" if store == STORE_FLAGGED else "*fp32", out_ptr=t,
                             scratch_ptr="*fp32", scale="fp32")
                 ints = dict(tree_ints)
+                if chain:  # no parents: stride 0 (the launcher's stand-in)
+                    ints.update(stride_pb=0)
+                if store != STORE_FLAGGED:
+                    ints.update(stride_fb=0)
                 if store == STORE_NONE:
-                    ints.update(stride_xn=0, stride_xh=0, stride_xk=0, stride_xv=0)
+                    ints.update(stride_xb=0, stride_xn=0, stride_xh=0, stride_xk=0, stride_xv=0)
                 add(f"gated_delta_tree[{shape_name} {_TRITON_TYPE[dtype]} chain={chain} store={store}]",
                     _gated_delta_tree_kernel, ptrs, ints, TREE_DYNAMIC_INTS,
                     dict(CHAIN=chain, STORE=store, QK_L2NORM=True, BK=cfg["BK"], BV=cfg["BV"]), cfg)
-            replay_ints = {"n_rows": 17, "group": hv // hk, "dim_k": dk, "dim_v": dv,
-                           "stride_sl": hv * dk * dv, "stride_sh": dk * dv, "stride_sk": dv, "stride_sv": 1}
+            replay_ints = {"n_rows": path_rows, "n_batch": batch, "group": hv // hk, "dim_k": dk, "dim_v": dv,
+                           "stride_sl": batch * hv * dk * dv, "stride_sb": hv * dk * dv, "stride_sh": dk * dv,
+                           "stride_sk": dv, "stride_sv": 1}
             for p, dd in (("k", dk), ("v", dv)):
-                replay_ints.update({f"stride_{p}l": n_nodes * channels, f"stride_{p}n": channels,
-                                    f"stride_{p}h": dd, f"stride_{p}d": 1})
+                replay_ints.update({f"stride_{p}l": batch * n_nodes * channels, f"stride_{p}b": n_nodes * channels,
+                                    f"stride_{p}n": channels, f"stride_{p}h": dd, f"stride_{p}d": 1})
             for p in ("g", "b"):
-                replay_ints.update({f"stride_{p}l": n_nodes * hv, f"stride_{p}n": hv, f"stride_{p}h": 1})
+                replay_ints.update({f"stride_{p}l": batch * n_nodes * hv, f"stride_{p}b": n_nodes * hv,
+                                    f"stride_{p}n": hv, f"stride_{p}h": 1})
+            replay_ints.update(stride_rb=path_rows, stride_cb=1)
             ptrs = {"state_ptr": "*fp32", "k_ptr": t, "v_ptr": t, "g_ptr": "*fp32", "beta_ptr": t,
                     "rows_ptr": "*i64", "count_ptr": "*i64"}
             add(f"gated_delta_replay[{shape_name} {_TRITON_TYPE[dtype]} L{n_layers}]", _gated_delta_replay_kernel,
                 ptrs, replay_ints, REPLAY_DYNAMIC_INTS, dict(QK_L2NORM=True, BK=cfg["BK"], BV=cfg["BV"]), cfg)
-            conv_ints = {"n_nodes": n_nodes, "channels": channels, "stride_xn": channels, "stride_xc": 1,
-                         "stride_wr": channels, "stride_wc": 1, "stride_fc": kconv, "stride_fk": 1,
-                         "stride_yn": channels, "stride_yc": 1}
+            conv_ints = {"n_nodes": n_nodes, "channels": channels,
+                         "stride_xb": n_nodes * channels, "stride_xn": channels, "stride_xc": 1,
+                         "stride_wb": (kconv - 1) * channels, "stride_wr": channels, "stride_wc": 1,
+                         "stride_fc": kconv, "stride_fk": 1, "stride_pb": n_nodes,
+                         "stride_yb": n_nodes * channels, "stride_yn": channels, "stride_yc": 1}
             conv_cfg = {"num_warps": CONV_NUM_WARPS, "num_stages": 1}
             for chain in (True, False):
                 ptrs = {"x_ptr": t, "window_ptr": t, "weight_ptr": t, "bias_ptr": t,
                         "parents_ptr": t if chain else "*i64", "y_ptr": t}
                 add(f"causal_conv_tree[{shape_name} {_TRITON_TYPE[dtype]} chain={chain}]", _causal_conv_tree_kernel,
-                    ptrs, conv_ints, CONV_DYNAMIC_INTS,
+                    ptrs, dict(conv_ints, stride_pb=0) if chain else conv_ints, CONV_DYNAMIC_INTS,
                     dict(K=kconv, CHAIN=chain, HAS_BIAS=False, SILU=True, BN=CONV_BLOCK_N, BC=CONV_BLOCK_C),
                     conv_cfg)
     return out

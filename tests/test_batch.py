@@ -5,8 +5,12 @@
   with rows of different prompt lengths, rows that stop early (eos) padded with ``pad_token_id`` as
   transformers pads, and a budget chosen per round;
 * the shipped tiny pair, whose drafter is accepted often, so rows commit different counts each round;
-* one host read per round at any batch size; per-row and pooled statistics; right padding, a streamer and a
-  hybrid target refused by name; the drop-in serves ``tokenizer(prompts, padding=True, padding_side="left")``.
+* one host read per round at any batch size; per-row and pooled statistics; right padding and a streamer
+  refused by name; the drop-in serves ``tokenizer(prompts, padding=True, padding_side="left")``;
+* hybrid targets (Gated-DeltaNet layers: a conv window and a recurrent state per sequence, each prompt
+  prefilled on its own) batch the same way: ar, dflash and ddtree rows equal generate() alone, eager, as the
+  static round and traced (stopped sequences masked), rows stopping mid-batch, one host read per round, and
+  the drop-in batches them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import dflash
 import dflash_kernels
 from dflash.decoding.generation_config import UnsupportedGeneration
-from tiny_models import tiny_draft, tiny_hybrid_target, tiny_target
+from tiny_models import RiggedDraft, tiny_draft, tiny_hybrid_target, tiny_target
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 60, 7, 3, 11], [8, 1, 44], [21, 22, 23, 24, 25, 26, 27]]
 PAD = 0
@@ -193,12 +197,109 @@ def test_right_padding_and_other_bad_batches_are_refused_by_name(reference_ops):
         dflash.generate(target, draft, [[1, 2, 3], [4, 5]], max_new_tokens=4)
 
 
-def test_hybrid_target_refuses_a_batch_by_name(reference_ops):
-    target = tiny_hybrid_target("qwen3_5")
-    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
-    ids, mask = padded([[1, 2, 3], [4, 5, 6, 7]])
-    with pytest.raises(UnsupportedGeneration, match="hybrid target .* one at a time"):
-        dflash.generate(target, draft, ids, attention_mask=mask, max_new_tokens=4)
+# ----------------------------------------------------------------------------- hybrid targets
+
+
+def hybrid_pair(family="qwen3_5"):
+    target = tiny_hybrid_target(family)
+    return target, tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
+
+
+@pytest.mark.parametrize("mode", [False, "static"])
+@pytest.mark.parametrize("method,kw", [("ar", {}), ("dflash", {}), ("ddtree", dict(tree_budget=6))])
+def test_hybrid_batch_rows_equal_generate_alone(reference_ops, method, kw, mode):
+    """A hybrid target (Gated-DeltaNet layers) runs a left-padded batch: each sequence its own conv windows and
+    recurrent states, prefilled on its own, verified and committed with the others; every row equals
+    generate() on its prompt alone. The drafter is steered to row 0's text (right 70% of the time, the right
+    token ranked second otherwise: trees branch), so row 0 accepts long paths and the others short ones: the
+    rows commit different counts in the same rounds."""
+    target, draft = hybrid_pair()
+    ids, mask = padded(PROMPTS)
+    want = [alone(target, prompt, 12).tolist() for prompt in PROMPTS]
+    if method != "ar":
+        draft = RiggedDraft(draft, target.lm_head.weight, torch.tensor(want[0]), p_right=0.7, second_right=True)
+    out = dflash.generate(target, None if method == "ar" else draft, ids, attention_mask=mask, method=method,
+                          max_new_tokens=12, compile=mode, **kw)
+    for r in range(3):
+        assert out.rows[r].output_ids[0].tolist() == want[r], r
+    if method != "ar":
+        lengths = [row.acceptance_lengths for row in out.rows]
+        assert max(lengths[0]) >= 3 and any(len(set(a)) > 1 for a in zip(*lengths)), lengths  # ragged rounds
+
+
+def test_hybrid_rows_that_stop_early(reference_ops):
+    """An eos ends row 1 mid-batch (an eager round then drops it: the last sequence's states take its place)
+    while the others go on: every row equals generate() on its prompt alone with that eos."""
+    target, draft = hybrid_pair()
+    ids, mask = padded(PROMPTS)
+    eos = alone(target, PROMPTS[1], 16)[len(PROMPTS[1]) + 3].item()  # row 1's 4th new token ends it
+    want = [alone(target, p, 16, eos_token_id=eos, pad_token_id=PAD).tolist() for p in PROMPTS]
+    assert len(want[1]) == len(PROMPTS[1]) + 4 and len(want[2]) > len(want[1]) - len(PROMPTS[1]) + len(PROMPTS[2])
+    for method in ("ar", "dflash", "ddtree"):
+        out = dflash.generate(target, None if method == "ar" else draft, ids, attention_mask=mask, method=method,
+                              max_new_tokens=16, eos_token_id=eos, pad_token_id=PAD)
+        for r in range(3):
+            assert out.rows[r].output_ids[0].tolist() == want[r], (method, r)
+
+
+def test_hybrid_traced_batch_masks_stopped_rows(reference_ops):
+    """compile=True on a hybrid target: three prompts in the batch bucket of 4 (the fourth sequence stopped from
+    the start) and row 1 stopped by an eos mid-way; stopped sequences are computed but commit nothing (a
+    replay of 0 rows), so the others' states are untouched and every row equals generate() alone."""
+    from dflash.decoding import compiled
+
+    target, draft = hybrid_pair()
+    ids, mask = padded(PROMPTS)
+    eos = alone(target, PROMPTS[1], 10)[len(PROMPTS[1]) + 2].item()
+    want = [alone(target, p, 10, eos_token_id=eos, pad_token_id=PAD).tolist() for p in PROMPTS]
+    saved = compiled.COMPILE_OPTIONS
+    compiled.COMPILE_OPTIONS = dict(backend="eager")  # dynamo alone: the traced steps, in seconds
+    torch._dynamo.reset()
+    try:
+        out = dflash.generate(target, draft, ids, attention_mask=mask, method="ddtree", tree_budget=6,
+                              max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD, compile=True)
+    finally:
+        compiled.COMPILE_OPTIONS = saved
+        torch._dynamo.reset()
+    for r in range(3):
+        assert out.rows[r].output_ids[0].tolist() == want[r], r
+
+
+def test_hybrid_one_host_read_per_round_at_batch_3(reference_ops):
+    from test_host_reads import reads_per_round
+
+    target, draft = hybrid_pair()
+    ids, mask = padded(PROMPTS)
+    for method, kw in (("dflash", {}), ("ddtree", dict(tree_budget=6))):
+        def run():
+            dflash.generate(target, draft, ids, attention_mask=mask, method=method, max_new_tokens=12,
+                            stage_timing=True, **kw)
+
+        per_round, reads, marks = reads_per_round(run, "commit")
+        assert len(marks) >= 3
+        assert max(per_round) == 1, (method, per_round, reads)
+
+
+def test_dropin_batches_a_hybrid_target(reference_ops, monkeypatch):
+    """target.generate() on a left-padded batch of a hybrid target runs our rounds (no fallback to transformers'
+    generate), each row its own greedy text."""
+    import warnings
+
+    from dflash.decoding import hf
+
+    target, draft = hybrid_pair()
+    ids, mask = padded(PROMPTS)
+    ran = []
+    run_generation = hf.run_generation
+    monkeypatch.setattr(hf, "run_generation", lambda *a, **k: ran.append(1) or run_generation(*a, **k))
+    for method in ("dflash", "ddtree"):
+        with dflash.apply(target, draft, method=method), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a fallback warns
+            with torch.no_grad():
+                out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        for r, prompt in enumerate(PROMPTS):
+            assert out[r, ids.shape[1] - len(prompt):].tolist() == alone(target, prompt, 10).tolist(), (method, r)
+    assert len(ran) == 2
 
 
 def test_dropin_serves_a_left_padded_batch(reference_ops):

@@ -172,6 +172,9 @@ def test_batch_sizes_table_ours_row_by_row_and_hf(pair_dirs, tmp_path, capsys):
     assert all(r["tokens_per_second"] > 0 and r["row_by_row_tokens_per_second"] > 0 and r["over_hf"] > 0
                for r in ours)
     assert any("batch size 8 is larger than the 4 prompts" in n for n in results["notes"])
+    trees = [r for r in rows if r["method"] == "ddtree"]
+    assert all(r["mean_tree_nodes"] == 3 for r in trees)  # the verified nodes per round: the fixed budget
+    assert all(r["mean_tree_nodes"] is None for r in rows if r["method"] != "ddtree")
     assert "| 2 | dflash | – | 0 |" in stdout and (out / "results.md").is_file()
 
 

@@ -23,7 +23,8 @@ the model's own attention function is made to fail if it is ever called.
 | gpt-oss (GptOssForCausalLM)      | attention sinks, alternating windows, MoE with biases, yarn rope | yes | A, B, C, E |
 
 A: ``test_family_is_lossless`` (reference and triton) and ``test_family_batch_rows_are_lossless`` (a left-padded
-batch of prompts of different lengths, each row its own greedy text); B: ``test_adapter_forward_is_the_models_forward``
+batch of prompts of different lengths, each row its own greedy text; the hybrid families Qwen3.5, Qwen3-Next and
+Qwen3.5-MoE too: ``test_hybrid_family_batch_rows_are_lossless``, tests/test_hybrid.py for the rest of them); B: ``test_adapter_forward_is_the_models_forward``
 (prefill + chain verify + tree verify hidden states and logits vs the model's own forward);
 C: ``test_family_table_resolves`` and ``test_the_model_is_untouched_after_generate``;
 D: ``test_sampling_with_a_final_softcap_matches_the_softcapped_distribution``;
@@ -44,7 +45,8 @@ import dflash
 import dflash_kernels
 from dflash.target import TargetAdapter, UnsupportedTargetFeature
 from dflash.target import families
-from tiny_models import ATTN_SOFTCAP, FAMILY_NAMES, FINAL_SOFTCAP, RiggedDraft, tiny_draft, tiny_family_target
+from tiny_models import (ATTN_SOFTCAP, FAMILY_NAMES, FINAL_SOFTCAP, HYBRID_NAMES, RiggedDraft, tiny_draft,
+                         tiny_family_target, tiny_hybrid_target)
 
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12, 8, 1]
 VOCAB = 64
@@ -115,8 +117,24 @@ def test_family_batch_rows_are_lossless(family, target, backend_name):
     """A batch of three prompts (12, 7 and 9 tokens: each row at its own positions, windows and per-row prefixes
     in the attention), left-padded: every row of dflash and ddtree equals the model's generate() on that prompt
     alone."""
-    n = 12 if backend_name == "reference" else 6
-    prompts = [PROMPT, PROMPT[3:10], PROMPT[:9][::-1]]
+    _check_batch_rows(family, target, backend_name, 12 if backend_name == "reference" else 6)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "triton"])
+@pytest.mark.parametrize("hybrid", HYBRID_NAMES)
+def test_hybrid_family_batch_rows_are_lossless(hybrid, backend_name):
+    """The same batch on the hybrid families (Qwen3.5, Qwen3-Next, Qwen3.5-MoE: Gated-DeltaNet layers, a conv
+    window and a recurrent state per sequence). On the Triton kernels (interpreter) a 2-layer target (one
+    Gated-DeltaNet layer, one attention layer), vocabulary 16, runs the batched tree scan, replay and conv."""
+    if backend_name == "reference":
+        target, vocab, n = tiny_hybrid_target(hybrid, vocab=VOCAB), VOCAB, 12
+    else:
+        target, vocab, n = tiny_hybrid_target(hybrid, vocab=16, layers=2, linear_k_heads=1, linear_v_heads=2), 16, 6
+    _check_batch_rows(hybrid, target, backend_name, n, vocab)
+
+
+def _check_batch_rows(family, target, backend_name, n, vocab=VOCAB):
+    prompts = [[t % vocab for t in p] for p in (PROMPT, PROMPT[3:10], PROMPT[:9][::-1])]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -382,6 +382,158 @@ def test_conv_window_after_kernel_size_one_and_long_paths():
     torch.testing.assert_close(got, x[[2, 5]])
 
 
+# ----------------------------------------------------------------------------- batches
+
+
+def batch_inputs(b, n, hk=1, group=3, dk_=24, dv=40, dtype=torch.float32):
+    """``b`` sequences' inputs, stacked: q, k [b, N, Hk, Dk], v [b, N, Hv, Dv], g, beta [b, N, Hv], state [b, ...]."""
+    per = [inputs(n, hk=hk, group=group, dk_=dk_, dv=dv, dtype=dtype, seed=70 + r) for r in range(b)]
+    return tuple(torch.stack([p[j] for p in per]) for j in range(6))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("store", ["all", "branches", None])
+def test_tree_batch_equals_each_sequence_alone(backend, b, store):
+    """A batch of trees (each sequence its own parents and state; odd shapes: Hv = 3, Dk = 24, Dv = 40, N = 7)
+    equals the reference run on each sequence alone; the batch of one equals the one-sequence call bit for bit."""
+    n = 7
+    q, k, v, g, beta, state = batch_inputs(b, n)
+    kinds = ["deep", "star", "random"]
+    parents = torch.stack([random_parents(n, seed=r, kind=kinds[r % 3]) for r in range(b)])
+    scratch = None if store is None else torch.full((b, n + 2, 3, 24, 40), float("nan"), device=DEVICE)
+    before = state.clone()
+    with force_backend(backend):
+        out = dk.gated_delta_tree(q, k, v, g, beta, state, parents, scratch=scratch, check=True,
+                                  store_states=store or "all")
+        chain = dk.gated_delta_tree(q, k, v, g, beta, state)
+    assert torch.equal(state, before) and out.shape == (b, n, 3, 40)
+    for r in range(b):
+        want = ref.gated_delta_tree(q[r], k[r], v[r], g[r], beta[r], state[r], parents[r])
+        close(out[r], want, torch.float32, "out", msg=f"sequence {r}")
+        close(chain[r], ref.gated_delta_tree(q[r], k[r], v[r], g[r], beta[r], state[r]), torch.float32, "out")
+        if store == "all":
+            _, want_states = hf_tree(q[r], k[r], v[r], g[r], beta[r], state[r], parents[r])
+            close(scratch[r, :n], want_states, torch.float32, "state", msg=f"sequence {r}")
+    if b == 1:
+        with force_backend(backend):
+            alone = dk.gated_delta_tree(q[0], k[0], v[0], g[0], beta[0], state[0], parents[0])
+        assert torch.equal(out[0], alone)
+
+
+def _replay_batch_inputs(n_layers=2, b=3, n=9):
+    per = [[inputs(n, hk=1, group=3, dk_=24, dv=40, seed=90 + 7 * i + r) for r in range(b)] for i in range(n_layers)]
+    return tuple(torch.stack([torch.stack([per[i][r][j] for r in range(b)]) for i in range(n_layers)])
+                 for j in range(6))  # [L, b, ...]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shared_rows", [False, True])
+def test_replay_batch_per_sequence_rows_and_counts(backend, shared_rows):
+    """[L, b] states (a narrowed view of a wider buffer): sequence r replays its own rows[r, :num_rows[r]] (a count
+    of 0 leaves it untouched); the buffer's other sequence is never written."""
+    n_layers, b, n = 2, 3, 9
+    q, k, v, g, beta, states = _replay_batch_inputs(n_layers, b, n)
+    buffer = torch.full((n_layers, b + 1) + states.shape[2:], 7.0, device=DEVICE)
+    buffer[:, :b] = states
+    view = buffer[:, :b]
+    if shared_rows:
+        rows = torch.tensor([0, 2, 3, 8, 8], device=DEVICE)
+        table = [rows.tolist()] * b
+    else:
+        table = [[0, 1, 2, 3, 4], [5, 6, 0, 0, 0], [8, 7, 1, 2, 6]]
+        rows = torch.tensor(table, device=DEVICE)
+    counts = [3, 0, 5]
+    with force_backend(backend):
+        dk.gated_delta_replay_(view, q, k, v, g, beta, rows, torch.tensor(counts, device=DEVICE), check=True)
+    for i in range(n_layers):
+        for r in range(b):
+            if counts[r] == 0:
+                assert torch.equal(buffer[i, r], states[i, r])
+                continue
+            _, want = hf_along(q[i, r], k[i, r], v[i, r], g[i, r], beta[i, r], states[i, r], table[r][: counts[r]])
+            close(buffer[i, r], want, torch.float32, "state", msg=f"layer {i} sequence {r}")
+    assert bool((buffer[:, b] == 7.0).all())
+
+
+def test_replay_batch_of_one_equals_the_layers_form():
+    """The batch of one is the same launch as the one-sequence (layers) form: equal bit for bit."""
+    q, k, v, g, beta, states = _replay_batch_inputs(2, 1, 9)
+    rows, num = torch.tensor([0, 1, 4, 8], device=DEVICE), torch.tensor([3], device=DEVICE)
+    a, c = states.clone(), states[:, 0].clone()
+    with force_backend("triton"):
+        dk.gated_delta_replay_(a, q, k, v, g, beta, rows[None], num)
+        dk.gated_delta_replay_(c, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], rows, num)
+    assert torch.equal(a[:, 0], c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("b", [1, 3])
+def test_conv_tree_batch_equals_each_sequence_alone(backend, b):
+    n, channels, ksize = 7, 37, 4
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(b, n, channels, generator=gen).to(DEVICE)
+    window = torch.randn(b, ksize - 1, channels, generator=gen).to(DEVICE)
+    weight = (torch.randn(channels, ksize, generator=gen) * 0.5).to(DEVICE)
+    bias = torch.randn(channels, generator=gen).to(DEVICE)
+    kinds = ["random", "deep", "star"]
+    parents = torch.stack([random_parents(n, seed=10 + r, kind=kinds[r % 3]) for r in range(b)])
+    with force_backend(backend):
+        y = dk.causal_conv_tree(x, window, weight, parents, bias=bias, check=True)
+        y_chain = dk.causal_conv_tree(x, window, weight, None, bias=bias)
+    assert y.shape == (b, n, channels)
+    for r in range(b):
+        close(y[r], ref.causal_conv_tree(x[r], window[r], weight, parents[r], bias=bias), torch.float32, "conv")
+        close(y_chain[r], ref.causal_conv_tree(x[r], window[r], weight, None, bias=bias), torch.float32, "conv")
+    if b == 1:
+        with force_backend(backend):
+            assert torch.equal(y[0], dk.causal_conv_tree(x[0], window[0], weight, parents[0], bias=bias))
+
+
+@pytest.mark.parametrize("shared_rows", [False, True])
+def test_conv_window_after_batch_per_sequence(shared_rows):
+    n_layers, b, n, channels, ksize = 2, 3, 9, 5, 4
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(n_layers, b, n, channels, generator=gen).to(DEVICE)
+    window = torch.randn(n_layers, b, ksize - 1, channels, generator=gen).to(DEVICE)
+    table = [[0, 2, 3, 7]] * b if shared_rows else [[0, 2, 3, 7], [8, 1, 0, 0], [4, 5, 6, 7]]
+    rows = torch.tensor(table[0] if shared_rows else table, device=DEVICE)
+    counts = [4, 0, 2]
+    got = dk.conv_window_after(window, x, rows, torch.tensor(counts, device=DEVICE))
+    assert got.shape == window.shape
+    for i in range(n_layers):
+        for r in range(b):
+            want = dk.conv_window_after(window[i, r], x[i, r], torch.tensor(table[r], device=DEVICE),
+                                        torch.tensor([counts[r]], device=DEVICE))
+            assert torch.equal(got[i, r], want)
+
+
+def test_batch_bad_inputs_give_clear_errors():
+    q, k, v, g, beta, state = (t.cpu() for t in batch_inputs(2, 5))
+    with pytest.raises(ValueError, match=r"parents must have shape \[2, 5\]"):
+        dk.gated_delta_tree(q, k, v, g, beta, state, torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"state must have shape \[2, 3, 24, 40\]"):
+        dk.gated_delta_tree(q, k, v, g, beta, state[:1])
+    with pytest.raises(ValueError, match=r"parents\[1, 3\] = 3 must be in \[-1, 3\)"):
+        dk.gated_delta_tree(q, k, v, g, beta, state, torch.tensor([[-1, 0, 1, 2, 3], [-1, 0, 0, 3, 0]]), check=True)
+    with pytest.raises(ValueError, match=r"scratch must be float32 \[2, >= 5, 3, 24, 40\]"):
+        dk.gated_delta_tree(q, k, v, g, beta, state, scratch=torch.zeros(5, 3, 24, 40))
+    L = lambda t: t[None]  # noqa: E731  (one layer of the batch)
+    rows = torch.arange(5)
+    with pytest.raises(ValueError, match=r"rows must be \[A\] \(every sequence's\) or \[b, A\] = \[2, A\]"):
+        dk.gated_delta_replay_(L(state).clone(), L(q), L(k), L(v), L(g), L(beta), rows.expand(3, 5), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"num_rows must have shape \[2\] or \[1\] or \[\]"):
+        dk.gated_delta_replay_(L(state).clone(), L(q), L(k), L(v), L(g), L(beta), rows, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"num_rows = 6 \(sequence 1\) must be in \[0, A\]"):
+        dk.gated_delta_replay_(L(state).clone(), L(q), L(k), L(v), L(g), L(beta), rows, torch.tensor([1, 6]),
+                               check=True)
+    x, window, weight = torch.randn(2, 5, 8), torch.randn(2, 3, 8), torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"window must be \[b, K-1, C\] = \[2, 3, 8\]"):
+        dk.causal_conv_tree(x, window[0], weight)
+    with pytest.raises(ValueError, match=r"parents\[1, 2\] = 4"):
+        dk.causal_conv_tree(x, window, weight, torch.tensor([[-1, 0, 1, 2, 3], [-1, 0, 4, 0, 0]]), check=True)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -521,6 +673,25 @@ def _op_cases():
         ("conv", ops.causal_conv_tree, (x, window, weight, parents), {"bias": bias}),
         ("conv_chain", ops.causal_conv_tree, (x, window, weight, None), {"activation": None}),
         ("window", ops.conv_window_after, (window, x, rows, num), {}),
+    ] + _batch_op_cases()
+
+
+def _batch_op_cases():
+    """The batched forms: 3 sequences, each its own tree, rows and count (one of them 0)."""
+    q, k, v, g, beta, state = batch_inputs(3, 6, hk=1, group=2, dk_=16, dv=24)
+    parents = torch.tensor([[-1, 0, 0, 1, -1, 4], [-1, 0, 1, 2, 3, 4], [-1, -1, 1, 0, 3, 3]], device=DEVICE)
+    rows = torch.tensor([[0, 1, 3, 3], [5, 4, 0, 0], [0, 2, 5, 1]], device=DEVICE)
+    num = torch.tensor([3, 0, 4], device=DEVICE)
+    x, window = torch.randn(3, 6, 20, device=DEVICE), torch.randn(3, 3, 20, device=DEVICE)
+    weight = torch.randn(20, 4, device=DEVICE)
+    L = lambda t: t[None].contiguous()  # noqa: E731
+    ops = torch.ops.dflash
+    return [
+        ("tree_batch", ops.gated_delta_tree, (q, k, v, g, beta, state, parents,
+                                              torch.zeros(3, 6, 2, 16, 24, device=DEVICE)), {}),
+        ("replay_batch", ops.gated_delta_replay_, (L(state), L(q), L(k), L(v), L(g), L(beta), rows, num), {}),
+        ("conv_batch", ops.causal_conv_tree, (x, window, weight, parents), {}),
+        ("window_batch", ops.conv_window_after, (L(window), L(x), rows, num), {}),
     ]
 
 
@@ -538,7 +709,7 @@ def test_opcheck(case, backend):
 
 def test_ops_equal_the_public_functions():
     for name, op, args, kwargs in OP_CASES:
-        if name == "replay":
+        if name.startswith("replay"):
             a, b = args[0].clone(), args[0].clone()
             op(a, *args[1:], **kwargs)
             dk.gated_delta_replay_(b, *args[1:], **kwargs)
@@ -549,8 +720,8 @@ def test_ops_equal_the_public_functions():
             want = dk.gated_delta_tree(*b[:7], scratch=b[7].clone() if b[7] is not None else None, **kwargs)
             torch.testing.assert_close(op(*a, **kwargs), want, atol=0, rtol=0, msg=name)
             continue
-        public = {"conv": dk.causal_conv_tree, "conv_chain": dk.causal_conv_tree,
-                  "window": dk.conv_window_after}[name]
+        public = {"conv": dk.causal_conv_tree, "conv_chain": dk.causal_conv_tree, "conv_batch": dk.causal_conv_tree,
+                  "window": dk.conv_window_after, "window_batch": dk.conv_window_after}[name]
         torch.testing.assert_close(op(*args, **kwargs), public(*args, **kwargs), atol=0, rtol=0, msg=name)
     schema = str(torch.ops.dflash.gated_delta_replay_.default._schema)
     assert "Tensor(a0!) state" in schema and schema.endswith("-> ()")

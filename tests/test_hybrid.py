@@ -84,9 +84,9 @@ def hf_decoded_cache(model, prompt, tokens):
 
 def assert_states_equal(ours: HybridKVCache, theirs, what=""):
     for layer, slot in ours.linear.slots.items():
-        torch.testing.assert_close(ours.linear.conv[slot].t(), theirs.layers[layer].conv_states[0][0], **STATE_TOL,
+        torch.testing.assert_close(ours.linear.conv[slot, 0].t(), theirs.layers[layer].conv_states[0][0], **STATE_TOL,
                                    msg=lambda m: f"{what} layer {layer} conv window: {m}")
-        torch.testing.assert_close(ours.linear.state[slot], theirs.layers[layer].recurrent_states[0][0], **STATE_TOL,
+        torch.testing.assert_close(ours.linear.state[slot, 0], theirs.layers[layer].recurrent_states[0][0], **STATE_TOL,
                                    msg=lambda m: f"{what} layer {layer} recurrent state: {m}")
 
 

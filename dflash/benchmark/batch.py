@@ -42,7 +42,8 @@ def _sync(device) -> None:
 
 
 def _ours(pair, method: str, ids, mask, settings, temperature: float, budget, seed: int):
-    """``(rows' new tokens, seconds, committed, rounds)`` of one batched call of our method."""
+    """``(rows' new tokens, seconds, committed, rows' rounds, the batch's rounds, tree nodes verified)`` of one
+    batched call of our method (the nodes summed over every row's DDTree rounds, 0 for the other methods)."""
     from ..decoding import generate
 
     kw = dict(method=method, max_new_tokens=settings.max_new_tokens, temperature=temperature,
@@ -55,7 +56,7 @@ def _ours(pair, method: str, ids, mask, settings, temperature: float, budget, se
     # the batch's rounds: every row runs in each, so the longest row's count
     rounds = max(len(row.acceptance_lengths) for row in rows)
     return ([row.generated_ids[0].tolist() for row in rows], result.total_time, sum(result.acceptance_lengths),
-            len(result.acceptance_lengths), rounds)
+            len(result.acceptance_lengths), rounds, sum(result.tree_sizes))
 
 
 def _hf(pair, ids, mask, settings, temperature: float, seed: int):
@@ -111,7 +112,8 @@ def run_batch_benchmark(args, pair, prompts: List[List[int]], settings) -> dict:
         padded = [left_padded(batch, settings.pad_token_id, device) for batch in batches]
         stats: Dict[tuple, dict] = {}
         for cfg in configs + [("hf", None, t) for t in args.temperatures if "hf" in args.methods]:
-            stats[cfg] = dict(batched=[0, 0.0], alone=[0, 0.0], committed=0, rounds=0, batch_rounds=0, equal=True)
+            stats[cfg] = dict(batched=[0, 0.0], alone=[0, 0.0], committed=0, rounds=0, batch_rounds=0, nodes=0,
+                              equal=True)
         # warm-up of every configuration at this batch size (kernels, caches, allocator)
         warm = [prompts[0]] * b
         w_ids, w_mask = left_padded(warm, settings.pad_token_id, device)
@@ -131,15 +133,16 @@ def run_batch_benchmark(args, pair, prompts: List[List[int]], settings) -> dict:
                 if m == "hf":
                     got, seconds = _hf(pair, ids, mask, settings, t, seed)
                 else:
-                    got, seconds, committed, rounds, batch_rounds = _ours(pair, m, ids, mask, settings, t, budget,
-                                                                          seed)
+                    got, seconds, committed, rounds, batch_rounds, nodes = _ours(pair, m, ids, mask, settings, t,
+                                                                                 budget, seed)
+                    s["nodes"] += nodes
                     s["committed"] += committed
                     s["rounds"] += rounds
                     s["batch_rounds"] += batch_rounds
                     alone_tokens, alone_seconds = 0, 0.0
                     for j, prompt in enumerate(batch):
                         one_ids, one_mask = left_padded([prompt], settings.pad_token_id, device)
-                        tokens, secs, _, _, _ = _ours(pair, m, one_ids, None, settings, t, budget, seed)
+                        tokens, secs, *_ = _ours(pair, m, one_ids, None, settings, t, budget, seed)
                         alone_tokens += len(tokens[0])
                         alone_seconds += secs
                         if t == 0 and m == "ar":
@@ -159,6 +162,7 @@ def run_batch_benchmark(args, pair, prompts: List[List[int]], settings) -> dict:
             rows.append(dict(batch_size=b, method=m, budget=budget, temperature=t, tokens_per_second=tps,
                              row_by_row_tokens_per_second=alone, tau=s["committed"] / s["rounds"] if s["rounds"]
                              else None, ms_per_round=1e3 * s["batched"][1] / s["batch_rounds"] if s["batch_rounds"]
+                             else None, mean_tree_nodes=s["nodes"] / s["rounds"] if m == "ddtree" and s["rounds"]
                              else None, equal_to_alone=s["equal"] if t == 0 else None, prompts=n))
     for row in rows:
         hf = next((r for r in rows if r["method"] == "hf" and r["batch_size"] == row["batch_size"]
@@ -176,13 +180,14 @@ def _fmt(x, spec) -> str:
 def batch_markdown(results: dict) -> str:
     """The batch table (one row per batch size and configuration)."""
     lines = ["| batch | method | budget | T | tokens/s | row by row tokens/s | batched / row by row | "
-             "batched / hf | tau | ms per round | rows equal to ar alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "batched / hf | tau | mean tree nodes | ms per round | rows equal to ar alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         equal = "–" if r["equal_to_alone"] is None else ("yes" if r["equal_to_alone"] else "**NO**")
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['budget'] or '–'} | {r['temperature']:g} | "
                      f"{r['tokens_per_second']:.1f} | {_fmt(r['row_by_row_tokens_per_second'], '.1f')} | "
                      f"{_fmt(r['over_row_by_row'], '.2f')}{'x' if r['over_row_by_row'] else ''} | "
                      f"{_fmt(r['over_hf'], '.2f')}{'x' if r['over_hf'] else ''} | {_fmt(r['tau'], '.2f')} | "
+                     f"{_fmt(r.get('mean_tree_nodes'), '.1f')} | "
                      f"{_fmt(r.get('ms_per_round'), '.2f')} | {equal} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in results["notes"]])

@@ -12,8 +12,7 @@ prompt alone would give, finished rows padded with ``pad_token_id``), or with
 ``sequences`` is that tensor (scores, logits, attentions, hidden states and
 the cache are None: requests for them fall back, below).
 
-- **Fallback**: a call our loop cannot serve (right padding, a batch on a
-  hybrid target, beams, logits processors, output_scores / logits /
+- **Fallback**: a call our loop cannot serve (right padding, beams, logits processors, output_scores / logits /
   attentions / hidden states, any refused keyword) runs transformers' own ``generate`` unchanged,
   with a warning the first time each reason occurs on that target: never a
   wrong answer.
@@ -200,7 +199,7 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
         plan.loop_kwargs["seed"] = None if plan.sampling.greedy else _torch_seed()
     try:
         result = run_generation(target, draft, inputs, plan, method=method)
-    except UnsupportedGeneration as exc:  # refused before any model runs (a batch on a hybrid target)
+    except UnsupportedGeneration as exc:  # refused before any model runs (right padding, a streamer with a batch)
         _warn_once(state, exc.keyword or str(exc), str(exc))
         return original(*args, **kwargs)
     sequences = result.output_ids.clone()  # a normal tensor (the loop's is an inference-mode tensor)

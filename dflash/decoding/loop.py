@@ -22,7 +22,6 @@ import torch
 
 from ..target import TargetAdapter
 from .compiled import batch_bucket, lease_steps
-from .generation_config import UnsupportedGeneration
 from .options import LoopOptions, check_pair, prepare_prompts
 from .output import CommittedOutput, HostReader, SeedSource, StageClock
 from .result import GenerationResult
@@ -48,10 +47,6 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
         shape = options.resolve(method, draft, adapter.vocab_size)
         prompts, padded = prepare_prompts(input_ids, adapter.vocab_size, adapter.device, options.attention_mask)
         batch = batch_bucket(len(prompts), compile)
-        if batch > 1 and adapter.hybrid:
-            raise UnsupportedGeneration("input_ids", f"{type(target).__name__} is a hybrid target (linear-attention "
-                                                     "layers), whose recurrent states are kept for one sequence: "
-                                                     "generate its prompts one at a time")
         seeds = SeedSource(options.seed)
         total = max(p.numel() for p in prompts) + options.max_new_tokens
         with lease_steps(target, adapter, draft, shape, options.sampling, total, compile, batch) as (steps, setup):

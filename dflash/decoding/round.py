@@ -331,7 +331,8 @@ class Round:
         both caches. Returns the first tokens ``[b]`` (also in ``last``).
 
         One sequence: the adapter's eager prefill (causal SDPA per chunk, as ``generate()`` runs its prompt). A
-        batch: :meth:`_prefill_batch`, every sequence's prompt in the same passes."""
+        batch: :meth:`_prefill_batch`, every sequence's prompt in the same passes; on a hybrid target
+        :meth:`_prefill_rows`, each sequence's prompt on its own."""
         if isinstance(prompts, torch.Tensor):
             prompts = [prompts]
         if len(prompts) != self.b:
@@ -341,10 +342,36 @@ class Round:
             self.last.copy_(self.choose(last_hidden).reshape(1))
             if self.dcache is not None:
                 self.draft_model.ingest_context(features, self.dcache)
+        elif getattr(self.cache, "linear", None) is not None:
+            self._prefill_rows(prompts)
         else:
             self._prefill_batch(prompts)
         self.freeze()
         return self.last
+
+    def _prefill_rows(self, prompts) -> None:
+        """A hybrid target's batch: each sequence's prompt prefilled on its own rows, one sequence after the
+        other, exactly as one sequence's (:meth:`TargetAdapter.prefill` over :meth:`HybridKVCache.row`: its
+        attention K/V rows, its conv windows and recurrent states, by the model's own forward in causal chunks).
+
+        Not the padded passes of :meth:`_prefill_batch`: causality keeps a pad row out of the attention of
+        every real row, but a linear-attention layer's recurrence would run the pad rows of a shorter prompt
+        into that sequence's state (and the in-place chunk forward cannot be committed partially). Then each
+        sequence's last prompt row chooses its first token, its features go to its drafter rows, and the
+        caches adopt the rows' lengths."""
+        b, device = self.b, self.device
+        rows = [self.cache.row(r) for r in range(b)]
+        drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
+        last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
+        for r, prompt in enumerate(prompts):
+            hidden, features = self.adapter.prefill(prompt, rows[r])
+            last_hidden[r].copy_(hidden[0])
+            if drows is not None:
+                self.draft_model.ingest_context(features, drows[r])
+        self.cache.take_lengths(rows)
+        if drows is not None:
+            self.dcache.take_lengths(drows)
+        self.last.copy_(self.choose(last_hidden))
 
     def _prefill_batch(self, prompts, chunk_size: Optional[int] = None) -> None:
         """The prompts of a batch in the same causal passes: each sequence's tokens from position 0, padded on the

@@ -178,15 +178,11 @@ class TargetAdapter:
 
     def new_cache(self, max_len: int, kv: Optional[torch.Tensor] = None, batch: int = 1) -> TargetKVCache:
         """The target's cache of ``max_len`` positions for ``batch`` sequences (a :class:`HybridKVCache` for hybrid
-        targets, one sequence); ``kv``: caller storage of :meth:`cache_shape` (with the batch in front when
+        targets: their linear-attention states per sequence too); ``kv``: caller storage of :meth:`cache_shape` (with the batch in front when
         ``batch > 1``; see :class:`~dflash.cache.KVBuffer`)."""
         if self.hybrid:
-            if batch != 1:
-                raise UnsupportedTargetFeature(type(self.model).__name__, "batch > 1",
-                                               "a hybrid target's linear-attention states are kept for one sequence; "
-                                               "generate its prompts one at a time")
             return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device,
-                                 kv=kv)
+                                 kv=kv, batch=batch)
         return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch)
 
     def embed(self, ids: torch.Tensor, raw_scale: Optional[float] = None) -> torch.Tensor:
@@ -239,9 +235,9 @@ class TargetAdapter:
         with the reference backend, one ``[b, T, S]`` visibility per distinct
         window, shared by the layers).
 
-        Hybrid targets: a tree pass also needs ``tree_parents [T]`` (int64 on
-        the device, ``-1`` for the root): the linear-attention layers advance
-        each node from its parent's state. ``whole=True`` says the caller
+        Hybrid targets: a tree pass also needs ``tree_parents [T]`` (``[b, T]``
+        for a batch; int64 on the device, ``-1`` for the root): the
+        linear-attention layers advance each node from its parent's state. ``whole=True`` says the caller
         commits every row (prefill): such a pass, like a one-row causal pass
         on an eager cache, runs the model's own Gated-DeltaNet forward, which
         advances the states in place; any other pass leaves them to the
@@ -284,8 +280,7 @@ class TargetAdapter:
         )
         kw = {self._cache_kw: cache, PASS_KWARG: attention_pass}
         if self.hybrid:
-            kw[LINEAR_PASS_KWARG] = self._linear_pass(T, cache, None if tree_bits is None else tree_bits[0],
-                                                      None if tree_parents is None else tree_parents[0], whole)
+            kw[LINEAR_PASS_KWARG] = self._linear_pass(b, T, cache, tree_bits, tree_parents, whole)
         h = self.embed(ids)
         rope = self._position_embeddings(h, positions)
         wanted = set(self.capture_layer_ids)
@@ -298,17 +293,19 @@ class TargetAdapter:
                 outputs[idx] = h[0] if single else h
         return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
 
-    def _linear_pass(self, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
-        """The hybrid layers' part of a pass (see :meth:`forward`), announced to the cache."""
+    def _linear_pass(self, b: int, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
+        """The hybrid layers' part of a pass of ``b`` sequences (see :meth:`forward`), announced to the cache."""
         if not isinstance(cache, HybridKVCache):
             raise TypeError(f"a hybrid target needs its HybridKVCache (adapter.new_cache), got {type(cache).__name__}")
         if tree_bits is not None:
             if tree_parents is None:
                 raise ValueError("a tree pass on a hybrid target needs tree_parents= (the [T] parent index of each "
-                                 "row, -1 for the root): its linear-attention layers advance each node from its "
-                                 "parent's state")
-            if tree_parents.shape != (T,):
-                raise ValueError(f"tree_parents must be [T] = [{T}], got {list(tree_parents.shape)}")
+                                 "row, -1 for the root; [b, T] for a batch): its linear-attention layers advance "
+                                 "each node from its parent's state")
+            if tree_parents.shape != (b, T):
+                want = f"[T] = [{T}]" if b == 1 else f"[b, T] = [{b}, {T}]"
+                got = list(tree_parents.shape[1:]) if b == 1 and tree_parents.shape[0] == 1 else list(tree_parents.shape)
+                raise ValueError(f"tree_parents must be {want}, got {got}")
             linear_pass = LinearPass(False, tree_parents.to(device=self.device, dtype=torch.long))
         else:
             linear_pass = LinearPass(whole or (T == 1 and not cache.static))

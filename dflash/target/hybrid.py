@@ -2,7 +2,8 @@
 
 A hybrid decoder interleaves full-attention layers (K/V in our cache, as for
 dense targets) with Gated-DeltaNet linear-attention layers. Such a layer keeps,
-per sequence, no K/V but
+per sequence (a batch of ``b`` sequences keeps ``b`` of each, in
+:class:`LinearStates`), no K/V but
 
 * a causal-convolution window: its last ``K`` conv inputs ``[K, C]`` (``K =
   linear_conv_kernel_dim``, ``C = 2 Hk Dk + Hv Dv``; transformers keeps ``K``
@@ -24,15 +25,18 @@ recurrent states). Here a verify pass never touches the committed state:
   recurrence from the committed state (:func:`dflash_kernels.gated_delta_tree`:
   node ``i`` starts from its parent's state), and the outputs; the pass's conv
   inputs, conv outputs (``q | k | v``), ``g`` and ``beta`` are stashed
-  per layer in :class:`LinearStates` (``[L_lin, T, .]``: a few rows of
-  activations, not ``T`` states);
-* **commit** (a decoding round's ``advance(rows, count)`` for a chain, rows
-  ``0..count-1``, or ``compact_advance(path, path_len)`` for a tree, the
-  accepted path; ``commit(n)`` after an eager chain pass): ONE
+  per layer in :class:`LinearStates` (``[L_lin, b, T, .]``: a few rows of
+  activations per sequence, not ``T`` states); a batch's sequences each run
+  their own tree (``parents [b, T]``) from their own window and state;
+* **commit** (a decoding round's ``advance(rows, count [b])`` for a chain,
+  rows ``0..count[r]-1`` of sequence ``r``, or ``compact_advance(path [b,
+  A], path_len [b])`` for a tree, each accepted path; ``commit(n)`` after an
+  eager chain pass of one sequence): ONE
   :func:`dflash_kernels.gated_delta_replay_` launch advances every linear
-  layer's committed state through exactly the accepted rows (the row count
-  read on the device), and :func:`dflash_kernels.conv_window_after` moves
-  every window. The state then equals what plain decoding of the committed
+  layer's committed state of every sequence through exactly its accepted
+  rows (the row counts read on the device; a count of 0, a stopped sequence
+  of a traced round, leaves its states as they are), and
+  :func:`dflash_kernels.conv_window_after` moves every window. The state then equals what plain decoding of the committed
   tokens holds. Rows past the count are never applied.
 
 Replay instead of per-step checkpoints (writing the state after every block
@@ -56,7 +60,16 @@ linear-attention cache protocol (below): its chunked rule for prefill and its
 per-token decode path, so prefill and AR states are exactly transformers'.
 Such a pass advances the states in place; committing fewer rows than it ran
 is an error (it cannot be rolled back), as is cropping a hybrid cache to any
-length but its own or 0.
+length but its own or 0. It runs one sequence: a batch prefills each
+sequence's prompt through :meth:`HybridKVCache.row` (its K/V rows, windows and
+states are views of that sequence's), one after the other, never a padded
+batched pass (a pad row would run through a shorter prompt's recurrence).
+
+**Batches** follow :class:`~dflash.cache.KVBuffer`: :meth:`HybridKVCache.narrow`
+views the first ``n`` sequences' states, :meth:`HybridKVCache.move_row` copies
+one sequence's windows and states into another's place (an eager round drops
+a stopped sequence, ``Round.retire``), and a traced round keeps a stopped
+sequence, which commits 0 rows.
 
 **transformers' protocol** (both 5.17 and 5.24 read the module's cache this
 way): 5.24 calls ``get_conv_state(layer, state_idx=0)``,
@@ -102,9 +115,10 @@ class LinearPass:
     """What one pass does in the linear-attention layers.
 
     ``in_place``: the model's own forward advances the committed states (a
-    prefill chunk or a one-row causal pass). Otherwise a verify pass: the
-    rows form a chain (``parents`` None) or the tree ``parents [T]`` int64 on
-    the device (``parents[i]`` in ``[-1, i)``, -1 = the committed state).
+    prefill chunk or a one-row causal pass of one sequence). Otherwise a
+    verify pass of ``b`` sequences: the rows form a chain (``parents`` None)
+    or each sequence's tree ``parents [b, T]`` int64 on the device
+    (``parents[r, i]`` in ``[-1, i)``, -1 = sequence ``r``'s committed state).
     """
 
     in_place: bool
@@ -170,17 +184,24 @@ def linear_shape(model_name: str, layers, linear_layers: Sequence[int]) -> Linea
 
 
 class _LinearLayerView:
-    """``cache.layers[i]`` of a linear layer, as transformers 5.17 reads it (``conv_states[0]`` ``[1, C, K]``,
-    ``recurrent_states[0]`` ``[1, Hv, Dk, Dv]``: views of our buffers, ``record_past`` False)."""
+    """``cache.layers[i]`` of a linear layer, as transformers 5.17 reads it (``conv_states[0]`` ``[b, C, K]``,
+    ``recurrent_states[0]`` ``[b, Hv, Dk, Dv]``: views of our buffers' current sequences, ``record_past``
+    False). The in-place passes that read them run one sequence (``b = 1``: a row view of a batch)."""
 
     record_past = False
     number_of_states = 1
 
     def __init__(self, states: "LinearStates", slot: int):
         self._states, self.slot = states, slot
-        self.conv_states = {0: states.conv[slot].t()[None]}
-        self.recurrent_states = {0: states.state[slot][None]}
         self.conv_kernel_size = {0: states.shape.kernel}
+
+    @property
+    def conv_states(self) -> Dict[int, torch.Tensor]:
+        return {0: self._states.conv[self.slot].transpose(1, 2)}
+
+    @property
+    def recurrent_states(self) -> Dict[int, torch.Tensor]:
+        return {0: self._states.state[self.slot]}
 
     @property
     def has_previous_state(self) -> Dict[int, bool]:
@@ -200,28 +221,40 @@ class _AttentionLayerView:
 
 
 class LinearStates:
-    """Every linear layer's committed conv window and recurrent state, and the last verify pass's stash.
+    """Every linear layer's committed conv windows and recurrent states for ``b`` sequences, and the last verify
+    pass's stash.
 
-    ``conv [L_lin, K, C]`` (model dtype, oldest input first: transformers'
-    ``[1, C, K]`` window is ``conv[s].t()[None]``), ``state [L_lin, Hv, Dk, Dv]``
-    fp32. The stash of a verify pass of ``T`` rows: ``x [L_lin, T, C]`` (conv
-    inputs), ``y [L_lin, T, C]`` (conv outputs ``q | k | v``), ``g [L_lin, T,
-    Hv]`` fp32, ``beta [L_lin, T, Hv]``; ``pending`` says what the last pass
-    left to commit: None (nothing), ``"verify"`` (the stash), ``"in_place"``
-    (the model's own forward already advanced the states over ``rows`` rows).
+    ``conv [L_lin, b, K, C]`` (model dtype, oldest input first: transformers'
+    ``[b, C, K]`` window is ``conv[s].transpose(1, 2)``), ``state [L_lin, b,
+    Hv, Dk, Dv]`` fp32 (the layer first, so ``state[s]`` is one layer's ``[b,
+    Hv, Dk, Dv]``, what the tree kernel reads, and the whole tensor what one
+    replay launch advances). The stash of a verify pass of ``T`` rows per
+    sequence: ``x [L_lin, b, T, C]`` (conv inputs), ``y [L_lin, b, T, C]``
+    (conv outputs ``q | k | v``), ``g [L_lin, b, T, Hv]`` fp32, ``beta [L_lin,
+    b, T, Hv]``; ``pending`` says what the last pass left to commit: None
+    (nothing), ``"verify"`` (the stash), ``"in_place"`` (the model's own forward
+    already advanced the states over ``rows`` rows).
+
+    Like :class:`~dflash.cache.KVBuffer`, the sequences can be narrowed to the
+    first ``n`` (:meth:`narrow`: every tensor above becomes a view of its first
+    ``n`` sequences), one sequence moved into another's place (:meth:`move_row`),
+    and one sequence viewed alone (:meth:`row`, for its in-place prefill).
     """
 
-    def __init__(self, shape: LinearShape, dtype, device, length_fn):
+    def __init__(self, shape: LinearShape, dtype, device, length_fn, batch: int = 1):
         self.shape, self.dtype, self.device = shape, dtype, device
         n = len(shape.layers)
         self.slots = {layer: s for s, layer in enumerate(shape.layers)}
-        self.conv = torch.zeros(n, shape.kernel, shape.channels, dtype=dtype, device=device)
-        self.state = torch.zeros(n, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim, dtype=torch.float32,
-                                 device=device)
+        self._conv_whole = torch.zeros(n, batch, shape.kernel, shape.channels, dtype=dtype, device=device)
+        self._state_whole = torch.zeros(n, batch, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim,
+                                        dtype=torch.float32, device=device)
+        self.conv, self.state = self._conv_whole, self._state_whole
+        self.batch = batch
         self._length = length_fn
         self.pending: Optional[str] = None
         self.pending_rows = 0
         self._stash_rows = -1
+        self._stash_whole = None
         self.x = self.y = self.g = self.beta = None
         self._stashes = {}
         self._scratch = None
@@ -232,8 +265,8 @@ class LinearStates:
         return bool(self._length())
 
     def window(self, slot: int) -> torch.Tensor:
-        """The ``K - 1`` inputs the convolution reads ``[K-1, C]`` (a view of ``conv[slot]``)."""
-        return self.conv[slot, 1:]
+        """The ``K - 1`` inputs the convolution reads ``[b, K-1, C]`` (a view of ``conv[slot]``)."""
+        return self.conv[slot, :, 1:]
 
     def counts(self, n: int) -> torch.Tensor:
         """A ``[1]`` device tensor holding ``n`` (a slice of a cached arange: no host->device copy)."""
@@ -242,45 +275,84 @@ class LinearStates:
         return self._counts[n : n + 1]
 
     def stash(self, rows: int) -> None:
-        """Buffers for a verify pass of ``rows`` rows: kept per row count, so rounds whose verify size changes
-        between a few fixed sizes (a budget chosen per round) reuse theirs (a traced step's, a captured graph's)."""
+        """Buffers for a verify pass of ``rows`` rows per sequence: kept per row count, so rounds whose verify
+        size changes between a few fixed sizes (a budget chosen per round) reuse theirs (a traced step's, a
+        captured graph's). Allocated for every sequence; :attr:`x` etc. view the current ones."""
         if rows != self._stash_rows:
             if rows not in self._stashes:
-                n, s = len(self.shape.layers), self.shape
+                n, s, b = len(self.shape.layers), self.shape, self._state_whole.shape[1]
                 self._stashes[rows] = (
-                    torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device),
-                    torch.empty(n, rows, s.channels, dtype=self.dtype, device=self.device),
-                    torch.empty(n, rows, s.num_v_heads, dtype=torch.float32, device=self.device),
-                    torch.empty(n, rows, s.num_v_heads, dtype=self.dtype, device=self.device))
-            self.x, self.y, self.g, self.beta = self._stashes[rows]
+                    torch.empty(n, b, rows, s.channels, dtype=self.dtype, device=self.device),
+                    torch.empty(n, b, rows, s.channels, dtype=self.dtype, device=self.device),
+                    torch.empty(n, b, rows, s.num_v_heads, dtype=torch.float32, device=self.device),
+                    torch.empty(n, b, rows, s.num_v_heads, dtype=self.dtype, device=self.device))
+            self._stash_whole = self._stashes[rows]
             self._stash_rows = rows
+            self._view_stash()
+
+    def _view_stash(self) -> None:
+        if self._stash_whole is not None:
+            self.x, self.y, self.g, self.beta = (t[:, : self.batch] for t in self._stash_whole)
 
     def scratch(self, rows: int) -> torch.Tensor:
-        """One fp32 ``[rows, Hv, Dk, Dv]`` buffer for the tree kernel's per-node states, shared by every layer."""
+        """One fp32 ``[b, rows, Hv, Dk, Dv]`` buffer for the tree kernel's per-node states, shared by every
+        layer (the current sequences' rows of one buffer for every sequence)."""
         s = self.shape
-        if self._scratch is None or self._scratch.shape[0] < rows:
-            self._scratch = torch.empty(rows, s.num_v_heads, s.head_k_dim, s.head_v_dim, dtype=torch.float32,
-                                        device=self.device)
-        return self._scratch
+        if self._scratch is None or self._scratch.shape[1] < rows:
+            self._scratch = torch.empty(self._state_whole.shape[1], rows, s.num_v_heads, s.head_k_dim,
+                                        s.head_v_dim, dtype=torch.float32, device=self.device)
+        return self._scratch[: self.batch]
 
     def qkv(self):
-        """The stash's ``q [L, T, Hk, Dk]``, ``k``, ``v [L, T, Hv, Dv]``: views of the conv outputs."""
+        """The stash's ``q [L, b, T, Hk, Dk]``, ``k``, ``v [L, b, T, Hv, Dv]``: views of the conv outputs."""
         s = self.shape
-        n, rows = self.y.shape[:2]
         q = self.y[..., : s.key_dim].unflatten(-1, (s.num_k_heads, s.head_k_dim))
         k = self.y[..., s.key_dim : 2 * s.key_dim].unflatten(-1, (s.num_k_heads, s.head_k_dim))
         v = self.y[..., 2 * s.key_dim :].unflatten(-1, (s.num_v_heads, s.head_v_dim))
         return q, k, v
 
     def apply(self, rows: torch.Tensor, num_rows: torch.Tensor) -> None:
-        """Advance every layer through the stashed rows ``rows[:num_rows]`` (device tensors, no host read)."""
+        """Advance every layer of each sequence ``r`` through its stashed rows ``rows[r, :num_rows[r]]`` (``rows
+        [T]``: the same rows for every sequence; ``num_rows [b]`` or ``[1]``; device tensors, no host read). A
+        count of 0 leaves that sequence's conv window and state as they are."""
         q, k, v = self.qkv()
         dflash_kernels.gated_delta_replay_(self.state, q, k, v, self.g, self.beta, rows, num_rows)
         self.conv.copy_(dflash_kernels.conv_window_after(self.conv, self.x, rows, num_rows))
 
+    # -- the batch's sequences, as KVBuffer's
+    def narrow(self, n: int) -> None:
+        """Hold the first ``n`` sequences only (views of the whole buffers' first rows)."""
+        whole = self._state_whole.shape[1]
+        if not 1 <= n <= whole:
+            raise ValueError(f"narrow({n}) of linear states of {whole} sequences")
+        self.batch = n
+        self.conv, self.state = self._conv_whole[:, :n], self._state_whole[:, :n]
+        self._view_stash()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy sequence ``src``'s committed conv windows and states (every layer) into sequence ``dst``."""
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.state[:, dst].copy_(self.state[:, src])
+
+    def row(self, r: int, length_fn) -> "LinearStates":
+        """Sequence ``r`` alone: linear states of one sequence whose ``conv`` / ``state`` are views of ``r``'s
+        (what an in-place pass writes lands in this batch's buffers), with a stash of its own and
+        ``length_fn`` the row's committed length (transformers' "has a previous state")."""
+        if not 0 <= r < self.batch:
+            raise IndexError(f"sequence {r} of linear states of {self.batch}")
+        view = LinearStates.__new__(LinearStates)
+        view.__dict__.update(self.__dict__)
+        view._conv_whole, view._state_whole = self.conv[:, r : r + 1], self.state[:, r : r + 1]
+        view.conv, view.state, view.batch = view._conv_whole, view._state_whole, 1
+        view._length = length_fn
+        view.pending, view.pending_rows = None, 0
+        view._stash_rows, view._stash_whole, view._stashes, view._scratch = -1, None, {}, None
+        view.x = view.y = view.g = view.beta = None
+        return view
+
     def reset(self) -> None:
-        self.conv.zero_()
-        self.state.zero_()
+        self._conv_whole.zero_()
+        self._state_whole.zero_()
         self.pending, self.pending_rows = None, 0
 
 
@@ -288,9 +360,12 @@ class HybridKVCache(TargetKVCache):
     """The target cache of a hybrid model: K/V for the full-attention layers only, plus :class:`LinearStates`.
 
     ``kv [L_attn, 2, Hkv, max_len, D]`` holds the attention layers in order
-    (decoder layer ``i`` -> slot ``kv_slot(i)``); the commit methods keep the
-    same rows of both kinds of layers (module docstring). Speaks
-    transformers' linear-attention cache protocol (5.17 and 5.24).
+    (decoder layer ``i`` -> slot ``kv_slot(i)``; ``kv_batched [b, L_attn, ...]``
+    for a batch of ``b`` sequences, each with its own conv windows and states
+    in :attr:`linear`); the commit methods keep the same rows of both kinds of
+    layers (module docstring), per sequence. Speaks transformers'
+    linear-attention cache protocol (5.17 and 5.24) for the one-sequence
+    in-place passes (a batch prefills each sequence through :meth:`row`).
     """
 
     @staticmethod
@@ -299,19 +374,40 @@ class HybridKVCache(TargetKVCache):
         layers, two, kv_heads, rows, head_dim = TargetKVCache.kv_shape(config, max_len)
         return (layers - len(shape.layers), two, kv_heads, rows, head_dim)
 
-    def __init__(self, config, shape: LinearShape, max_len: int, dtype, device, kv=None):
+    def __init__(self, config, shape: LinearShape, max_len: int, dtype, device, kv=None, batch: int = 1):
         layers, _, kv_heads, _, head_dim = self.kv_shape(config, shape, max_len)
-        super(TargetKVCache, self).__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv)
+        super(TargetKVCache, self).__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch)
         num_layers = config.num_hidden_layers
         attention = [i for i in range(num_layers) if i not in shape.layers]
         self.num_layers = num_layers
         self._kv_slots = {layer: s for s, layer in enumerate(attention)}
+        self.linear = LinearStates(shape, dtype, device, self._holds_tokens, batch=batch)
+        self.layers = self._layer_views()
+
+    def _holds_tokens(self) -> bool:
         # a frozen cache holds the committed prompt (never empty): the states are "previous" without a host read
-        self.linear = LinearStates(shape, dtype, device, lambda: self.static or self.length > 0)
-        self.layers = [
-            _LinearLayerView(self.linear, self.linear.slots[i]) if i in self.linear.slots
-            else _AttentionLayerView(self._kv_slots[i]) for i in range(num_layers)
-        ]
+        return self.static or self.length > 0
+
+    def _layer_views(self) -> list:
+        return [_LinearLayerView(self.linear, self.linear.slots[i]) if i in self.linear.slots
+                else _AttentionLayerView(self._kv_slots[i]) for i in range(self.num_layers)]
+
+    # ------------------------------------------------------------ the batch's sequences
+    def row(self, r: int) -> "HybridKVCache":
+        """Sequence ``r`` alone (:meth:`KVBuffer.row`), its linear states included (:meth:`LinearStates.row`):
+        a batch prefills each sequence's prompt through its row, by the model's own forward."""
+        view = super().row(r)
+        view.linear = self.linear.row(r, view._holds_tokens)
+        view.layers = view._layer_views()
+        return view
+
+    def narrow(self, n: int) -> None:
+        super().narrow(n)
+        self.linear.narrow(n)
+
+    def move_row(self, src: int, dst: int) -> None:
+        super().move_row(src, dst)
+        self.linear.move_row(src, dst)
 
     # ------------------------------------------------------------ attention layers
     def kv_slot(self, layer_idx: int) -> int:
@@ -337,12 +433,12 @@ class HybridKVCache(TargetKVCache):
         return self.linear.has_previous()
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
-        """The window ``[1, C, K]`` (a view: decode writes it in place), or None before the first token."""
+        """The window ``[b, C, K]`` (a view: decode writes it in place), or None before the first token."""
         self._slot(layer_idx)
         return self.layers[layer_idx].conv_states[0] if self.linear.has_previous() else None
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
-        """The state ``[1, Hv, Dk, Dv]`` fp32 (a view), or None before the first token."""
+        """The state ``[b, Hv, Dk, Dv]`` fp32 (a view), or None before the first token."""
         self._slot(layer_idx)
         return self.layers[layer_idx].recurrent_states[0] if self.linear.has_previous() else None
 
@@ -351,7 +447,7 @@ class HybridKVCache(TargetKVCache):
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: Optional[int] = None, **kwargs) -> torch.Tensor:
-        """``x [1, C, T]`` -> the inputs the conv runs over: ``concat(window [1, C, K], x)``, or on the first
+        """``x [b, C, T]`` -> the inputs the conv runs over: ``concat(window [b, C, K], x)``, or on the first
         pass ``x`` left-padded with zeros to ``K`` columns; the window becomes their last ``K`` columns."""
         slot = self._slot(layer_idx)
         K = self.linear.shape.kernel
@@ -414,16 +510,17 @@ class HybridKVCache(TargetKVCache):
         self.length_t.fill_(self.length)
 
     def advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
-        """Round commit of a chain: the linear layers advance through ``rows[:count]`` of the stash (device
-        tensors, one replay launch), the attention layers keep their rows (:meth:`TargetKVCache.advance`)."""
+        """Round commit of a chain: each sequence ``r``'s linear layers advance through ``rows[:count[r]]`` of
+        the stash (``rows [T]``, ``count [b]``: device tensors, one replay launch), the attention layers keep
+        their rows (:meth:`TargetKVCache.advance`)."""
         self.linear.apply(rows, count)
         super().advance(rows, count)
 
     def compact_advance(self, rows: torch.Tensor, count: torch.Tensor) -> None:
-        """Round commit of a tree path ``rows[:count]``: the linear layers advance through the path's stashed
-        rows, the attention layers' rows are compacted (:meth:`TargetKVCache.compact_advance`; ``rows [1, A]``:
-        a hybrid cache holds one sequence)."""
-        self.linear.apply(rows if rows.dim() == 1 else rows[0], count)
+        """Round commit of tree paths ``rows[r, :count[r]]`` (``rows [b, A]``, or ``[A]`` for one sequence):
+        each sequence's linear layers advance through its path's stashed rows, the attention layers' rows are
+        compacted (:meth:`TargetKVCache.compact_advance`)."""
+        self.linear.apply(rows, count)
         super().compact_advance(rows, count)
 
     def crop(self, length: int) -> None:
@@ -445,53 +542,56 @@ class HybridKVCache(TargetKVCache):
 
 
 def _project(module, hidden_states: torch.Tensor):
-    """``(mixed_qkv [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv])`` of ``hidden_states [1, T, H]``, by the
-    module's own projections (Qwen3.5: separate ``in_proj_qkv/z/b/a``; Qwen3-Next: fused ``in_proj_qkvz`` /
+    """``(mixed_qkv [b, T, C], z [b, T, Hv, Dv], b [b, T, Hv], a [b, T, Hv])`` of ``hidden_states [b, T, H]``, by
+    the module's own projections (Qwen3.5: separate ``in_proj_qkv/z/b/a``; Qwen3-Next: fused ``in_proj_qkvz`` /
     ``in_proj_ba`` reordered by its ``fix_query_key_value_ordering``)."""
-    T = hidden_states.shape[1]
+    B, T = hidden_states.shape[:2]
     if hasattr(module, "in_proj_qkvz"):
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
                                                                module.in_proj_ba(hidden_states))
-        mixed = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], dim=-1)
+        mixed = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
     else:
         mixed = module.in_proj_qkv(hidden_states)
         z = module.in_proj_z(hidden_states)
         b = module.in_proj_b(hidden_states)
         a = module.in_proj_a(hidden_states)
-    return mixed[0], z.reshape(T, -1, module.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+    return mixed, z.reshape(B, T, -1, module.head_v_dim), b.reshape(B, T, -1), a.reshape(B, T, -1)
 
 
 def verify_forward(module, hidden_states: torch.Tensor, cache: HybridKVCache, linear_pass: LinearPass):
-    """One linear layer over a verify pass: outputs ``[1, T, H]``; the committed state is only read.
+    """One linear layer over a verify pass of ``b`` sequences: outputs ``[b, T, H]``; the committed states are
+    only read.
 
-    Equals the model's own decode run token by token along each row's
-    root -> row path (a chain when ``linear_pass.parents`` is None). Stashes
-    the rows' conv inputs and ``q | k | v``, ``g``, ``beta`` for the commit.
+    Sequence ``r``'s outputs equal the model's own decode run token by token
+    along each row's root -> row path (``linear_pass.parents[r]``; a chain
+    when ``parents`` is None) from ``r``'s committed conv window and state.
+    Stashes the rows' conv inputs and ``q | k | v``, ``g``, ``beta`` (``[b, T,
+    .]`` per layer) for the commit.
     """
     states = cache.linear
     s = states.slots[module.layer_idx]
-    T = hidden_states.shape[1]
+    B, T = hidden_states.shape[:2]
     mixed, z, b, a = _project(module, hidden_states)
     parents = linear_pass.parents
     y = dflash_kernels.causal_conv_tree(mixed, states.window(s), module.conv1d.weight.squeeze(1), parents,
-                                        bias=module.conv1d.bias, activation=module.activation)
+                                        bias=module.conv1d.bias, activation=module.activation)  # [b, T, C]
     shape = states.shape
-    q = y[:, : shape.key_dim].unflatten(-1, (shape.num_k_heads, shape.head_k_dim))
-    k = y[:, shape.key_dim : 2 * shape.key_dim].unflatten(-1, (shape.num_k_heads, shape.head_k_dim))
-    v = y[:, 2 * shape.key_dim :].unflatten(-1, (shape.num_v_heads, shape.head_v_dim))
+    q = y[..., : shape.key_dim].unflatten(-1, (shape.num_k_heads, shape.head_k_dim))
+    k = y[..., shape.key_dim : 2 * shape.key_dim].unflatten(-1, (shape.num_k_heads, shape.head_k_dim))
+    v = y[..., 2 * shape.key_dim :].unflatten(-1, (shape.num_v_heads, shape.head_v_dim))
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     kw = {}
     if parents is not None and dflash_kernels.get_backend(y.device) == "triton":
         # one per-node state buffer for every layer; only the states a later node reloads are stored
         kw = dict(scratch=states.scratch(T), store_states="branches")
-    out = dflash_kernels.gated_delta_tree(q, k, v, g, beta, states.state[s], parents, **kw)
+    out = dflash_kernels.gated_delta_tree(q, k, v, g, beta, states.state[s], parents, **kw)  # [b, T, Hv, Dv]
     states.x[s].copy_(mixed)
     states.y[s].copy_(y)
     states.g[s].copy_(g)
     states.beta[s].copy_(beta)
     core = module.norm(out.reshape(-1, shape.head_v_dim), z.reshape(-1, shape.head_v_dim))
-    return module.out_proj(core.reshape(1, T, -1))
+    return module.out_proj(core.reshape(B, T, -1))
 
 
 # ----------------------------------------------------------------------------- install / restore

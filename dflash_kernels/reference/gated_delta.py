@@ -29,6 +29,11 @@ Computed as transformers' ``causal_conv1d_update``: inputs cast to the
 weight's dtype, ``F.conv1d`` over the ``K`` taps, then the activation, then
 back to ``x``'s dtype.
 
+Batches: every op also takes ``b`` sequences at once (a leading ``[b]``, after
+the layer dim ``[L]`` where there is one), each with its own tree / accepted
+rows / count; the reference runs the one-sequence rule on each sequence's
+slice (views, so the in-place replay writes each sequence's state in place).
+
 No function here reads a tensor value on the host: the parent of a node, the
 accepted rows and their count are all used through device-side indexing, so
 the reference is usable on a GPU without syncs (only the Python loops over
@@ -104,9 +109,18 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         check, store_states: accepted for parity with :func:`dflash_kernels.gated_delta_tree`
             (which validates); the reference always computes every node's state.
 
+    A batch: every tensor above with a leading ``[b]`` (``q [b, N, Hk, Dk]``,
+    ``state [b, Hv, Dk, Dv]``, ``parents [b, N]``, ``scratch [b, >= N, ...]``):
+    sequence ``r``'s tree from its own state, outputs ``[b, N, Hv, Dv]``.
+
     Returns:
         ``[N, Hv, Dv]`` outputs ``o_i`` in ``v.dtype``.
     """
+    if q.dim() == 4:
+        return torch.stack([
+            gated_delta_tree(q[r], k[r], v[r], g[r], beta[r], state[r], None if parents is None else parents[r],
+                             scale=scale, qk_l2norm=qk_l2norm, scratch=None if scratch is None else scratch[r])
+            for r in range(q.shape[0])]) if q.shape[0] else v.new_empty(v.shape)
     n, n_v_heads, out_dtype = v.shape[0], v.shape[1], v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, qk_l2norm, n_v_heads)
     out = torch.empty(n, n_v_heads, v.shape[-1], dtype=torch.float32, device=v.device)
@@ -138,12 +152,23 @@ def gated_delta_replay_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         rows: ``[A]`` int on the state's device (the same rows for every layer); entries ``>= n`` ignored.
         num_rows: ``[1]`` (or ``[]``) int on the state's device: the count stays on the device.
 
+    A batch: ``state [L, b, Hv, Dk, Dv]`` (inputs ``[L, b, N, ...]``), ``rows [A]``
+    (every sequence's) or ``[b, A]``, ``num_rows [1]`` / ``[]`` or ``[b]``:
+    sequence ``r`` advances through ``rows[r, :num_rows[r]]``.
+
     Every one of the ``A`` steps is computed (rows clamped into range) and kept
     only where ``j < n`` (``torch.where``), so nothing is read on the host.
     """
+    if state.dim() == 5:
+        counts = num_rows.reshape(-1)
+        for r in range(state.shape[1]):
+            gated_delta_replay_(state[:, r], None, k[:, r], v[:, r], g[:, r], beta[:, r],
+                                rows if rows.dim() == 1 else rows[r], counts[r if counts.numel() > 1 else 0],
+                                scale=scale, qk_l2norm=qk_l2norm)
+        return
     batched = state.dim() == 4
     if not batched:
-        state_l, q, k, v, g, beta = state[None], q[None], k[None], v[None], g[None], beta[None]
+        state_l, k, v, g, beta = state[None], k[None], v[None], g[None], beta[None]
     else:
         state_l = state
     n_v_heads = v.shape[-2]
@@ -198,7 +223,13 @@ def causal_conv_tree(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
     or None, ``activation`` ``"silu"`` or None. Exactly transformers'
     ``causal_conv1d_update`` steps per node: the ``[N, C, K]`` taps cast to the
     weight's dtype, ``F.conv1d(groups=C)``, the activation, cast to ``x.dtype``.
+    A batch: ``x [b, N, C]``, ``window [b, K-1, C]``, ``parents [b, N]`` (or
+    None): each sequence's tree over its own window, ``[b, N, C]``.
     """
+    if x.dim() == 3:
+        return torch.stack([
+            causal_conv_tree(x[r], window[r], weight, None if parents is None else parents[r], bias=bias,
+                             activation=activation) for r in range(x.shape[0])]) if x.shape[0] else x.new_empty(x.shape)
     n, channels = x.shape
     kernel_size = weight.shape[1]
     taps = conv_taps(parents, n, kernel_size, device=x.device)
@@ -222,7 +253,16 @@ def conv_window_after(window: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
     device. Output row ``j`` is sequence entry ``t = n + j`` of the
     concatenation: window row ``t`` when ``t < K-1``, else ``x[rows[t - (K-1)]]``.
     Pure index math (two gathers and a select): no host read, fixed shapes.
+    A batch: ``window [L, b, K-1, C]``, ``x [L, b, N, C]``, ``rows [A]`` or
+    ``[b, A]``, ``num_rows [1]`` / ``[]`` or ``[b]``: each sequence's window after
+    its own rows.
     """
+    if window.dim() == 4:
+        counts = num_rows.reshape(-1)
+        return torch.stack([
+            conv_window_after(window[:, r], x[:, r], rows if rows.dim() == 1 else rows[r],
+                              counts[r if counts.numel() > 1 else 0]) for r in range(window.shape[1])],
+            dim=1) if window.shape[1] else window.clone()
     batched = window.dim() == 3
     w = window if batched else window[None]
     xs = x if batched else x[None]
