@@ -434,8 +434,10 @@ def test_payload_masses_round_trip(reference_ops):
     adapter.close()
 
 
-def test_auto_budget_benchmark_runs_at_smoke_size(capsys, tmp_path):
-    """``python bench/auto_budget.py`` (the README's table): one prompt per set, a few tokens."""
+def test_auto_budget_benchmark_runs_at_smoke_size(capsys, tmp_path, reference_ops):
+    """``python bench/auto_budget.py`` (the README's table): one prompt per set, a few tokens (on the reference
+    ops: the script's own concern is its table, the kernels are tested apart; under the interpreter it took
+    two minutes)."""
     import importlib.util
     import json
     from pathlib import Path
