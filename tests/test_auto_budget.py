@@ -353,6 +353,29 @@ def test_policy_opens_a_generation_with_the_last_ones_usual_bucket():
     assert policy.fresh().choose() == 1  # a sampled generation's policy knows nothing learned
 
 
+def test_policy_corrects_a_wrong_set_up_measurement_by_exploring():
+    """The set-up measured bucket 1 cheaper than bucket 0, but its rounds take 1.3 s against bucket 0's 1.0 s:
+    without trying bucket 0 again the policy would keep bucket 1 (both share the residual bucket 1's rounds
+    teach); the runner-up's rounds every EXPLORE_EVERY choices show bucket 0's own cost, and it takes over."""
+    from dflash.decoding.budget_policy import EXPLORE_EVERY
+
+    policy = BudgetPolicy([1.0, 0.95])
+    policy.start()
+    seconds = [1.0, 1.3]
+    for _ in range(8 * EXPLORE_EVERY):
+        v = policy.choose()
+        policy.observe(v, [1, 1], [1.0, 1.0], seconds=seconds[v])
+    recent = policy.choices[-2 * EXPLORE_EVERY:]
+    assert recent.count(0) > len(recent) // 2, recent
+    # and a policy that is right from the start stays right, paying one round in EXPLORE_EVERY
+    policy = BudgetPolicy([1.0, 1.3])
+    policy.start()
+    for _ in range(4 * EXPLORE_EVERY):
+        v = policy.choose()
+        policy.observe(v, [1, 1], [1.0, 1.0], seconds=[1.0, 1.3][v])
+    assert policy.choices[1:].count(1) <= 4
+
+
 def test_policy_calibration_follows_what_was_accepted():
     """A drafter twice too confident about the big tree: the ratio learned from rounds that show it halves its
     estimate, and the cheaper bucket wins."""

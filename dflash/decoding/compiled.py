@@ -317,7 +317,7 @@ class RoundSteps:
         ``(lengths, short [V], long [V])``. ``lengths[0]``: the committed tokens now (the set-up's prompt);
         ``lengths[1]``: the most the caches hold for a round of the largest bucket (both caches moved on by the
         same count). Each value the median of ``repeats`` after one untimed round (on a GPU its kernels' first
-        launches compile). The state is put back (:meth:`Round.snapshot`, and the caches' host lengths), as
+        launches compile), the buckets taking turns repeat by repeat. The state is put back (:meth:`Round.snapshot`, and the caches' host lengths), as
         :meth:`prepare` does."""
         rnd = self.rnd
         rnd.freeze()
@@ -330,18 +330,16 @@ class RoundSteps:
             for extra in (0, grow):
                 rnd.move_snapshot(extra - moved)
                 moved = extra
-                costs = []
-                for bucket in range(self.buckets):
-                    times = []
-                    for i in range(repeats + 1):
+                times = [[] for _ in range(self.buckets)]
+                for i in range(repeats + 1):  # the buckets take turns, so a slow phase of the machine hits all
+                    for bucket in range(self.buckets):
                         rnd.restore()
                         t0 = time.perf_counter()
                         self.draft()
                         self.verify(bucket).to("cpu")
                         if i:
-                            times.append(time.perf_counter() - t0)
-                    costs.append(sorted(times)[len(times) // 2])
-                results.append(costs)
+                            times[bucket].append(time.perf_counter() - t0)
+                results.append([sorted(t)[len(t) // 2] for t in times])
         finally:
             rnd.move_snapshot(-moved)
             rnd.restore()
