@@ -80,7 +80,7 @@ CALIBRATION_RATE = 1.0 / 64
 #: prior of the calibration, in drafts at ratio 1 (the drafter's probabilities taken as they are at first)
 PRIOR = 2.0
 #: every this many choices, the runner-up bucket is verified instead of the best (module docstring)
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 64
 
 
 def monotone(values: Sequence[float]) -> List[float]:
