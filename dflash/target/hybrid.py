@@ -249,7 +249,6 @@ class LinearStates:
         self._state_whole = torch.zeros(n, batch, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim,
                                         dtype=torch.float32, device=device)
         self.conv, self.state = self._conv_whole, self._state_whole
-        self.batch = batch
         self._length = length_fn
         self.pending: Optional[str] = None
         self.pending_rows = 0
@@ -320,12 +319,16 @@ class LinearStates:
         self.conv.copy_(dflash_kernels.conv_window_after(self.conv, self.x, rows, num_rows))
 
     # -- the batch's sequences, as KVBuffer's
+    @property
+    def batch(self) -> int:
+        """The sequences held now (``conv``'s second axis: narrowed, or one for a :meth:`row` view)."""
+        return self.conv.shape[1]
+
     def narrow(self, n: int) -> None:
         """Hold the first ``n`` sequences only (views of the whole buffers' first rows)."""
         whole = self._state_whole.shape[1]
         if not 1 <= n <= whole:
             raise ValueError(f"narrow({n}) of linear states of {whole} sequences")
-        self.batch = n
         self.conv, self.state = self._conv_whole[:, :n], self._state_whole[:, :n]
         self._view_stash()
 
@@ -339,11 +342,11 @@ class LinearStates:
         (what an in-place pass writes lands in this batch's buffers), with a stash of its own and
         ``length_fn`` the row's committed length (transformers' "has a previous state")."""
         if not 0 <= r < self.batch:
-            raise IndexError(f"sequence {r} of linear states of {self.batch}")
+            raise ValueError(f"row({r}): these linear states hold {self.batch} sequences (0 .. {self.batch - 1})")
         view = LinearStates.__new__(LinearStates)
         view.__dict__.update(self.__dict__)
         view._conv_whole, view._state_whole = self.conv[:, r : r + 1], self.state[:, r : r + 1]
-        view.conv, view.state, view.batch = view._conv_whole, view._state_whole, 1
+        view.conv, view.state = view._conv_whole, view._state_whole
         view._length = length_fn
         view.pending, view.pending_rows = None, 0
         view._stash_rows, view._stash_whole, view._stashes, view._scratch = -1, None, {}, None
