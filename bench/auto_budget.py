@@ -11,9 +11,9 @@ Prompt sets, each of ``--prompts`` prompts of 128 bytes from the held-out standa
 
 Rows: ``ar`` (the tokens every row must equal), ``ddtree N`` for each fixed budget, ``ddtree auto`` (the
 buckets are the fixed budgets). Each row runs one warm-up generation first (the auto row's cost measurement
-happens there, outside the timed runs), then the rows take turns prompt by prompt, ``--repeats`` times over,
-so slow phases of a noisy machine fall on every row alike. tokens/s = new tokens / the generations'
-``total_time`` (set-up excluded), pooled; tau = committed tokens per round, pooled. Greedy, one thread.
+happens there, outside the timed runs), then the rows take turns prompt by prompt, ``--repeats`` times over, in
+an order that rotates by one row per prompt, so slow phases of a noisy machine fall on every row alike.
+tokens/s = new tokens / the generations' ``total_time`` (set-up excluded), pooled; tau = committed tokens per round, pooled. Greedy, one thread.
 
 Printed per set: the table, the best and the median fixed budget, and auto's tokens/s as a ratio of each.
 """
@@ -73,11 +73,14 @@ def measure(target, draft, prompts, budgets, new_tokens, repeats):
     stats = {name: dict(tokens=0, seconds=0.0, rounds=0, committed=0, equal=True, sizes=[]) for name, _ in rows}
     for name, budget in rows:  # warm-up (and auto's cost measurement) outside the timed runs
         run(target, draft, torch.tensor(prompts[0]), budget, new_tokens)  # the timed runs' cache size: set-up here
+    turn = 0
     for _ in range(repeats):
         for prompt in prompts:
             ids = torch.tensor(prompt)
-            ref = None
-            for name, budget in rows:
+            outputs = {}
+            # the rows' order rotates from prompt to prompt, so no row always runs after the same one (after the
+            # largest tree, say, whose caches are the longest) or first after a prompt changes
+            for name, budget in rows[turn % len(rows):] + rows[: turn % len(rows)]:
                 res = run(target, draft, ids, budget, new_tokens)
                 s = stats[name]
                 s["tokens"] += res.num_new_tokens
@@ -86,10 +89,11 @@ def measure(target, draft, prompts, budgets, new_tokens, repeats):
                     s["rounds"] += len(res.acceptance_lengths)
                     s["committed"] += sum(res.acceptance_lengths)
                     s["sizes"] += res.tree_sizes
-                if ref is None:
-                    ref = res.output_ids
-                elif not torch.equal(res.output_ids, ref):
-                    s["equal"] = False
+                outputs[name] = res.output_ids
+            for name, _ in rows:  # every row against ar's tokens
+                if not torch.equal(outputs[name], outputs["ar"]):
+                    stats[name]["equal"] = False
+            turn += 1
     table = {}
     for name, _ in rows:
         s = stats[name]

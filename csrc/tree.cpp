@@ -250,6 +250,94 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tre
   return {std::move(out_tokens), std::move(out_depths), std::move(out_parents), std::move(out_scores)};
 }
 
+// build_trees_: the trees of a batch, written into the caller's buffers (a round's state), and optionally
+// each tree's path masses: masses[r, v] = floor(mass_scale * sum_{i < mass_nodes[v]} exp(score_i)), the
+// drafter's expected accepted drafts over the tree's first mass_nodes[v] nodes, in fixed point. One call
+// for the batch: no per-sequence Python loop, no temporary tensors, no copies.
+void build_trees_cpu(const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget,
+                     torch::Tensor& tokens, torch::Tensor& depths, torch::Tensor& parents,
+                     const c10::optional<torch::Tensor>& masses_opt, const std::vector<int64_t>& mass_nodes,
+                     double mass_scale) {
+  TORCH_CHECK(top_logprobs_in.dim() == 3, "build_trees_: top_logprobs must be 3-D [b, depth, K], got shape ",
+              top_logprobs_in.sizes());
+  TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(),
+              "build_trees_: top_ids must have the shape of top_logprobs ", top_logprobs_in.sizes(), ", got ",
+              top_ids_in.sizes());
+  TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()),
+              "build_trees_: top_logprobs must be floating point, got ", top_logprobs_in.scalar_type());
+  TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32,
+              "build_trees_: top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
+  TORCH_CHECK(budget >= 0, "build_trees_: budget must be >= 0, got ", budget);
+  const bool lp_native = top_logprobs_in.scalar_type() == torch::kFloat32 ||
+                         top_logprobs_in.scalar_type() == torch::kFloat64;
+  torch::Tensor lp = top_logprobs_in.device().is_cpu() ? top_logprobs_in : top_logprobs_in.cpu();
+  if (!lp_native) lp = lp.to(torch::kFloat64);
+  const torch::Tensor ids = top_ids_in.device().is_cpu() ? top_ids_in : top_ids_in.cpu();
+  const int64_t b = lp.size(0), max_depth = lp.size(1), k = lp.size(2);
+  constexpr int64_t kMaxNodes = int64_t{1} << 30;
+  const int64_t n = full_tree_nodes(max_depth, k, budget < kMaxNodes ? budget : kMaxNodes);
+  TORCH_CHECK(n < kMaxNodes && k < kMaxNodes && max_depth < kMaxNodes, "build_trees_: the tree would have ", n,
+              " nodes (D ", max_depth, ", K ", k, "); at most ", kMaxNodes - 1, " are supported");
+  // The outputs: int64 CPU tensors with the batch in front and unit stride along the nodes (a round's state
+  // rows, or views of their first rows); written in place.
+  auto check_out = [&](const torch::Tensor& t, const char* name, int64_t width) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64, "build_trees_: ", name,
+                " must be an int64 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == b && t.size(1) == width, "build_trees_: ", name, " must be [", b, ", ",
+                width, "] (the batch, then the ", width, " slots of a tree of ", n, " nodes), got ", t.sizes());
+    TORCH_CHECK(width <= 1 || t.stride(1) == 1, "build_trees_: ", name, " must be contiguous along its last dim");
+  };
+  check_out(tokens, "tokens", n);
+  check_out(depths, "depths", n);
+  check_out(parents, "parents", n + 1);
+  int64_t* mass_out = nullptr;
+  int64_t mass_s0 = 0, mass_s1 = 0;
+  const int64_t v_count = static_cast<int64_t>(mass_nodes.size());
+  if (masses_opt.has_value()) {
+    const torch::Tensor& masses = *masses_opt;
+    TORCH_CHECK(masses.device().is_cpu() && masses.scalar_type() == torch::kInt64,
+                "build_trees_: masses must be an int64 CPU tensor, got ", masses.scalar_type(), " on ",
+                masses.device());
+    TORCH_CHECK(masses.dim() == 2 && masses.size(0) == b && masses.size(1) == v_count, "build_trees_: masses must be [",
+                b, ", ", v_count, "] (one per mass_nodes entry), got ", masses.sizes());
+    for (int64_t v = 0; v < v_count; ++v) {
+      TORCH_CHECK(mass_nodes[v] >= 1 && mass_nodes[v] <= n, "build_trees_: mass_nodes must lie in [1, ", n,
+                  "] (the tree's nodes), got ", mass_nodes[v], " at index ", v);
+    }
+    TORCH_CHECK(mass_scale > 0, "build_trees_: mass_scale must be positive, got ", mass_scale);
+    mass_out = masses.data_ptr<int64_t>();
+    mass_s0 = masses.stride(0);
+    mass_s1 = masses.stride(1);
+  } else {
+    TORCH_CHECK(v_count == 0, "build_trees_: mass_nodes given without masses to write");
+  }
+  std::unique_ptr<double[]> scores(mass_out != nullptr ? new double[n > 0 ? n : 1] : nullptr);
+  std::vector<double> prefix(mass_out != nullptr ? static_cast<size_t>(n) + 1 : 0, 0.0);  // prefix[i]: first i nodes
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  int64_t* dep = depths.data_ptr<int64_t>();
+  int64_t* par = parents.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    const torch::Tensor lp_r = lp.select(0, r), ids_r = ids.select(0, r);
+    if (lp.scalar_type() == torch::kFloat32) {
+      build_tree_dispatch_ids<float>(lp_r, ids_r, n, tok + r * tokens.stride(0), dep + r * depths.stride(0),
+                                     par + r * parents.stride(0), scores.get());
+    } else {
+      build_tree_dispatch_ids<double>(lp_r, ids_r, n, tok + r * tokens.stride(0), dep + r * depths.stride(0),
+                                      par + r * parents.stride(0), scores.get());
+    }
+    if (mass_out == nullptr) continue;
+    // Prefix sums of the nodes' path probabilities, read at each requested node count (any order).
+    double total = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      total += std::exp(scores[i]);
+      prefix[i + 1] = total;
+    }
+    for (int64_t v = 0; v < v_count; ++v) {
+      mass_out[r * mass_s0 + v * mass_s1] = static_cast<int64_t>(std::floor(mass_scale * prefix[mass_nodes[v]]));
+    }
+  }
+}
+
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(const torch::Tensor& top_logprobs,
                                                                        const torch::Tensor& top_ids, int64_t budget) {
   auto out = build_tree_impl(top_logprobs, top_ids, budget, false);
@@ -323,6 +411,11 @@ void register_tree_ops(pybind11::module_& m) {
   m.def("build_tree_scored", &build_tree_scored_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"),
         pybind11::arg("budget"),
         "build_tree, and each node's score (its path sum of log-probs) as a float64 [N] tensor");
+  m.def("build_trees_", &build_trees_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"),
+        pybind11::arg("budget"), pybind11::arg("tokens"), pybind11::arg("depths"), pybind11::arg("parents"),
+        pybind11::arg("masses"), pybind11::arg("mass_nodes"), pybind11::arg("mass_scale"),
+        "build_tree for a batch [b, D, K], written into tokens [b, N], depths [b, N], parents [b, N+1], and "
+        "optionally each tree's fixed-point path masses at the given node counts into masses [b, V] (int64)");
   m.def("walk_tree", &walk_tree_cpu, pybind11::arg("parents"), pybind11::arg("token_ids"),
         pybind11::arg("target_choice"),
         "Walk of a verified DDTree on CPU tensors: returns (accepted node indices [A] int64, bonus token)");

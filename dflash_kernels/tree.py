@@ -25,7 +25,7 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -41,6 +41,7 @@ from .tree_device import TreeTables, tree_size
 __all__ = [
     "build_tree",
     "build_tree_scores",
+    "build_trees_",
     "walk_tree",
     "ancestor_bits",
     "tree_positions",
@@ -92,6 +93,36 @@ def build_tree_scores(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"build_tree_scores: {name} must be a torch.Tensor, got {type(t).__name__}")
     return _C.build_tree_scored(top_logprobs, top_ids, budget)
+
+
+def build_trees_(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, tokens: torch.Tensor,
+                 depths: torch.Tensor, parents: torch.Tensor, masses: Optional[torch.Tensor] = None,
+                 mass_nodes: Sequence[int] = (), mass_scale: float = 1.0) -> None:
+    """:func:`build_tree` for a batch, written in place (C++): one call for the ``b`` trees of a round.
+
+    Args:
+        top_logprobs / top_ids: ``[b, D, K]``, row ``r`` as :func:`build_tree`'s inputs.
+        budget: the most nodes per tree; every tree has ``N = min(budget, sum_d K**d)`` nodes.
+        tokens / depths: ``[b, N]`` int64 CPU; parents: ``[b, N + 1]`` int64 CPU (each contiguous along its
+            last dim; any row stride): tree ``r``'s :func:`build_tree` outputs go to row ``r``.
+        masses: ``[b, V]`` int64 CPU, or None; with it, ``masses[r, v] = floor(mass_scale * sum_{i < n_v}
+            exp(score_i))``, ``n_v = mass_nodes[v]`` in ``[1, N]`` and ``score_i`` node ``i + 1``'s path sum of
+            log-probs (:func:`build_tree_scores`): the drafter's expected accepted drafts of the tree's first
+            ``n_v`` nodes, in fixed point (``mass_scale`` a power of two keeps it exact to its last bit).
+
+    The same trees, bit for bit, as :func:`build_tree` row by row; no temporaries, no copies, no Python loop
+    over the batch. Inputs on a GPU are copied to the host first (a sync), as :func:`build_tree`'s are.
+    """
+    if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise TypeError(f"build_trees_: budget must be an int, got {type(budget).__name__}")
+    for name, t in (("top_logprobs", top_logprobs), ("top_ids", top_ids), ("tokens", tokens), ("depths", depths),
+                    ("parents", parents)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"build_trees_: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if masses is not None and not isinstance(masses, torch.Tensor):
+        raise TypeError(f"build_trees_: masses must be a torch.Tensor or None, got {type(masses).__name__}")
+    _C.build_trees_(top_logprobs, top_ids, budget, tokens, depths, parents, masses, [int(n) for n in mass_nodes],
+                    float(mass_scale))
 
 
 def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:

@@ -352,3 +352,88 @@ def test_scores_are_each_nodes_path_sum():
         assert all(a >= b for a, b in zip(scores.tolist(), scores.tolist()[1:]))
     with pytest.raises(TypeError, match="budget must be an int"):
         dk.build_tree_scores(lp, ids, 2.0)
+
+
+def _batch_outputs(b, n, v=0, wide=False):
+    """Output buffers for build_trees_; ``wide``: views of the first rows of larger buffers (a round narrowed to
+    its live sequences) with a padded row stride."""
+    def buf(width):
+        whole = torch.full((b + 2, width + (3 if wide else 0)), -7, dtype=torch.int64)
+        return whole[:b, :width] if wide else whole[:b]
+    return buf(n), buf(n), buf(n + 1), (buf(v) if v else None)
+
+
+@pytest.mark.parametrize("impl", [dk.build_trees_, ref.build_trees_], ids=["cpp", "reference"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_build_trees_is_build_tree_row_by_row_with_masses(impl, wide):
+    """build_trees_: each row's tree bit for bit build_tree's, and masses[r, v] = floor(scale * sum of exp(path
+    score) over the first n_v nodes), the path scores recomputed parent by parent here; float32 / float64 and
+    int32 / int64 inputs, ties, -inf entries, odd shapes, a tree smaller than the budget."""
+    gen = torch.Generator().manual_seed(11)
+    scale = 1 << 24
+    for b, depth, k, budget, ties, neg_inf in [(1, 15, 64, 64, False, False), (3, 7, 8, 30, True, False),
+                                               (2, 4, 2, 100, False, True), (4, 1, 5, 3, False, False),
+                                               (2, 3, 3, 39, True, True)]:
+        pairs = [draft(depth, k, gen, ties=ties, with_neg_inf=neg_inf) for _ in range(b)]
+        lp = torch.stack([p[0] for p in pairs])
+        ids = torch.stack([p[1] for p in pairs])
+        if b == 3:
+            lp, ids = lp.double(), ids.int()
+        n = dk.tree_size(depth, k, budget)
+        nodes = sorted({1, max(1, n // 3), n})[::-1]  # any order, a repeat allowed
+        tokens, depths, parents, masses = _batch_outputs(b, n, len(nodes), wide)
+        impl(lp, ids, budget, tokens, depths, parents, masses, nodes, float(scale))
+        for r in range(b):
+            tree = dk.build_tree(lp[r], ids[r], budget)
+            assert_same_tree((tokens[r], depths[r], parents[r]), tree)
+            scores = path_scores(lp[r], ids[r], *tree)
+            want = [math.floor(scale * math.fsum(math.exp(x) for x in scores[1 : m + 1])) for m in nodes]
+            got = masses[r].tolist()
+            assert all(abs(g - w) <= 1 for g, w in zip(got, want)), (b, depth, k, got, want)  # summation order
+        if wide:  # nothing written outside the views
+            for view, width in ((tokens, n), (parents, n + 1), (masses, len(nodes))):
+                assert int((view._base == -7).sum()) == 2 * (width + 3) + 3 * b
+
+
+def test_build_trees_cpp_masses_equal_the_reference_exactly():
+    """The C++ sums in node order in float64, as the reference does: the same fixed-point masses to the last bit."""
+    gen = torch.Generator().manual_seed(5)
+    pairs = [draft(15, 64, gen) for _ in range(3)]
+    lp, ids = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    nodes = [4, 8, 16, 32, 64]
+    got, want = _batch_outputs(3, 64, 5), _batch_outputs(3, 64, 5)
+    dk.build_trees_(lp, ids, 64, *got[:3], got[3], nodes, float(1 << 24))
+    ref.build_trees_(lp, ids, 64, *want[:3], want[3], nodes, float(1 << 24))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_build_trees_without_masses_and_bad_inputs():
+    gen = torch.Generator().manual_seed(2)
+    lp, ids = draft(5, 4, gen)
+    lp, ids = lp[None].repeat(2, 1, 1), ids[None].repeat(2, 1, 1)
+    n = dk.tree_size(5, 4, 12)
+    tokens, depths, parents, _ = _batch_outputs(2, n)
+    dk.build_trees_(lp, ids, 12, tokens, depths, parents)
+    assert_same_tree((tokens[1], depths[1], parents[1]), dk.build_tree(lp[1], ids[1], 12))
+    with pytest.raises(RuntimeError, match=r"tokens must be \[2, 12\]"):
+        dk.build_trees_(lp, ids, 12, tokens[:, :11], depths, parents)
+    with pytest.raises(RuntimeError, match=r"parents must be \[2, 13\]"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents[:1])
+    with pytest.raises(RuntimeError, match="int64 CPU tensor"):
+        dk.build_trees_(lp, ids, 12, tokens.int(), depths, parents)
+    with pytest.raises(RuntimeError, match="contiguous along its last dim"):
+        dk.build_trees_(lp, ids, 12, torch.zeros(12, 2, dtype=torch.long).T, depths, parents)
+    with pytest.raises(RuntimeError, match="3-D"):
+        dk.build_trees_(lp[0], ids[0], 12, tokens, depths, parents)
+    masses = torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"mass_nodes must lie in \[1, 12\]"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents, masses, [4, 13], 1.0)
+    with pytest.raises(RuntimeError, match=r"masses must be \[2, 3\]"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents, masses, [1, 2, 3], 1.0)
+    with pytest.raises(RuntimeError, match="without masses"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents, None, [4], 1.0)
+    with pytest.raises(TypeError, match="budget must be an int"):
+        dk.build_trees_(lp, ids, 12.0, tokens, depths, parents)
+    with pytest.raises(TypeError, match="masses must be a torch.Tensor or None"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents, [0, 0])

@@ -20,7 +20,13 @@ Which ``v``: the one that maximises expected committed tokens per second,
   over the rounds that verified it, shrunk toward one residual shared by all
   buckets while a bucket has few rounds (weight ``n / (n + COST_PRIOR_ROUNDS)``),
   so a bucket seldom chosen is judged by the shared residual, not by a few
-  noisy rounds;
+  noisy rounds. Each round's seconds are first clipped to within
+  :data:`COST_CLIP` of the bucket's measured cost around its expected cost: a
+  round the machine stalled (another process on the core, ten times a round's
+  time) would otherwise raise its bucket's own residual so far that the bucket
+  lost every choice until exploration came back to it, dozens of rounds later,
+  and then won back its place one clipped step at a time; a lasting change of
+  the machine's speed still comes through, a step per round;
 * ``m_v``: the drafter's own expected accepted drafts in bucket ``v``'s tree
   (the payload's ``path_mass``: the sum of the tree's path probabilities),
   smoothed over recent rounds (weight :data:`MASS_RATE` on the newest): how sure
@@ -66,8 +72,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-__all__ = ["BudgetPolicy", "CALIBRATION_RATE", "COST_PRIOR_ROUNDS", "COST_RATE", "EXPLORE_EVERY", "MASS_RATE", "PRIOR",
-           "monotone"]
+__all__ = ["BudgetPolicy", "CALIBRATION_RATE", "COST_CLIP", "COST_PRIOR_ROUNDS", "COST_RATE", "EXPLORE_EVERY",
+           "MASS_RATE", "PRIOR", "monotone"]
 
 #: weight of the newest round in the smoothed path masses
 MASS_RATE = 0.1
@@ -81,6 +87,8 @@ CALIBRATION_RATE = 1.0 / 64
 PRIOR = 2.0
 #: every this many choices, the runner-up bucket is verified instead of the best (module docstring)
 EXPLORE_EVERY = 64
+#: a round's seconds count at most this share of its bucket's measured cost away from the expected ones
+COST_CLIP = 0.25
 
 
 def monotone(values: Sequence[float]) -> List[float]:
@@ -211,7 +219,12 @@ class BudgetPolicy:
         ``accepted [V]``: the drafts each bucket would have accepted (exact up to ``bucket``); ``masses [V]``:
         each bucket's path mass (expected accepted drafts, by the drafter)."""
         if seconds > 0:
-            extra = seconds - self.measured(length)[bucket]
+            measured = self.measured(length)[bucket]
+            # winsorized: a round the machine stalled (or sped) past COST_CLIP of the bucket's cost moves the
+            # residuals as one at the bound would; an outlier must not lock a bucket out (module docstring)
+            expect = self.costs(length)[bucket]
+            seconds = min(max(seconds, expect - COST_CLIP * measured), expect + COST_CLIP * measured)
+            extra = seconds - measured
             self.shared = _ewma(self.shared, extra, COST_RATE)
             self.residual[bucket] = _ewma(self.residual[bucket], extra, COST_RATE)
             self.rounds[bucket] += 1

@@ -28,9 +28,10 @@ tensor              shape                  meaning
 ``tokens/depths``   ``[b, N]`` int64       DDTree: the trees' nodes
 ``parents``         ``[b, N+1]`` int64     DDTree: parent of each verify row (-1 for the root)
 ``path``            ``[b, D+1]`` int64     DDTree: the accepted paths' rows (padded)
-``path_mass``       ``[b, V]`` fp32        DDTree, budget chosen per round: per sequence and budget bucket ``v``,
+``path_mass``       ``[b, V]`` int64       DDTree, budget chosen per round: per sequence and budget bucket ``v``,
                                            the drafts the drafter expects the walk over the bucket's tree to
-                                           accept (the sum of its nodes' path probabilities, :meth:`_path_mass`)
+                                           accept (the sum of its nodes' path probabilities, :meth:`_path_mass`),
+                                           in the payload's fixed point (times :data:`MASS_SCALE`, floored)
 ==================  =====================  ===========================================================
 
 Steps (nothing in them reads a value on the host):
@@ -261,7 +262,7 @@ class Round:
             # the tree build's index tables: the round's own, alive as long as the graphs that read them
             self.tree_tables = tree_device.tree_tables(self.D, self.K, self.budget, device)
             if self.auto:
-                self.path_mass = torch.zeros(b, len(self.bucket_nodes), dtype=torch.float32, device=device)
+                self.path_mass = torch.zeros(b, len(self.bucket_nodes), **long)
                 self._bucket_last = torch.tensor(self.bucket_nodes, **long) - 1
                 self._zero = torch.zeros(1, dtype=torch.float32, device=device)
                 #: pointer-jumping rounds that sum a node's ancestors over at most D levels: ceil(log2 D)
@@ -497,20 +498,18 @@ class Round:
                                                     positions=self.draft_rows_flat, check_bounds=False,
                                                     softcap=draft.logit_softcap, backend=self.backend)
         logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
+        if self.host_tree:  # the b trees in one C++ call, into the state; it knows each node's path score, so
+            # it sums the masses too
+            dflash_kernels.build_trees_(logprobs, ids, self.budget, self.tokens, self.depths, self.parents,
+                                        self.path_mass if self.auto else None,
+                                        self.bucket_nodes if self.auto else (), MASS_SCALE)
+            return
         for r in range(self.b):  # a tree per sequence (its build is a fixed-shape op sequence: a loop of b)
-            if self.host_tree:
-                if self.auto:  # the C++ build knows each node's path score: the masses come from those
-                    *tree, scores = dflash_kernels.build_tree_scores(logprobs[r], ids[r], self.budget)
-                    mass = torch.cumsum(scores.exp(), 0).index_select(0, self._bucket_last)
-                    self.path_mass[r].copy_(mass)
-                else:
-                    tree = dflash_kernels.build_tree(logprobs[r], ids[r], self.budget)
-            else:
-                tree = dflash_kernels.build_tree_device(logprobs[r], ids[r], self.budget, tables=self.tree_tables,
-                                                        backend=self.backend)
+            tree = dflash_kernels.build_tree_device(logprobs[r], ids[r], self.budget, tables=self.tree_tables,
+                                                    backend=self.backend)
             for state, t in zip((self.tokens, self.depths, self.parents), tree):
                 state[r].copy_(t)
-        if self.auto and not self.host_tree:
+        if self.auto:
             rows = self.depths - 1  # [b, N]: the drafted row of each node
             row_ids = ids.gather(1, rows[:, :, None].expand(-1, -1, self.K))  # [b, N, K]
             rank = (row_ids == self.tokens[:, :, None]).long().argmax(2, keepdim=True)
@@ -533,7 +532,8 @@ class Round:
         for _ in range(self._jumps):
             score = score + score.gather(1, anc)
             anc = anc.gather(1, anc)
-        self.path_mass.copy_(torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last))
+        mass = torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last)  # [b, V] fp32
+        self.path_mass.copy_((mass * MASS_SCALE).long())  # exact scaling (a power of two), then floored
 
     def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
@@ -702,8 +702,7 @@ class Round:
         self.ctx_count.copy_(kept)
         self.last.copy_(committed.gather(1, (path_len - 1)[:, None])[:, 0])
         if self.auto:  # and for the budget choice: the paths' node ids, the path masses
-            mass = (self.path_mass * MASS_SCALE).long()
-            return torch.cat([committed, path_len[:, None], path, mass], 1).reshape(-1)
+            return torch.cat([committed, path_len[:, None], path, self.path_mass], 1).reshape(-1)
         return torch.cat([committed, path_len[:, None]], 1).reshape(-1)
 
     def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
