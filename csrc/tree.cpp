@@ -38,6 +38,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace dflash {
@@ -204,34 +205,48 @@ void build_tree_dispatch_ids(const torch::Tensor& lp, const torch::Tensor& ids, 
   }
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_impl(
-    const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget, bool with_scores) {
-  TORCH_CHECK(top_logprobs_in.dim() == 2, "build_tree: top_logprobs must be 2-D [depth, K], got shape ",
-              top_logprobs_in.sizes());
-  TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(), "build_tree: top_ids must have the shape of top_logprobs ",
+// The checked host view of a build's inputs: top_logprobs [depth, K] (dims 2, one tree) or [b, depth, K]
+// (dims 3, a batch), floating point, and top_ids of the same shape, int64 or int32. They are read in place
+// (any strides, float32 / float64 directly); GPU tensors are copied to the host first, other float types
+// become float64 (exact: every float type converts to double without rounding).
+std::pair<torch::Tensor, torch::Tensor> host_build_inputs(const torch::Tensor& top_logprobs_in,
+                                                          const torch::Tensor& top_ids_in, int64_t budget,
+                                                          int64_t dims, const char* op) {
+  TORCH_CHECK(top_logprobs_in.dim() == dims, op, ": top_logprobs must be ", dims, "-D ",
+              dims == 2 ? "[depth, K]" : "[b, depth, K]", ", got shape ", top_logprobs_in.sizes());
+  TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(), op, ": top_ids must have the shape of top_logprobs ",
               top_logprobs_in.sizes(), ", got ", top_ids_in.sizes());
-  TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()), "build_tree: top_logprobs must be floating point, got ",
+  TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()), op, ": top_logprobs must be floating point, got ",
               top_logprobs_in.scalar_type());
-  TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32,
-              "build_tree: top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
-  TORCH_CHECK(budget >= 0, "build_tree: budget must be >= 0, got ", budget);
-
-  // Inputs are read in place (any strides, float32 / float64 directly); GPU
-  // tensors are copied to the host first, other float types become float64
-  // (exact: every float type converts to double without rounding).
+  TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32, op,
+              ": top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
+  TORCH_CHECK(budget >= 0, op, ": budget must be >= 0, got ", budget);
   const bool lp_native = top_logprobs_in.scalar_type() == torch::kFloat32 ||
                          top_logprobs_in.scalar_type() == torch::kFloat64;
   torch::Tensor lp = top_logprobs_in.device().is_cpu() ? top_logprobs_in : top_logprobs_in.cpu();
   if (!lp_native) lp = lp.to(torch::kFloat64);
-  const torch::Tensor ids = top_ids_in.device().is_cpu() ? top_ids_in : top_ids_in.cpu();
-  const int64_t max_depth = lp.size(0);
-  const int64_t k = lp.size(1);
-  constexpr int64_t kMaxNodes = int64_t{1} << 30;  // node indices and counters fit in uint32
+  torch::Tensor ids = top_ids_in.device().is_cpu() ? top_ids_in : top_ids_in.cpu();
+  return {std::move(lp), std::move(ids)};
+}
+
+// The node count of a tree of `budget` nodes over depth x K inputs, checked to fit the uint32 node indices
+// and counters of the heap loop.
+int64_t checked_tree_nodes(int64_t max_depth, int64_t k, int64_t budget, const char* op) {
+  constexpr int64_t kMaxNodes = int64_t{1} << 30;
   const int64_t n = full_tree_nodes(max_depth, k, budget < kMaxNodes ? budget : kMaxNodes);
-  TORCH_CHECK(n < kMaxNodes, "build_tree: the tree would have ", n, " or more nodes; at most ", kMaxNodes - 1,
+  TORCH_CHECK(n < kMaxNodes, op, ": the tree would have ", n, " or more nodes; at most ", kMaxNodes - 1,
               " are supported");
-  TORCH_CHECK(k < kMaxNodes && max_depth < kMaxNodes, "build_tree: D and K must be below ", kMaxNodes, ", got ",
-              max_depth, " and ", k);
+  TORCH_CHECK(k < kMaxNodes && max_depth < kMaxNodes, op, ": D and K must be below ", kMaxNodes, ", got ", max_depth,
+              " and ", k);
+  return n;
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_impl(
+    const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget, bool with_scores) {
+  const auto inputs = host_build_inputs(top_logprobs_in, top_ids_in, budget, 2, "build_tree");
+  const torch::Tensor& lp = inputs.first;
+  const torch::Tensor& ids = inputs.second;
+  const int64_t n = checked_tree_nodes(lp.size(0), lp.size(1), budget, "build_tree");
 
   // The outputs, allocated without the dispatcher (plain CPU int64 tensors).
   torch::Tensor out_tokens = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
@@ -258,26 +273,11 @@ void build_trees_cpu(const torch::Tensor& top_logprobs_in, const torch::Tensor& 
                      torch::Tensor& tokens, torch::Tensor& depths, torch::Tensor& parents,
                      const c10::optional<torch::Tensor>& masses_opt, const std::vector<int64_t>& mass_nodes,
                      double mass_scale) {
-  TORCH_CHECK(top_logprobs_in.dim() == 3, "build_trees_: top_logprobs must be 3-D [b, depth, K], got shape ",
-              top_logprobs_in.sizes());
-  TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(),
-              "build_trees_: top_ids must have the shape of top_logprobs ", top_logprobs_in.sizes(), ", got ",
-              top_ids_in.sizes());
-  TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()),
-              "build_trees_: top_logprobs must be floating point, got ", top_logprobs_in.scalar_type());
-  TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32,
-              "build_trees_: top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
-  TORCH_CHECK(budget >= 0, "build_trees_: budget must be >= 0, got ", budget);
-  const bool lp_native = top_logprobs_in.scalar_type() == torch::kFloat32 ||
-                         top_logprobs_in.scalar_type() == torch::kFloat64;
-  torch::Tensor lp = top_logprobs_in.device().is_cpu() ? top_logprobs_in : top_logprobs_in.cpu();
-  if (!lp_native) lp = lp.to(torch::kFloat64);
-  const torch::Tensor ids = top_ids_in.device().is_cpu() ? top_ids_in : top_ids_in.cpu();
+  const auto inputs = host_build_inputs(top_logprobs_in, top_ids_in, budget, 3, "build_trees_");
+  const torch::Tensor& lp = inputs.first;
+  const torch::Tensor& ids = inputs.second;
   const int64_t b = lp.size(0), max_depth = lp.size(1), k = lp.size(2);
-  constexpr int64_t kMaxNodes = int64_t{1} << 30;
-  const int64_t n = full_tree_nodes(max_depth, k, budget < kMaxNodes ? budget : kMaxNodes);
-  TORCH_CHECK(n < kMaxNodes && k < kMaxNodes && max_depth < kMaxNodes, "build_trees_: the tree would have ", n,
-              " nodes (D ", max_depth, ", K ", k, "); at most ", kMaxNodes - 1, " are supported");
+  const int64_t n = checked_tree_nodes(max_depth, k, budget, "build_trees_");
   // The outputs: int64 CPU tensors with the batch in front and unit stride along the nodes (a round's state
   // rows, or views of their first rows); written in place.
   auto check_out = [&](const torch::Tensor& t, const char* name, int64_t width) {
