@@ -8,6 +8,9 @@ Run: ``python -m pytest bench/bench_tree.py --benchmark-columns=mean,stddev,roun
   ``extra_info["python_over_cpp"]``; the session end prints the ratios. The
   C++ time is end to end: the Python call, the input handling and the three
   output tensors included.
+* ``build_trees_``: a round's trees of budget 64 with their path masses at
+  buckets 4..64, batch 1 and 4: the batched C++ call into the round's state
+  against the per-row build, copies and mass ops it replaced.
 * ``build_tree_device``: the fixed-shape, sync-free build (torch ops on the
   inputs' device) at budgets 64 / 1024 with K = 32, and at 1024 with the full
   K = 1024 draft. On a CPU these are CPU torch timings (many small ops: far
@@ -81,6 +84,35 @@ def test_build_tree_scores(benchmark, scored, budget):
     benchmark.group = f"build_tree scores budget={budget}"
     out = benchmark(build, logprobs, ids, budget)
     assert out[0].numel() == budget and len(out) == (4 if scored else 3)
+
+
+def _round_build_per_row(logprobs, ids, budget, tokens, depths, parents, masses, nodes):
+    """What a CPU round did per sequence before build_trees_: build_tree_scores, three copies into the state,
+    then the masses by exp / cumsum / index_select and a copy (a budget chosen per round)."""
+    last = torch.tensor(nodes) - 1
+    for r in range(logprobs.shape[0]):
+        *tree, scores = dk.build_tree_scores(logprobs[r], ids[r], budget)
+        for state, t in zip((tokens, depths, parents), tree):
+            state[r].copy_(t)
+        masses[r].copy_((torch.cumsum(scores.exp(), 0).index_select(0, last) * (1 << 24)).long())
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("impl", ["per_row", "batched"])
+def test_build_trees_(benchmark, impl, batch):
+    """A round's trees with their path masses at buckets 4..64 (budget 64, D = 15, K = 64): build_trees_ (one C++
+    call into the state) against the per-row build, copies and mass ops it replaced."""
+    budget, nodes = 64, [4, 8, 16, 32, 64]
+    pairs = [draft_inputs(budget, seed=r, k=budget) for r in range(batch)]
+    logprobs, ids = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    out = [torch.zeros(batch, budget, dtype=torch.long), torch.zeros(batch, budget, dtype=torch.long),
+           torch.zeros(batch, budget + 1, dtype=torch.long), torch.zeros(batch, len(nodes), dtype=torch.long)]
+    benchmark.group = f"round tree build with masses, batch {batch}"
+    if impl == "batched":
+        benchmark(dk.build_trees_, logprobs, ids, budget, *out, nodes, float(1 << 24))
+    else:
+        benchmark(_round_build_per_row, logprobs, ids, budget, *out, nodes)
+    assert torch.equal(out[0][-1], dk.build_tree(logprobs[-1], ids[-1], budget)[0])
 
 
 DEVICE = "cuda" if CUDA else "cpu"
