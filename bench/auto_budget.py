@@ -11,9 +11,10 @@ Prompt sets, each of ``--prompts`` prompts of 128 bytes from the held-out standa
 
 Rows: ``ar`` (the tokens every row must equal), ``ddtree N`` for each fixed budget, ``ddtree auto`` (the
 buckets are the fixed budgets). Each row runs one warm-up generation first (the auto row's cost measurement
-happens there, outside the timed runs), then the rows take turns prompt by prompt, ``--repeats`` times over, in
-an order that rotates by one row per prompt, so slow phases of a noisy machine fall on every row alike.
-tokens/s = new tokens / the generations' ``total_time`` (set-up excluded), pooled; tau = committed tokens per round, pooled. Greedy, one thread.
+happens there, outside the timed runs), then the rows take turns prompt by prompt, ``--repeats`` times over,
+in an order that rotates by one row per prompt, so slow phases of a noisy machine fall on every row alike.
+tokens/s = new tokens / the generations' ``total_time`` (set-up excluded), pooled; tau = committed tokens per
+round, pooled. Greedy, one thread.
 
 Printed per set: the table, the best and the median fixed budget, and auto's tokens/s as a ratio of each.
 """

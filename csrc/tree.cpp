@@ -30,6 +30,7 @@
 //   children share a token). Returns the visited nodes and the bonus token
 //   target_choice[last].
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/extension.h>
 
 #include <cmath>
@@ -279,17 +280,28 @@ void build_trees_cpu(const torch::Tensor& top_logprobs_in, const torch::Tensor& 
   const int64_t b = lp.size(0), max_depth = lp.size(1), k = lp.size(2);
   const int64_t n = checked_tree_nodes(max_depth, k, budget, "build_trees_");
   // The outputs: int64 CPU tensors with the batch in front and unit stride along the nodes (a round's state
-  // rows, or views of their first rows); written in place.
+  // rows, or views of their first rows); written in place. Overlap: one host thread writes them, tree r
+  // into elements [r * stride(0), r * stride(0) + width) of each output only, so the rows of one output are
+  // disjoint when stride(0) >= width (checked: a broadcast or too-narrow row stride is refused). The inputs
+  // are only read. Outputs sharing memory with each other or with the inputs are refused where ATen can
+  // tell (the same tensor, or dense views of one storage that overlap).
   auto check_out = [&](const torch::Tensor& t, const char* name, int64_t width) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64, "build_trees_: ", name,
                 " must be an int64 CPU tensor, got ", t.scalar_type(), " on ", t.device());
     TORCH_CHECK(t.dim() == 2 && t.size(0) == b && t.size(1) == width, "build_trees_: ", name, " must be [", b, ", ",
                 width, "] (the batch, then the ", width, " slots of a tree of ", n, " nodes), got ", t.sizes());
     TORCH_CHECK(width <= 1 || t.stride(1) == 1, "build_trees_: ", name, " must be contiguous along its last dim");
+    TORCH_CHECK(b <= 1 || t.stride(0) >= width, "build_trees_: ", name, "'s rows overlap (row stride ", t.stride(0),
+                " < ", width, " elements per row)");
+    at::assert_no_overlap(t, lp);
+    at::assert_no_overlap(t, ids);
   };
   check_out(tokens, "tokens", n);
   check_out(depths, "depths", n);
   check_out(parents, "parents", n + 1);
+  at::assert_no_overlap(tokens, depths);
+  at::assert_no_overlap(tokens, parents);
+  at::assert_no_overlap(depths, parents);
   int64_t* mass_out = nullptr;
   int64_t mass_s0 = 0, mass_s1 = 0;
   const int64_t v_count = static_cast<int64_t>(mass_nodes.size());
@@ -305,6 +317,11 @@ void build_trees_cpu(const torch::Tensor& top_logprobs_in, const torch::Tensor& 
                   "] (the tree's nodes), got ", mass_nodes[v], " at index ", v);
     }
     TORCH_CHECK(mass_scale > 0, "build_trees_: mass_scale must be positive, got ", mass_scale);
+    at::assert_no_internal_overlap(masses);  // any strides: a broadcast view is refused
+    for (const torch::Tensor* other : std::initializer_list<const torch::Tensor*>{&tokens, &depths, &parents, &lp,
+                                                                                   &ids}) {
+      at::assert_no_overlap(masses, *other);
+    }
     mass_out = masses.data_ptr<int64_t>();
     mass_s0 = masses.stride(0);
     mass_s1 = masses.stride(1);

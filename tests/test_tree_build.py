@@ -424,6 +424,15 @@ def test_build_trees_without_masses_and_bad_inputs():
         dk.build_trees_(lp, ids, 12, tokens.int(), depths, parents)
     with pytest.raises(RuntimeError, match="contiguous along its last dim"):
         dk.build_trees_(lp, ids, 12, torch.zeros(12, 2, dtype=torch.long).T, depths, parents)
+    with pytest.raises(RuntimeError, match="tokens's rows overlap"):  # a broadcast row: every tree one memory
+        dk.build_trees_(lp, ids, 12, torch.zeros(12, dtype=torch.long).expand(2, 12), depths, parents)
+    with pytest.raises(RuntimeError, match="single memory location"):  # two outputs in one buffer
+        dk.build_trees_(lp, ids, 12, tokens, tokens, parents)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents, tokens.view(-1)[:4].view(2, 2), [4, 8], 1.0)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        dk.build_trees_(lp, ids, 12, tokens, depths, parents, torch.zeros(2, dtype=torch.long).expand(2, 2), [4, 8],
+                        1.0)
     with pytest.raises(RuntimeError, match="3-D"):
         dk.build_trees_(lp[0], ids[0], 12, tokens, depths, parents)
     masses = torch.zeros(2, 2, dtype=torch.long)

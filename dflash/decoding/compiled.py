@@ -317,8 +317,8 @@ class RoundSteps:
         ``(lengths, short [V], long [V])``. ``lengths[0]``: the committed tokens now (the set-up's prompt);
         ``lengths[1]``: the most the caches hold for a round of the largest bucket (both caches moved on by the
         same count). Each value the median of ``repeats`` after one untimed round (on a GPU its kernels' first
-        launches compile), the buckets taking turns repeat by repeat. The state is put back (:meth:`Round.snapshot`, and the caches' host lengths), as
-        :meth:`prepare` does."""
+        launches compile), the buckets taking turns repeat by repeat. The state is put back
+        (:meth:`Round.snapshot`, and the caches' host lengths), as :meth:`prepare` does."""
         rnd = self.rnd
         rnd.freeze()
         rnd.snapshot()
