@@ -139,9 +139,13 @@ def test_assistant_model_with_our_drafter_runs_our_loop(pair, monkeypatch):
         ref = target.generate(**inputs(), max_new_tokens=12, do_sample=False)
     rigged = RiggedDraft(draft, target.lm_head.weight, ref, p_right=1.0)
     calls = spy(monkeypatch)
-    with dflash.apply(target):  # no default drafter: plain calls go to transformers
+    with dflash.apply(target) as handle:  # no default drafter: plain calls go to transformers
         plain = target.generate(**inputs(), max_new_tokens=12, do_sample=False)
+        assert handle.last_result is None  # transformers ran it
         out = target.generate(**inputs(), max_new_tokens=12, do_sample=False, assistant_model=rigged)
+        assert handle.last_result.num_new_tokens == 12  # ours: the handle holds its result
+        target.generate(**inputs(), max_new_tokens=12, do_sample=False)
+        assert handle.last_result is None and handle.last_setup_seconds == 0.0
     assert calls == ["dflash"] and torch.equal(out, ref) and torch.equal(plain, ref)
     with dflash.apply(target, draft, method="ddtree", tree_budget=6):
         out = target.generate(**inputs(), max_new_tokens=12, assistant_model=rigged)

@@ -63,7 +63,8 @@ from .budget_policy import BudgetPolicy
 from .options import RoundShape
 from .round import Round, bucket_rows, cache_rows
 
-__all__ = ["COMPILE_MODES", "CompileUnsupported", "POOL_CAPACITY", "RoundSteps", "lease_steps"]
+__all__ = ["COMPILE_MODES", "CompileUnsupported", "POOL_CAPACITY", "RoundSteps", "batch_bucket", "costs_key",
+           "lease_steps"]
 
 #: ``compile=`` values: False (the round's steps called eagerly, a fresh round per generation: the default),
 #: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the pooled round of a compiled generation,
@@ -479,10 +480,13 @@ def _pool(target) -> _RoundPool:
 
 
 def _bucket_costs(target, key, steps: RoundSteps) -> float:
-    """A round whose budget is chosen per round: ``steps.policy`` = the target's :class:`BudgetPolicy` for these
-    settings (``key``, as the pool's), made on first use from the round's measured seconds per bucket
-    (:meth:`RoundSteps.measure_costs`) and kept on the target, so its estimates carry over from one generation
-    to the next; returns the seconds the measurement took (0 when known, or for a fixed budget)."""
+    """A round whose budget is chosen per round: ``steps.policy`` = the target's :class:`BudgetPolicy` for
+    ``key`` (:func:`costs_key`: the settings that decide what a round costs, not the prompt's length nor the
+    cache rows), made on first use from the round's measured seconds per bucket
+    (:meth:`RoundSteps.measure_costs`, at the empty cache and at the longest prefix this round's caches hold,
+    interpolated in the committed length) and kept on the target, so the measurement and the estimates it
+    learns carry over to every later generation with those settings, at any prompt length; returns the
+    seconds the measurement took (0 when known, or for a fixed budget)."""
     if not steps.rnd.auto:
         return 0.0
     known = getattr(target, "_dflash_budget_policies", None)
@@ -499,6 +503,23 @@ def _bucket_costs(target, key, steps: RoundSteps) -> float:
     lengths, short, long = steps.measure_costs()
     steps.policy = known[key] = BudgetPolicy(short, long, lengths)
     return time.perf_counter() - t0
+
+
+def costs_key(shape: RoundShape, draft, sampling, adapter, mode, batch: int) -> tuple:
+    """What a round's measured costs (:func:`_bucket_costs`) are kept under: the round's shape (method, block,
+    budget buckets, acceptance), the drafter, greedy or sampled and which filters (not their values), both
+    dtypes, the device, what runs the steps (``mode`` and the compile options) and the batch-size bucket
+    (:func:`batch_bucket` as compiled rounds round it: 1, 2, 4, 8, ...). Not the prompt's length nor the cache
+    rows: the costs are measured as a function of the committed length (the policy interpolates them), and a
+    compiled round's other cache sizes are corrected by the rounds' own seconds (the residuals), as any other
+    error of the set-up measurement. So one measurement serves every prompt length, and every batch size of
+    its bucket (an eager batch of 3 is measured as 3 and serves 4, and the other way round); the first
+    generation of a new batch-size bucket measures that bucket once."""
+    draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
+    kind = (sampling.greedy, tuple(sorted(sampling.active())))
+    return (shape, id(draft) if shape.method != "ar" else None, kind, str(adapter.dtype), draft_dtype,
+            str(adapter.device), mode, repr(sorted(_compile_kwargs(adapter.device).items())),
+            batch_bucket(batch, True))
 
 
 def _sampling_key(sampling):
@@ -532,11 +553,12 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
     key = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), bucket_rows(target_rows),
            bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(adapter.device), mode,
            repr(sorted(_compile_kwargs(adapter.device).items())), batch)
+    costs = costs_key(shape, draft, sampling, adapter, mode, batch)
     if mode is False:
         rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
                     batch=batch)
         steps = RoundSteps(rnd, False)
-        yield steps, _bucket_costs(target, key, steps)
+        yield steps, _bucket_costs(target, costs, steps)
         return
     pool = _pool(target)
     with pool.lock:
@@ -563,6 +585,6 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 with pool.lock:
                     pool.discard(key)
             raise
-        yield steps, compile_time + _bucket_costs(target, key, steps)
+        yield steps, compile_time + _bucket_costs(target, costs, steps)
     finally:
         pool.finish(steps)

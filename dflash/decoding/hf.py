@@ -25,6 +25,23 @@ the cache are None: requests for them fall back, below).
   ``torch.manual_seed(s)`` before the call reproduces a sampled output, as
   with transformers (the stream of samples differs from transformers' own).
 
+- **Compiled rounds**: ``apply(target, draft, compile=True)`` runs the rounds as
+  :func:`dflash.generate` does with ``compile=True`` (``torch.compile`` of the
+  round's two steps, captured as CUDA graphs on CUDA; inductor on the CPU): the
+  same tokens as eager, and on a GPU several times the tokens/s of the
+  launch-bound eager round. Recommended on GPUs.
+- **Set-up**: what a call spends before its clock starts (compiling and
+  capturing a round for new settings or a new 256-row cache bucket, and with
+  ``tree_budget="auto"`` measuring the budgets' costs, once per target, drafter,
+  dtypes, device, sampling mode and batch-size bucket, reused at every prompt
+  length: :func:`~dflash.decoding.compiled.costs_key`) is never in the call's
+  tokens/s. The handle reports it: ``handle.last_setup_seconds`` (the last call
+  our loop ran; 0.0 when everything was reused), ``handle.setup_seconds`` (summed
+  over the calls) and ``handle.last_result``, the
+  :class:`~dflash.decoding.result.GenerationResult` of that call (rounds,
+  ``tau``, ``total_time``, ``compile_time``, per-row results of a batch); None
+  after a call that went to transformers.
+
 Implemented as a patch of the instance's ``generate`` held in the target
 side's registry (:mod:`dflash.target.patches`; the class is never touched):
 :func:`unapply` releases it, which restores the instance exactly as it was (its
@@ -55,14 +72,22 @@ _STATE = "_dflash_dropin"
 class DropIn:
     """The state of one ``apply``: the settings and the held ``generate`` patch; a context manager."""
 
-    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict):
+    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict, compile=False):
         self.target = target
         self.draft = draft
         self.method = method
         self.method_given = method_given
         self.loop_kwargs = loop_kwargs
+        #: what runs the rounds: False (eager) or True (compiled; ``dflash.generate``'s ``compile=``)
+        self.compile = compile
         self.warned = set()
         self.held = None  # the patches held while applied (target.generate and the state attribute)
+        #: the result of the last call our loop ran (None before any, and after a call that went to transformers)
+        self.last_result = None
+        #: that call's set-up seconds (compile / capture, the auto budget's cost measurement; 0.0 when reused)
+        self.last_setup_seconds = 0.0
+        #: the set-up seconds of every call our loop ran, summed
+        self.setup_seconds = 0.0
 
     def wrap_generate(self, target, original):
         """The ``generate`` set on ``target`` while applied; ``original`` is the one calls reached before."""
@@ -80,7 +105,8 @@ class DropIn:
         unapply(self.target)
 
     def __repr__(self):
-        return f"DropIn(method={self.method!r}, draft={type(self.draft).__name__ if self.draft else None})"
+        return (f"DropIn(method={self.method!r}, draft={type(self.draft).__name__ if self.draft else None}, "
+                f"compile={self.compile!r})")
 
 
 def is_applied(target) -> bool:
@@ -88,7 +114,8 @@ def is_applied(target) -> bool:
 
 
 def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto", block_size=None,
-          mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None) -> DropIn:
+          mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None,
+          compile=False) -> DropIn:
     """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
 
     ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
@@ -98,12 +125,19 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
     this device's measured costs, :mod:`dflash.decoding.budget_policy`), ``block_size``, ``mask_token_id``, ``acceptance``
     (sampled DFlash chains: ``"rejection"``, the default, or ``"match"``;
     ``"rejection"`` with ddtree is refused here): as in
-    :func:`dflash.generate`. The drafter is checked against the target now
-    (a mismatch raises ``DraftConfigError``). Applying again replaces the
-    settings (``unapply`` still restores the original).
+    :func:`dflash.generate`. ``compile``: False (eager rounds, the default) or
+    True (compiled rounds, CUDA graphs on CUDA: as ``dflash.generate(...,
+    compile=True)``; a target that cannot be traced raises
+    :class:`~dflash.decoding.compiled.CompileUnsupported` at its first call).
+    The set-up of each call is on the handle (``last_setup_seconds``, module
+    docstring), never in its tokens/s. The drafter is checked against the
+    target now (a mismatch raises ``DraftConfigError``). Applying again
+    replaces the settings (``unapply`` still restores the original).
     """
     if method is not None and method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+    if not (isinstance(compile, bool) or compile in ("compile", "static")):  # "static": for tests (compiled.py)
+        raise ValueError(f"compile must be False (eager rounds) or True (compiled rounds), got {compile!r}")
     if draft is not None and not isinstance(draft, DFlashDraftModel):
         raise TypeError(f"draft must be a DFlashDraftModel, got {type(draft).__name__}")
     chosen = method or ("ddtree" if draft is not None else None)  # None: only assistant_model calls are ours
@@ -126,7 +160,7 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
         if mask_token_id is not None:
             loop_kwargs["mask_token_id"] = mask_token_id
     unapply(target)  # applying again replaces the settings: the original generate comes back first
-    state = DropIn(target, draft, chosen, method is not None, loop_kwargs)
+    state = DropIn(target, draft, chosen, method is not None, loop_kwargs, compile=compile)
     state.held = hold([Patch(target, "generate", wrap=state.wrap_generate, shadow=True, label="drop-in generate"),
                        Patch(target, _STATE, state, shadow=True, label="drop-in state")])
     return state
@@ -153,6 +187,7 @@ def _torch_seed() -> int:
 
 def _dropin_generate(state: DropIn, original, args, kwargs):
     target = state.target
+    state.last_result, state.last_setup_seconds = None, 0.0  # until our loop has run this call
     try:
         bound = inspect.signature(type(target).generate).bind(target, *args, **kwargs)
     except TypeError:
@@ -198,10 +233,13 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
     if "seed" not in plan.loop_kwargs or plan.loop_kwargs["seed"] is None:
         plan.loop_kwargs["seed"] = None if plan.sampling.greedy else _torch_seed()
     try:
-        result = run_generation(target, draft, inputs, plan, method=method)
+        result = run_generation(target, draft, inputs, plan, method=method, compile=state.compile)
     except UnsupportedGeneration as exc:  # refused before any model runs (right padding, a streamer with a batch)
         _warn_once(state, exc.keyword or str(exc), str(exc))
         return original(*args, **kwargs)
+    state.last_result = result
+    state.last_setup_seconds = float(result.compile_time or 0.0)
+    state.setup_seconds += state.last_setup_seconds
     sequences = result.output_ids.clone()  # a normal tensor (the loop's is an inference-mode tensor)
     if isinstance(inputs, torch.Tensor):
         sequences = sequences.to(inputs.device)

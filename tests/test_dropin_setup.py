@@ -1,0 +1,183 @@
+"""The drop-in's set-up is paid once: ``dflash.apply(target, draft)`` with its default ``tree_budget="auto"``
+measures the budget's costs on the first call and reuses them at every later prompt length and at every batch
+size of the same batch-size bucket, so a later call runs its prefill and its rounds and no other target pass;
+``dflash.apply(..., compile=True)`` runs compiled rounds with the eager rounds' tokens, its set-up reported on
+the handle (``last_setup_seconds``), never in the call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dflash
+import dflash_kernels
+from dflash.decoding import compiled
+from dflash.decoding import hf as dropin
+from dflash.target.adapter import PREFILL_CHUNK
+from tiny_models import tiny_draft, tiny_target
+
+
+@pytest.fixture
+def reference_ops():
+    with dflash_kernels.force_backend("reference"):
+        yield
+
+
+def pair():
+    target = tiny_target("qwen3", layers=3, hidden=32)
+    return target, tiny_draft(target, block_size=5, target_layer_ids=[0, 1])
+
+
+def prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 64, (n,), generator=g).tolist()
+
+
+def left_padded(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+class Passes:
+    """Counts the target's passes (calls of its layer 0) and keeps the result of each run of our loop."""
+
+    def __init__(self, target, monkeypatch):
+        self.count = 0
+        self.results = []
+        target.model.layers[0].register_forward_hook(lambda *a: self._tick())
+        real = dropin.run_generation
+
+        def run(*a, **k):
+            result = real(*a, **k)
+            self.results.append(result)
+            return result
+
+        monkeypatch.setattr(dropin, "run_generation", run)
+
+    def _tick(self):
+        self.count += 1
+
+    def call(self, target, ids, mask, **kw):
+        """``(target passes, prefill passes + rounds)`` of one ``target.generate`` call."""
+        before, runs = self.count, len(self.results)
+        with torch.no_grad():
+            out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw)
+        assert len(self.results) == runs + 1, "the call did not run our loop"
+        result = self.results[-1]
+        rows = result.rows or [result]
+        rounds = max(row.num_rounds for row in rows)
+        prefill = math.ceil(int(mask.sum(1).max()) / PREFILL_CHUNK)  # a padded batch: one pass per chunk
+        return self.count - before, prefill + rounds, out
+
+
+def test_auto_budget_set_up_once_across_prompt_lengths(reference_ops, monkeypatch):
+    """After the first call, a call at a new prompt length (a new 256-row cache bucket) runs no target pass
+    besides its prefill and its rounds, and reports no set-up."""
+    target, draft = pair()
+    passes = Passes(target, monkeypatch)
+    handle = dflash.apply(target, draft)  # tree_budget="auto", eager
+    try:
+        seen = []
+        for n in (100, 100, 300, 700, 1200):
+            ids = torch.tensor([prompt(n)])
+            ran, needed, out = passes.call(target, ids, torch.ones_like(ids), max_new_tokens=24)
+            assert out.shape == (1, n + 24)
+            seen.append((n, ran, needed, passes.results[-1].compile_time))
+        first = seen[0]
+        assert first[1] > first[2] and first[3] > 0, seen  # the first call measures the costs
+        for n, ran, needed, setup in seen[1:]:
+            assert ran == needed and setup == 0.0, seen
+        assert handle.last_result is passes.results[-1] and handle.last_setup_seconds == 0.0
+        assert handle.setup_seconds == first[3]
+    finally:
+        dflash.unapply(target)
+
+
+def test_auto_budget_set_up_once_per_batch_bucket(reference_ops, monkeypatch):
+    """Batch sizes 3 and 4 share one measurement (the bucket of 4), at any prompt length; a batch of 2 (a new
+    bucket) measures once, then not again."""
+    target, draft = pair()
+    passes = Passes(target, monkeypatch)
+    handle = dflash.apply(target, draft)
+    try:
+        def run(lengths, seed):
+            ids, mask = left_padded([prompt(n, seed + i) for i, n in enumerate(lengths)])
+            ran, needed, out = passes.call(target, ids, mask, max_new_tokens=16)
+            assert out.shape == (len(lengths), ids.shape[1] + 16)
+            return ran, needed, passes.results[-1].compile_time
+
+        ran, needed, setup = run([40, 60, 50], 0)
+        assert ran > needed and setup > 0  # the bucket of 4 measured
+        for lengths, seed in (([70, 300, 20, 90], 10), ([500, 30, 45], 20)):
+            ran, needed, setup = run(lengths, seed)
+            assert ran == needed and setup == 0.0, (lengths, ran, needed)
+        ran, needed, setup = run([33, 80], 30)
+        assert ran > needed and setup > 0  # a new bucket (2) measures once
+        ran, needed, setup = run([333, 12], 40)
+        assert ran == needed and setup == 0.0
+    finally:
+        dflash.unapply(target)
+
+
+def test_costs_measured_once_for_compiled_rounds_too(reference_ops, monkeypatch):
+    """compiled rounds (dynamo only here, to keep it quick): a new cache bucket compiles its own round (its
+    set-up reported), but the costs are not measured again."""
+    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))
+    torch._dynamo.reset()
+    measured = []
+    real = compiled.RoundSteps.measure_costs
+
+    def counted(self, *a, **k):
+        measured.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(compiled.RoundSteps, "measure_costs", counted)
+    target, draft = pair()
+    handle = dflash.apply(target, draft, tree_budget=[2, 5], compile=True)
+    try:
+        for n in (20, 300):
+            ids = torch.tensor([prompt(n)])
+            with torch.no_grad():
+                out = target.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+                ref = dflash.generate(target, draft, ids, method="ddtree", tree_budget=5, max_new_tokens=8)
+            assert torch.equal(out, ref.output_ids)
+            assert handle.last_setup_seconds > 0  # a new cache bucket: its own compiled round
+        assert len(measured) == 1
+    finally:
+        dflash.unapply(target)
+        torch._dynamo.reset()
+
+
+def test_apply_compile_equals_eager(reference_ops):
+    """``apply(compile=True)``: inductor's compiled rounds give the eager drop-in's tokens (greedy); the set-up
+    is on the handle (the first call's), not in the call; a second call reuses it."""
+    torch._dynamo.reset()
+    target, draft = pair()
+    ids = torch.tensor([prompt(12)])
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    with torch.no_grad():
+        ref = target.generate(**kw)
+        with dflash.apply(target, draft, tree_budget=4) as handle:
+            eager = target.generate(**kw)
+        assert handle.compile is False and handle.last_result.compile_time == 0
+        with dflash.apply(target, draft, tree_budget=4, compile=True) as handle:
+            fast = target.generate(**kw)
+            first = handle.last_setup_seconds
+            again = target.generate(**kw)
+            second = handle.last_setup_seconds
+    assert torch.equal(eager, ref) and torch.equal(fast, eager) and torch.equal(again, eager)
+    assert first > 0 and second == 0.0 and handle.setup_seconds == first
+    assert handle.last_result.compile_time == 0.0 and handle.last_result.total_time > 0
+    torch._dynamo.reset()
+
+
+def test_apply_refuses_a_bad_compile_value():
+    target, draft = pair()
+    with pytest.raises(ValueError, match="compile"):
+        dflash.apply(target, draft, compile="fast")
+    assert not dflash.decoding.is_applied(target)
