@@ -44,11 +44,12 @@ import torch.nn.functional as F
 import dflash_kernels
 
 from ..drafter.config import validate_target_layer_ids
-from .attention import PASS_KWARG, AttentionPass, attention_patches
+from .attention import PASS_KWARG, AttentionPass, active_pass, attention_patches
 from .cache import TargetKVCache
 from .families import (PATCHES, TargetStructureError, UnsupportedTargetFeature, experts_modules, experts_patches,
-                       resolve_target)
+                       own_check_attention, resolve_target)
 from .hybrid import LINEAR_PASS_KWARG, HybridKVCache, LinearPass, linear_modules, linear_patches, linear_shape
+from .own_forward_check import check_own_forward, own_probe
 from .patches import Patch, hold
 
 __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts"]
@@ -112,7 +113,8 @@ class TargetAdapter:
         #: final-logit softcap of the target's head (None: none); the drafter's logits do not get it
         self.final_softcap = spec.final_softcap
         self.fuse_norm = spec.fuse_norm
-        self.norm_eps = float(getattr(self.norm, "variance_epsilon", getattr(self.norm, "eps", 1e-6)))
+        #: the fused norm's epsilon (None: the final norm runs as its module, see :mod:`dflash.target.final_norm`)
+        self.norm_eps = spec.norm_eps
         self._has_attn_features = any(c is not None for c in spec.attn_softcaps) or any(
             s is not None for s in spec.sinks)
         self._outputs: Dict[int, torch.Tensor] = {}
@@ -121,7 +123,15 @@ class TargetAdapter:
         self.linear_shape = (linear_shape(type(model).__name__, self.layers, spec.linear_layers)
                              if spec.linear_layers else None)
         self._linear_modules = linear_modules(self.layers, spec.linear_layers)
+        # once per model: our passes compute its own forward, or it is refused (its side runs unpatched)
+        probe = own_probe(model, self.layers, self.dtype, self.device, self.vocab_size,
+                          attention=own_check_attention(self.config, spec))
         self._held = hold(self.patches())  # the model changes from here on
+        try:
+            check_own_forward(self, probe)
+        except BaseException:
+            self._held.release()
+            raise
 
     # ----------------------------------------------------------- lifecycle
     def patches(self) -> List[Patch]:
@@ -282,15 +292,18 @@ class TargetAdapter:
         if self.hybrid:
             kw[LINEAR_PASS_KWARG] = self._linear_pass(b, T, cache, tree_bits, tree_parents, whole)
         h = self.embed(ids)
+        if self.spec.family.embed_norm:
+            h = self.norm(h)
         rope = self._position_embeddings(h, positions)
         wanted = set(self.capture_layer_ids)
         outputs = {}
-        for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
-            out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings,
-                        use_cache=True, **kw)
-            h = out[0] if isinstance(out, (tuple, list)) else out
-            if idx in wanted:
-                outputs[idx] = h[0] if single else h
+        with active_pass(attention_pass):  # for layers that do not forward **kw to their attention
+            for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
+                out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings,
+                            use_cache=True, **kw)
+                h = out[0] if isinstance(out, (tuple, list)) else out
+                if idx in wanted:
+                    outputs[idx] = h[0] if single else h
         return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
 
     def _linear_pass(self, b: int, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
@@ -370,7 +383,8 @@ class TargetAdapter:
     # --------------------------------------------------- tokens from hidden
     def head_inputs(self, hidden: torch.Tensor):
         """``(hidden, kwargs)`` for any :mod:`dflash_kernels` lm_head op on the target's rows: the final norm
-        (fused as ``norm_weight``/``eps`` when it is a plain RMSNorm, else applied here) and the family's
+        (fused as ``norm_weight``/``eps`` when the module computes exactly the ops' RMSNorm, else applied here as
+        the module) and the family's
         final-logit softcap (``softcap``). Every choice of a target token goes through this."""
         kw = {} if self.final_softcap is None else dict(softcap=self.final_softcap)
         if self.fuse_norm:

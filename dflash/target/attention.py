@@ -49,7 +49,8 @@ Paths (no layer ever receives a dense mask from us):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+import contextlib
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,12 @@ from .patches import Patch, original
 
 ATTENTION_NAME = "dflash"
 PASS_KWARG = "dflash_pass"
+
+#: The :class:`AttentionPass` of the target pass running now (innermost last), for decoder layers that do not
+#: hand their attention module the layer's keyword arguments (StableLM, Nemotron call ``self_attn(...)`` with a
+#: fixed argument list): their attention function still serves our pass, never the model's own implementation
+#: with no mask (which would attend causally from the top-left corner over the cached rows: a different text).
+_ACTIVE: List["AttentionPass"] = []
 
 @dataclass(frozen=True)
 class AttentionPass:
@@ -103,6 +110,17 @@ class AttentionPass:
         return self.sinks[layer_idx] if layer_idx is not None and self.sinks else None
 
 
+@contextlib.contextmanager
+def active_pass(attention_pass: "AttentionPass") -> Iterator[None]:
+    """Make ``attention_pass`` the pass of every attention call without one until the block ends (see
+    :data:`_ACTIVE`); :meth:`~dflash.target.adapter.TargetAdapter.run_pass` runs its layers inside it."""
+    _ACTIVE.append(attention_pass)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
 def _original_attention(module):
     """The attention function the model was loaded with (transformers' registry, else eager)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -137,10 +155,14 @@ def _check_module_kwargs(module, kwargs, window, softcap, sinks) -> None:
 def dflash_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface entry: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, S, D]``.
 
-    Returns ``(out [1, T, Hq, D], None)``. Without an :class:`AttentionPass` in
-    the kwargs (not one of our passes) it calls the model's own implementation.
+    Returns ``(out [1, T, Hq, D], None)``. The pass comes from the kwargs, or,
+    when the decoder layer did not forward them, from :func:`active_pass`;
+    without either (not one of our passes: the user's own forward while an
+    adapter is open) it calls the model's own implementation.
     """
     attention_pass: Optional[AttentionPass] = kwargs.pop(PASS_KWARG, None)
+    if attention_pass is None and _ACTIVE:
+        attention_pass = _ACTIVE[-1]
     if attention_pass is None:
         return _original_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
                                            dropout=dropout, **kwargs)

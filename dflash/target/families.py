@@ -39,9 +39,12 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   ``sqrt(hidden_size)`` inside ``embed_tokens`` (a ``*ScaledWordEmbedding``,
   rounded to the weight dtype), so ``TargetAdapter.embed`` -- the target's
   forward input and the drafter's block input alike -- carries it; checked.
-* **fused norm**: the final norm class computes ``w * normed(x).to(dtype)``
-  (Llama style) and may be fused into the lm_head ops; Gemma's ``(1 + w)``
-  norm and gpt-oss' ``(w * normed(x)).to(dtype)`` run as modules instead.
+* **fused norm**: not a row field. The final norm is fused into the lm_head
+  ops only when the module computes exactly their ``w * normed(x).to(dtype)``
+  (Llama style), which :func:`dflash.target.final_norm.fusable_norm` checks by
+  running it; Gemma's ``(1 + w)`` norm, gpt-oss' ``(w * normed(x)).to(dtype)``,
+  LayerNorms (StableLM, Nemotron's ``1 + w``, Cohere) and weightless norms
+  run as modules instead.
 * **linear attention** (hybrid targets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next):
   layers whose ``layer_types`` entry is ``"linear_attention"`` hold a
   Gated-DeltaNet module ``linear_attn`` of the class the row names instead of
@@ -71,15 +74,19 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   unknown ones, whose modules are probed: the implementation above, when it
   changes), ``linear_forward`` (hybrids: the Gated-DeltaNet verify forward).
 
-Unknown ``model_type``: the generic entry (Llama shape; windows from the
-attention modules' ``sliding_window`` attributes, else ``layer_types``, else
-every layer; rope per layer type when ``rotary_emb.forward`` takes a
-``layer_type``; MoE when experts dispatch on the config). A feature the table
-cannot vouch for is refused at construction with an
-:class:`UnsupportedTargetFeature` naming it (:func:`resolve_target`); and
-every pass cross-checks what each attention module passes its attention
-function (``sliding_window``, ``softcap``, ``s_aux``) against the table, so a
-disagreement is an error, never a silently different answer.
+Unknown ``model_type``: the generic entry (Llama shape; windows per
+``layer_types`` when the config has them, else from the attention modules'
+``sliding_window`` attributes, else every layer; rope per layer type when
+``rotary_emb.forward`` takes a ``layer_type``; MoE when experts dispatch on the
+config; the softcaps and sinks by transformers' names:
+``attn_logit_softcapping``, ``final_logit_softcapping``, ``self_attn.sinks``).
+A feature the table cannot vouch for is refused at construction with an
+:class:`UnsupportedTargetFeature` naming it (:func:`resolve_target`); every
+pass cross-checks what each attention module passes its attention function
+(``sliding_window``, ``softcap``, ``s_aux``) against the table; and when a
+model is first adapted our passes are compared with its own forward
+(:mod:`dflash.target.own_forward_check`): a disagreement is an error, never a
+silently different answer.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .final_norm import fusable_norm
 from .patches import Patch, original
 
 #: transformers attention implementations that silently drop a ``softcap`` argument (SDPA has no such input;
@@ -129,11 +137,11 @@ class Family:
     sinks: Optional[str] = None  # attribute of self_attn: per-query-head sink logits [Hq]
     query_scale: str = "head_dim"  # "head_dim" | "query_pre_attn_scalar" | "module" (generic: not checked)
     embed_scale: bool = False  # embed_tokens scales by sqrt(hidden_size) itself
-    fused_norm: Optional[str] = None  # the final norm's class when it is Llama-style (fusable)
     moe: bool = False
     known: bool = True
     linear_attention: Optional[str] = None  # class name of the Gated-DeltaNet module of "linear_attention" layers
     rope_sections: int = 0  # the rotary embedding takes position ids [rope_sections, batch, T] (Qwen3.5: 3)
+    embed_norm: bool = False  # the decoder applies its final norm to the embeddings too, before the layers
 
     @property
     def patches(self) -> Tuple[str, ...]:
@@ -156,31 +164,28 @@ PATCHES = ("attention", "experts", "linear_forward")
 
 #: The capability table, keyed by ``config.model_type``.
 FAMILIES: Dict[str, Family] = {
-    "llama": Family("Llama", fused_norm="LlamaRMSNorm"),
-    "qwen2": Family("Qwen2", fused_norm="Qwen2RMSNorm"),
-    "qwen3": Family("Qwen3", fused_norm="Qwen3RMSNorm"),
-    "mistral": Family("Mistral", windows="all", fused_norm="MistralRMSNorm"),
-    "phi3": Family("Phi-3", windows="all", fused_norm="Phi3RMSNorm"),
+    "llama": Family("Llama"),
+    "qwen2": Family("Qwen2"),
+    "qwen3": Family("Qwen3"),
+    "mistral": Family("Mistral", windows="all"),
+    "phi3": Family("Phi-3", windows="all"),
     "gemma2": Family("Gemma2", attn_softcap="attn_logit_softcapping", final_softcap="final_logit_softcapping",
                      query_scale="query_pre_attn_scalar", embed_scale=True),
     "gemma3_text": Family("Gemma3", rope_per_layer_type=True, final_softcap="final_logit_softcapping",
                           query_scale="query_pre_attn_scalar", embed_scale=True),
-    "qwen3_moe": Family("Qwen3-MoE", windows="all", fused_norm="Qwen3MoeRMSNorm", moe=True),
+    "qwen3_moe": Family("Qwen3-MoE", windows="all", moe=True),
     "gpt_oss": Family("gpt-oss", sinks="sinks", moe=True),
     # hybrids: (1 + w) RMSNorms (not fusable), gated attention (the module applies its output gate itself)
     "qwen3_5_text": Family("Qwen3.5", linear_attention="Qwen3_5GatedDeltaNet", rope_sections=3),
     "qwen3_5_moe_text": Family("Qwen3.5-MoE", linear_attention="Qwen3_5MoeGatedDeltaNet", rope_sections=3,
                                moe=True),
     "qwen3_next": Family("Qwen3-Next", linear_attention="Qwen3NextGatedDeltaNet", moe=True),
+    # nanochat: model.norm (weightless RMSNorm) on the embeddings before the layers too; a final-logit softcap
+    "nanochat": Family("nanochat", final_softcap="final_logit_softcapping", embed_norm=True),
 }
 
 #: Unknown families: the generic decoder shape, features probed from the modules.
-GENERIC = Family("generic decoder", windows="auto", query_scale="module", known=False,
-                 fused_norm=None)
-
-#: Final-norm classes known to compute ``w * normed(x).to(dtype)`` (fusable for any family).
-LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm",
-                     "Qwen3MoeRMSNorm", "RMSNorm")
+GENERIC = Family("generic decoder", windows="auto", query_scale="module", known=False)
 
 
 def _truthy(config, key) -> bool:
@@ -192,6 +197,10 @@ REFUSED = (
     (lambda c: _truthy(c, "use_bidirectional_attention"), "bidirectional attention (use_bidirectional_attention)"),
     (lambda c: getattr(c, "attention_chunk_size", None) is not None, "chunked attention (attention_chunk_size)"),
     (lambda c: getattr(c, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
+    # the head scales its logits after the GEMM (in the model dtype: a second rounding, which the fused argmax and
+    # sampling ops do not reproduce, so ties could break differently)
+    (lambda c: getattr(c, "logit_scale", None) not in (None, 1, 1.0), "scaled logits (logit_scale)"),
+    (lambda c: getattr(c, "logits_scaling", None) not in (None, 1, 1.0), "scaled logits (logits_scaling)"),
 )
 
 
@@ -220,6 +229,7 @@ class TargetSpec:
     rope_types: Optional[Tuple[str, ...]]
     final_softcap: Optional[float]
     fuse_norm: bool
+    norm_eps: Optional[float]
     experts: Optional[str]
     linear_layers: List[int] = field(default_factory=list)
     rope_sections: int = 0
@@ -318,6 +328,8 @@ def _layer_windows(family: Family, config, layers, layer_types) -> List[Optional
     if family.windows == "all":
         return [w] * len(layers)
     if family.windows == "auto":
+        if getattr(config, "layer_types", None):  # transformers' convention: windows where the type slides
+            return [w if t == "sliding_attention" else None for t in layer_types]
         if all(hasattr(layer.self_attn, "sliding_window") for layer in layers):
             return [None if layer.self_attn.sliding_window is None else int(layer.self_attn.sliding_window)
                     for layer in layers]
@@ -353,20 +365,19 @@ def _layer_kinds(name: str, family: Family, config, layers) -> Tuple[List[str], 
     return layer_types, linear_layers
 
 
-def _softcaps_and_sinks(name: str, family: Family, config, layers, attention_layers):
+def _softcaps_and_sinks(name: str, family: Family, config, layers, attention_layers, linear_layers=()):
     """``(attention softcap, final-logit softcap, sinks per layer)``: a known family names its keys and
-    parameters; an unknown one that has any of them is refused. Warns when the model's own attention drops the
+    parameters; an unknown one is read by transformers' names (``attn_logit_softcapping``,
+    ``final_logit_softcapping``, ``self_attn.sinks``), each then checked against what its modules pass and
+    against the model's own forward. Warns when the model's own attention drops the
     softcap (:data:`SOFTCAP_BLIND_IMPLEMENTATIONS`)."""
+    attn_key, final_key, sinks_attr = family.attn_softcap, family.final_softcap, family.sinks
     if not family.known:
-        for key, feature in (("attn_logit_softcapping", "attention softcap"),
-                             ("final_logit_softcapping", "final-logit softcap")):
-            if getattr(config, key, None) is not None:
-                raise UnsupportedTargetFeature(name, f"{feature} ({key}) on an unknown family",
-                                               f"model_type {config.model_type!r}")
+        # transformers' own names: what the modules pass is checked on every pass (the attention function), and
+        # the whole forward once against the model's own (:mod:`dflash.target.own_forward_check`)
+        attn_key, final_key = "attn_logit_softcapping", "final_logit_softcapping"
         if any(isinstance(getattr(l.self_attn, "sinks", None), torch.Tensor) for l in attention_layers):
-            raise UnsupportedTargetFeature(name, "attention sinks on an unknown family",
-                                           f"model_type {config.model_type!r}")
-    attn_key, final_key = family.attn_softcap, family.final_softcap
+            sinks_attr = "sinks"
     attn_cap = _float_or_none(getattr(config, attn_key, None)) if attn_key else None
     loaded_attention = original(config, "_attn_implementation")  # an open adapter's switch aside
     if attn_cap is not None and loaded_attention in SOFTCAP_BLIND_IMPLEMENTATIONS:
@@ -376,12 +387,41 @@ def _softcaps_and_sinks(name: str, family: Family, config, layers, attention_lay
                       "attn_implementation='eager' to compare outputs.", stacklevel=4)
     final_cap = _float_or_none(getattr(config, final_key, None)) if final_key else None
     sinks: List[Optional[torch.Tensor]] = [None] * len(layers)
-    if family.sinks:
-        sinks = [getattr(l.self_attn, family.sinks, None) for l in layers]
-        if any(not isinstance(s, torch.Tensor) for s in sinks):
+    if sinks_attr:
+        sinks = [None if i in linear_layers or not isinstance(getattr(l.self_attn, sinks_attr, None), torch.Tensor)
+                 else getattr(l.self_attn, sinks_attr) for i, l in enumerate(layers)]
+        if family.known and any(not isinstance(s, torch.Tensor) for i, s in enumerate(sinks) if i not in linear_layers):
             raise UnsupportedTargetFeature(name, "attention sinks",
-                                           f"{family.name} attention modules without a {family.sinks!r} parameter")
+                                           f"{family.name} attention modules without a {sinks_attr!r} parameter")
     return attn_cap, final_cap, sinks
+
+
+def config_value(config, key: str, default=None):
+    """``config.<key>``, or ``default`` when it is absent or per-layer (transformers raises on a global read of an
+    attribute that varies across layers, e.g. Gemma 4's ``head_dim``)."""
+    try:
+        return getattr(config, key, default)
+    except Exception:  # noqa: BLE001 -- AmbiguousGlobalPerLayerAttributeError and the like: no one value
+        return default
+
+
+def _check_kv_geometry(name: str, config, layers, linear_layers) -> None:
+    """Every attention layer's K/V are ``[Hkv, D]`` of the config (one cache geometry for all layers); per-layer
+    head dims or K/V head counts are refused by name."""
+    head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
+    kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
+    for i, layer in enumerate(layers):
+        if i in linear_layers:
+            continue
+        attn = layer.self_attn
+        d = getattr(attn, "head_dim", head_dim)
+        k_proj = getattr(attn, "k_proj", None)
+        out = getattr(k_proj, "out_features", None)
+        h = out // d if isinstance(out, int) and isinstance(d, int) and d else kv_heads
+        if (d, h) != (head_dim, kv_heads):
+            raise UnsupportedTargetFeature(name, "per-layer K/V shapes",
+                                           f"layer {i} keeps {h} K/V heads of {d} dims, the config {kv_heads} of "
+                                           f"{head_dim}: the cache holds one geometry for every layer")
 
 
 def _check_scales(name: str, family: Family, config, decoder, layers, linear_layers) -> None:
@@ -412,6 +452,13 @@ def _rope_types(name: str, family: Family, rotary_emb, layer_types, linear_layer
                                        f"{'a' if family.rope_per_layer_type else 'no'} layer_type argument")
     if not takes_type:
         return None
+    known_types = getattr(rotary_emb, "rope_type", None)
+    if isinstance(known_types, dict):
+        missing = sorted(t for t in set(layer_types) if t != LINEAR_ATTENTION and t not in known_types)
+        if missing:
+            raise UnsupportedTargetFeature(name, "layers without a rotary embedding",
+                                           f"the rotary module has no table for layer type {missing[0]!r} (no-RoPE "
+                                           "layers, whose attention scaling depends on the position)")
     if linear_layers:
         raise UnsupportedTargetFeature(name, "rotary embedding per layer type on a hybrid target")
     return tuple(sorted(set(layer_types)))
@@ -442,17 +489,28 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         raise UnsupportedTargetFeature(name, "lm_head bias")
     layer_types, linear_layers = _layer_kinds(name, family, config, layers)
     attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
-    attn_cap, final_cap, sinks = _softcaps_and_sinks(name, family, config, layers, attention_layers)
+    attn_cap, final_cap, sinks = _softcaps_and_sinks(name, family, config, layers, attention_layers, linear_layers)
+    _check_kv_geometry(name, config, layers, linear_layers)
     _check_scales(name, family, config, decoder, layers, linear_layers)
     rope_types = _rope_types(name, family, rotary_emb, layer_types, linear_layers)
     experts = _experts_choice(name, family, model, lm_head)
-    fused = family.fused_norm or (type(norm).__name__ if type(norm).__name__ in LLAMA_STYLE_NORMS else None)
-    fuse_norm = type(norm).__name__ == fused and getattr(norm, "weight", None) is not None
+    eps = fusable_norm(norm)
     return TargetSpec(
         family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),
         attn_softcaps=[attn_cap] * len(layers), sinks=sinks, rope_types=rope_types, final_softcap=final_cap,
-        fuse_norm=fuse_norm, experts=experts, linear_layers=linear_layers, rope_sections=family.rope_sections,
+        fuse_norm=eps is not None, norm_eps=eps, experts=experts, linear_layers=linear_layers,
+        rope_sections=family.rope_sections,
     )
+
+def own_check_attention(config, spec: "TargetSpec") -> Optional[str]:
+    """The attention implementation the forward check runs the model's own forward with (None: the one it was
+    loaded with): ``"eager"`` when that one drops an attention softcap the model has (we apply it, as the
+    checkpoint was trained; :data:`SOFTCAP_BLIND_IMPLEMENTATIONS`)."""
+    loaded = original(config, "_attn_implementation")
+    if loaded in SOFTCAP_BLIND_IMPLEMENTATIONS and any(c is not None for c in spec.attn_softcaps):
+        return "eager"
+    return None
+
 
 def experts_patches(configs: Sequence, implementation: Optional[str]) -> list:
     """The patches that run the experts of ``configs`` with ``implementation`` while an adapter holds them
@@ -470,7 +528,7 @@ def family_table() -> List[Dict[str, object]]:
         rows.append(dict(model_type=model_type, family=f.name, windows=f.windows,
                          rope_per_layer_type=f.rope_per_layer_type, attn_softcap=f.attn_softcap,
                          final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
-                         embed_scale=f.embed_scale, fused_norm=f.fused_norm, moe=f.moe,
-                         linear_attention=f.linear_attention, rope_sections=f.rope_sections,
+                         embed_scale=f.embed_scale, moe=f.moe,
+                         linear_attention=f.linear_attention, rope_sections=f.rope_sections, embed_norm=f.embed_norm,
                          patches=f.patches))
     return rows
