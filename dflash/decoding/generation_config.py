@@ -50,6 +50,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..target.head import head_shape
+from ..target.wrappers import unwrap_target
+
 
 class UnsupportedGeneration(ValueError):
     """A generate keyword (or input) our loops cannot serve; ``keyword`` names it."""
@@ -302,6 +305,7 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     Raises :class:`UnsupportedGeneration` (a ``ValueError``) for a keyword or
     value our loops cannot serve, naming it and what is allowed.
     """
+    target = unwrap_target(target)  # a wrapped model's generate reads the inner model's generation config
     kwargs = dict(kwargs)
     loop_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in LOOP_KEYWORDS}
     stopping_criteria = kwargs.pop("stopping_criteria", None)
@@ -425,9 +429,8 @@ def _checked_criteria(stopping_criteria):
 
 def _vocab_size(target) -> Optional[int]:
     head = getattr(target, "lm_head", None)
-    weight = getattr(head, "weight", None)
-    if weight is not None:
-        return int(weight.shape[0])
+    if getattr(head, "weight", None) is not None:
+        return head_shape(head)[0]
     return getattr(getattr(target, "config", None), "vocab_size", None)
 
 

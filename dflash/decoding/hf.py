@@ -48,6 +48,11 @@ side's registry (:mod:`dflash.target.patches`; the class is never touched):
 own ``generate`` attribute if it had one, else none, so the class's method
 shows through again). Applying again releases the old patch and holds a new
 one. ``apply`` returns a handle usable as a ``with`` block.
+
+A wrapped target is patched on the object the user holds, the one whose ``generate`` they call: a
+``torch.compile(model)`` (``compiled.generate`` would otherwise be forwarded to the model's), a peft
+``PeftModel`` (its ``generate`` would otherwise reach the base model's through peft's own); calls are bound
+to the transformers ``generate`` inside, and a fallback runs the wrapper's own ``generate``.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import torch
 
 from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
+from ..target.wrappers import unwrap_target
 from ..target.patches import Patch, hold
 from .generate import METHODS, prepare_generation, run_generation
 from .generation_config import UnsupportedGeneration
@@ -92,7 +98,7 @@ class DropIn:
     def wrap_generate(self, target, original):
         """The ``generate`` set on ``target`` while applied; ``original`` is the one calls reached before."""
 
-        @functools.wraps(type(target).generate)
+        @functools.wraps(_transformers_generate(target))
         def generate(*args, **kwargs):
             return _dropin_generate(self, original, args, kwargs)
 
@@ -107,6 +113,13 @@ class DropIn:
     def __repr__(self):
         return (f"DropIn(method={self.method!r}, draft={type(self.draft).__name__ if self.draft else None}, "
                 f"compile={self.compile!r})")
+
+
+def _transformers_generate(target):
+    """The transformers ``generate`` function behind ``target.generate`` (its keywords are what calls bind to):
+    the class's own, or for a wrapped model (``torch.compile``'s ``OptimizedModule``, whose class has none and
+    forwards the attribute; peft's ``PeftModel``, whose own takes ``*args, **kwargs``) the wrapped model's."""
+    return type(unwrap_target(target)).generate
 
 
 def is_applied(target) -> bool:
@@ -189,7 +202,7 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
     target = state.target
     state.last_result, state.last_setup_seconds = None, 0.0  # until our loop has run this call
     try:
-        bound = inspect.signature(type(target).generate).bind(target, *args, **kwargs)
+        bound = inspect.signature(_transformers_generate(target)).bind(target, *args, **kwargs)
     except TypeError:
         return original(*args, **kwargs)  # transformers says what is wrong
     call = dict(bound.arguments)

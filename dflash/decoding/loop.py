@@ -52,6 +52,8 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
         with lease_steps(target, adapter, draft, shape, options.sampling, total, compile, batch) as (steps, setup):
             result = _run(steps, prompts, padded, options, seeds.next())
             result.compile_time = setup
+            for one in [result, *result.rows]:
+                one.head_path = adapter.head.path
             return result
     finally:
         adapter.close()

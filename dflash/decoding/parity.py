@@ -49,7 +49,7 @@ def first_divergence(target, reference: Sequence[int], other: Sequence[int]) -> 
             return None
         i = min(len(ref), len(out))
         return Divergence(i, ref[i] if i < len(ref) else None, out[i] if i < len(out) else None, None, None)
-    device = target.lm_head.weight.device
+    device = next(target.parameters()).device  # a wrapped or quantized target too
     logits = target(input_ids=torch.tensor([ref[:i]], device=device)).logits[0, -1].float()
     top2 = torch.topk(logits, 2).values
     return Divergence(i, ref[i], out[i], float(logits[ref[i]] - logits[out[i]]), float(top2[0] - top2[1]))

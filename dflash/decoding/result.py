@@ -81,6 +81,10 @@ class GenerationResult:
     block_size: Optional[int] = None
     #: a batch's per-row results (empty for one unpadded prompt)
     rows: List["GenerationResult"] = field(default_factory=list)
+    #: how the target's lm_head ran: ``"fused"`` (the fused norm + lm_head ops read its plain weight) or
+    #: ``"module"`` (its own forward at the needed rows: an adapter on it, a quantized weight;
+    #: :mod:`dflash.target.head`); None on a result built by hand
+    head_path: Optional[str] = None
 
     @property
     def sequences(self) -> torch.Tensor:

@@ -451,22 +451,19 @@ class Round:
         lead = hidden.shape[:-1]
         rows, kw = self.adapter.head_inputs(hidden.reshape(-1, hidden.shape[-1]))
         if self.sampling.greedy:
-            return dflash_kernels.lm_head_argmax(rows, self.adapter.lm_head.weight, check_bounds=False,
-                                                 backend=self.backend, **kw).view(lead)
+            return self.adapter.head.argmax(rows, check_bounds=False, backend=self.backend, **kw).view(lead)
         return self._sample(rows, kw).view(lead)
 
     def _sample(self, rows: torch.Tensor, kw: dict) -> torch.Tensor:
         """One draw per row of ``rows`` from the processed distribution of ``W rows`` (``kw``: the head's norm /
         softcap), keyed by ``seed`` after moving it on by one."""
-        W = self.adapter.lm_head.weight
+        head = self.adapter.head
         s = self.sampling
         self.seed.add_(1)
         if s.active():
-            return dflash_kernels.lm_head_sample_processed(rows, W, s.temperature, seed=self.seed, top_k=s.top_k,
-                                                           top_p=s.top_p, min_p=s.min_p, check_bounds=False,
-                                                           backend=self.backend, **kw)
-        return dflash_kernels.lm_head_sample(rows, W, s.temperature, seed=self.seed, check_bounds=False,
-                                             backend=self.backend, **kw)
+            return head.sample_processed(rows, s.temperature, seed=self.seed, top_k=s.top_k, top_p=s.top_p,
+                                         min_p=s.min_p, check_bounds=False, backend=self.backend, **kw)
+        return head.sample(rows, s.temperature, seed=self.seed, check_bounds=False, backend=self.backend, **kw)
 
     # ---------------------------------------------------------------- steps
     def draft(self) -> None:
@@ -477,7 +474,7 @@ class Round:
         ids = torch.cat([self.last[:, None], self.mask_block], 1)  # [b, B]
         embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
         out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache)  # [b, B, H]
-        W = self.adapter.lm_head.weight
+        W = self.adapter.head  # the target's lm_head, fused or as its module (dflash.target.head)
         head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
         if self.method == "dflash":
             if self.selector_k:
@@ -486,17 +483,15 @@ class Round:
             if self.rejection:
                 self._draft_sampled_dense(head)
                 return
-            proposals = dflash_kernels.lm_head_argmax(head.reshape(-1, head.shape[-1]), W,
-                                                      positions=self.draft_rows_flat, check_bounds=False,
-                                                      softcap=draft.logit_softcap, backend=self.backend)
+            proposals = W.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
+                                 check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
             self.proposals.copy_(proposals.view(self.b, self.D))
             return
         if self.selector_tree:
             self._draft_selector_tree(out, head, W)
             return
-        logprobs, ids = dflash_kernels.lm_head_topk(head.reshape(-1, head.shape[-1]), W, self.K,
-                                                    positions=self.draft_rows_flat, check_bounds=False,
-                                                    softcap=draft.logit_softcap, backend=self.backend)
+        logprobs, ids = W.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
+                               check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
         if self.host_tree:  # the b trees in one C++ call, into the state; it knows each node's path score, so
             # it sums the masses too
@@ -535,7 +530,7 @@ class Round:
         mass = torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last)  # [b, V] fp32
         self.path_mass.copy_((mass * MASS_SCALE).long())  # exact scaling (a power of two), then floored
 
-    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
+    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
 
         ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
@@ -551,9 +546,8 @@ class Round:
         draft, s = self.draft_model, self.sampling
         selector = draft.candidate_selector
         k = self.selector_k
-        logprobs, cand = dflash_kernels.lm_head_topk(head.reshape(-1, head.shape[-1]), W, k,
-                                                     positions=self.draft_rows_flat, check_bounds=False,
-                                                     softcap=draft.logit_softcap, backend=self.backend)
+        logprobs, cand = W.topk(head.reshape(-1, head.shape[-1]), k, positions=self.draft_rows_flat,
+                                check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         logprobs, cand = logprobs.view(self.b, self.D, k), cand.view(self.b, self.D, k)
         projected = selector.hidden_projection(out[:, 1:])
         temperature, seed = 0.0, None
@@ -573,7 +567,7 @@ class Round:
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
 
-    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, W: torch.Tensor) -> None:
+    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, W) -> None:
         """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
         ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
@@ -587,9 +581,8 @@ class Round:
         """
         draft = self.draft_model
         selector = draft.candidate_selector
-        unary, candidates = dflash_kernels.lm_head_topk(head.reshape(-1, head.shape[-1]), W, self.K,
-                                                        positions=self.draft_rows_flat, check_bounds=False,
-                                                        softcap=draft.logit_softcap, backend=self.backend)
+        unary, candidates = W.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
+                                   check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         unary, candidates = unary.view(self.b, self.D, self.K), candidates.view(self.b, self.D, self.K)
         projected = selector.hidden_projection(out[:, 1:])
         owns = []
@@ -669,9 +662,9 @@ class Round:
             else:
                 q = dict(q_ids=self.q_ids[r], q_probs=self.q_probs[r])
             seed = self.seed if r == 0 else self.seed + (r << 40)
-            c, a = dflash_kernels.rejection_sample(rows, self.adapter.lm_head.weight, self.proposals[r],
-                                                   s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                                   seed=seed, check_bounds=False, backend=self.backend, **q, **kw)
+            c, a = self.adapter.head.rejection_sample(rows, self.proposals[r], s.temperature, top_k=s.top_k,
+                                                      top_p=s.top_p, min_p=s.min_p, seed=seed, check_bounds=False,
+                                                      backend=self.backend, **q, **kw)
             choices.append(c)
             accepted.append(a)
         return torch.stack(choices), torch.cat(accepted)

@@ -42,7 +42,8 @@ import torch
 import dflash_kernels
 from dflash_kernels.tree_attention import tree_attention_config
 
-from ..target import PREFILL_CHUNK, TargetAdapter
+from ..target import PREFILL_CHUNK, TargetAdapter, decoder_parts
+from ..target.head import head_shape
 from ..target import adapter as _adapter_module
 from .generate import generate
 from .options import check_tree_budget
@@ -143,8 +144,9 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
     (any length, so any short last prefill chunk) launches only warmed
     variants.
     """
-    vocab = target.lm_head.weight.shape[0]
-    device = target.lm_head.weight.device
+    lm_head = decoder_parts(target)[3]  # found through the wrappers the target may wear
+    vocab = head_shape(lm_head)[0]
+    device = lm_head.weight.device
     B = int(block_size if block_size is not None else (draft.block_size if draft is not None else 2))
     prompt = (torch.arange(2 * B + 3, device=device) * 7 + 1) % max(1, vocab - 1)
     kw = dict(method=method, max_new_tokens=3 * B, temperature=temperature, seed=0)

@@ -18,7 +18,14 @@ at construction, with an error naming it. We never fork its modeling file:
   :func:`dflash_kernels.gather_concat` launch;
 * the final norm and the lm_head run only at the positions whose token is
   needed, fused with the argmax / sampling (:mod:`dflash_kernels.lm_head`),
-  with the family's final-logit softcap ``c * tanh(z / c)`` on the logits;
+  with the family's final-logit softcap ``c * tanh(z / c)`` on the logits; an
+  lm_head the fused ops cannot read as a plain weight (a LoRA adapter on it, a
+  quantized weight) runs as its own module at those rows instead
+  (:mod:`dflash.target.head`, one decision: :attr:`TargetAdapter.head`);
+* the model may come wrapped (peft's ``PeftModel``, ``torch.compile``'s
+  ``OptimizedModule``, ``DataParallel``): :func:`decoder_parts` finds the
+  decoder inside (:mod:`dflash.target.wrappers`); quantizations whose rows
+  depend on each other are refused (:mod:`dflash.target.quantized`);
 * MoE experts run an implementation without a host read while the adapter is
   open (:func:`dflash.target.families.experts_patches`), restored on close;
 * hybrid targets (Qwen3.5, Qwen3-Next: Gated-DeltaNet layers between the
@@ -48,9 +55,12 @@ from .attention import PASS_KWARG, AttentionPass, active_pass, attention_patches
 from .cache import TargetKVCache
 from .families import (PATCHES, TargetStructureError, UnsupportedTargetFeature, experts_modules, experts_patches,
                        own_check_attention, resolve_target)
+from .head import TargetHead
 from .hybrid import LINEAR_PASS_KWARG, HybridKVCache, LinearPass, linear_modules, linear_patches, linear_shape
 from .own_forward_check import check_own_forward, own_probe
 from .patches import Patch, hold
+from .quantized import check_row_independent
+from .wrappers import check_wrappers, unwrap_target
 
 __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts"]
 
@@ -59,7 +69,9 @@ PREFILL_CHUNK = 2048
 
 
 def decoder_parts(model):
-    """``(decoder, layers, norm, lm_head, rotary_emb)`` of a causal-LM, or a clear error."""
+    """``(decoder, layers, norm, lm_head, rotary_emb)`` of a causal-LM (found through the wrappers it may wear:
+    :func:`~dflash.target.wrappers.unwrap_target`), or a clear error."""
+    model = unwrap_target(model)
     decoder = getattr(model, "model", None)
     missing = []
     if decoder is None:
@@ -97,8 +109,13 @@ class TargetAdapter:
     """
 
     def __init__(self, model, capture_layer_ids: Sequence[int] = ()):
-        self.model = model
+        check_wrappers(model)
+        #: the transformers model inside the wrappers the caller holds it in (itself when it wears none)
+        self.model = model = unwrap_target(model)
         self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb = decoder_parts(model)
+        check_row_independent(model)
+        #: the lm_head and how it runs (fused ops on its weight, or the module itself: :mod:`dflash.target.head`)
+        self.head = TargetHead(self.lm_head)
         self.config = model.config
         self.num_layers = len(self.layers)
         self.capture_layer_ids = validate_target_layer_ids(capture_layer_ids, self.num_layers, warn_repeats=False) if capture_layer_ids else []
@@ -165,15 +182,20 @@ class TargetAdapter:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The hidden states' dtype: the lm_head weight's, or for a quantized one (a packed 4-bit weight is
+        uint8) the embedding's."""
+        for weight in (self.lm_head.weight, getattr(self.decoder.embed_tokens, "weight", None)):
+            if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
+                return weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.head.vocab_size
 
     @property
     def hidden_size(self) -> int:
-        return self.lm_head.weight.shape[1]
+        return self.head.hidden_size
 
     @property
     def hybrid(self) -> bool:
@@ -202,9 +224,16 @@ class TargetAdapter:
         scale, e.g. Gemma's ``sqrt(H)``); a float ``s``, the rows of the
         embedding weight times ``s`` (a z-lab drafter's ``input_embedding_scale``).
         """
+        embedding = self.decoder.embed_tokens
         if raw_scale is None:
-            return self.decoder.embed_tokens(ids)
-        return F.embedding(ids, self.decoder.embed_tokens.weight) * raw_scale
+            return embedding(ids)
+        if _embedding_is_dense(embedding):
+            return F.embedding(ids, embedding.weight) * raw_scale
+        if self.spec.family.embed_scale:  # the module's rows carry the family's scale: not the raw rows
+            raise UnsupportedTargetFeature(type(self.model).__name__, "a raw-scaled drafter input over a wrapped "
+                                           "scaled embedding", f"{type(embedding).__name__} is not a plain "
+                                           "embedding and scales its rows itself")
+        return embedding(ids) * raw_scale  # its own forward: an adapter on it (LoRA) or a quantized weight
 
     # ------------------------------------------------------------- forward
     def forward(
@@ -409,13 +438,20 @@ class TargetAdapter:
         ``positions`` come from our own loops and are not range-checked.
         """
         hidden, kw = self.head_inputs(hidden)
-        W = self.lm_head.weight
         if temperature <= 0:
-            return dflash_kernels.lm_head_argmax(hidden, W, positions=positions, check_bounds=False, **kw)
-        return dflash_kernels.lm_head_sample(hidden, W, temperature, positions=positions, generator=generator,
-                                             seed=seed, check_bounds=False, **kw)
+            return self.head.argmax(hidden, positions=positions, check_bounds=False, **kw)
+        return self.head.sample(hidden, temperature, positions=positions, generator=generator, seed=seed,
+                                check_bounds=False, **kw)
 
     def logits(self, hidden: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 logits ``[N, V]`` at the selected rows of pre-norm ``hidden`` (final-logit softcap applied)."""
         hidden, kw = self.head_inputs(hidden)
-        return dflash_kernels.lm_head_logits(hidden, self.lm_head.weight, positions=positions, **kw)
+        return self.head.logits(hidden, positions=positions, **kw)
+
+
+def _embedding_is_dense(embedding) -> bool:
+    """Whether ``embedding.weight`` is the embedding's rows as they are: an ``nn.Embedding`` (or a subclass) whose
+    weight is a plain dense float tensor (not a quantized subclass; not an adapter wrapper around it)."""
+    weight = getattr(embedding, "weight", None)
+    return (isinstance(embedding, torch.nn.Embedding) and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.dtype.is_floating_point)

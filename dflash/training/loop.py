@@ -94,6 +94,16 @@ def sequence_generator(seed: int, step: int, position: int) -> torch.Generator:
 # --------------------------------------------------------------------------- building the run
 
 
+def _with_adapter(target, directory):
+    """``target`` wearing the peft adapter saved in ``directory`` (a ``PeftModel``: the target side finds the
+    decoder inside it and runs its adapter layers, :mod:`dflash.target.wrappers`)."""
+    try:
+        import peft
+    except ImportError:
+        raise SystemExit("--target-adapter needs peft: pip install dflash-kernels[user-targets]") from None
+    return peft.PeftModel.from_pretrained(target, str(directory), is_trainable=False).eval()
+
+
 def _load_tokenizer(args):
     from ..tiny.pair import load_tokenizer
     from ..tiny.tokenizer import ByteTokenizer
@@ -357,6 +367,8 @@ class _TrainRun:
 
         args = self.args
         self.target = load_target(args.target, dtype=self.target_dtype, device=self.device)
+        if getattr(args, "target_adapter", None):
+            self.target = _with_adapter(self.target, args.target_adapter)
         self.target.requires_grad_(False)
         self.tokenizer = _load_tokenizer(args)
         self.vocab = self.target.config.vocab_size

@@ -66,11 +66,11 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-import dflash_kernels
 from dflash_kernels.reference.lm_head import soft_cap
 
 from ..drafter.model import DFlash2DraftModel, DFlashDraftModel
 from ..target import TargetAdapter
+from ..target.head import TargetHead
 from .records import TrainingSequence, valid_anchor_mask
 from .selector_objective import selector_block_losses
 
@@ -218,18 +218,18 @@ def capture_target(adapter: TargetAdapter, ids: torch.Tensor, num_context_layers
 @torch.no_grad()
 def target_labels(adapter: TargetAdapter, logit_hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """int64 ``[N]``: the target's argmax after each of ``rows`` of the logit layer (final norm fused)."""
-    W = adapter.lm_head.weight
+    head = adapter.head  # fused ops on the lm_head weight, or the lm_head module (an adapter, a quantized weight)
     if adapter.fuse_norm:
-        return dflash_kernels.lm_head_argmax(logit_hidden, W, norm_weight=adapter.norm.weight, eps=adapter.norm_eps,
-                                             positions=rows)
-    return dflash_kernels.lm_head_argmax(adapter.norm(logit_hidden.index_select(0, rows)), W)
+        return head.argmax(logit_hidden, norm_weight=adapter.norm.weight, eps=adapter.norm_eps, positions=rows)
+    return head.argmax(adapter.norm(logit_hidden.index_select(0, rows)))
 
 
-def drafter_block_losses(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, block_embeds: torch.Tensor,
+def drafter_block_losses(draft: DFlashDraftModel, lm_head, block_embeds: torch.Tensor,
                          context: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
                          weights: torch.Tensor, fused: bool = True, forward: Optional[Callable] = None):
     """Weighted per-position losses ``[nb, B-1]`` and the block states ``[nb*B, H]``.
 
+    ``lm_head``: the target's :class:`~dflash.target.head.TargetHead` (``adapter.head``), or its weight ``[V, H]``.
     ``block_embeds [nb*B, H]`` (block b = rows b*B..b*B+B-1), ``context
     [C, n*H]`` (rows at positions 0..C-1, ``C >= max(anchors)``), ``anchors
     [nb]``, ``labels [nb, B-1]``, ``weights [B]`` (:func:`loss_weights`).
@@ -252,12 +252,13 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head_weight: torch.Tensor, 
     targets = labels.flatten()
     head = draft.head_hidden(states)  # the drafter's logits: softcap(output_multiplier * W h), as it drafts
     cap = draft.logit_softcap
+    lm_head = TargetHead.of(lm_head)
     if fused:
-        losses = dflash_kernels.lm_head_cross_entropy(head, lm_head_weight.detach(), targets, weights=w,
-                                                      positions=rows, softcap=cap)
-    else:
-        logits = soft_cap(head.float() @ lm_head_weight.detach().float().T, cap)  # [nb*B, V]: what fused avoids
-        losses = F.cross_entropy(logits[rows], targets, reduction="none") * w
+        losses = lm_head.cross_entropy(head, targets, weights=w, positions=rows, softcap=cap)
+    else:  # [nb*B, V] logits: what fused avoids
+        full = (head.float() @ lm_head.weight.detach().float().T if lm_head.fused else
+                lm_head.module_logits(head, frozen=True).float())
+        losses = F.cross_entropy(soft_cap(full, cap)[rows], targets, reduction="none") * w
     return losses.view(nb, B - 1), states
 
 
@@ -322,7 +323,7 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
             labels = target_labels(adapter, cap.logit_hidden, label_rows)
         else:  # the naive recipe: logits of the whole sequence, then argmax (memory benchmark only)
             with torch.no_grad():
-                full = adapter.norm(cap.logit_hidden).float() @ adapter.lm_head.weight.float().T  # [T, V]
+                full = adapter.head.logits(adapter.norm(cap.logit_hidden))  # [T, V] fp32
                 labels = full.argmax(-1)[label_rows]
                 del full
     labels = labels.view(-1, B - 1)
@@ -333,19 +334,18 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
     with torch.no_grad():
         embeds = adapter.embed(block_ids.flatten(), raw_scale=draft.input_embedding_scale)
     weights = loss_weights(B, cfg.gamma)
-    losses, states = drafter_block_losses(draft, adapter.lm_head.weight, embeds, context, anchors, labels, weights,
+    losses, states = drafter_block_losses(draft, adapter.head, embeds, context, anchors, labels, weights,
                                           fused=cfg.fused, forward=forward)
     out = dict(labels=labels, anchors=anchors, weight_sum=weights.sum() * anchors.numel())
     if isinstance(draft, DFlash2DraftModel):
         prev = ids[anchors[:, None] + torch.arange(B - 1, device=dev)]  # [nb, B-1]: x[a + k - 1], k = 1..B-1
-        selector, correct = selector_block_losses(draft, adapter.lm_head.weight, states, prev, labels, weights)
+        selector, correct = selector_block_losses(draft, adapter.head, states, prev, labels, weights)
         out.update(losses=losses + cfg.selector_loss_weight * selector, selector_losses=selector.detach(),
                    correct=correct)
         return out
     with torch.no_grad():
         rows = (torch.arange(anchors.numel(), device=dev)[:, None] * B + torch.arange(1, B, device=dev)).flatten()
-        guess = dflash_kernels.lm_head_argmax(draft.head_hidden(states.detach()), adapter.lm_head.weight,
-                                              positions=rows, softcap=draft.logit_softcap)
+        guess = adapter.head.argmax(draft.head_hidden(states.detach()), positions=rows, softcap=draft.logit_softcap)
     out.update(losses=losses, correct=guess.view(-1, B - 1) == labels)
     return out
 

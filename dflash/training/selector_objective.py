@@ -45,8 +45,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-import dflash_kernels
-from dflash_kernels.reference.lm_head import soft_cap
+from ..target.head import TargetHead
 
 __all__ = ["training_candidates", "selector_block_losses"]
 
@@ -67,7 +66,7 @@ def training_candidates(candidates: torch.Tensor, labels: torch.Tensor) -> Tuple
     return out, slot, present
 
 
-def selector_block_losses(draft, lm_head_weight: torch.Tensor, states: torch.Tensor, prev: torch.Tensor,
+def selector_block_losses(draft, lm_head, states: torch.Tensor, prev: torch.Tensor,
                           labels: torch.Tensor, weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Weighted selector cross-entropies ``[nb, B-1]`` and the teacher-forced correct drafts ``[nb, B-1]`` bool.
 
@@ -75,22 +74,22 @@ def selector_block_losses(draft, lm_head_weight: torch.Tensor, states: torch.Ten
     module, so a sharded selector gathers its weights); ``states [nb*B, H]``:
     the final block states of the drafter's pass; ``prev [nb, B-1]``: the
     sequence's tokens ``x[a_b + k - 1]`` for ``k = 1..B-1`` (the anchor, then
-    the block's tokens); ``labels [nb, B-1]``; ``weights [B]``.
+    the block's tokens); ``labels [nb, B-1]``; ``weights [B]``; ``lm_head``: the target's
+    :class:`~dflash.target.head.TargetHead` (``adapter.head``) or its weight ``[V, H]``.
     """
     nb, B = labels.shape[0], int(weights.numel())
     dev = states.device
     K = draft.candidate_selector.top_k
     rows = (torch.arange(nb, device=dev)[:, None] * B + torch.arange(1, B, device=dev)[None, :]).flatten()
-    W = lm_head_weight.detach()
+    lm_head = TargetHead.of(lm_head)
     cap = draft.logit_softcap
     with torch.no_grad():  # the top-K of the drafter's logits, softcap(output_multiplier * W h)
-        _, top = dflash_kernels.lm_head_topk(draft.head_hidden(states.detach()), W, K, positions=rows,
-                                             softcap=cap)  # [N, K]
+        _, top = lm_head.topk(draft.head_hidden(states.detach()), K, positions=rows, softcap=cap)  # [N, K]
     flat_labels = labels.flatten()
     cand, slot, present = training_candidates(top, flat_labels)
     hidden = states.index_select(0, rows)  # [N, H]: the selector's projection reads the unscaled states
     head = draft.head_hidden(hidden)
-    unary = soft_cap(torch.einsum("nh,nkh->nk", head, W[cand].to(head.dtype)), cap)  # [N, K]: their drafter logits
+    unary = lm_head.candidate_logits(head, cand, cap)  # [N, K]: their drafter logits
     scores = draft.candidate_selector(unary, hidden, prev.reshape(-1), cand).float()
     ce = F.cross_entropy(scores, slot, reduction="none") * weights[1:].to(dev).repeat(nb)
     with torch.no_grad():

@@ -86,6 +86,9 @@ def _add_file_arguments(p: argparse.ArgumentParser) -> None:
     """The data, output, initialisation, resume and checkpoint options."""
     io = p.add_argument_group("data and files")
     io.add_argument("--target", required=True, help="local target directory (HF causal LM)")
+    io.add_argument("--target-adapter", default=None,
+                    help="a local peft adapter directory (LoRA, DoRA, ...) put on the target: the drafter learns "
+                         "the adapted target's choices (needs peft: pip install dflash-kernels[user-targets])")
     io.add_argument("--data", required=True, help="training JSONL: {'input_ids': [...], 'loss_mask': [...]} "
                                                   "or {'text': ...} per line")
     io.add_argument("--out", required=True, help="output drafter directory (published format)")

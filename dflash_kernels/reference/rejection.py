@@ -59,7 +59,7 @@ from .lm_head import (HeadInputs, check_seed_tensor, check_temperature, gumbel_n
                       resolve_logit_dtype)
 from .sampling import check_sampling_args, model_logits, processed_probs, processed_scores
 
-__all__ = ["check_rejection_args", "acceptance_uniforms", "draft_probs", "rejection_sample"]
+__all__ = ["check_rejection_args", "acceptance_uniforms", "draft_probs", "rejection_from_probs", "rejection_sample"]
 
 
 def check_rejection_args(hidden, weight, proposals, q_hidden, q_ids, q_probs, seed, *, check_bounds: bool = True):
@@ -147,11 +147,21 @@ def rejection_sample(hidden, weight, proposals, temperature, *, q_hidden=None, q
     seed = check_rejection_args(hidden, weight, proposals, q_hidden, q_ids, q_probs, seed, check_bounds=check_bounds)
     t = check_temperature(temperature)
     top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
-    D, V = proposals.shape[0], weight.shape[0]
-    device = hidden.device
+    D = proposals.shape[0]
     logits = model_logits(head, resolve_logit_dtype(hidden, weight, logit_dtype))
     p = torch.softmax(processed_scores(logits, t, top_k, top_p, min_p), dim=-1)  # [D + 1, V]
     q = draft_probs(weight, D, t, top_k, top_p, min_p, q_hidden, q_ids, q_probs, q_logit_dtype)  # [D, V]
+    return rejection_from_probs(p, q, proposals, seed)
+
+
+def rejection_from_probs(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor,
+                         seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The module docstring's rule on given distributions: ``p [D + 1, V]`` the target's processed
+    probabilities at the verify rows, ``q [D, V]`` the draft's, ``proposals [D]``, ``seed`` a 0-d / ``[1]`` int64
+    tensor; returns ``(choices [D + 1], accepted [1])`` (how :func:`rejection_sample` ends; also the rule of a
+    head whose logits come from elsewhere than a weight)."""
+    D, V = proposals.shape[0], p.shape[1]
+    device = p.device
     x = proposals[:, None]
     px, qx = p[:D].gather(1, x)[:, 0], q.gather(1, x)[:, 0]
     u = acceptance_uniforms(seed, D, V)
