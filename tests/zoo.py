@@ -224,8 +224,11 @@ def run_family(model, n: int = NEW_TOKENS, methods=("ar", "dflash", "ddtree")) -
     from dflash.target import TargetStructureError
     from tiny_models import RiggedDraft, tiny_draft
 
+    from dflash.target import TargetAdapter
+
     ref = greedy(model, n)
     try:
+        TargetAdapter(model).close()  # a refusal first: the drafter below needs a decoder's config
         layers = getattr(model.config.get_text_config(), "num_hidden_layers", 2)
         draft = tiny_draft(model, block_size=4, target_layer_ids=[0, layers - 1]) if "dflash" in methods or \
             "ddtree" in methods else None

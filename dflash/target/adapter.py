@@ -97,7 +97,8 @@ def _cache_keyword(layer) -> str:
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
-    raise TargetStructureError(f"{type(layer).__name__}.forward takes neither 'cache' nor 'past_key_values'")
+    raise TargetStructureError(f"{type(layer).__name__} cannot be used as a target: its forward takes neither "
+                               "'cache' nor 'past_key_values' (the decoder layer keeps no K/V cache we can hand it)")
 
 
 class TargetAdapter:
