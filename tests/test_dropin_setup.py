@@ -8,6 +8,7 @@ the handle (``last_setup_seconds``), never in the call.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -181,3 +182,39 @@ def test_apply_refuses_a_bad_compile_value():
     with pytest.raises(ValueError, match="compile"):
         dflash.apply(target, draft, compile="fast")
     assert not dflash.decoding.is_applied(target)
+
+
+def test_chat_benchmark_runs_at_smoke_size(capsys, tmp_path, monkeypatch, reference_ops):
+    """``python bench/dropin_chat.py`` (the README's chat table) at smoke size: every row, the compiled one
+    traced by dynamo alone (the script's own concern is its table; inductor is tested above)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "dropin_chat.py"
+    spec = importlib.util.spec_from_file_location("dropin_chat", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dropin_chat", module)  # dynamo looks its pass-counting hook's module up
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    out = tmp_path / "chat.json"
+    try:
+        code = module.main(["--calls", "2", "--max-new-tokens", "6", "--first-prompt-len", "24", "--line-len", "8",
+                            "--tree-budget", "2,4", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report["summary"]) == {"plain", "eager", "compiled"}
+    assert all(row["same_tokens"] for row in report["summary"].values())
+    for row in ("eager", "compiled"):
+        first, later = report["calls"][row]
+        assert first["setup"] > 0 and later["setup"] == 0.0  # measured (and compiled) once; the same bucket
+        assert first["passes"] > later["passes"]
+    assert report["calls"]["plain"][1]["passes"] == 6  # transformers: a pass per new token
+    assert compiled.RoundSteps._run_verify.__name__ == "_run_verify"  # the script's pass counter is undone
+    text = capsys.readouterr().out
+    assert "| drop-in, `compile=True` |" in text and "/ plain:" in text

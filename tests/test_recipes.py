@@ -54,6 +54,8 @@ NOT_RUN = {
     "python bench/acceptance_rules.py": "four samplings of 8 prompts; tests/test_rejection.py runs it at smoke size",
     "python bench/auto_budget.py": "every fixed budget and auto on two prompt sets; tests/test_auto_budget.py runs "
                                    "it at smoke size",
+    "python bench/dropin_chat.py": "a 20-call chat, eager and compiled; tests/test_dropin_setup.py runs it at "
+                                   "smoke size",
     "python bench/train_world_parity.py": "three trainings of the tiny drafter; tests/test_train_distributed.py "
                                          "checks the same equality at test size",
 }

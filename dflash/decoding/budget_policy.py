@@ -9,11 +9,16 @@ Which ``v``: the one that maximises expected committed tokens per second,
 
 * ``c_v(L)``: seconds of a round of bucket ``v`` (draft + verify + the
   payload's read) with ``L`` tokens committed. Measured on this device when the
-  round is set up (:meth:`~dflash.decoding.compiled.RoundSteps.measure_costs`,
-  once per target and settings) at two cache lengths, the set-up's own and the
-  longest the caches allow (an eager verify attends over the committed rows, so
+  first round of these settings is set up
+  (:meth:`~dflash.decoding.compiled.RoundSteps.measure_costs`, once per target,
+  drafter, dtypes, device, sampling mode, what runs the steps and batch-size
+  bucket: :func:`~dflash.decoding.compiled.costs_key`; not per prompt length
+  nor cache size, so a later generation at any prompt length measures nothing)
+  at two cache lengths, the empty cache and the longest prefix that first
+  round's caches allow (an eager verify attends over the committed rows, so
   its cost grows with ``L``, the more the more rows it verifies), and
-  interpolated linearly in ``L``; each length's costs made nondecreasing in the
+  interpolated linearly in ``L`` (extrapolated past the longer); each length's
+  costs made nondecreasing in the
   bucket (:func:`monotone`: a larger tree never costs less, so a dip is noise).
   What the measurement cannot see (the host's bookkeeping per round, the
   caches' state) is learned from the rounds' own seconds: a residual per bucket
