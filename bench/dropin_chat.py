@@ -13,16 +13,18 @@ target, applied once as a user would:
 * ``compiled``: ``dflash.apply(target, draft, compile=True)`` (inductor, its C++ wrapper on the CPU).
 
 Every call runs every row, in an order that rotates by one row per call (a slow phase of the machine falls on
-all of them). Nothing is warmed up: the first call of a drop-in row pays its set-up (the auto budget's cost
-measurement; compiling a round for each new 256-row cache bucket), which the handle reports
+all of them). Nothing is warmed up: a drop-in row pays its set-up where it falls (the auto budget's cost
+measurement on its first call; with ``compile=True`` also a compiled round for each new 256-row bucket of
+either cache, target's or drafter's, on the call that first needs it), which the handle reports
 (``handle.last_setup_seconds``) and which is left out of tokens/s (and counted in "total s"). Target passes
 are calls of the target's first decoder layer (a forward hook): prefill chunks plus one per round for the
 drop-in, one per new token for transformers. Each drop-in call's tokens are checked against the plain call's
 (the answer that extends the chat is the plain one).
 
-Prints a markdown table (total seconds with set-up, set-up seconds, tokens/s without set-up, target passes
-per call: the first call, then the mean of the others, and whether every call gave plain's tokens) and the
-tokens/s ratios of each drop-in row over plain, measured side by side in this run.
+Prints a markdown table (total seconds with set-up, set-up seconds and how many calls had any, tokens/s without
+set-up, target passes per call: the first call, then the mean of the others, set-up passes included, and
+whether every call gave plain's tokens) and the tokens/s ratios of each drop-in row over plain, measured side
+by side in this run.
 """
 
 from __future__ import annotations
@@ -160,19 +162,20 @@ def main(argv=None) -> int:
         summary[row] = dict(total_s=total, setup_s=setup, new_tokens=new, tokens_per_s=new / max(total - setup, 1e-9),
                             tokens_per_s_with_setup=new / total, first_passes=calls[0]["passes"],
                             later_passes=sum(later) / len(later) if later else None,
+                            setup_calls=sum(c["setup"] > 0 for c in calls),
                             same_tokens=all(c["same"] for c in calls))
     names = {"plain": "plain `target.generate()`", "eager": "drop-in, eager",
              "compiled": "drop-in, `compile=True`"}
     print(f"{args.calls} chat calls, prompts {log[rows[0]][0]['prompt']} to {log[rows[0]][-1]['prompt']} tokens, "
           f"up to {args.max_new_tokens} new tokens each, greedy, the tiny pair, one thread\n")
-    print("| row | total s | set-up s | tokens/s (set-up excluded) | target passes per call (first / later) | "
-          "same tokens as plain |")
+    print("| row | total s | set-up s (calls with set-up) | tokens/s (set-up excluded) | target passes per call "
+          "(first / later) | same tokens as plain |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         s = summary[row]
         later = "-" if s["later_passes"] is None else f"{s['later_passes']:.1f}"
-        print(f"| {names[row]} | {s['total_s']:.1f} | {s['setup_s']:.1f} | {s['tokens_per_s']:.0f} | "
-              f"{s['first_passes']} / {later} | {'yes' if s['same_tokens'] else 'NO'} |")
+        print(f"| {names[row]} | {s['total_s']:.1f} | {s['setup_s']:.1f} ({s['setup_calls']}) | "
+              f"{s['tokens_per_s']:.0f} | {s['first_passes']} / {later} | {'yes' if s['same_tokens'] else 'NO'} |")
     if "plain" in rows:
         for row in rows:
             if row != "plain":
