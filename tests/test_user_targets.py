@@ -135,6 +135,28 @@ def test_peft_dropin_assistant_and_stream(monkeypatch):
     assert streamed == ref[0, PROMPT.shape[1]:].tolist()
 
 
+def test_peft_hybrid_target_is_lossless():
+    """A Qwen3.5-shaped hybrid under LoRA: the Gated-DeltaNet verify calls the projections as modules (adapters
+    run); an adapter on its depthwise conv, whose weight the verify reads, is refused by name."""
+    peft = need("peft")
+    from tiny_models import tiny_hybrid_target
+
+    target = tiny_hybrid_target()
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[1, 2])
+    model = peft.get_peft_model(target, peft.LoraConfig(r=2, target_modules=["in_proj_qkv", "in_proj_z", "out_proj",
+                                                                                "q_proj", "o_proj", "lm_head"]))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert_lossless(model, draft, own_greedy(model.eval(), 8), head_path="module")
+    conv = tiny_hybrid_target().model.layers[0].linear_attn.conv1d
+    wrapped = peft.get_peft_model(tiny_hybrid_target(), peft.LoraConfig(r=conv.groups, target_modules=["conv1d"]))
+    with pytest.raises(UnsupportedTargetFeature, match="linear-attention conv under an adapter"):
+        TargetAdapter(wrapped)
+
+
 def test_peft_dflash2_drafter_is_lossless():
     model, _ = peft_target()
     draft = tiny_dflash2_draft(model.get_base_model(), block_size=4, target_layer_ids=[1, 2])
