@@ -318,6 +318,30 @@ def test_torchao_int8_dynamic_per_tensor_activation_is_refused():
         dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=4)
 
 
+def test_row_dependence_rules():
+    """The rule on torchao's attributes (any of its quantized tensors: Int8Tensor, Float8Tensor, whose dynamic
+    activation quantization does not run on a CPU): weight-only, per-token (PerRow / PerToken / PerGroup) and
+    static activation scales keep rows apart; one dynamic scale over the pass (PerTensor), or a granularity we
+    cannot vouch for, does not."""
+    from types import SimpleNamespace
+
+    def linear_with(**attributes):
+        linear = torch.nn.Linear(4, 4, bias=False)
+        for name, value in attributes.items():
+            setattr(linear.weight, name, value)
+        return linear
+
+    granularity = lambda name: type(name, (), {})()  # noqa: E731  (torchao's classes, by name)
+    assert row_dependence(linear_with()) is None
+    for name in ("PerRow", "PerToken", "PerGroup"):
+        assert row_dependence(linear_with(act_quant_kwargs=SimpleNamespace(granularity=granularity(name)))) is None
+    static = dict(act_quant_kwargs=SimpleNamespace(granularity=granularity("PerTensor")), act_quant_scale=torch.ones(1))
+    assert row_dependence(linear_with(**static)) is None
+    for name, span in (("PerTensor", "one scale over every row"), ("PerAxis", "not known to be one per token")):
+        reason = row_dependence(linear_with(act_quant_kwargs=SimpleNamespace(granularity=granularity(name))))
+        assert name in reason and span in reason
+
+
 def test_torchao_int4_weight_only_where_it_runs():
     quantization = need("torchao.quantization")
     target, draft = pair(dtype=torch.bfloat16, hidden=128)

@@ -104,7 +104,8 @@ class TargetHead:
         return self.path == "fused"
 
     def __repr__(self):
-        return f"TargetHead({type(self.module).__name__}, path={self.path!r}, V={self.vocab_size})"
+        kind = "weight" if self.module is None else f"{type(self.module).__module__}.{type(self.module).__name__}"
+        return f"TargetHead({kind}, path={self.path!r}, V={self.vocab_size}, H={self.hidden_size})"
 
     # ------------------------------------------------------------------ the module path's logits
     def _rows(self, hidden: torch.Tensor, positions, norm_weight, eps: float, check_bounds: bool) -> torch.Tensor:
