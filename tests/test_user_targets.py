@@ -221,6 +221,22 @@ def test_peft_target_trains_a_drafter():
     assert torch.equal(labels, own)
 
 
+@pytest.mark.parametrize("config_name", ["Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"])
+def test_torchao_target_trains_a_drafter(config_name):
+    """A quantized lm_head in the drafter's loss: weight-only is differentiable in its input; dynamic activation
+    quantization rounds the input, so the loss takes its exact logits with the dequantized weight's gradient."""
+    from dflash.training.train import BlockTrainingConfig, step_loss
+
+    target, _ = torchao_target(config_name)
+    target.requires_grad_(False)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[1, 2]).train()
+    with TargetAdapter(target, [1, 2, 3]) as adapter:
+        out = step_loss(draft, adapter, _sequences(), BlockTrainingConfig(4, blocks_per_seq=3, logit_layer=3),
+                        torch.Generator().manual_seed(0))
+        out.loss.backward()
+    assert torch.isfinite(out.loss) and draft.fc.weight.grad.abs().sum() > 0
+
+
 def test_train_cli_takes_a_target_adapter(tmp_path):
     """``python -m dflash train --target DIR --target-adapter ADAPTER_DIR``: one step on a saved LoRA."""
     peft = need("peft")

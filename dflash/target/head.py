@@ -128,11 +128,24 @@ class TargetHead:
         """``[N, V]``: the lm_head module on the selected (normed) rows, in its own output dtype. ``frozen``: its
         trainable parameters detached (a loss through it reaches ``hidden`` only)."""
         rows = self._rows(hidden, positions, norm_weight, eps, check_bounds)
-        if frozen:
-            live = {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
-            if live:
-                return torch.func.functional_call(self.module, live, (rows,), strict=False)
-        return self.module(rows)
+        if not frozen:
+            return self.module(rows)
+        live = {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
+        z = torch.func.functional_call(self.module, live, (rows,), strict=False) if live else self.module(rows)
+        if rows.requires_grad and not z.requires_grad:
+            z = z + self._straight_through(rows, z.dtype)
+        return z
+
+    def _straight_through(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Zero, with the gradient of the dequantized weight's logits: for a head whose forward is not
+        differentiable in its input (dynamic activation quantization rounds it), a loss through the module's exact
+        logits still reaches ``rows`` (the straight-through estimator)."""
+        dequantize = getattr(getattr(self.module, "weight", None), "dequantize", None)
+        if dequantize is None:
+            raise RuntimeError(f"the lm_head {type(self.module).__name__} is not differentiable in its input and its "
+                               "weight has no dequantize(): a drafter's loss cannot pass through it")
+        dense = torch.nn.functional.linear(rows, dequantize().detach().to(rows.dtype)).to(dtype)
+        return dense - dense.detach()
 
     def _capped(self, hidden, positions, norm_weight, eps, softcap, check_bounds) -> torch.Tensor:
         """The module's logits, softcapped on their fp32 and rounded back to their dtype (what the choices read)."""
