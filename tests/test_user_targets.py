@@ -447,9 +447,12 @@ def test_compiled_model_in_generate_apply_and_assistant(monkeypatch):
 
 def test_compiled_forward_in_generate_apply_and_assistant(monkeypatch):
     """``model.forward = torch.compile(model.forward)``: the rounds never call it (no compile happens here)."""
+    from torch._dynamo.utils import counters
+
     target, draft = pair(layers=3, hidden=32)
     ref = own_greedy(target)
     target.forward = torch.compile(target.forward)
+    graphs = counters["stats"]["unique_graphs"]
     assert_lossless(target, draft, ref, head_path="fused", methods=METHODS[1:])
     calls = spy(monkeypatch)
     with dflash.apply(target, draft, method="ddtree", tree_budget=8):
@@ -457,6 +460,8 @@ def test_compiled_forward_in_generate_apply_and_assistant(monkeypatch):
     with dflash.apply(target):
         assert torch.equal(target.generate(PROMPT, max_new_tokens=NEW, assistant_model=draft), ref)
     assert calls == ["ddtree", "dflash"]
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled: the user's forward is never called
+    assert "forward" in vars(target)  # and left as the user set it
 
 
 def test_data_parallel_wrapper_is_unwrapped():
