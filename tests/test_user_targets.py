@@ -157,6 +157,15 @@ def test_peft_hybrid_target_is_lossless():
         TargetAdapter(wrapped)
 
 
+def test_module_head_takes_a_drafter_of_another_dtype():
+    """A bf16 target under LoRA with an fp32 drafter: the drafter's rows reach the lm_head module in its dtype."""
+    peft = need("peft")
+    target = tiny_target("qwen3", layers=4, dtype=torch.bfloat16)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[1, 2], dtype=torch.float32)
+    model = peft.get_peft_model(target, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])).eval()
+    assert_lossless(model, draft, own_greedy(model, 8), head_path="module", methods=METHODS[1:])
+
+
 def test_peft_dflash2_drafter_is_lossless():
     model, _ = peft_target()
     draft = tiny_dflash2_draft(model.get_base_model(), block_size=4, target_layer_ids=[1, 2])

@@ -85,6 +85,10 @@ class TargetHead:
         #: the weight the fused ops read (None on the module path)
         self.weight = lm_head.weight if self.path == "fused" else None
         self.vocab_size, self.hidden_size = head_shape(lm_head)
+        weight = getattr(lm_head, "weight", None)
+        #: the dtype the module path hands the module its rows in (the weight's, when it is a float dtype: rows of
+        #: a drafter in another dtype); None: as they come
+        self.input_dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point else None
 
     @classmethod
     def of(cls, head) -> "TargetHead":
@@ -121,6 +125,8 @@ class TargetHead:
             rows = hidden.index_select(0, positions)
         if norm_weight is not None:
             rows = rms_norm(rows, norm_weight, eps)
+        if self.input_dtype is not None and rows.dtype != self.input_dtype:
+            rows = rows.to(self.input_dtype)
         return rows
 
     def module_logits(self, hidden: torch.Tensor, positions=None, norm_weight=None, eps: float = 1e-6,
