@@ -135,6 +135,37 @@ def test_peft_dropin_assistant_and_stream(monkeypatch):
     assert streamed == ref[0, PROMPT.shape[1]:].tolist()
 
 
+def test_peft_hybrid_target_is_lossless():
+    """A Qwen3.5-shaped hybrid under LoRA: the Gated-DeltaNet verify calls the projections as modules (adapters
+    run); an adapter on its depthwise conv, whose weight the verify reads, is refused by name."""
+    peft = need("peft")
+    from tiny_models import tiny_hybrid_target
+
+    target = tiny_hybrid_target()
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[1, 2])
+    model = peft.get_peft_model(target, peft.LoraConfig(r=2, target_modules=["in_proj_qkv", "in_proj_z", "out_proj",
+                                                                                "q_proj", "o_proj", "lm_head"]))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert_lossless(model, draft, own_greedy(model.eval(), 8), head_path="module")
+    conv = tiny_hybrid_target().model.layers[0].linear_attn.conv1d
+    wrapped = peft.get_peft_model(tiny_hybrid_target(), peft.LoraConfig(r=conv.groups, target_modules=["conv1d"]))
+    with pytest.raises(UnsupportedTargetFeature, match="linear-attention conv under an adapter"):
+        TargetAdapter(wrapped)
+
+
+def test_module_head_takes_a_drafter_of_another_dtype():
+    """A bf16 target under LoRA with an fp32 drafter: the drafter's rows reach the lm_head module in its dtype."""
+    peft = need("peft")
+    target = tiny_target("qwen3", layers=4, dtype=torch.bfloat16)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[1, 2], dtype=torch.float32)
+    model = peft.get_peft_model(target, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])).eval()
+    assert_lossless(model, draft, own_greedy(model, 8), head_path="module", methods=METHODS[1:])
+
+
 def test_peft_dflash2_drafter_is_lossless():
     model, _ = peft_target()
     draft = tiny_dflash2_draft(model.get_base_model(), block_size=4, target_layer_ids=[1, 2])
@@ -197,6 +228,22 @@ def test_peft_target_trains_a_drafter():
         own = model(input_ids=ids[None]).logits[0, :-1].argmax(-1)
     adapter.close()
     assert torch.equal(labels, own)
+
+
+@pytest.mark.parametrize("config_name", ["Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"])
+def test_torchao_target_trains_a_drafter(config_name):
+    """A quantized lm_head in the drafter's loss: weight-only is differentiable in its input; dynamic activation
+    quantization rounds the input, so the loss takes its exact logits with the dequantized weight's gradient."""
+    from dflash.training.train import BlockTrainingConfig, step_loss
+
+    target, _ = torchao_target(config_name)
+    target.requires_grad_(False)
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[1, 2]).train()
+    with TargetAdapter(target, [1, 2, 3]) as adapter:
+        out = step_loss(draft, adapter, _sequences(), BlockTrainingConfig(4, blocks_per_seq=3, logit_layer=3),
+                        torch.Generator().manual_seed(0))
+        out.loss.backward()
+    assert torch.isfinite(out.loss) and draft.fc.weight.grad.abs().sum() > 0
 
 
 def test_train_cli_takes_a_target_adapter(tmp_path):
@@ -296,6 +343,30 @@ def test_torchao_int8_dynamic_per_tensor_activation_is_refused():
         dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=4)
 
 
+def test_row_dependence_rules():
+    """The rule on torchao's attributes (any of its quantized tensors: Int8Tensor, Float8Tensor, whose dynamic
+    activation quantization does not run on a CPU): weight-only, per-token (PerRow / PerToken / PerGroup) and
+    static activation scales keep rows apart; one dynamic scale over the pass (PerTensor), or a granularity we
+    cannot vouch for, does not."""
+    from types import SimpleNamespace
+
+    def linear_with(**attributes):
+        linear = torch.nn.Linear(4, 4, bias=False)
+        for name, value in attributes.items():
+            setattr(linear.weight, name, value)
+        return linear
+
+    granularity = lambda name: type(name, (), {})()  # noqa: E731  (torchao's classes, by name)
+    assert row_dependence(linear_with()) is None
+    for name in ("PerRow", "PerToken", "PerGroup"):
+        assert row_dependence(linear_with(act_quant_kwargs=SimpleNamespace(granularity=granularity(name)))) is None
+    static = dict(act_quant_kwargs=SimpleNamespace(granularity=granularity("PerTensor")), act_quant_scale=torch.ones(1))
+    assert row_dependence(linear_with(**static)) is None
+    for name, span in (("PerTensor", "one scale over every row"), ("PerAxis", "not known to be one per token")):
+        reason = row_dependence(linear_with(act_quant_kwargs=SimpleNamespace(granularity=granularity(name))))
+        assert name in reason and span in reason
+
+
 def test_torchao_int4_weight_only_where_it_runs():
     quantization = need("torchao.quantization")
     target, draft = pair(dtype=torch.bfloat16, hidden=128)
@@ -385,9 +456,12 @@ def test_compiled_model_in_generate_apply_and_assistant(monkeypatch):
 
 def test_compiled_forward_in_generate_apply_and_assistant(monkeypatch):
     """``model.forward = torch.compile(model.forward)``: the rounds never call it (no compile happens here)."""
+    from torch._dynamo.utils import counters
+
     target, draft = pair(layers=3, hidden=32)
     ref = own_greedy(target)
     target.forward = torch.compile(target.forward)
+    graphs = counters["stats"]["unique_graphs"]
     assert_lossless(target, draft, ref, head_path="fused", methods=METHODS[1:])
     calls = spy(monkeypatch)
     with dflash.apply(target, draft, method="ddtree", tree_budget=8):
@@ -395,6 +469,8 @@ def test_compiled_forward_in_generate_apply_and_assistant(monkeypatch):
     with dflash.apply(target):
         assert torch.equal(target.generate(PROMPT, max_new_tokens=NEW, assistant_model=draft), ref)
     assert calls == ["ddtree", "dflash"]
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled: the user's forward is never called
+    assert "forward" in vars(target)  # and left as the user set it
 
 
 def test_data_parallel_wrapper_is_unwrapped():

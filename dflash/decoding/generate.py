@@ -59,7 +59,9 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
              compile=False, **kwargs) -> GenerationResult:
     """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``; returns a :class:`GenerationResult`.
 
-    ``target``: a HF causal LM (Qwen3, Llama, ...); ``draft``: a
+    ``target``: a HF causal LM (Qwen3, Llama, ...), also as a user holds it: a peft ``PeftModel``, a
+    ``torch.compile``-d model, a torchao / bitsandbytes quantized model (``result.head_path`` says how its
+    lm_head ran; README "Targets as you hold them"); ``draft``: a
     :class:`dflash.DFlashDraftModel` (unused by ``ar``); ``input_ids``:
     ``[T]``, ``[1, T]``, or a batch ``[b, T]`` padded on the left with its
     ``attention_mask [b, T]`` (as ``tokenizer(prompts, padding=True,

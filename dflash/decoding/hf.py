@@ -66,8 +66,8 @@ import torch
 
 from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
-from ..target.wrappers import unwrap_target
 from ..target.patches import Patch, hold
+from ..target.wrappers import unwrap_target
 from .generate import METHODS, prepare_generation, run_generation
 from .generation_config import UnsupportedGeneration
 from .options import check_acceptance, check_pair, check_tree_budget

@@ -85,6 +85,10 @@ class TargetHead:
         #: the weight the fused ops read (None on the module path)
         self.weight = lm_head.weight if self.path == "fused" else None
         self.vocab_size, self.hidden_size = head_shape(lm_head)
+        weight = getattr(lm_head, "weight", None)
+        #: the dtype the module path hands the module its rows in (the weight's, when it is a float dtype: rows of
+        #: a drafter in another dtype); None: as they come
+        self.input_dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point else None
 
     @classmethod
     def of(cls, head) -> "TargetHead":
@@ -104,7 +108,8 @@ class TargetHead:
         return self.path == "fused"
 
     def __repr__(self):
-        return f"TargetHead({type(self.module).__name__}, path={self.path!r}, V={self.vocab_size})"
+        kind = "weight" if self.module is None else f"{type(self.module).__module__}.{type(self.module).__name__}"
+        return f"TargetHead({kind}, path={self.path!r}, V={self.vocab_size}, H={self.hidden_size})"
 
     # ------------------------------------------------------------------ the module path's logits
     def _rows(self, hidden: torch.Tensor, positions, norm_weight, eps: float, check_bounds: bool) -> torch.Tensor:
@@ -120,6 +125,8 @@ class TargetHead:
             rows = hidden.index_select(0, positions)
         if norm_weight is not None:
             rows = rms_norm(rows, norm_weight, eps)
+        if self.input_dtype is not None and rows.dtype != self.input_dtype:
+            rows = rows.to(self.input_dtype)
         return rows
 
     def module_logits(self, hidden: torch.Tensor, positions=None, norm_weight=None, eps: float = 1e-6,
@@ -127,11 +134,24 @@ class TargetHead:
         """``[N, V]``: the lm_head module on the selected (normed) rows, in its own output dtype. ``frozen``: its
         trainable parameters detached (a loss through it reaches ``hidden`` only)."""
         rows = self._rows(hidden, positions, norm_weight, eps, check_bounds)
-        if frozen:
-            live = {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
-            if live:
-                return torch.func.functional_call(self.module, live, (rows,), strict=False)
-        return self.module(rows)
+        if not frozen:
+            return self.module(rows)
+        live = {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
+        z = torch.func.functional_call(self.module, live, (rows,), strict=False) if live else self.module(rows)
+        if rows.requires_grad and not z.requires_grad:
+            z = z + self._straight_through(rows, z.dtype)
+        return z
+
+    def _straight_through(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Zero, with the gradient of the dequantized weight's logits: for a head whose forward is not
+        differentiable in its input (dynamic activation quantization rounds it), a loss through the module's exact
+        logits still reaches ``rows`` (the straight-through estimator)."""
+        dequantize = getattr(getattr(self.module, "weight", None), "dequantize", None)
+        if dequantize is None:
+            raise RuntimeError(f"the lm_head {type(self.module).__name__} is not differentiable in its input and its "
+                               "weight has no dequantize(): a drafter's loss cannot pass through it")
+        dense = torch.nn.functional.linear(rows, dequantize().detach().to(rows.dtype)).to(dtype)
+        return dense - dense.detach()
 
     def _capped(self, hidden, positions, norm_weight, eps, softcap, check_bounds) -> torch.Tensor:
         """The module's logits, softcapped on their fp32 and rounded back to their dtype (what the choices read)."""

@@ -166,6 +166,11 @@ def linear_shape(model_name: str, layers, linear_layers: Sequence[int]) -> Linea
         if m.num_v_heads % m.num_k_heads:
             refuse("linear-attention heads", f"layer {i}: {m.num_v_heads} value heads over {m.num_k_heads} key heads")
         weight = m.conv1d.weight
+        if type(m.conv1d) is not torch.nn.Conv1d or type(weight) not in (torch.Tensor, torch.nn.Parameter):
+            # the verify reads conv1d.weight: an adapter around the conv (peft) or a quantized weight would be skipped
+            refuse("linear-attention conv under an adapter or quantization",
+                   f"layer {i}: conv1d is a {type(m.conv1d).__module__}.{type(m.conv1d).__name__} with a "
+                   f"{type(weight).__name__} weight; the verify reads it as a plain nn.Conv1d weight")
         if weight.dim() != 3 or weight.shape[1] != 1 or weight.shape[0] != m.conv_dim:
             refuse("linear-attention conv", f"layer {i}: conv1d weight {list(weight.shape)} is not depthwise")
         if getattr(m, "repeat_qk_heads", False):

@@ -40,6 +40,7 @@ import torch
 
 from .families import UnsupportedTargetFeature
 from .patches import Patch, hold
+from .wrappers import plain_forward
 
 __all__ = ["PROBE_PREFILL", "PROBE_ROWS", "TOLERANCE", "check_own_forward", "forget", "own_probe"]
 
@@ -128,7 +129,7 @@ def own_probe(model, decoder_layers, dtype: torch.dtype, device: torch.device, v
     switch = [] if attention is None else [Patch(model.config, "_attn_implementation", attention,
                                                  label="attention implementation of the forward check")]
     try:
-        with hold(switch), _eval(model), torch.inference_mode():
+        with hold(switch), _eval(model), plain_forward(model), torch.inference_mode():
             logits, layers = _own_logits(model, decoder_layers, ids)
     except Exception as exc:  # noqa: BLE001 -- the model's own forward failing is reported, not ours
         warnings.warn(f"{type(model).__name__}'s own forward raised {type(exc).__name__}: {exc}; our passes were "

@@ -52,10 +52,12 @@ def _torchao_reason(weight) -> Optional[str]:
     name = type(granularity).__name__
     if name in PER_ROW_GRANULARITIES:
         return None
+    span = ("one scale over every row of a pass" if name == "PerTensor" else
+            "scales not known to be one per token")
     return (f"torchao {type(weight).__name__} quantizes its input activations dynamically with {name} scales, "
-            "one scale over every row of a pass: a speculative verify's rows would change each other's "
-            "quantization, so it cannot equal decoding them one at a time (quantize with PerRow() activation "
-            "granularity, one scale per token, or weight-only)")
+            f"{span}: a speculative verify's rows would change each other's quantization, so it cannot equal "
+            "decoding them one at a time (quantize with PerRow() activation granularity, one scale per token, or "
+            "weight-only)")
 
 
 def _bitsandbytes_reason(module) -> Optional[str]:

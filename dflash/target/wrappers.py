@@ -21,6 +21,7 @@ from ``sys.modules``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import List
 
@@ -28,7 +29,7 @@ import torch
 
 from .families import UnsupportedTargetFeature
 
-__all__ = ["unwrap_target", "wrapper_chain", "check_wrappers"]
+__all__ = ["unwrap_target", "wrapper_chain", "check_wrappers", "plain_forward"]
 
 #: wrappers deeper than this are a cycle or a mistake
 MAX_DEPTH = 8
@@ -91,3 +92,19 @@ def check_wrappers(model) -> None:
                     name, f"peft prompt learning ({type(config).__name__})",
                     "its virtual tokens enter through PeftModel.forward, which a speculative round does not call "
                     "(adapters that live in the layers, LoRA / DoRA / IA3 / ..., are supported)")
+
+
+@contextlib.contextmanager
+def plain_forward(model):
+    """Inside, ``model``'s class ``forward``, when ``model.forward = torch.compile(model.forward)`` shadows it on
+    the instance (the same function, compiled): a one-off call of the model's own forward (the check against it
+    when a target is first adapted) then costs no compile. Anything else is left as it is."""
+    own = vars(model).get("forward")
+    if own is None or not hasattr(own, "_torchdynamo_orig_callable"):
+        yield
+        return
+    del model.forward
+    try:
+        yield
+    finally:
+        model.forward = own
