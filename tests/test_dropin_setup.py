@@ -208,12 +208,13 @@ def test_growing_prompts_compile_once_with_a_reservation(reference_ops, traced_o
 def test_growing_prompts_default_reservation(reference_ops, traced_only, monkeypatch):
     """The drop-in's default (``max_cache_len="auto"``) on a device that reserves (CUDA; here the free memory
     is faked on the CPU): the target's max_position_embeddings (512) in rows, once. Capped by the memory:
-    with room for 300 rows only, the reservation halves to 256 and a longer call compiles its own round."""
+    with room for 300 rows only, the reservation is the largest power of two that fits (256) and a longer
+    call compiles its own round."""
     counted = Compiles(monkeypatch)
     target, draft = pair()
     monkeypatch.setattr(compiled, "_free_bytes", lambda device: 1 << 40)
     growing_chat(target, draft, (40, 200, 270, 460))
-    assert counted.rows == [(1024, 1024)]  # 512 tokens need 512 + 5 + 1 rows: the next power of two
+    assert counted.rows == [(768, 768)]  # 512 tokens need 512 + 5 + 1 rows, rounded up to 256
     per_row = compiled._row_bytes(TargetAdapter(target, draft.target_layer_ids), draft,
                                   dflash.decoding.options.RoundShape("ddtree", 5, 4, 0), 1)
     monkeypatch.setattr(compiled, "_free_bytes", lambda device: int(300 * per_row / compiled.RESERVE_MEMORY_FRACTION))

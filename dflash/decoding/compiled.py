@@ -73,7 +73,7 @@ from ..drafter.cache import DraftKVCache
 from ..target.output_hooks import inert_output_hooks
 from .budget_policy import BudgetPolicy
 from .options import RoundShape
-from .round import Round, cache_rows
+from .round import Round, bucket_rows, cache_rows
 
 __all__ = ["COMPILE_MODES", "CompileUnsupported", "MIN_ROWS", "POOL_CAPACITY", "RoundSteps", "batch_bucket",
            "check_max_cache_len", "compiled_rows", "costs_key", "lease_steps", "reserved_rows"]
@@ -594,25 +594,28 @@ def reserved_rows(adapter, draft, shape: RoundShape, max_cache_len, batch: int =
     """The rows a compiled round reserves up front (0: none) for ``max_cache_len``:
 
     * None or 0: none (each call's own need, :func:`compiled_rows`);
-    * an int ``N``: the rows a generation of ``N`` tokens (prompt + new) needs, as :func:`compiled_rows` rounds
-      them: every later call that fits runs on the same compiled round;
-    * ``"auto"`` (the drop-in's default): on CUDA the rows of the target's ``max_position_embeddings`` tokens,
-      halved while the two caches would take more than :data:`RESERVE_MEMORY_FRACTION` of the free device
-      memory (never under :data:`MIN_ROWS`); elsewhere none.
+    * an int ``N``: the rows a generation of ``N`` tokens (prompt + new) needs, rounded up to 256: every
+      later call that fits runs on the same compiled round;
+    * ``"auto"`` (the drop-in's default): on CUDA the rows of the target's ``max_position_embeddings`` tokens
+      (rounded up to 256), or where the two caches would take more than :data:`RESERVE_MEMORY_FRACTION` of the
+      free device memory the largest power of two of rows that does not (never under :data:`MIN_ROWS`);
+      elsewhere none.
     """
     if not max_cache_len:
         return 0
     if max_cache_len != "auto":
-        return compiled_rows(max(cache_rows(shape, int(max_cache_len))))
+        return max(MIN_ROWS, bucket_rows(max(cache_rows(shape, int(max_cache_len)))))
     free = _free_bytes(adapter.device)
     config = getattr(adapter.config, "get_text_config", lambda: adapter.config)()
     positions = getattr(config, "max_position_embeddings", None)
     if free is None or not positions:
         return 0
-    rows = compiled_rows(max(cache_rows(shape, int(positions))))
+    rows = max(MIN_ROWS, bucket_rows(max(cache_rows(shape, int(positions)))))
     per_row = _row_bytes(adapter, draft, shape, batch)
-    while rows > MIN_ROWS and rows * per_row > RESERVE_MEMORY_FRACTION * free:
-        rows //= 2
+    if rows * per_row > RESERVE_MEMORY_FRACTION * free:  # the largest power of two that fits (or the floor)
+        rows = compiled_rows(rows) // 2
+        while rows > MIN_ROWS and rows * per_row > RESERVE_MEMORY_FRACTION * free:
+            rows //= 2
     return rows
 
 

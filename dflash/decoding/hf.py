@@ -153,8 +153,9 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
     ``max_cache_len`` (compiled rounds only): the tokens (prompt + new) the
     first call's compiled round is sized for, so every later call that fits
     reuses it: ``"auto"`` (default) on CUDA the target's
-    ``max_position_embeddings``, halved while its two caches would take more
-    than a quarter of the free GPU memory, none on the CPU (its reference
+    ``max_position_embeddings`` (the largest power of two of rows that fits
+    where its two caches would take more than a quarter of the free GPU
+    memory), none on the CPU (its reference
     attention runs over every cache row); an int; or None (each new round
     sized for its call, in powers of two: a growing chat compiles at most
     log2 of its growth). The set-up of each call is on the handle (``last_setup_seconds``, module
