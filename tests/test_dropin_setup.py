@@ -2,7 +2,8 @@
 measures the budget's costs on the first call and reuses them at every later prompt length and at every batch
 size of the same batch-size bucket, so a later call runs its prefill and its rounds and no other target pass;
 ``dflash.apply(..., compile=True)`` runs compiled rounds with the eager rounds' tokens, its set-up reported on
-the handle (``last_setup_seconds``), never in the call.
+the handle (``last_setup_seconds``), never in the call; a chat whose prompt grows compiles one round when the
+first call reserves its length (``max_cache_len``; by default on CUDA), else one per power of two of rows.
 """
 
 from __future__ import annotations
