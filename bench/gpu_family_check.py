@@ -330,11 +330,19 @@ def main(argv=None) -> int:
     path = default_json(args.json, "gpu_family_check.json")
     report = dict(device=args.device, dtype=str(args.dtype), tolerance=args.tol, dry_run=args.dry_run, rows=rows,
                   complete=False)
+    from dflash.target import UnsupportedTargetFeature
+
+    refused = []
     for name in names:
         t0 = time.perf_counter()
-        rows += check_stack(name, stacks[name], args)
-        if has_experts(stacks[name]) and args.dtype != torch.float32:  # judged in full where near-ties are rare
-            rows += check_stack(f"{name} fp32", stacks[name], args, dtype=torch.float32, tol=FP32_TOL)
+        try:
+            rows += check_stack(name, stacks[name], args)
+            if has_experts(stacks[name]) and args.dtype != torch.float32:  # judged in full where near-ties are rare
+                rows += check_stack(f"{name} fp32", stacks[name], args, dtype=torch.float32, tol=FP32_TOL)
+        except UnsupportedTargetFeature as exc:  # the adapter's own check against the model's forward refused it
+            refused.append(name)
+            report.setdefault("refused", {})[name] = str(exc)
+            print(f"gpu_family_check: FAIL {name}: refused by the adapter: {exc}", file=sys.stderr)
         print(f"  {name}: {time.perf_counter() - t0:.1f}s")
         write_json(path, report)  # what finished survives a kill
     print(f"{'stack':<17} {'check':<30} {'rel err logits':>14} {'rel err layer0':>14} {'argmax':>7} {'experts':>10} "
@@ -347,7 +355,7 @@ def main(argv=None) -> int:
     failed = [r for r in rows if not r["ok"]]
     report["complete"] = True
     write_json(path, report)
-    if failed:
+    if failed or refused:
         for r in failed:
             print(f"gpu_family_check: FAIL {r['stack']} {r['check']}: relative error {r['rel_err_logits']:.2e} "
                   f"(logits), {r['rel_err_layer0']:.2e} (layer 0) over {r['tol']:g} on the rows whose experts agree, "

@@ -144,3 +144,14 @@ def test_the_cost_benchmark_runs(capsys):
     assert module.main(["--layers", "1", "--hidden", "128", "--max-new-tokens", "4"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 2 and "check / generate" in rows[0]  # header, the tiny pair, one Qwen3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_half_precision_moe_passes_and_a_real_difference_is_still_refused(family):
+    """bf16 MoE targets: both sides run the experts implementation the adapter switches to, and up to
+    ``MOE_HALF_ROWS`` rows may differ (router near-ties); a structural difference reaches more rows."""
+    target = tiny_family_target(family, vocab=64, seed=2).to(torch.bfloat16)
+    TargetAdapter(target).close()  # passes
+    broken = _shifted(tiny_family_target(family, vocab=64, seed=3).to(torch.bfloat16))
+    with pytest.raises(UnsupportedTargetFeature, match="a forward that differs from the model's own"):
+        TargetAdapter(broken)

@@ -34,7 +34,7 @@ import contextlib
 import inspect
 import warnings
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +50,9 @@ PROBE_PREFILL = 8
 
 #: Largest relative logit error per row accepted, by the model's dtype.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 6e-2, torch.float16: 2e-2}
+
+#: Probe rows of a half-precision MoE model allowed past the tolerance (router near-ties, see :func:`_compare`).
+MOE_HALF_ROWS = 2
 
 #: :func:`own_probe`'s answer when the model's own forward cannot run (nothing to compare with).
 UNCHECKED = "unchecked"
@@ -109,12 +112,18 @@ def _our_logits(adapter, ids: torch.Tensor) -> Tuple[torch.Tensor, list]:
     return logits, [torch.cat([a.float(), b.float()]) for a, b in zip(*layers)]
 
 
+def _has_experts(adapter) -> bool:
+    from .families import experts_modules
+
+    return bool(experts_modules(adapter.model))
+
+
 def _relative_errors(ours: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     return (ours - own).norm(dim=-1) / own.norm(dim=-1).clamp_min(1e-30)
 
 
 def own_probe(model, decoder_layers, dtype: torch.dtype, device: torch.device, vocab: int,
-              attention: Optional[str] = None):
+              attention: Optional[str] = None, switches: Sequence[Patch] = ()):
     """The model's own side of the check, run BEFORE an adapter's patches are held (while they are, the model's
     mask functions see our attention implementation): ``(ids, logits, layer outputs)``; None when the verdict
     for this (model, dtype, device) is kept already; :data:`UNCHECKED` when the model's own forward raises (with
@@ -122,12 +131,14 @@ def own_probe(model, decoder_layers, dtype: torch.dtype, device: torch.device, v
 
     ``attention``: an attention implementation to run the model's own forward with instead of the one it was
     loaded with (``"eager"`` where the loaded one drops a softcap the checkpoint was trained with, which our
-    passes apply)."""
+    passes apply). ``switches``: patches held around the model's own forward so that both sides run the same
+    implementation of what the adapter switches (the MoE experts: an experts implementation computes other last
+    bits, and in half precision a router near-tie then picks other experts)."""
     if (dtype, str(device)) in _VERDICTS.get(model, {}):
         return None
     ids = _probe_ids(vocab, device)
-    switch = [] if attention is None else [Patch(model.config, "_attn_implementation", attention,
-                                                 label="attention implementation of the forward check")]
+    switch = list(switches) + ([] if attention is None else [
+        Patch(model.config, "_attn_implementation", attention, label="attention implementation of the forward check")])
     try:
         with hold(switch), _eval(model), plain_forward(model), torch.inference_mode():
             logits, layers = _own_logits(model, decoder_layers, ids)
@@ -181,7 +192,13 @@ def _compare(adapter, ids: torch.Tensor, own: torch.Tensor, own_layers: list) ->
             adapter._outputs = {}
     err = _relative_errors(ours, own)
     worst = int(err.argmax())
-    if not bool(torch.isfinite(err).all()) or float(err[worst]) > tol:
+    # MoE in half precision: a router near-tie may pick other experts for a row in either pass (the attention paths
+    # differ in the last bits), so up to MOE_HALF_ROWS rows may differ; a structural difference reaches more (a
+    # pass over cached rows is 4 rows, a window the rows past it)
+    allowed = MOE_HALF_ROWS if adapter.spec.experts is not None or _has_experts(adapter) else 0
+    allowed = allowed if adapter.dtype in (torch.bfloat16, torch.float16) else 0
+    bad = int((~(err <= tol)).sum())
+    if not bool(torch.isfinite(err).all()) or bad > allowed:
         where = ""
         for i, (a, b) in enumerate(zip(our_layers, own_layers)):
             if float(_relative_errors(a, b).max()) > tol:
