@@ -207,7 +207,7 @@ class TargetAdapter:
         """The ``kv`` shape of :meth:`new_cache` (the attention layers' K/V only, for hybrid targets)."""
         if self.hybrid:
             return HybridKVCache.kv_shape(self.config, self.linear_shape, max_len)
-        return TargetKVCache.kv_shape(self.config, max_len)
+        return TargetKVCache.kv_shape(self.config, max_len, self.spec.kv_geometry)
 
     def new_cache(self, max_len: int, kv: Optional[torch.Tensor] = None, batch: int = 1) -> TargetKVCache:
         """The target's cache of ``max_len`` positions for ``batch`` sequences (a :class:`HybridKVCache` for hybrid
@@ -216,7 +216,8 @@ class TargetAdapter:
         if self.hybrid:
             return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device,
                                  kv=kv, batch=batch)
-        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch)
+        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch,
+                             geometry=self.spec.kv_geometry)
 
     def embed(self, ids: torch.Tensor, raw_scale: Optional[float] = None) -> torch.Tensor:
         """Token embeddings ``[..., H]`` of ``ids [...]`` (``[T]``, or ``[b, T]``; also the drafter's block input).

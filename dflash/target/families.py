@@ -218,7 +218,8 @@ class TargetSpec:
     :func:`choose_experts_implementation`).
     ``linear_layers``: the indices of the Gated-DeltaNet layers (hybrid
     targets; empty otherwise). ``rope_sections``: rows of position ids the
-    rotary embedding takes (0: ``[batch, T]`` as usual).
+    rotary embedding takes (0: ``[batch, T]`` as usual). ``kv_geometry``: each layer's K/V ``(Hkv, D)`` when
+    they differ across layers (None: the config's one geometry; :func:`_kv_geometry`).
     """
 
     family: Family
@@ -233,6 +234,7 @@ class TargetSpec:
     experts: Optional[str]
     linear_layers: List[int] = field(default_factory=list)
     rope_sections: int = 0
+    kv_geometry: Optional[List[Tuple[int, int]]] = None
 
 
 def _float_or_none(value) -> Optional[float]:
@@ -405,23 +407,42 @@ def config_value(config, key: str, default=None):
         return default
 
 
-def _check_kv_geometry(name: str, config, layers, linear_layers) -> None:
-    """Every attention layer's K/V are ``[Hkv, D]`` of the config (one cache geometry for all layers); per-layer
-    head dims or K/V head counts are refused by name."""
+def _kv_geometry(name: str, config, layers, linear_layers) -> Optional[List[Tuple[int, int]]]:
+    """Each layer's K/V ``(Hkv_l, D_l)`` read from its attention module (``head_dim``, ``k_proj``), or None when
+    every attention layer has the config's one geometry (the plain cache layout). Per-layer geometries (Gemma 4's
+    global layers: ``global_head_dim``; MiMo-V2-Flash's sliding layers: twice the K/V heads) get a padded cache
+    whose slot ``l`` is the corner ``[:Hkv_l, :, :D_l]`` (:class:`~dflash.cache.KVBuffer`). A layer that keeps no
+    K/V of its own (Gemma 4's KV-sharing ``reuse`` layers: no ``k_proj``) takes the geometry of its queries' group.
+    Refused by name: key and value head dims that differ, and per-layer geometries on a hybrid target."""
     head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
     kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
+    geometry = []
     for i, layer in enumerate(layers):
         if i in linear_layers:
             continue
         attn = layer.self_attn
         d = getattr(attn, "head_dim", head_dim)
-        k_proj = getattr(attn, "k_proj", None)
-        out = getattr(k_proj, "out_features", None)
-        h = out // d if isinstance(out, int) and isinstance(d, int) and d else kv_heads
-        if (d, h) != (head_dim, kv_heads):
-            raise UnsupportedTargetFeature(name, "per-layer K/V shapes",
-                                           f"layer {i} keeps {h} K/V heads of {d} dims, the config {kv_heads} of "
-                                           f"{head_dim}: the cache holds one geometry for every layer")
+        if not isinstance(d, int) or d <= 0:
+            d = head_dim
+        k_out = getattr(getattr(attn, "k_proj", None), "out_features", None)
+        if isinstance(k_out, int):
+            h = k_out // d
+        else:
+            q_out = getattr(getattr(attn, "q_proj", None), "out_features", None)
+            groups = getattr(attn, "num_key_value_groups", None)
+            h = q_out // d // groups if isinstance(q_out, int) and isinstance(groups, int) and groups else kv_heads
+        v_out = getattr(getattr(attn, "v_proj", None), "out_features", None)
+        if isinstance(v_out, int) and h and v_out != h * d:
+            raise UnsupportedTargetFeature(name, "key and value head dims that differ",
+                                           f"layer {i} keeps keys of {d} dims and values of {v_out // h}: the "
+                                           "cache and the attention kernels hold one head dim for both")
+        geometry.append((h, d))
+    if all(g == (kv_heads, head_dim) for g in geometry):
+        return None
+    if linear_layers:
+        raise UnsupportedTargetFeature(name, "per-layer K/V shapes on a hybrid target",
+                                       f"K/V (heads, dims) per attention layer: {geometry}")
+    return geometry
 
 
 def _check_scales(name: str, family: Family, config, decoder, layers, linear_layers) -> None:
@@ -490,7 +511,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     layer_types, linear_layers = _layer_kinds(name, family, config, layers)
     attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
     attn_cap, final_cap, sinks = _softcaps_and_sinks(name, family, config, layers, attention_layers, linear_layers)
-    _check_kv_geometry(name, config, layers, linear_layers)
+    kv_geometry = _kv_geometry(name, config, layers, linear_layers)
     _check_scales(name, family, config, decoder, layers, linear_layers)
     rope_types = _rope_types(name, family, rotary_emb, layer_types, linear_layers)
     experts = _experts_choice(name, family, model, lm_head)
@@ -499,7 +520,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),
         attn_softcaps=[attn_cap] * len(layers), sinks=sinks, rope_types=rope_types, final_softcap=final_cap,
         fuse_norm=eps is not None, norm_eps=eps, experts=experts, linear_layers=linear_layers,
-        rope_sections=family.rope_sections,
+        rope_sections=family.rope_sections, kv_geometry=kv_geometry,
     )
 
 def own_check_attention(config, spec: "TargetSpec") -> Optional[str]:
