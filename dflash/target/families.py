@@ -142,6 +142,8 @@ class Family:
     linear_attention: Optional[str] = None  # class name of the Gated-DeltaNet module of "linear_attention" layers
     rope_sections: int = 0  # the rotary embedding takes position ids [rope_sections, batch, T] (Qwen3.5: 3)
     embed_norm: bool = False  # the decoder applies its final norm to the embeddings too, before the layers
+    per_layer_inputs: bool = False  # each layer takes a per_layer_input the decoder computes from the ids (Gemma 4)
+    kv_sharing: bool = False  # layers hand K/V on through a shared_kv_states dict of the pass (Gemma 4)
 
     @property
     def patches(self) -> Tuple[str, ...]:
@@ -182,6 +184,11 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_next": Family("Qwen3-Next", linear_attention="Qwen3NextGatedDeltaNet", moe=True),
     # nanochat: model.norm (weightless RMSNorm) on the embeddings before the layers too; a final-logit softcap
     "nanochat": Family("nanochat", final_softcap="final_logit_softcapping", embed_norm=True),
+    # Gemma 4: per-layer K/V geometry (global layers: global_head_dim), query scale 1 (q/k norms), per-layer
+    # inputs, KV sharing ("reuse" layers read the K/V an earlier "store" layer of their type returned from the cache),
+    # optional MoE block beside the MLP; attention_k_eq_v and layer_scalar live inside the modules
+    "gemma4_text": Family("Gemma 4", rope_per_layer_type=True, final_softcap="final_logit_softcapping",
+                          query_scale="module", embed_scale=True, moe=True, per_layer_inputs=True, kv_sharing=True),
 }
 
 #: Unknown families: the generic decoder shape, features probed from the modules.
@@ -551,5 +558,6 @@ def family_table() -> List[Dict[str, object]]:
                          final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
                          embed_scale=f.embed_scale, moe=f.moe,
                          linear_attention=f.linear_attention, rope_sections=f.rope_sections, embed_norm=f.embed_norm,
+                         per_layer_inputs=f.per_layer_inputs, kv_sharing=f.kv_sharing,
                          patches=f.patches))
     return rows
