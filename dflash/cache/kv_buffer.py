@@ -47,19 +47,21 @@ class KVBuffer:
         D]`` of ``dtype`` on ``device``, zero-filled or holding only K/V values earlier passes wrote (attention
         gives rows past a pass's keys weight 0, which needs them finite); allocated (zeros) when omitted.
 
-        ``geometry``: ``[(Hkv_l, D_l)]`` per slot when the layers' K/V differ in shape (Gemma 4's global layers,
-        MiMo-V2-Flash's sliding ones); then ``Hkv`` / ``D`` are their maxima and slot ``l`` lives in the corner
-        ``[:Hkv_l, :, :D_l]`` of its ``[Hkv, S, D]`` (see :meth:`slot_views`). None: every slot is ``(Hkv, D)``."""
+        ``geometry``: ``[(Hkv_l, Dk_l, Dv_l)]`` per slot when the layers' K/V differ in shape (Gemma 4's global
+        layers, MiMo-V2-Flash's sliding ones and its value heads); then ``Hkv`` / ``D`` are their maxima and slot
+        ``l``'s keys live in the corner ``[:Hkv_l, :, :Dk_l]`` of its ``[Hkv, S, D]``, its values in ``[:Hkv_l, :,
+        :Dv_l]`` (zeros elsewhere, never read). None: every slot is ``(Hkv, D, D)``, the plain layout."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"{type(self).__name__}: batch must be an int >= 1, got {batch!r}")
         if geometry is not None:
-            geometry = [(int(h), int(d)) for h, d in geometry]
-            if len(geometry) != num_layers or any(h > num_kv_heads or d > head_dim for h, d in geometry):
-                raise ValueError(f"{type(self).__name__}: geometry must give {num_layers} (Hkv, D) pairs within "
+            geometry = [(int(g[0]), int(g[1]), int(g[-1])) for g in geometry]
+            if len(geometry) != num_layers or any(h > num_kv_heads or max(dk, dv) > head_dim
+                                                  for h, dk, dv in geometry):
+                raise ValueError(f"{type(self).__name__}: geometry must give {num_layers} (Hkv, Dk, Dv) within "
                                  f"({num_kv_heads}, {head_dim}), got {geometry}")
-            if all(g == (num_kv_heads, head_dim) for g in geometry):
+            if all(g == (num_kv_heads, head_dim, head_dim) for g in geometry):
                 geometry = None  # one geometry: the plain layout, no views
-        #: ``[(Hkv_l, D_l)]`` of each slot when they differ (None: one geometry, the whole ``[Hkv, S, D]``)
+        #: ``[(Hkv_l, Dk_l, Dv_l)]`` of each slot when they differ (None: one geometry, the whole ``[Hkv, S, D]``)
         self.geometry = geometry
         shape = (num_layers, 2, num_kv_heads, int(max_len), head_dim)
         full = shape if batch == 1 else (batch,) + shape
@@ -168,12 +170,13 @@ class KVBuffer:
         self._check_room(T)
         end = self.length + T
         layer = self.kv[layer_idx]
-        if self.geometry is not None:  # this slot's corner of the padded storage
-            h, d = self.geometry[layer_idx]
-            layer = layer[:, :h, :, :d]
-        layer[0, :, self.length : end].copy_(k)
-        layer[1, :, self.length : end].copy_(v)
-        return layer[0, :, :end], layer[1, :, :end]
+        keys, values = layer[0], layer[1]
+        if self.geometry is not None:  # this slot's corners of the padded storage
+            h, dk, dv = self.geometry[layer_idx]
+            keys, values = keys[:h, :, :dk], values[:h, :, :dv]
+        keys[:, self.length : end].copy_(k)
+        values[:, self.length : end].copy_(v)
+        return keys[:, :end], values[:, :end]
 
     def commit(self, n: int) -> None:
         """Keep the first ``n`` rows written after ``length`` (both lengths move)."""
@@ -209,8 +212,8 @@ class KVBuffer:
             dflash_kernels.kv_write_(self.kv_batched, layer_idx, start[:, None] + self.rows[:T], k, v)
         layer = self.kv_batched[:, layer_idx]
         if self.geometry is not None:
-            h, d = self.geometry[layer_idx]
-            layer = layer[:, :, :h, :, :d]
+            h, dk, dv = self.geometry[layer_idx]
+            return layer[:, 0, :h, :keys, :dk], layer[:, 1, :h, :keys, :dv]
         return layer[:, 0, :, :keys], layer[:, 1, :, :keys]
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,9 @@ Paths (no layer ever receives a dense mask from us):
   (:func:`dflash_kernels.reference.tree_visibility`), never a ``[T, T]``
   prefill mask beyond one chunk; layers with a softcap or sinks (which SDPA
   cannot express) go to :func:`dflash_kernels.reference.tree_attention`;
-* a layer whose head dim is past the kernel's 256 (Gemma 4's global layers) takes the reference backend's
-  path on the Triton backend too (:data:`KERNEL_MAX_HEAD_DIM`).
+* a layer whose head dim is past the kernel's 256 (Gemma 4's global layers), or whose values are narrower
+  than its keys (MiMo-V2-Flash), takes the reference backend's path on the Triton backend too
+  (:data:`KERNEL_MAX_HEAD_DIM`).
 
 Layers of one model may differ in K/V heads and head dim (Gemma 4, MiMo-V2-Flash): each gets its own corner
 of the padded cache (:class:`~dflash.cache.KVBuffer`), a view with the storage's strides; every path reads
@@ -70,9 +71,10 @@ from .patches import Patch, original
 ATTENTION_NAME = "dflash"
 PASS_KWARG = "dflash_pass"
 
-#: The largest head dim the tree-attention kernel takes (:func:`dflash_kernels.tree_attention`). A layer with wider
-#: heads (Gemma 4's global layers: ``global_head_dim = 512``) runs the reference backend's torch path on every
-#: backend (SDPA with the pass's mask, or :func:`dflash_kernels.reference.tree_attention`): the same attention,
+#: The largest head dim the tree-attention kernel takes (:func:`dflash_kernels.tree_attention`, which also needs the
+#: keys' and values' head dims equal). A layer with wider heads (Gemma 4's global layers: ``global_head_dim =
+#: 512``) or narrower values (MiMo-V2-Flash: 192-dim keys, 128-dim values) runs the reference backend's torch path
+#: on every backend (SDPA with the pass's mask, or :func:`dflash_kernels.reference.tree_attention`): the same attention,
 #: without the kernel's speed.
 KERNEL_MAX_HEAD_DIM = 256
 
@@ -181,12 +183,12 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     layer = getattr(module, "layer_idx", None)
     window, softcap, sinks = attention_pass.window(layer), attention_pass.softcap(layer), attention_pass.sink(layer)
     _check_module_kwargs(module, kwargs, window, softcap, sinks)
-    backend = attention_pass.backend if query.shape[-1] <= KERNEL_MAX_HEAD_DIM else "reference"
+    backend = attention_pass.backend if _kernel_takes(key, value) else "reference"
     if attention_pass.static:
         if attention_pass.visible is not None and softcap is None and sinks is None:
             out = dflash_kernels.masked_attention(query, key, value, attention_pass.visible[window], scale=scaling)
             return out.transpose(1, 2), None
-        if query.shape[-1] > KERNEL_MAX_HEAD_DIM:  # past the kernel (and its input checks): the torch reference
+        if not _kernel_takes(key, value):  # past the kernel (and its input checks): the torch reference
             out = kernel_reference.tree_attention(query, key, value, attention_pass.bits, attention_pass.prefix_len,
                                                   scale=scaling, positions=attention_pass.positions, window=window,
                                                   **_features(softcap, sinks))
@@ -199,6 +201,12 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     out = pass_attention(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks,
                          backend=backend)
     return out.transpose(1, 2), None
+
+
+def _kernel_takes(key, value) -> bool:
+    """Whether the tree-attention kernel takes a layer of these K/V: one head dim for both, at most
+    :data:`KERNEL_MAX_HEAD_DIM`."""
+    return key.shape[-1] == value.shape[-1] <= KERNEL_MAX_HEAD_DIM
 
 
 def _features(softcap, sinks) -> dict:

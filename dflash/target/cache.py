@@ -38,9 +38,11 @@ class TargetKVCache(KVBuffer):
     @staticmethod
     def kv_shape(config, max_len: int, geometry=None):
         """``(L, 2, Hkv, max_len, D)`` of a target cache of ``max_len`` rows. ``geometry``: each layer's ``(Hkv_l,
-        D_l)`` when they differ (the adapter's ``spec.kv_geometry``): ``Hkv`` and ``D`` are then their maxima."""
+        Dk_l, Dv_l)`` when they differ (the adapter's ``spec.kv_geometry``): ``Hkv`` and ``D`` are then their
+        maxima (see :class:`~dflash.cache.KVBuffer`)."""
         if geometry is not None:
-            return (len(geometry), 2, max(h for h, _ in geometry), int(max_len), max(d for _, d in geometry))
+            return (len(geometry), 2, max(g[0] for g in geometry), int(max_len),
+                    max(max(g[1:]) for g in geometry))
         head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
         kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
         return (config.num_hidden_layers, 2, kv_heads, int(max_len), head_dim)

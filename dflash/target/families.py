@@ -414,13 +414,14 @@ def config_value(config, key: str, default=None):
         return default
 
 
-def _kv_geometry(name: str, config, layers, linear_layers) -> Optional[List[Tuple[int, int]]]:
-    """Each layer's K/V ``(Hkv_l, D_l)`` read from its attention module (``head_dim``, ``k_proj``), or None when
-    every attention layer has the config's one geometry (the plain cache layout). Per-layer geometries (Gemma 4's
-    global layers: ``global_head_dim``; MiMo-V2-Flash's sliding layers: twice the K/V heads) get a padded cache
-    whose slot ``l`` is the corner ``[:Hkv_l, :, :D_l]`` (:class:`~dflash.cache.KVBuffer`). A layer that keeps no
-    K/V of its own (Gemma 4's KV-sharing ``reuse`` layers: no ``k_proj``) takes the geometry of its queries' group.
-    Refused by name: key and value head dims that differ, and per-layer geometries on a hybrid target."""
+def _kv_geometry(name: str, config, layers, linear_layers) -> Optional[List[Tuple[int, int, int]]]:
+    """Each layer's K/V ``(Hkv_l, Dk_l, Dv_l)`` read from its attention module (``head_dim``, ``k_proj``,
+    ``v_proj``), or None when every attention layer has the config's one geometry (the plain cache layout).
+    Per-layer geometries (Gemma 4's global layers: ``global_head_dim``; MiMo-V2-Flash's sliding layers: twice the
+    K/V heads, and its ``v_head_dim`` values) get a padded cache whose slot ``l`` is the corner ``[:Hkv_l, :,
+    :D_l]`` (:class:`~dflash.cache.KVBuffer`). A layer that keeps no K/V of its own (Gemma 4's KV-sharing
+    ``reuse`` layers: no ``k_proj``) takes the geometry of its queries' group. Refused by name: per-layer
+    geometries on a hybrid target."""
     head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
     kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
     geometry = []
@@ -439,16 +440,13 @@ def _kv_geometry(name: str, config, layers, linear_layers) -> Optional[List[Tupl
             groups = getattr(attn, "num_key_value_groups", None)
             h = q_out // d // groups if isinstance(q_out, int) and isinstance(groups, int) and groups else kv_heads
         v_out = getattr(getattr(attn, "v_proj", None), "out_features", None)
-        if isinstance(v_out, int) and h and v_out != h * d:
-            raise UnsupportedTargetFeature(name, "key and value head dims that differ",
-                                           f"layer {i} keeps keys of {d} dims and values of {v_out // h}: the "
-                                           "cache and the attention kernels hold one head dim for both")
-        geometry.append((h, d))
-    if all(g == (kv_heads, head_dim) for g in geometry):
+        dv = v_out // h if isinstance(v_out, int) and h and v_out % h == 0 else d
+        geometry.append((h, d, dv))
+    if all(g == (kv_heads, head_dim, head_dim) for g in geometry):
         return None
     if linear_layers:
         raise UnsupportedTargetFeature(name, "per-layer K/V shapes on a hybrid target",
-                                       f"K/V (heads, dims) per attention layer: {geometry}")
+                                       f"K/V (heads, key dims, value dims) per attention layer: {geometry}")
     return geometry
 
 
