@@ -131,3 +131,33 @@ def test_kv_buffer_geometry_layout():
     assert buf.kv[0, :, :, :, 4:].abs().sum() == 0 and buf.kv[1, :, 1:].abs().sum() == 0
     assert buf.kv[1, 1, :, :, 2:].abs().sum() == 0
     assert KVBuffer(2, 2, 8, 16, torch.float32, "cpu", geometry=[(2, 8, 8)] * 2).geometry is None
+
+
+def test_gemma4_bidirectional_attention():
+    """``use_bidirectional_attention="vision"`` only changes the multimodal model's mask (Gemma 4's text model is
+    causal): lossless; ``"all"`` is refused by name."""
+    from dflash.target import UnsupportedTargetFeature
+
+    vision = build_tiny("gemma4_text", "Gemma4ForCausalLM", use_bidirectional_attention="vision")
+    assert run_family(vision, n=6, methods=("ar",)) == ("lossless", "")
+    both = build_tiny("gemma4_text", "Gemma4ForCausalLM", use_bidirectional_attention="all")
+    with pytest.raises(UnsupportedTargetFeature, match="bidirectional attention"):
+        TargetAdapter(both)
+
+
+@pytest.mark.parametrize("name", ["gemma4", "mimo_v2_flash"])
+def test_warmup_launches_every_geometry(name):
+    """:func:`dflash.warmup` warms the attention kernel at each layer geometry the kernel runs (Gemma 4: 2 K/V
+    heads of 8 dims and 1 of 16), so a generation launches nothing new; layers on the torch path launch none."""
+    from triton_launches import LaunchKeys
+
+    target = MODELS[name]()
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    kw = dict(method="ddtree", block_size=4, tree_budget=5)
+    with backend("triton"):
+        with LaunchKeys() as warm:
+            dflash.warmup(target, draft, **kw)
+        with LaunchKeys() as run:
+            dflash.generate(target, draft, PROMPT, max_new_tokens=12, **kw)
+    new = run.keys - warm.keys
+    assert not new, f"launches the warm-up did not compile: {sorted(new)}"

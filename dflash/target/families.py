@@ -201,7 +201,10 @@ def _truthy(config, key) -> bool:
 
 #: Config features no family implements here: (config predicate, feature name).
 REFUSED = (
-    (lambda c: _truthy(c, "use_bidirectional_attention"), "bidirectional attention (use_bidirectional_attention)"),
+    # Gemma 4's "vision" (image tokens attend both ways) is the multimodal model's mask: its text model is causal
+    (lambda c: _truthy(c, "use_bidirectional_attention") and not (
+        getattr(c, "model_type", None) == "gemma4_text" and c.use_bidirectional_attention == "vision"),
+     "bidirectional attention (use_bidirectional_attention)"),
     (lambda c: getattr(c, "attention_chunk_size", None) is not None, "chunked attention (attention_chunk_size)"),
     (lambda c: getattr(c, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
     # the head scales its logits after the GEMM (in the model dtype: a second rounding, which the fused argmax and
