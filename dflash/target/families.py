@@ -57,6 +57,13 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   it takes position ids ``[3, batch, T]`` (temporal, height, width; all equal
   for text) and transformers 5.17 cannot broadcast ``[batch, T]`` there, so the
   adapter hands it ``positions`` expanded to ``rope_sections`` rows.
+* **K/V geometry per layer**: read from each attention module (:func:`_kv_geometry`); when the layers differ
+  (Gemma 4's ``global_head_dim`` layers, MiMo-V2-Flash's doubled sliding K/V heads and narrower values) the
+  cache is padded to the largest and each layer gets its corner (:class:`~dflash.cache.KVBuffer`).
+* **per-layer inputs / KV sharing** (Gemma 4): the decoder computes a ``per_layer_input`` for every layer from
+  the ids and the embeddings, which the adapter computes the same way; ``reuse`` layers attend over the K/V the
+  last ``store`` layer of their type returned from the cache, handed on in one ``shared_kv_states`` dict per
+  pass.
 * **MoE**: the experts dispatch on ``config._experts_implementation``
   (transformers' ``@use_experts_implementation``). The ``"eager"`` loop reads
   the hit experts back to the host once per MoE layer per forward; while an
