@@ -3,7 +3,8 @@
 * Gemma 4 (``Gemma4ForCausalLM``): the global layers' heads are ``global_head_dim`` wide (16 here; the zoo's
   default build keeps transformers' 512, past the attention kernel's 256, so those layers take the torch path on
   the Triton backend too), with ``num_global_key_value_heads`` K/V heads; per-layer inputs, KV sharing (the last
-  two layers ``reuse`` the K/V their type's ``store`` layer returned from our cache), ``attention_k_eq_v``, the
+  two layers ``reuse`` the K/V their type's ``store`` layer returned from our cache, and keep no slot of their
+  own), ``attention_k_eq_v``, the
   MoE block beside the MLP, query scale 1, a final-logit softcap;
 * MiMo-V2-Flash: twice the K/V heads on the sliding layers (with sinks), values narrower than the keys
   (``v_head_dim``), so the Triton backend runs its layers on the torch path as well.
@@ -59,11 +60,14 @@ def test_the_models_keep_per_layer_geometries(model):
     assert geometry is not None and len(set(geometry)) > 1, geometry
     assert cache.geometry == geometry
     if name.startswith("gemma4"):
-        assert [g[0] for g in geometry] == [2, 1, 2, 1]  # the global layers' own K/V head count
+        # the global layer's own K/V head count; the two KV-sharing layers keep no slot
+        assert [g[0] for g in geometry] == [2, 1] and adapter.spec.kv_layers == [0, 1]
+        assert cache.kv.shape[0] == 2 and cache.kv_slot(1) == 1
         assert target.model.layers[2].self_attn.is_kv_shared_layer
         assert target.model.layers[1].self_attn.v_proj is None  # attention_k_eq_v
     else:
         assert [g[0] for g in geometry] == [4, 2] and all(g[2] == 4 for g in geometry)
+        assert adapter.spec.kv_layers == [0, 1]
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])

@@ -217,7 +217,7 @@ class TargetAdapter:
             return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device,
                                  kv=kv, batch=batch)
         return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch,
-                             geometry=self.spec.kv_geometry)
+                             geometry=self.spec.kv_geometry, kv_layers=self.spec.kv_layers)
 
     def embed(self, ids: torch.Tensor, raw_scale: Optional[float] = None) -> torch.Tensor:
         """Token embeddings ``[..., H]`` of ``ids [...]`` (``[T]``, or ``[b, T]``; also the drafter's block input).

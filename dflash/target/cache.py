@@ -47,13 +47,18 @@ class TargetKVCache(KVBuffer):
         kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
         return (config.num_hidden_layers, 2, kv_heads, int(max_len), head_dim)
 
-    def __init__(self, config, max_len: int, dtype, device, kv=None, batch: int = 1, geometry=None):
+    def __init__(self, config, max_len: int, dtype, device, kv=None, batch: int = 1, geometry=None,
+                 kv_layers=None):
+        """``geometry``, ``kv_layers``: the adapter's ``spec.kv_geometry`` / ``spec.kv_layers`` (the layers that keep
+        K/V, one slot each, and their shapes; None: a slot per layer, the config's geometry)."""
         layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len, geometry)
         super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch, geometry=geometry)
+        self._slots = None if kv_layers is None else {layer: s for s, layer in enumerate(kv_layers)}
 
     def kv_slot(self, layer_idx: int) -> int:
-        """The ``kv`` slot of decoder layer ``layer_idx`` (every layer has one here)."""
-        return layer_idx
+        """The ``kv`` slot of decoder layer ``layer_idx`` (its index, or its place among the layers that keep K/V:
+        Gemma 4's KV-sharing layers keep none)."""
+        return layer_idx if self._slots is None else self._slots[layer_idx]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         slot = self.kv_slot(layer_idx)

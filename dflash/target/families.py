@@ -235,8 +235,9 @@ class TargetSpec:
     :func:`choose_experts_implementation`).
     ``linear_layers``: the indices of the Gated-DeltaNet layers (hybrid
     targets; empty otherwise). ``rope_sections``: rows of position ids the
-    rotary embedding takes (0: ``[batch, T]`` as usual). ``kv_geometry``: each layer's K/V ``(Hkv, D)`` when
-    they differ across layers (None: the config's one geometry; :func:`_kv_geometry`).
+    rotary embedding takes (0: ``[batch, T]`` as usual). ``kv_geometry``, ``kv_layers``: the K/V ``(Hkv, Dk,
+    Dv)`` of each layer that keeps K/V, and those layers' indices, when the layers differ in shape or some keep
+    none (Gemma 4's KV sharing); None: a slot of the config's one geometry per layer (:func:`_kv_geometry`).
     """
 
     family: Family
@@ -251,7 +252,8 @@ class TargetSpec:
     experts: Optional[str]
     linear_layers: List[int] = field(default_factory=list)
     rope_sections: int = 0
-    kv_geometry: Optional[List[Tuple[int, int]]] = None
+    kv_geometry: Optional[List[Tuple[int, int, int]]] = None
+    kv_layers: Optional[List[int]] = None
 
 
 def _float_or_none(value) -> Optional[float]:
@@ -424,40 +426,40 @@ def config_value(config, key: str, default=None):
         return default
 
 
-def _kv_geometry(name: str, config, layers, linear_layers) -> Optional[List[Tuple[int, int, int]]]:
-    """Each layer's K/V ``(Hkv_l, Dk_l, Dv_l)`` read from its attention module (``head_dim``, ``k_proj``,
-    ``v_proj``), or None when every attention layer has the config's one geometry (the plain cache layout).
-    Per-layer geometries (Gemma 4's global layers: ``global_head_dim``; MiMo-V2-Flash's sliding layers: twice the
-    K/V heads, and its ``v_head_dim`` values) get a padded cache whose slot ``l`` is the corner ``[:Hkv_l, :,
-    :D_l]`` (:class:`~dflash.cache.KVBuffer`). A layer that keeps no K/V of its own (Gemma 4's KV-sharing
-    ``reuse`` layers: no ``k_proj``) takes the geometry of its queries' group. Refused by name: per-layer
-    geometries on a hybrid target."""
+def _kv_geometry(name: str, config, layers, linear_layers):
+    """``(geometry, kv_layers)``: each K/V-keeping layer's ``(Hkv_l, Dk_l, Dv_l)`` read from its attention module
+    (``head_dim``, ``k_proj``, ``v_proj``) and the indices of those layers, or ``(None, None)`` when every attention
+    layer keeps K/V of the config's one geometry (the plain cache layout, a slot per layer). Per-layer geometries
+    (Gemma 4's global layers: ``global_head_dim``; MiMo-V2-Flash's sliding layers: twice the K/V heads, and its
+    ``v_head_dim`` values) get a padded cache whose slot of layer ``l`` is the corner ``[:Hkv_l, :, :D_l]``
+    (:class:`~dflash.cache.KVBuffer`). A layer that keeps no K/V of its own (Gemma 4's KV-sharing ``reuse``
+    layers: ``is_kv_shared_layer``, no ``k_proj``) gets no slot at all. Refused by name: either on a hybrid
+    target."""
     head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
     kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
-    geometry = []
+    geometry, kv_layers = [], []
     for i, layer in enumerate(layers):
         if i in linear_layers:
             continue
         attn = layer.self_attn
+        if getattr(attn, "is_kv_shared_layer", False):
+            continue  # reads another layer's K/V (handed on by the pass), writes none
         d = getattr(attn, "head_dim", head_dim)
         if not isinstance(d, int) or d <= 0:
             d = head_dim
         k_out = getattr(getattr(attn, "k_proj", None), "out_features", None)
-        if isinstance(k_out, int):
-            h = k_out // d
-        else:
-            q_out = getattr(getattr(attn, "q_proj", None), "out_features", None)
-            groups = getattr(attn, "num_key_value_groups", None)
-            h = q_out // d // groups if isinstance(q_out, int) and isinstance(groups, int) and groups else kv_heads
+        h = k_out // d if isinstance(k_out, int) else kv_heads
         v_out = getattr(getattr(attn, "v_proj", None), "out_features", None)
         dv = v_out // h if isinstance(v_out, int) and h and v_out % h == 0 else d
         geometry.append((h, d, dv))
-    if all(g == (kv_heads, head_dim, head_dim) for g in geometry):
-        return None
+        kv_layers.append(i)
+    attention = [i for i in range(len(layers)) if i not in linear_layers]
+    if kv_layers == attention and all(g == (kv_heads, head_dim, head_dim) for g in geometry):
+        return None, None
     if linear_layers:
         raise UnsupportedTargetFeature(name, "per-layer K/V shapes on a hybrid target",
-                                       f"K/V (heads, key dims, value dims) per attention layer: {geometry}")
-    return geometry
+                                       f"K/V (heads, key dims, value dims) of layers {kv_layers}: {geometry}")
+    return geometry, kv_layers
 
 
 def _check_scales(name: str, family: Family, config, decoder, layers, linear_layers) -> None:
@@ -526,7 +528,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     layer_types, linear_layers = _layer_kinds(name, family, config, layers)
     attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
     attn_cap, final_cap, sinks = _softcaps_and_sinks(name, family, config, layers, attention_layers, linear_layers)
-    kv_geometry = _kv_geometry(name, config, layers, linear_layers)
+    kv_geometry, kv_layers = _kv_geometry(name, config, layers, linear_layers)
     _check_scales(name, family, config, decoder, layers, linear_layers)
     rope_types = _rope_types(name, family, rotary_emb, layer_types, linear_layers)
     experts = _experts_choice(name, family, model, lm_head)
@@ -535,7 +537,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),
         attn_softcaps=[attn_cap] * len(layers), sinks=sinks, rope_types=rope_types, final_softcap=final_cap,
         fuse_norm=eps is not None, norm_eps=eps, experts=experts, linear_layers=linear_layers,
-        rope_sections=family.rope_sections, kv_geometry=kv_geometry,
+        rope_sections=family.rope_sections, kv_geometry=kv_geometry, kv_layers=kv_layers,
     )
 
 def own_check_attention(config, spec: "TargetSpec") -> Optional[str]:
