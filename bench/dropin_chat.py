@@ -1,6 +1,7 @@
 """The drop-in over a chat: ``target.generate()`` after ``dflash.apply`` against plain ``target.generate()``.
 
-    python bench/dropin_chat.py [--calls 20] [--max-new-tokens 48] [--rows plain,eager,compiled] [--json out.json]
+    python bench/dropin_chat.py [--calls 20] [--max-new-tokens 48] [--rows plain,eager,compiled]
+                                [--max-cache-len auto|none|N] [--json out.json]
 
 A chat-like sequence of ``--calls`` greedy calls on the shipped tiny pair (fp32, one thread): the first prompt
 is ``--first-prompt-len`` bytes of held-out code, and each later prompt is the previous prompt, the previous
@@ -14,8 +15,10 @@ target, applied once as a user would:
 
 Every call runs every row, in an order that rotates by one row per call (a slow phase of the machine falls on
 all of them). Nothing is warmed up: a drop-in row pays its set-up where it falls (the auto budget's cost
-measurement on its first call; with ``compile=True`` also a compiled round for each new 256-row bucket of
-either cache, target's or drafter's, on the call that first needs it), which the handle reports
+measurement on its first call; with ``compile=True`` also a compiled round on each call whose prompt and new
+tokens the pooled rounds' caches cannot hold: with ``--max-cache-len auto``, the default, on the CPU none is
+reserved, so a new round per power of two of rows, 256 to 2048 at the defaults; ``--max-cache-len 1900``
+reserves the whole chat on the first call), which the handle reports
 (``handle.last_setup_seconds``) and which is left out of tokens/s (and counted in "total s"). Target passes
 are calls of the target's first decoder layer (a forward hook): prefill chunks plus one per round for the
 drop-in, one per new token for transformers. Each drop-in call's tokens are checked against the plain call's
@@ -42,6 +45,10 @@ ROWS = ("plain", "eager", "compiled")
 
 def _budget(text):
     return "auto" if text == "auto" else [int(x) for x in text.split(",")] if "," in text else int(text)
+
+
+def _cache_len(text):
+    return "auto" if text == "auto" else None if text == "none" else int(text)
 
 
 def _eager_pass_hook(counter):
@@ -94,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--line-len", type=int, default=40)
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of plain,eager,compiled")
     p.add_argument("--tree-budget", type=_budget, default="auto", help="the drop-in's tree_budget (default auto)")
+    p.add_argument("--max-cache-len", type=_cache_len, default="auto",
+                   help="the compiled row's apply(max_cache_len=): auto (default: none reserved on the CPU), none, "
+                        "or tokens")
     p.add_argument("--json", help="write every call's numbers here")
     p.add_argument("--quiet", action="store_true", help="no line per call on stderr")
     args = p.parse_args(argv)
@@ -116,7 +126,8 @@ def main(argv=None) -> int:
         passes[id(target)] = passes[row]
         target.model.layers[0].register_forward_hook(_eager_pass_hook(passes[row]))
         if row != "plain":
-            handles[row] = dflash.apply(target, draft, tree_budget=args.tree_budget, compile=row == "compiled")
+            extra = dict(compile=True, max_cache_len=args.max_cache_len) if row == "compiled" else {}
+            handles[row] = dflash.apply(target, draft, tree_budget=args.tree_budget, **extra)
         targets[row] = target
     first, lines = chat_turns(args.calls, args.first_prompt_len, args.line_len)
     log = {row: [] for row in rows}
@@ -165,7 +176,8 @@ def main(argv=None) -> int:
                             setup_calls=sum(c["setup"] > 0 for c in calls),
                             same_tokens=all(c["same"] for c in calls))
     names = {"plain": "plain `target.generate()`", "eager": "drop-in, eager",
-             "compiled": "drop-in, `compile=True`"}
+             "compiled": "drop-in, `compile=True`" + ("" if args.max_cache_len == "auto" else
+                                                       f", `max_cache_len={args.max_cache_len}`")}
     print(f"{args.calls} chat calls, prompts {log[rows[0]][0]['prompt']} to {log[rows[0]][-1]['prompt']} tokens, "
           f"up to {args.max_new_tokens} new tokens each, greedy, the tiny pair, one thread\n")
     print("| row | total s | set-up s (calls with set-up) | tokens/s (set-up excluded) | target passes per call "

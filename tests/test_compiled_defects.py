@@ -9,7 +9,8 @@
   :data:`~dflash.decoding.compiled.POOL_CAPACITY` entries: it never holds
   more, an evicted entry's caches, buffers and graphs are released (CUDA
   graphs reset), and one cache storage per side serves every bucket that fits
-  in it;
+  in it; a call runs on the smallest pooled round of its settings whose
+  caches hold it;
 * the index tables of the device tree build belong to the round that reads
   them (no global cache of device tensors a captured graph could outlive);
 * ``torch.compile`` failing because setuptools could not load its own
@@ -84,7 +85,11 @@ def pair(*, block_size=8, layers=2):
 @pytest.mark.parametrize("mode", ["static", True])
 def test_ddtree_drafter_cache_holds_its_block_rows(reference_ops, trace_only, mode):
     """B = 8, budget = 2, prompt + new tokens = 252: the target writes 3 rows a verify (256 rows suffice),
-    the drafter 8 context + 8 block rows a draft: its cache needs the next bucket. Lossless."""
+    the drafter 8 context + 8 block rows a draft: its cache needs the next bucket. Lossless.
+
+    Both sides take one bucket (compiled.compiled_rows of the larger need: a growing chat's step is one new
+    round, not one per side), so the target's cache is 512 rows too: 512 only because the drafter's rows
+    were counted (the target's alone fit 256)."""
     target, draft = pair(block_size=8)
     prompt = long_prompt(249)
     ref = greedy(target, 3, prompt)
@@ -92,19 +97,25 @@ def test_ddtree_drafter_cache_holds_its_block_rows(reference_ops, trace_only, mo
                           compile=mode)
     assert torch.equal(out.output_ids, ref)
     rnd = only_entry(target).rnd
-    assert rnd.cache.max_len == 256 and rnd.dcache.max_len == 512
+    assert rnd.cache.max_len == 512 and rnd.dcache.max_len == 512
 
 
 @pytest.mark.parametrize("side", ["target", "drafter"])
 def test_round_that_could_overflow_is_refused_before_it_runs(reference_ops, monkeypatch, side):
-    """Caches made too small on purpose: the host loop refuses the round before it writes past either cache."""
-    real = compiled.cache_rows
+    """Caches made too small on purpose: the host loop refuses the round before it writes past either cache.
 
-    def too_small(shape, total):
-        t, d = real(shape, total)
-        return (total - 10, d) if side == "target" else (t, total - 10)
+    (Compiled rounds size both sides from one bucket, 512 rows here, so one side is made 256 rows at the
+    round's construction.)"""
+    real = compiled.Round
 
-    monkeypatch.setattr(compiled, "cache_rows", too_small)
+    def too_small(*args, target_rows, draft_rows, **kw):
+        if side == "target":
+            target_rows = 256
+        else:
+            draft_rows = 256
+        return real(*args, target_rows=target_rows, draft_rows=draft_rows, **kw)
+
+    monkeypatch.setattr(compiled, "Round", too_small)
     target, draft = pair(block_size=8)
     prompt = long_prompt(254 if side == "target" else 249)
     with pytest.raises(CacheFullError, match=f"the {side} cache of this round"):
@@ -165,12 +176,18 @@ def test_evicted_entry_is_released(reference_ops, trace_only, monkeypatch, mode)
 
 
 def test_one_cache_storage_serves_smaller_buckets(reference_ops):
+    """A short call with the long call's settings runs on the long call's round (it fits: no set-up, no new
+    entry); a short call with other settings (budget 3) makes its own smaller round, whose caches view the
+    long round's storage."""
     target, draft = pair(block_size=4)
     long, short = long_prompt(300), PROMPT
     kw = dict(method="ddtree", max_new_tokens=8, tree_budget=4, compile="static")
     ref_long, ref_short = greedy(target, 8, long), greedy(target, 8, short)
     assert torch.equal(dflash.generate(target, draft, long, **kw).output_ids, ref_long)
-    assert torch.equal(dflash.generate(target, draft, short, **kw).output_ids, ref_short)
+    fits = dflash.generate(target, draft, short, **kw)
+    assert torch.equal(fits.output_ids, ref_short) and fits.compile_time == 0.0 and len(pool_of(target)) == 1
+    other = dict(kw, tree_budget=3)
+    assert torch.equal(dflash.generate(target, draft, short, **other).output_ids, ref_short)
     big, small = list(pool_of(target).values())
     assert (big.rnd.cache.max_len, small.rnd.cache.max_len) == (512, 256)
     ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731

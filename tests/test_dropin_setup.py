@@ -17,6 +17,7 @@ import dflash
 import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding import hf as dropin
+from dflash.target import TargetAdapter
 from dflash.target.adapter import PREFILL_CHUNK
 from tiny_models import tiny_draft, tiny_target
 
@@ -152,6 +153,93 @@ def test_costs_measured_once_for_compiled_rounds_too(reference_ops, monkeypatch)
     finally:
         dflash.unapply(target)
         torch._dynamo.reset()
+
+
+class Compiles:
+    """Counts the compiled rounds made (pool entries created) and keeps their cache rows."""
+
+    def __init__(self, monkeypatch):
+        self.rows = []
+        real = compiled.RoundSteps.__init__
+
+        def init(steps, rnd, mode, blocks=()):
+            real(steps, rnd, mode, blocks)
+            if mode is not False:  # not the eager references' fresh rounds
+                self.rows.append((rnd.cache.max_len, rnd.dcache.max_len))
+
+        monkeypatch.setattr(compiled.RoundSteps, "__init__", init)
+
+
+def growing_chat(target, draft, lengths, **apply_kw):
+    """Greedy drop-in calls at the prompt ``lengths``, each checked against the eager ``dflash.generate``."""
+    handle = dflash.apply(target, draft, tree_budget=4, compile=True, **apply_kw)
+    try:
+        for n in lengths:
+            ids = torch.tensor([prompt(n, seed=n)])
+            with torch.no_grad():
+                out = target.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+                ref = dflash.generate(target, draft, ids, method="ddtree", tree_budget=4, max_new_tokens=8)
+            assert torch.equal(out, ref.output_ids), n
+    finally:
+        dflash.unapply(target)
+    return handle
+
+
+@pytest.fixture
+def traced_only(monkeypatch):
+    monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))  # dynamo alone: quick
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_growing_prompts_compile_once_with_a_reservation(reference_ops, traced_only, monkeypatch):
+    """A chat whose prompt grows across 256-row boundaries (40 -> 460 tokens: rows in 256, 512) runs on one
+    compiled round: ``max_cache_len`` sizes the first call's round for the longest, and every later call fits
+    it (it used to compile a round per new 256-row bucket of either cache); the tokens are the eager ones."""
+    counted = Compiles(monkeypatch)
+    target, draft = pair()
+    handle = growing_chat(target, draft, (40, 200, 270, 460), max_cache_len=500)
+    assert counted.rows == [(512, 512)]  # one round; both caches from one bucket (500 tokens need 506 rows)
+    assert len(compiled._pool(target)) == 1
+    assert handle.last_setup_seconds == 0.0 and handle.setup_seconds > 0
+
+
+def test_growing_prompts_default_reservation(reference_ops, traced_only, monkeypatch):
+    """The drop-in's default (``max_cache_len="auto"``) on a device that reserves (CUDA; here the free memory
+    is faked on the CPU): the target's max_position_embeddings (512) in rows, once. Capped by the memory:
+    with room for 300 rows only, the reservation is the largest power of two that fits (256) and a longer
+    call compiles its own round."""
+    counted = Compiles(monkeypatch)
+    target, draft = pair()
+    monkeypatch.setattr(compiled, "_free_bytes", lambda device: 1 << 40)
+    growing_chat(target, draft, (40, 200, 270, 460))
+    assert counted.rows == [(768, 768)]  # 512 tokens need 512 + 5 + 1 rows, rounded up to 256
+    per_row = compiled._row_bytes(TargetAdapter(target, draft.target_layer_ids), draft,
+                                  dflash.decoding.options.RoundShape("ddtree", 5, 4, 0), 1)
+    monkeypatch.setattr(compiled, "_free_bytes", lambda device: int(300 * per_row / compiled.RESERVE_MEMORY_FRACTION))
+    target, draft = pair()
+    counted.rows.clear()
+    growing_chat(target, draft, (40, 200, 270))
+    assert counted.rows == [(256, 256), (512, 512)]
+
+
+def test_growing_prompts_without_reservation_grow_in_powers_of_two(reference_ops, traced_only, monkeypatch):
+    """No reservation (the CPU's default, or ``max_cache_len=None``): a new round only when the call does not
+    fit, sized to the next power of two for both sides, so 40 -> 800 tokens compile 3 rounds (256, 512, 1024
+    rows), not one per 256 rows (4: 768 was one); a shorter call after a longer one reuses the larger round."""
+    counted = Compiles(monkeypatch)
+    target, draft = pair()
+    handle = growing_chat(target, draft, (40, 270, 600, 800, 100))
+    assert counted.rows == [(256, 256), (512, 512), (1024, 1024)]
+    assert handle.last_setup_seconds == 0.0
+
+
+def test_apply_refuses_a_bad_max_cache_len():
+    target, draft = pair()
+    for bad in (0, -3, "big", 1.5, True):
+        with pytest.raises(ValueError, match="max_cache_len"):
+            dflash.apply(target, draft, compile=True, max_cache_len=bad)
 
 
 def test_apply_compile_equals_eager(reference_ops):

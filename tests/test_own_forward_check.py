@@ -130,3 +130,17 @@ def test_layers_that_drop_the_attention_keywords_get_our_pass(model_type):
         pytest.skip(f"{model_type} is not in this transformers")
     model = build_tiny(model_type, classes[model_type])
     assert run_family(model) == ("lossless", "")
+
+
+def test_the_cost_benchmark_runs(capsys):
+    """``python bench/own_forward_check.py`` (the README's cost of the check) at smoke size."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "own_forward_check.py"
+    spec = importlib.util.spec_from_file_location("own_forward_check_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--layers", "1", "--hidden", "128", "--max-new-tokens", "4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 2 and "check / generate" in rows[0]  # header, the tiny pair, one Qwen3

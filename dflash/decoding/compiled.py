@@ -12,9 +12,20 @@ Set-up, all before the generation's clock starts (its seconds go to
 ``result.compile_time``, never into ``total_time`` or tokens/s):
 
 1. a :class:`~dflash.decoding.round.Round` for the settings (method, block size, budget,
-   sampling mode, each cache's rows rounded up to :data:`~dflash.decoding.round.ROW_BUCKET`)
-   comes from a pool on the target model, so a later generation with the
-   same settings reuses its buffers, its compiled code and its graphs;
+   sampling mode, dtypes, device, batch) comes from a pool on the target
+   model: the smallest pooled round of these settings whose caches hold the
+   call's rows, so a later generation that fits reuses its buffers, its
+   compiled code and its graphs; else a new one whose two caches hold the
+   next power of two of rows (:func:`compiled_rows`: at least 256, one bucket
+   for both sides), or the rows reserved by ``max_cache_len``
+   (:func:`reserved_rows`; the drop-in's ``"auto"`` on CUDA: the target's
+   ``max_position_embeddings``, capped by a quarter of the free memory) if
+   more. A growing sequence of calls thus compiles once with a reservation,
+   at most ``log2`` of its growth times without. Cost of the rows: memory
+   (at most twice the need without a reservation); on CUDA the Triton
+   attention reads only the committed rows, but the reference attention (the
+   CPU) attends over every row of the cache, so its rounds cost as if the
+   cache were full (hence no reservation by default there);
 2. a new entry is warmed up: its caches are frozen at length 0, each step
    runs twice (the first call compiles), on CUDA the steps are captured, then
    the state is put back and the caches thawed for the eager prefill.
@@ -58,13 +69,14 @@ from typing import List, Optional
 
 import torch
 
+from ..drafter.cache import DraftKVCache
 from ..target.output_hooks import inert_output_hooks
 from .budget_policy import BudgetPolicy
 from .options import RoundShape
 from .round import Round, bucket_rows, cache_rows
 
-__all__ = ["COMPILE_MODES", "CompileUnsupported", "POOL_CAPACITY", "RoundSteps", "batch_bucket", "costs_key",
-           "lease_steps"]
+__all__ = ["COMPILE_MODES", "CompileUnsupported", "MIN_ROWS", "POOL_CAPACITY", "RoundSteps", "batch_bucket",
+           "check_max_cache_len", "compiled_rows", "costs_key", "lease_steps", "reserved_rows"]
 
 #: ``compile=`` values: False (the round's steps called eagerly, a fresh round per generation: the default),
 #: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the pooled round of a compiled generation,
@@ -423,6 +435,12 @@ class _RoundPool:
     def items(self):
         return self._entries.items()
 
+    def fitting(self, settings: tuple, rows: int) -> Optional[tuple]:
+        """The key of the smallest entry for ``settings`` (a key less its last item, the caches' rows) whose
+        caches hold ``rows`` rows; None when none does. Looks only (the LRU order moves on :meth:`get`)."""
+        fits = [key for key in self._entries if key[:-1] == settings and key[-1] >= rows]
+        return min(fits, key=lambda key: key[-1]) if fits else None
+
     def get(self, key) -> Optional[RoundSteps]:
         steps = self._entries.get(key)
         if steps is not None:
@@ -535,24 +553,100 @@ def batch_bucket(batch: int, mode) -> int:
     return 1 << (batch - 1).bit_length()
 
 
+#: the fewest rows a compiled round's caches hold (both sides; then the next powers of two)
+MIN_ROWS = 256
+
+#: the share of the device's free memory the drop-in's default reservation (``max_cache_len="auto"``) may take
+#: for the two caches of its compiled round, at its first call (CUDA only; the CPU reserves nothing by default)
+RESERVE_MEMORY_FRACTION = 0.25
+
+
+def compiled_rows(rows: int) -> int:
+    """The rows of a compiled round's caches for ``rows`` needed: the next power of two, at least :data:`MIN_ROWS`.
+
+    Powers of two, not multiples of 256: prompts that grow over a chat compile at most ``log2`` of their growth
+    new rounds (256, 512, 1024, ...), not one per 256 rows; a cache holds at most twice the rows it needs (plus
+    the 256-row floor). Both sides (target and drafter) take the bucket of the larger need, so one growth step
+    is one new round, never two."""
+    rows = max(int(rows), MIN_ROWS)
+    return 1 << (rows - 1).bit_length()
+
+
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """The device's free memory in bytes, None where the drop-in reserves nothing by default (the CPU: its
+    compiled reference attention runs over every row of the cache, so a reservation costs time there)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def _row_bytes(adapter, draft, shape: RoundShape, batch: int) -> int:
+    """Bytes one cache row costs the round, both sides, every sequence of the batch."""
+    size = math.prod(adapter.cache_shape(1)) * torch.empty((), dtype=adapter.dtype).element_size()
+    if shape.method != "ar":
+        dtype = draft.fc.weight.dtype
+        size += math.prod(DraftKVCache.kv_shape(draft.config, 1)) * torch.empty((), dtype=dtype).element_size()
+    return int(size) * int(batch)
+
+
+def reserved_rows(adapter, draft, shape: RoundShape, max_cache_len, batch: int = 1) -> int:
+    """The rows a compiled round reserves up front (0: none) for ``max_cache_len``:
+
+    * None or 0: none (each call's own need, :func:`compiled_rows`);
+    * an int ``N``: the rows a generation of ``N`` tokens (prompt + new) needs, rounded up to 256: every
+      later call that fits runs on the same compiled round;
+    * ``"auto"`` (the drop-in's default): on CUDA the rows of the target's ``max_position_embeddings`` tokens
+      (rounded up to 256), or where the two caches would take more than :data:`RESERVE_MEMORY_FRACTION` of the
+      free device memory the largest power of two of rows that does not (never under :data:`MIN_ROWS`);
+      elsewhere none.
+    """
+    if not max_cache_len:
+        return 0
+    if max_cache_len != "auto":
+        return max(MIN_ROWS, bucket_rows(max(cache_rows(shape, int(max_cache_len)))))
+    free = _free_bytes(adapter.device)
+    config = getattr(adapter.config, "get_text_config", lambda: adapter.config)()
+    positions = getattr(config, "max_position_embeddings", None)
+    if free is None or not positions:
+        return 0
+    rows = max(MIN_ROWS, bucket_rows(max(cache_rows(shape, int(positions)))))
+    per_row = _row_bytes(adapter, draft, shape, batch)
+    if rows * per_row > RESERVE_MEMORY_FRACTION * free:  # the largest power of two that fits (or the floor)
+        rows = compiled_rows(rows) // 2
+        while rows > MIN_ROWS and rows * per_row > RESERVE_MEMORY_FRACTION * free:
+            rows //= 2
+    return rows
+
+
+def check_max_cache_len(value):
+    """``max_cache_len`` as given: None, ``"auto"`` or an int >= 1 (else ``ValueError``)."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_cache_len must be None, 'auto' or an int >= 1 (tokens: prompt + new), got {value!r}")
+    return value
+
+
 @contextlib.contextmanager
-def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode, batch: int = 1):
+def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode, batch: int = 1,
+                max_cache_len=None):
     """The steps a generation runs, held for the ``with`` block: ``(steps, compile_time)``.
 
-    ``mode`` False: a fresh :class:`Round` called eagerly. Otherwise the
-    target's pooled entry for these settings (created, compiled and captured
-    on first use: ``compile_time`` is its set-up, 0 when reused), leased so
-    no other generation runs on its caches meanwhile. ``batch``: the round's
-    sequences (:func:`batch_bucket` of the prompts); ``total_tokens``: the
-    longest prompt plus the new tokens.
+    ``mode`` False: a fresh :class:`Round` called eagerly, its caches sized for
+    this call. Otherwise a pooled entry of the target's for these settings
+    whose caches hold this call's rows (the smallest one that does), else a
+    new one (created, compiled and captured here: ``compile_time`` is its
+    set-up, 0 when reused) of :func:`compiled_rows` rows for both sides, or of
+    the :func:`reserved_rows` of ``max_cache_len`` if more; leased so no other
+    generation runs on its caches meanwhile. ``batch``: the round's sequences
+    (:func:`batch_bucket` of the prompts); ``total_tokens``: the longest
+    prompt plus the new tokens.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
     target_rows, draft_rows = cache_rows(shape, total_tokens)
     draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
-    key = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), bucket_rows(target_rows),
-           bucket_rows(draft_rows), str(adapter.dtype), draft_dtype, str(adapter.device), mode,
-           repr(sorted(_compile_kwargs(adapter.device).items())), batch)
     costs = costs_key(shape, draft, sampling, adapter, mode, batch)
     if mode is False:
         rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
@@ -560,10 +654,17 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
         steps = RoundSteps(rnd, False)
         yield steps, _bucket_costs(target, costs, steps)
         return
+    # the pool key: the settings, then the rows of both caches (one bucket; 0 for an AR round's drafter)
+    settings = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), str(adapter.dtype),
+                draft_dtype, str(adapter.device), mode, repr(sorted(_compile_kwargs(adapter.device).items())), batch)
+    need = max(target_rows, draft_rows)
     pool = _pool(target)
     with pool.lock:
-        steps = pool.get(key)
+        key = pool.fitting(settings, need)
+        steps = pool.get(key) if key is not None else None
         if steps is None:
+            rows = max(compiled_rows(need), reserved_rows(adapter, draft, shape, max_cache_len, batch))
+            key = (*settings, rows)
             blocks = []
 
             def kv_alloc(role, kv_shape, dtype, dev):
@@ -571,8 +672,8 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 blocks.append(block)
                 return kv
 
-            rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
-                        kv_alloc=kv_alloc, batch=batch)
+            rnd = Round(adapter, draft, shape, target_rows=rows, draft_rows=rows if shape.method != "ar" else 0,
+                        sampling=sampling, kv_alloc=kv_alloc, batch=batch)
             steps = RoundSteps(rnd, mode, blocks)
             pool.add(key, steps)
         pool.lease(steps)

@@ -7,6 +7,7 @@ the method's loop runs with the resolved settings.
 
 from __future__ import annotations
 
+from .compiled import check_max_cache_len
 from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
 from .loop import generate_rounds
 from .options import METHODS, LoopOptions
@@ -41,22 +42,24 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
 
 
 def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: str = "dflash",
-                   compile=False) -> GenerationResult:
+                   compile=False, max_cache_len=None) -> GenerationResult:
     """Run ``method``'s loop with a resolved plan (see :func:`prepare_generation`).
 
     ``compile``: False (the round's steps called eagerly: the default), True
     (the same steps compiled, CUDA graphs on CUDA: :mod:`dflash.decoding.compiled`)
-    or ``"static"`` (the pooled compiled round's steps called eagerly).
+    or ``"static"`` (the pooled compiled round's steps called eagerly). ``max_cache_len``: what a new compiled
+    round reserves (:func:`~dflash.decoding.compiled.reserved_rows`).
     """
     options = LoopOptions(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
                           stop_token_ids=plan.stop_token_ids, stopping_criteria=plan.stopping_criteria,
                           streamer=plan.streamer, attention_mask=plan.attention_mask, pad_token_id=plan.pad_token_id,
                           **{k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
-    return generate_rounds(target, draft, input_ids, method, options, compile=compile)
+    return generate_rounds(target, draft, input_ids, method, options, compile=compile,
+                           max_cache_len=check_max_cache_len(max_cache_len))
 
 
 def generate(target, draft=None, input_ids=None, *, method: str = "dflash", generation_config=None,
-             compile=False, **kwargs) -> GenerationResult:
+             compile=False, max_cache_len=None, **kwargs) -> GenerationResult:
     """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``; returns a :class:`GenerationResult`.
 
     ``target``: a HF causal LM (Qwen3, Llama, ...), also as a user holds it: a peft ``PeftModel``, a
@@ -99,9 +102,16 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     (``torch.compile(fullgraph=True)``; captured as CUDA graphs on CUDA), set
     up before the clock starts (``result.compile_time``); the same tokens as
     eager for the same ``seed``, greedy or sampled (up to near-ties of the
-    compiled arithmetic).
+    compiled arithmetic). Compiled rounds are pooled on the target and reused
+    by every later call with the same settings whose prompt + new tokens fit
+    their caches; a new round's caches hold the next power of two of rows
+    (at least 256) for both sides, or with ``max_cache_len=N`` the rows of
+    ``N`` tokens if more (``"auto"``: on CUDA the target's
+    ``max_position_embeddings``, capped by a quarter of the free memory), so
+    a growing sequence of calls compiles once. Eager rounds ignore it.
     Targets that cannot be traced raise
     :class:`~dflash.decoding.compiled.CompileUnsupported`.
     """
     plan = prepare_generation(target, draft, input_ids, method=method, generation_config=generation_config, **kwargs)
-    return run_generation(target, draft, input_ids, plan, method=method, compile=compile)
+    return run_generation(target, draft, input_ids, plan, method=method, compile=compile,
+                          max_cache_len=max_cache_len)

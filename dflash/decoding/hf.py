@@ -29,9 +29,13 @@ the cache are None: requests for them fall back, below).
   :func:`dflash.generate` does with ``compile=True`` (``torch.compile`` of the
   round's two steps, captured as CUDA graphs on CUDA; inductor on the CPU): the
   same tokens as eager, and on a GPU several times the tokens/s of the
-  launch-bound eager round. Recommended on GPUs.
+  launch-bound eager round. Recommended on GPUs. A compiled round serves every
+  later call with the same settings that fits its caches; on CUDA the first
+  call reserves the target's ``max_position_embeddings`` (capped by a quarter
+  of the free memory: ``apply(..., max_cache_len=)``), so a growing chat
+  compiles once.
 - **Set-up**: what a call spends before its clock starts (compiling and
-  capturing a round for new settings or a new 256-row cache bucket, and with
+  capturing a round for new settings or for a call its caches cannot hold, and with
   ``tree_budget="auto"`` measuring the budgets' costs, once per target, drafter,
   dtypes, device, sampling mode and batch-size bucket, reused at every prompt
   length: :func:`~dflash.decoding.compiled.costs_key`) is never in the call's
@@ -68,6 +72,7 @@ from ..drafter.model import DFlashDraftModel
 from ..target import TargetAdapter
 from ..target.patches import Patch, hold
 from ..target.wrappers import unwrap_target
+from .compiled import check_max_cache_len
 from .generate import METHODS, prepare_generation, run_generation
 from .generation_config import UnsupportedGeneration
 from .options import check_acceptance, check_pair, check_tree_budget
@@ -78,7 +83,8 @@ _STATE = "_dflash_dropin"
 class DropIn:
     """The state of one ``apply``: the settings and the held ``generate`` patch; a context manager."""
 
-    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict, compile=False):
+    def __init__(self, target, draft, method: str, method_given: bool, loop_kwargs: dict, compile=False,
+                 max_cache_len=None):
         self.target = target
         self.draft = draft
         self.method = method
@@ -86,6 +92,8 @@ class DropIn:
         self.loop_kwargs = loop_kwargs
         #: what runs the rounds: False (eager) or True (compiled; ``dflash.generate``'s ``compile=``)
         self.compile = compile
+        #: what a new compiled round reserves (:func:`~dflash.decoding.compiled.reserved_rows`)
+        self.max_cache_len = max_cache_len
         self.warned = set()
         self.held = None  # the patches held while applied (target.generate and the state attribute)
         #: the result of the last call our loop ran (None before any, and after a call that went to transformers)
@@ -112,7 +120,7 @@ class DropIn:
 
     def __repr__(self):
         return (f"DropIn(method={self.method!r}, draft={type(self.draft).__name__ if self.draft else None}, "
-                f"compile={self.compile!r})")
+                f"compile={self.compile!r}, max_cache_len={self.max_cache_len!r})")
 
 
 def _transformers_generate(target):
@@ -128,7 +136,7 @@ def is_applied(target) -> bool:
 
 def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto", block_size=None,
           mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None,
-          compile=False) -> DropIn:
+          compile=False, max_cache_len="auto") -> DropIn:
     """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
 
     ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
@@ -142,7 +150,15 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
     True (compiled rounds, CUDA graphs on CUDA: as ``dflash.generate(...,
     compile=True)``; a target that cannot be traced raises
     :class:`~dflash.decoding.compiled.CompileUnsupported` at its first call).
-    The set-up of each call is on the handle (``last_setup_seconds``, module
+    ``max_cache_len`` (compiled rounds only): the tokens (prompt + new) the
+    first call's compiled round is sized for, so every later call that fits
+    reuses it: ``"auto"`` (default) on CUDA the target's
+    ``max_position_embeddings`` (the largest power of two of rows that fits
+    where its two caches would take more than a quarter of the free GPU
+    memory), none on the CPU (its reference
+    attention runs over every cache row); an int; or None (each new round
+    sized for its call, in powers of two: a growing chat compiles at most
+    log2 of its growth). The set-up of each call is on the handle (``last_setup_seconds``, module
     docstring), never in its tokens/s. The drafter is checked against the
     target now (a mismatch raises ``DraftConfigError``). Applying again
     replaces the settings (``unapply`` still restores the original).
@@ -151,6 +167,7 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
     if not (isinstance(compile, bool) or compile in ("compile", "static")):  # "static": for tests (compiled.py)
         raise ValueError(f"compile must be False (eager rounds) or True (compiled rounds), got {compile!r}")
+    check_max_cache_len(max_cache_len)
     if draft is not None and not isinstance(draft, DFlashDraftModel):
         raise TypeError(f"draft must be a DFlashDraftModel, got {type(draft).__name__}")
     chosen = method or ("ddtree" if draft is not None else None)  # None: only assistant_model calls are ours
@@ -173,7 +190,8 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
         if mask_token_id is not None:
             loop_kwargs["mask_token_id"] = mask_token_id
     unapply(target)  # applying again replaces the settings: the original generate comes back first
-    state = DropIn(target, draft, chosen, method is not None, loop_kwargs, compile=compile)
+    state = DropIn(target, draft, chosen, method is not None, loop_kwargs, compile=compile,
+                   max_cache_len=max_cache_len)
     state.held = hold([Patch(target, "generate", wrap=state.wrap_generate, shadow=True, label="drop-in generate"),
                        Patch(target, _STATE, state, shadow=True, label="drop-in state")])
     return state
@@ -246,7 +264,8 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
     if "seed" not in plan.loop_kwargs or plan.loop_kwargs["seed"] is None:
         plan.loop_kwargs["seed"] = None if plan.sampling.greedy else _torch_seed()
     try:
-        result = run_generation(target, draft, inputs, plan, method=method, compile=state.compile)
+        result = run_generation(target, draft, inputs, plan, method=method, compile=state.compile,
+                                max_cache_len=state.max_cache_len)
     except UnsupportedGeneration as exc:  # refused before any model runs (right padding, a streamer with a batch)
         _warn_once(state, exc.keyword or str(exc), str(exc))
         return original(*args, **kwargs)

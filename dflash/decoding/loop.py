@@ -30,8 +30,11 @@ __all__ = ["generate_rounds"]
 
 
 @torch.inference_mode()
-def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions, compile=False) -> GenerationResult:
-    """Generate with ``method`` under ``options``; ``compile`` as :data:`~dflash.decoding.compiled.COMPILE_MODES`.
+def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions, compile=False,
+                    max_cache_len=None) -> GenerationResult:
+    """Generate with ``method`` under ``options``; ``compile`` as :data:`~dflash.decoding.compiled.COMPILE_MODES`;
+    ``max_cache_len``: the tokens a new compiled round's caches are sized for at least
+    (:func:`~dflash.decoding.compiled.reserved_rows`; eager rounds ignore it).
 
     ``input_ids``: one prompt, or a left-padded batch with ``options.attention_mask``: every row runs in the same
     rounds, each with its own lengths and commit (:mod:`dflash.decoding.round`)."""
@@ -49,7 +52,8 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
         batch = batch_bucket(len(prompts), compile)
         seeds = SeedSource(options.seed)
         total = max(p.numel() for p in prompts) + options.max_new_tokens
-        with lease_steps(target, adapter, draft, shape, options.sampling, total, compile, batch) as (steps, setup):
+        with lease_steps(target, adapter, draft, shape, options.sampling, total, compile, batch,
+                         max_cache_len=max_cache_len) as (steps, setup):
             result = _run(steps, prompts, padded, options, seeds.next())
             result.compile_time = setup
             for one in [result, *result.rows]:
