@@ -31,6 +31,7 @@ D: ``test_sampling_with_a_final_softcap_matches_the_softcapped_distribution``;
 E: ``test_moe_experts_run_without_a_host_read_per_layer``.
 Refusals: ``test_unsupported_features_are_refused_by_name``; unknown families:
 ``test_unknown_families_of_the_generic_shape_work``. The property-based fuzz is tests/test_family_fuzz.py.
+Gemma 4 and MiMo-V2-Flash (K/V shapes per layer, per-layer inputs, KV sharing): tests/test_per_layer_geometry.py.
 """
 
 import contextlib

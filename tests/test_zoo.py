@@ -36,8 +36,10 @@ README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 #: Families the Triton interpreter runs too (one per kind of pass: decoder layers that drop the attention keywords
 #: (StableLM, Nemotron), windows read from layer types, attention sinks on a family outside the table, an attention
-#: softcap read by its transformers name (VaultGemma), a final-logit softcap with a norm on the embeddings).
-TRITON_SAMPLE = ("stablelm", "nemotron", "exaone4", "granite_swa", "vaultgemma", "nanochat")
+#: softcap read by its transformers name (VaultGemma), a final-logit softcap with a norm on the embeddings, K/V
+#: shapes per layer: Gemma 4's 512-dim global heads past the kernel, MiMo-V2-Flash's doubled sliding K/V heads).
+TRITON_SAMPLE = ("stablelm", "nemotron", "exaone4", "granite_swa", "vaultgemma", "nanochat", "gemma4_text",
+                 "mimo_v2_flash")
 
 FAMILIES = zoo_families()
 

@@ -153,8 +153,8 @@ def _has(config, key: str) -> bool:
         return True
 
 
-def tiny_config(model_type: str):
-    """The family's own config class, every size knob it has set small."""
+def tiny_config(model_type: str, **overrides):
+    """The family's own config class, every size knob it has set small (``overrides``: knobs set last)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
@@ -178,6 +178,7 @@ def tiny_config(model_type: str):
         kw["layer_types"] = [distinct[i % len(distinct)] for i in range(kw["num_hidden_layers"])]
         if len(distinct) == 1:
             kw["layer_types"] = list(distinct) * kw["num_hidden_layers"]
+    kw.update(overrides)
     config = config_class(**kw)
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
@@ -187,11 +188,12 @@ def tiny_config(model_type: str):
     return config
 
 
-def build_tiny(model_type: str, class_name: str, seed: int = 0):
-    """A tiny random model of ``class_name`` from :func:`tiny_config`, fp32, eval, no eos."""
+def build_tiny(model_type: str, class_name: str, seed: int = 0, **overrides):
+    """A tiny random model of ``class_name`` from :func:`tiny_config` (``overrides``: config knobs), fp32, eval,
+    no eos."""
     import transformers
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **overrides)
     model_class = getattr(transformers, class_name)
     with torch.device("meta"):  # count first: a config whose size knobs go by other names could be huge
         n = sum(p.numel() for p in model_class(config).parameters())

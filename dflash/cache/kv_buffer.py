@@ -42,12 +42,27 @@ class KVBuffer:
     """See the module docstring. ``kv``: optional caller storage (e.g. a view of a buffer pooled rounds share)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device,
-                 kv: "torch.Tensor | None" = None, batch: int = 1):
+                 kv: "torch.Tensor | None" = None, batch: int = 1, geometry=None):
         """``kv``: a contiguous ``[L, 2, Hkv, max_len, D]`` tensor (``batch == 1``) or ``[batch, L, 2, Hkv, max_len,
         D]`` of ``dtype`` on ``device``, zero-filled or holding only K/V values earlier passes wrote (attention
-        gives rows past a pass's keys weight 0, which needs them finite); allocated (zeros) when omitted."""
+        gives rows past a pass's keys weight 0, which needs them finite); allocated (zeros) when omitted.
+
+        ``geometry``: ``[(Hkv_l, Dk_l, Dv_l)]`` per slot when the layers' K/V differ in shape (Gemma 4's global
+        layers, MiMo-V2-Flash's sliding ones and its value heads); then ``Hkv`` / ``D`` are their maxima and slot
+        ``l``'s keys live in the corner ``[:Hkv_l, :, :Dk_l]`` of its ``[Hkv, S, D]``, its values in ``[:Hkv_l, :,
+        :Dv_l]`` (zeros elsewhere, never read). None: every slot is ``(Hkv, D, D)``, the plain layout."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"{type(self).__name__}: batch must be an int >= 1, got {batch!r}")
+        if geometry is not None:
+            geometry = [(int(g[0]), int(g[1]), int(g[-1])) for g in geometry]
+            if len(geometry) != num_layers or any(h > num_kv_heads or max(dk, dv) > head_dim
+                                                  for h, dk, dv in geometry):
+                raise ValueError(f"{type(self).__name__}: geometry must give {num_layers} (Hkv, Dk, Dv) within "
+                                 f"({num_kv_heads}, {head_dim}), got {geometry}")
+            if all(g == (num_kv_heads, head_dim, head_dim) for g in geometry):
+                geometry = None  # one geometry: the plain layout, no views
+        #: ``[(Hkv_l, Dk_l, Dv_l)]`` of each slot when they differ (None: one geometry, the whole ``[Hkv, S, D]``)
+        self.geometry = geometry
         shape = (num_layers, 2, num_kv_heads, int(max_len), head_dim)
         full = shape if batch == 1 else (batch,) + shape
         if kv is None:
@@ -155,9 +170,13 @@ class KVBuffer:
         self._check_room(T)
         end = self.length + T
         layer = self.kv[layer_idx]
-        layer[0, :, self.length : end].copy_(k)
-        layer[1, :, self.length : end].copy_(v)
-        return layer[0, :, :end], layer[1, :, :end]
+        keys, values = layer[0], layer[1]
+        if self.geometry is not None:  # this slot's corners of the padded storage
+            h, dk, dv = self.geometry[layer_idx]
+            keys, values = keys[:h, :, :dk], values[:h, :, :dv]
+        keys[:, self.length : end].copy_(k)
+        values[:, self.length : end].copy_(v)
+        return keys[:, :end], values[:, :end]
 
     def commit(self, n: int) -> None:
         """Keep the first ``n`` rows written after ``length`` (both lengths move)."""
@@ -185,12 +204,23 @@ class KVBuffer:
         the device; a sequence's rows are distinct, so the scatter has no overlap); return the layer's first
         ``keys`` rows of every sequence ``(k, v) [b, Hkv, keys, D]`` (:meth:`key_rows`)."""
         T = k.shape[-2]
+        if self.geometry is not None:  # rows padded to the storage's (Hkv, D): zeros where the slot has none
+            k, v = self._padded(k), self._padded(v)
         if self.batch == 1:  # the one-sequence form of the op (the layout is the same)
             dflash_kernels.kv_write_(self.kv_batched[0], layer_idx, start + self.rows[:T], k[0], v[0])
         else:
             dflash_kernels.kv_write_(self.kv_batched, layer_idx, start[:, None] + self.rows[:T], k, v)
         layer = self.kv_batched[:, layer_idx]
+        if self.geometry is not None:
+            h, dk, dv = self.geometry[layer_idx]
+            return layer[:, 0, :h, :keys, :dk], layer[:, 1, :h, :keys, :dv]
         return layer[:, 0, :, :keys], layer[:, 1, :, :keys]
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """A pass's rows ``[b, h, T, d]`` of a smaller slot, zero-padded to the storage's ``[b, Hkv, T, D]`` (only
+        the ``T`` new rows are copied; the cache is written in place by the one op as for one geometry)."""
+        heads, dim = self.kv_batched.shape[3], self.kv_batched.shape[-1]
+        return torch.nn.functional.pad(x, (0, dim - x.shape[-1], 0, 0, 0, heads - x.shape[1]))
 
     def freeze(self) -> None:
         """From now on passes are round passes (``length_t`` holds the committed lengths: one sequence's from its

@@ -45,6 +45,8 @@ from dflash_kernels.tree_attention import tree_attention_config
 from ..target import PREFILL_CHUNK, TargetAdapter, decoder_parts
 from ..target.head import head_shape
 from ..target import adapter as _adapter_module
+from ..target.attention import KERNEL_MAX_HEAD_DIM
+from ..target.families import config_value
 from .generate import generate
 from .options import check_tree_budget
 from .round import tree_branching
@@ -65,6 +67,18 @@ def _row_key(T: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
+def _kernel_geometries(adapter) -> List[tuple]:
+    """The distinct ``(Hkv, D)`` of the target's layers the attention kernel runs: the config's one, or each
+    per-layer geometry whose keys and values share a head dim within the kernel's (the others take the torch path:
+    :data:`dflash.target.attention.KERNEL_MAX_HEAD_DIM`)."""
+    geometry = getattr(getattr(adapter, "spec", None), "kv_geometry", None)
+    if geometry is None:
+        cfg = adapter.config
+        head_dim = config_value(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads
+        return [(config_value(cfg, "num_key_value_heads") or cfg.num_attention_heads, head_dim)]
+    return sorted({(h, dk) for h, dk, dv in geometry if dk == dv <= KERNEL_MAX_HEAD_DIM})
+
+
 def attention_row_counts(first: int, last: int, group: int, head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
     """One token count per distinct attention variant among ``T`` in ``[first, last]`` (the smallest of each).
 
@@ -161,30 +175,29 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
     first_rows, later_rows = prefill_row_ranges(int(max_prompt_len), chunk)
     with TargetAdapter(target) as adapter:
         cfg = adapter.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         hq = cfg.num_attention_heads
-        hkv = getattr(cfg, "num_key_value_heads", None) or hq
-        group, dtype = hq // hkv, adapter.dtype
+        dtype = adapter.dtype
         spec = getattr(adapter, "spec", None)
         variants = _layer_variants(adapter.windows, getattr(spec, "attn_softcaps", ()) or (),
                                    getattr(spec, "sinks", ()) or ())
-        scale = head_dim ** -0.5
+        for hkv, head_dim in _kernel_geometries(adapter):
+            group, scale = hq // hkv, head_dim ** -0.5
 
-        def counts(last: int) -> List[int]:
-            return list(attention_row_counts(1, last, group, head_dim, dtype)) if last > 0 else []
+            def counts(last: int, group=group, head_dim=head_dim) -> List[int]:
+                return list(attention_row_counts(1, last, group, head_dim, dtype)) if last > 0 else []
 
-        # Chain passes (bits None): the decode step of AR / DFlash, and the prefill chunks.
-        decode = {"ar": [1], "dflash": [B]}.get(method, [])
-        kernel_first = [v for v in variants if not _sdpa_first_chunk(v)]
-        plan = [(variants, sorted(set(decode) | set(counts(later_rows))))]
-        if kernel_first:
-            plan.append((kernel_first, [T for T in counts(first_rows) if T not in plan[0][1]]))
-        for layer_variants, rows in plan:
-            _warm_attention(hq, hkv, head_dim, dtype, device, rows, lambda T: None, layer_variants, scale)
-        if method == "ddtree":
-            tree_bits = lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device)  # noqa: E731
-            tree_counts = verify_tree_rows(B, tree_budget, adapter.vocab_size, draft)
-            _warm_attention(hq, hkv, head_dim, dtype, device, tree_counts, tree_bits, variants, scale)
+            # Chain passes (bits None): the decode step of AR / DFlash, and the prefill chunks.
+            decode = {"ar": [1], "dflash": [B]}.get(method, [])
+            kernel_first = [v for v in variants if not _sdpa_first_chunk(v)]
+            plan = [(variants, sorted(set(decode) | set(counts(later_rows))))]
+            if kernel_first:
+                plan.append((kernel_first, [T for T in counts(first_rows) if T not in plan[0][1]]))
+            for layer_variants, rows in plan:
+                _warm_attention(hq, hkv, head_dim, dtype, device, rows, lambda T: None, layer_variants, scale)
+            if method == "ddtree":
+                tree_bits = lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device)  # noqa: E731
+                tree_counts = verify_tree_rows(B, tree_budget, adapter.vocab_size, draft)
+                _warm_attention(hq, hkv, head_dim, dtype, device, tree_counts, tree_bits, variants, scale)
     if draft is not None and method != "ar":
         dc = draft.config
         draft_variants = _layer_variants([layer.sliding_window for layer in draft.layers])

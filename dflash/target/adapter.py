@@ -208,7 +208,7 @@ class TargetAdapter:
         """The ``kv`` shape of :meth:`new_cache` (the attention layers' K/V only, for hybrid targets)."""
         if self.hybrid:
             return HybridKVCache.kv_shape(self.config, self.linear_shape, max_len)
-        return TargetKVCache.kv_shape(self.config, max_len)
+        return TargetKVCache.kv_shape(self.config, max_len, self.spec.kv_geometry)
 
     def new_cache(self, max_len: int, kv: Optional[torch.Tensor] = None, batch: int = 1) -> TargetKVCache:
         """The target's cache of ``max_len`` positions for ``batch`` sequences (a :class:`HybridKVCache` for hybrid
@@ -217,7 +217,8 @@ class TargetAdapter:
         if self.hybrid:
             return HybridKVCache(self.config, self.linear_shape, max_len, dtype=self.dtype, device=self.device,
                                  kv=kv, batch=batch)
-        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch)
+        return TargetKVCache(self.config, max_len, dtype=self.dtype, device=self.device, kv=kv, batch=batch,
+                             geometry=self.spec.kv_geometry, kv_layers=self.spec.kv_layers)
 
     def embed(self, ids: torch.Tensor, raw_scale: Optional[float] = None) -> torch.Tensor:
         """Token embeddings ``[..., H]`` of ``ids [...]`` (``[T]``, or ``[b, T]``; also the drafter's block input).
@@ -325,17 +326,29 @@ class TargetAdapter:
         h = self.embed(ids)
         if self.spec.family.embed_norm:
             h = self.norm(h)
+        per_layer = self._per_layer_inputs(ids, h)
+        if self.spec.family.kv_sharing:  # what "store" layers hand the "reuse" layers of their type, this pass only
+            kw["shared_kv_states"] = {}
         rope = self._position_embeddings(h, positions)
         wanted = set(self.capture_layer_ids)
         outputs = {}
         with active_pass(attention_pass):  # for layers that do not forward **kw to their attention
             for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
+                if per_layer is not None:
+                    kw["per_layer_input"] = per_layer[:, :, idx]
                 out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings,
                             use_cache=True, **kw)
                 h = out[0] if isinstance(out, (tuple, list)) else out
                 if idx in wanted:
                     outputs[idx] = h[0] if single else h
         return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
+
+    def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
+        """Gemma 4's per-layer inputs ``[b, T, L, P]`` (None for other families), as its decoder's forward computes
+        them: the per-layer embedding of the ids combined with a projection of the embeddings ``h``."""
+        if not self.spec.family.per_layer_inputs or not getattr(self.decoder, "hidden_size_per_layer_input", None):
+            return None
+        return self.decoder.project_per_layer_inputs(h, self.decoder.get_per_layer_inputs(ids, h))
 
     def _linear_pass(self, b: int, T: int, cache, tree_bits, tree_parents, whole: bool) -> LinearPass:
         """The hybrid layers' part of a pass of ``b`` sequences (see :meth:`forward`), announced to the cache."""

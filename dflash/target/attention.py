@@ -43,7 +43,14 @@ Paths (no layer ever receives a dense mask from us):
   this pass only, ``[T, prefix_len + T]``
   (:func:`dflash_kernels.reference.tree_visibility`), never a ``[T, T]``
   prefill mask beyond one chunk; layers with a softcap or sinks (which SDPA
-  cannot express) go to :func:`dflash_kernels.reference.tree_attention`.
+  cannot express) go to :func:`dflash_kernels.reference.tree_attention`;
+* a layer whose head dim is past the kernel's 256 (Gemma 4's global layers), or whose values are narrower
+  than its keys (MiMo-V2-Flash), takes the reference backend's path on the Triton backend too
+  (:data:`KERNEL_MAX_HEAD_DIM`).
+
+Layers of one model may differ in K/V heads and head dim (Gemma 4, MiMo-V2-Flash): each gets its own corner
+of the padded cache (:class:`~dflash.cache.KVBuffer`), a view with the storage's strides; every path reads
+those strides as they are (nothing is copied).
 """
 
 from __future__ import annotations
@@ -63,6 +70,13 @@ from .patches import Patch, original
 
 ATTENTION_NAME = "dflash"
 PASS_KWARG = "dflash_pass"
+
+#: The largest head dim the tree-attention kernel takes (:func:`dflash_kernels.tree_attention`, which also needs the
+#: keys' and values' head dims equal). A layer with wider heads (Gemma 4's global layers: ``global_head_dim =
+#: 512``) or narrower values (MiMo-V2-Flash: 192-dim keys, 128-dim values) runs the reference backend's torch path
+#: on every backend (SDPA with the pass's mask, or :func:`dflash_kernels.reference.tree_attention`): the same attention,
+#: without the kernel's speed.
+KERNEL_MAX_HEAD_DIM = 256
 
 #: The :class:`AttentionPass` of the target pass running now (innermost last), for decoder layers that do not
 #: hand their attention module the layer's keyword arguments (StableLM, Nemotron call ``self_attn(...)`` with a
@@ -169,17 +183,30 @@ def dflash_attention_forward(module, query, key, value, attention_mask, scaling=
     layer = getattr(module, "layer_idx", None)
     window, softcap, sinks = attention_pass.window(layer), attention_pass.softcap(layer), attention_pass.sink(layer)
     _check_module_kwargs(module, kwargs, window, softcap, sinks)
+    backend = attention_pass.backend if _kernel_takes(key, value) else "reference"
     if attention_pass.static:
         if attention_pass.visible is not None and softcap is None and sinks is None:
             out = dflash_kernels.masked_attention(query, key, value, attention_pass.visible[window], scale=scaling)
+            return out.transpose(1, 2), None
+        if not _kernel_takes(key, value):  # past the kernel (and its input checks): the torch reference
+            out = kernel_reference.tree_attention(query, key, value, attention_pass.bits, attention_pass.prefix_len,
+                                                  scale=scaling, positions=attention_pass.positions, window=window,
+                                                  **_features(softcap, sinks))
             return out.transpose(1, 2), None
         out = dflash_kernels.tree_attention(
             query, key, value, attention_pass.bits, attention_pass.prefix_len, scale=scaling,
             positions=attention_pass.positions, window=window, softcap=softcap, sinks=sinks,
             backend=attention_pass.backend)
         return out.transpose(1, 2), None
-    out = pass_attention(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks)
+    out = pass_attention(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks,
+                         backend=backend)
     return out.transpose(1, 2), None
+
+
+def _kernel_takes(key, value) -> bool:
+    """Whether the tree-attention kernel takes a layer of these K/V: one head dim for both, at most
+    :data:`KERNEL_MAX_HEAD_DIM`."""
+    return key.shape[-1] == value.shape[-1] <= KERNEL_MAX_HEAD_DIM
 
 
 def _features(softcap, sinks) -> dict:
@@ -193,15 +220,17 @@ def _features(softcap, sinks) -> dict:
 
 
 def pass_attention(query, key, value, attention_pass: AttentionPass, window: Optional[int], scaling,
-                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[1, Hq, T, D]`` attention of one layer in one pass (see the module docstring for the paths)."""
+                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """``[1, Hq, T, D]`` attention of one layer in one pass (see the module docstring for the paths); ``backend``:
+    the pass's unless the layer's head dim is past the kernel's (:data:`KERNEL_MAX_HEAD_DIM`)."""
     T = query.shape[2]
     prefix = attention_pass.prefix_len
     causal = attention_pass.bits is None
     plain = softcap is None and sinks is None
     if causal and prefix == 0 and window is None and plain:
         return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scaling, enable_gqa=True)
-    if attention_pass.backend == "triton":
+    if (backend or attention_pass.backend) == "triton":
         return dflash_kernels.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
                                              positions=attention_pass.positions, window=window,
                                              **_features(softcap, sinks))

@@ -27,6 +27,7 @@ import torch
 import dflash_kernels
 
 from ..cache import CacheFullError, KVBuffer
+from .families import config_value
 
 __all__ = ["CacheFullError", "TargetKVCache"]
 
@@ -35,19 +36,29 @@ class TargetKVCache(KVBuffer):
     """The target's cache, duck-typed for Hugging Face attention modules (``kv=``: caller storage)."""
 
     @staticmethod
-    def kv_shape(config, max_len: int):
-        """``(L, 2, Hkv, max_len, D)`` of a target cache of ``max_len`` rows."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    def kv_shape(config, max_len: int, geometry=None):
+        """``(L, 2, Hkv, max_len, D)`` of a target cache of ``max_len`` rows. ``geometry``: each layer's ``(Hkv_l,
+        Dk_l, Dv_l)`` when they differ (the adapter's ``spec.kv_geometry``): ``Hkv`` and ``D`` are then their
+        maxima (see :class:`~dflash.cache.KVBuffer`)."""
+        if geometry is not None:
+            return (len(geometry), 2, max(g[0] for g in geometry), int(max_len),
+                    max(max(g[1:]) for g in geometry))
+        head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
+        kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
         return (config.num_hidden_layers, 2, kv_heads, int(max_len), head_dim)
 
-    def __init__(self, config, max_len: int, dtype, device, kv=None, batch: int = 1):
-        layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len)
-        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch)
+    def __init__(self, config, max_len: int, dtype, device, kv=None, batch: int = 1, geometry=None,
+                 kv_layers=None):
+        """``geometry``, ``kv_layers``: the adapter's ``spec.kv_geometry`` / ``spec.kv_layers`` (the layers that keep
+        K/V, one slot each, and their shapes; None: a slot per layer, the config's geometry)."""
+        layers, _, kv_heads, _, head_dim = self.kv_shape(config, max_len, geometry)
+        super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch, geometry=geometry)
+        self._slots = None if kv_layers is None else {layer: s for s, layer in enumerate(kv_layers)}
 
     def kv_slot(self, layer_idx: int) -> int:
-        """The ``kv`` slot of decoder layer ``layer_idx`` (every layer has one here)."""
-        return layer_idx
+        """The ``kv`` slot of decoder layer ``layer_idx`` (its index, or its place among the layers that keep K/V:
+        Gemma 4's KV-sharing layers keep none)."""
+        return layer_idx if self._slots is None else self._slots[layer_idx]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         slot = self.kv_slot(layer_idx)

@@ -57,6 +57,13 @@ Per family (:data:`FAMILIES`, keyed by ``config.model_type``):
   it takes position ids ``[3, batch, T]`` (temporal, height, width; all equal
   for text) and transformers 5.17 cannot broadcast ``[batch, T]`` there, so the
   adapter hands it ``positions`` expanded to ``rope_sections`` rows.
+* **K/V geometry per layer**: read from each attention module (:func:`_kv_geometry`); when the layers differ
+  (Gemma 4's ``global_head_dim`` layers, MiMo-V2-Flash's doubled sliding K/V heads and narrower values) the
+  cache is padded to the largest and each layer gets its corner (:class:`~dflash.cache.KVBuffer`).
+* **per-layer inputs / KV sharing** (Gemma 4): the decoder computes a ``per_layer_input`` for every layer from
+  the ids and the embeddings, which the adapter computes the same way; ``reuse`` layers attend over the K/V the
+  last ``store`` layer of their type returned from the cache, handed on in one ``shared_kv_states`` dict per
+  pass.
 * **MoE**: the experts dispatch on ``config._experts_implementation``
   (transformers' ``@use_experts_implementation``). The ``"eager"`` loop reads
   the hit experts back to the host once per MoE layer per forward; while an
@@ -142,6 +149,8 @@ class Family:
     linear_attention: Optional[str] = None  # class name of the Gated-DeltaNet module of "linear_attention" layers
     rope_sections: int = 0  # the rotary embedding takes position ids [rope_sections, batch, T] (Qwen3.5: 3)
     embed_norm: bool = False  # the decoder applies its final norm to the embeddings too, before the layers
+    per_layer_inputs: bool = False  # each layer takes a per_layer_input the decoder computes from the ids (Gemma 4)
+    kv_sharing: bool = False  # layers hand K/V on through a shared_kv_states dict of the pass (Gemma 4)
 
     @property
     def patches(self) -> Tuple[str, ...]:
@@ -182,6 +191,11 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_next": Family("Qwen3-Next", linear_attention="Qwen3NextGatedDeltaNet", moe=True),
     # nanochat: model.norm (weightless RMSNorm) on the embeddings before the layers too; a final-logit softcap
     "nanochat": Family("nanochat", final_softcap="final_logit_softcapping", embed_norm=True),
+    # Gemma 4: per-layer K/V geometry (global layers: global_head_dim), query scale 1 (q/k norms), per-layer
+    # inputs, KV sharing ("reuse" layers read the K/V an earlier "store" layer of their type returned from the cache),
+    # optional MoE block beside the MLP; attention_k_eq_v and layer_scalar live inside the modules
+    "gemma4_text": Family("Gemma 4", rope_per_layer_type=True, final_softcap="final_logit_softcapping",
+                          query_scale="module", embed_scale=True, moe=True, per_layer_inputs=True, kv_sharing=True),
 }
 
 #: Unknown families: the generic decoder shape, features probed from the modules.
@@ -194,7 +208,10 @@ def _truthy(config, key) -> bool:
 
 #: Config features no family implements here: (config predicate, feature name).
 REFUSED = (
-    (lambda c: _truthy(c, "use_bidirectional_attention"), "bidirectional attention (use_bidirectional_attention)"),
+    # Gemma 4's "vision" (image tokens attend both ways) is the multimodal model's mask: its text model is causal
+    (lambda c: _truthy(c, "use_bidirectional_attention") and not (
+        getattr(c, "model_type", None) == "gemma4_text" and c.use_bidirectional_attention == "vision"),
+     "bidirectional attention (use_bidirectional_attention)"),
     (lambda c: getattr(c, "attention_chunk_size", None) is not None, "chunked attention (attention_chunk_size)"),
     (lambda c: getattr(c, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
     # the head scales its logits after the GEMM (in the model dtype: a second rounding, which the fused argmax and
@@ -218,7 +235,9 @@ class TargetSpec:
     :func:`choose_experts_implementation`).
     ``linear_layers``: the indices of the Gated-DeltaNet layers (hybrid
     targets; empty otherwise). ``rope_sections``: rows of position ids the
-    rotary embedding takes (0: ``[batch, T]`` as usual).
+    rotary embedding takes (0: ``[batch, T]`` as usual). ``kv_geometry``, ``kv_layers``: the K/V ``(Hkv, Dk,
+    Dv)`` of each layer that keeps K/V, and those layers' indices, when the layers differ in shape or some keep
+    none (Gemma 4's KV sharing); None: a slot of the config's one geometry per layer (:func:`_kv_geometry`).
     """
 
     family: Family
@@ -233,6 +252,8 @@ class TargetSpec:
     experts: Optional[str]
     linear_layers: List[int] = field(default_factory=list)
     rope_sections: int = 0
+    kv_geometry: Optional[List[Tuple[int, int, int]]] = None
+    kv_layers: Optional[List[int]] = None
 
 
 def _float_or_none(value) -> Optional[float]:
@@ -405,23 +426,40 @@ def config_value(config, key: str, default=None):
         return default
 
 
-def _check_kv_geometry(name: str, config, layers, linear_layers) -> None:
-    """Every attention layer's K/V are ``[Hkv, D]`` of the config (one cache geometry for all layers); per-layer
-    head dims or K/V head counts are refused by name."""
+def _kv_geometry(name: str, config, layers, linear_layers):
+    """``(geometry, kv_layers)``: each K/V-keeping layer's ``(Hkv_l, Dk_l, Dv_l)`` read from its attention module
+    (``head_dim``, ``k_proj``, ``v_proj``) and the indices of those layers, or ``(None, None)`` when every attention
+    layer keeps K/V of the config's one geometry (the plain cache layout, a slot per layer). Per-layer geometries
+    (Gemma 4's global layers: ``global_head_dim``; MiMo-V2-Flash's sliding layers: twice the K/V heads, and its
+    ``v_head_dim`` values) get a padded cache whose slot of layer ``l`` is the corner ``[:Hkv_l, :, :D_l]``
+    (:class:`~dflash.cache.KVBuffer`). A layer that keeps no K/V of its own (Gemma 4's KV-sharing ``reuse``
+    layers: ``is_kv_shared_layer``, no ``k_proj``) gets no slot at all. Refused by name: either on a hybrid
+    target."""
     head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
     kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
+    geometry, kv_layers = [], []
     for i, layer in enumerate(layers):
         if i in linear_layers:
             continue
         attn = layer.self_attn
+        if getattr(attn, "is_kv_shared_layer", False):
+            continue  # reads another layer's K/V (handed on by the pass), writes none
         d = getattr(attn, "head_dim", head_dim)
-        k_proj = getattr(attn, "k_proj", None)
-        out = getattr(k_proj, "out_features", None)
-        h = out // d if isinstance(out, int) and isinstance(d, int) and d else kv_heads
-        if (d, h) != (head_dim, kv_heads):
-            raise UnsupportedTargetFeature(name, "per-layer K/V shapes",
-                                           f"layer {i} keeps {h} K/V heads of {d} dims, the config {kv_heads} of "
-                                           f"{head_dim}: the cache holds one geometry for every layer")
+        if not isinstance(d, int) or d <= 0:
+            d = head_dim
+        k_out = getattr(getattr(attn, "k_proj", None), "out_features", None)
+        h = k_out // d if isinstance(k_out, int) else kv_heads
+        v_out = getattr(getattr(attn, "v_proj", None), "out_features", None)
+        dv = v_out // h if isinstance(v_out, int) and h and v_out % h == 0 else d
+        geometry.append((h, d, dv))
+        kv_layers.append(i)
+    attention = [i for i in range(len(layers)) if i not in linear_layers]
+    if kv_layers == attention and all(g == (kv_heads, head_dim, head_dim) for g in geometry):
+        return None, None
+    if linear_layers:
+        raise UnsupportedTargetFeature(name, "per-layer K/V shapes on a hybrid target",
+                                       f"K/V (heads, key dims, value dims) of layers {kv_layers}: {geometry}")
+    return geometry, kv_layers
 
 
 def _check_scales(name: str, family: Family, config, decoder, layers, linear_layers) -> None:
@@ -490,7 +528,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     layer_types, linear_layers = _layer_kinds(name, family, config, layers)
     attention_layers = [layer for i, layer in enumerate(layers) if i not in linear_layers]
     attn_cap, final_cap, sinks = _softcaps_and_sinks(name, family, config, layers, attention_layers, linear_layers)
-    _check_kv_geometry(name, config, layers, linear_layers)
+    kv_geometry, kv_layers = _kv_geometry(name, config, layers, linear_layers)
     _check_scales(name, family, config, decoder, layers, linear_layers)
     rope_types = _rope_types(name, family, rotary_emb, layer_types, linear_layers)
     experts = _experts_choice(name, family, model, lm_head)
@@ -499,7 +537,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
         family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),
         attn_softcaps=[attn_cap] * len(layers), sinks=sinks, rope_types=rope_types, final_softcap=final_cap,
         fuse_norm=eps is not None, norm_eps=eps, experts=experts, linear_layers=linear_layers,
-        rope_sections=family.rope_sections,
+        rope_sections=family.rope_sections, kv_geometry=kv_geometry, kv_layers=kv_layers,
     )
 
 def own_check_attention(config, spec: "TargetSpec") -> Optional[str]:
@@ -530,5 +568,6 @@ def family_table() -> List[Dict[str, object]]:
                          final_softcap=f.final_softcap, sinks=f.sinks, query_scale=f.query_scale,
                          embed_scale=f.embed_scale, moe=f.moe,
                          linear_attention=f.linear_attention, rope_sections=f.rope_sections, embed_norm=f.embed_norm,
+                         per_layer_inputs=f.per_layer_inputs, kv_sharing=f.kv_sharing,
                          patches=f.patches))
     return rows

@@ -164,7 +164,7 @@ def tree_attention_mask(bits: torch.Tensor, prefix_len: int, dtype: torch.dtype 
 def _explicit_attention(q, k, v, visible, scale, softcap, sinks):
     """Grouped-head attention with softcap and sinks, float32; ``[..., Hq, T, D]``.
 
-    ``q [..., Hq, T, D]``, ``k, v [..., Hkv, S, D]`` (the same leading batch
+    ``q [..., Hq, T, D]``, ``k [..., Hkv, S, D]``, ``v [..., Hkv, S, Dv]`` (the same leading batch
     dims, or none), ``visible [T, S]`` or ``[b, T, S]`` bool. Query head ``h =
     kv * G + g`` reads kv head ``kv``: the queries are viewed as ``[..., Hkv,
     G * T, D]`` so K/V are never repeated per query head. Scores ``s = q.k *
@@ -192,7 +192,7 @@ def _explicit_attention(q, k, v, visible, scale, softcap, sinks):
     probs = weights / torch.where(total == 0, torch.ones_like(total), total)
     if sinks is not None:
         probs = probs[..., :s]
-    return torch.matmul(probs.reshape(*lead, hkv, g * t, s), v.float()).view(*lead, hq, t, d)
+    return torch.matmul(probs.reshape(*lead, hkv, g * t, s), v.float()).view(*lead, hq, t, v.shape[-1])
 
 
 def tree_attention(
