@@ -144,7 +144,7 @@ class TargetAdapter:
         # once per model: our passes compute its own forward, or it is refused (its side runs unpatched)
         probe = own_probe(model, self.layers, self.dtype, self.device, self.vocab_size,
                           attention=own_check_attention(self.config, spec),
-                          switches=experts_patches(self._experts_configs, spec.experts))
+                          switches=lambda: experts_patches(self._experts_configs, spec.experts))
         self._held = hold(self.patches())  # the model changes from here on
         try:
             check_own_forward(self, probe)

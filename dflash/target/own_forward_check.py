@@ -34,7 +34,7 @@ import contextlib
 import inspect
 import warnings
 import weakref
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -123,7 +123,7 @@ def _relative_errors(ours: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 
 def own_probe(model, decoder_layers, dtype: torch.dtype, device: torch.device, vocab: int,
-              attention: Optional[str] = None, switches: Sequence[Patch] = ()):
+              attention: Optional[str] = None, switches: Callable[[], Sequence[Patch]] = tuple):
     """The model's own side of the check, run BEFORE an adapter's patches are held (while they are, the model's
     mask functions see our attention implementation): ``(ids, logits, layer outputs)``; None when the verdict
     for this (model, dtype, device) is kept already; :data:`UNCHECKED` when the model's own forward raises (with
@@ -131,13 +131,13 @@ def own_probe(model, decoder_layers, dtype: torch.dtype, device: torch.device, v
 
     ``attention``: an attention implementation to run the model's own forward with instead of the one it was
     loaded with (``"eager"`` where the loaded one drops a softcap the checkpoint was trained with, which our
-    passes apply). ``switches``: patches held around the model's own forward so that both sides run the same
+    passes apply). ``switches()``: patches held around the model's own forward so that both sides run the same
     implementation of what the adapter switches (the MoE experts: an experts implementation computes other last
     bits, and in half precision a router near-tie then picks other experts)."""
     if (dtype, str(device)) in _VERDICTS.get(model, {}):
         return None
     ids = _probe_ids(vocab, device)
-    switch = list(switches) + ([] if attention is None else [
+    switch = list(switches()) + ([] if attention is None else [
         Patch(model.config, "_attn_implementation", attention, label="attention implementation of the forward check")])
     try:
         with hold(switch), _eval(model), plain_forward(model), torch.inference_mode():
