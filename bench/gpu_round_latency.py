@@ -202,9 +202,10 @@ class dense_mask_attention:
 
         self.module, self.real = attention, attention.pass_attention
 
-        def dense(query, key, value, attention_pass, window, scaling, softcap=None, sinks=None):
+        def dense(query, key, value, attention_pass, window, scaling, softcap=None, sinks=None, backend=None):
             if softcap is not None or sinks is not None:  # not in the pre-redesign path: keep today's
-                return self.real(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks)
+                return self.real(query, key, value, attention_pass, window, scaling, softcap=softcap, sinks=sinks,
+                                 backend=backend)
             T = query.shape[2]
             visible = reference.tree_visibility(attention_pass.bits, attention_pass.prefix_len, T,
                                                 positions=attention_pass.positions, window=window,
