@@ -11,6 +11,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 import dflash
 import dflash_kernels
 from dflash.decoding import hf as dropin
+from dropin_runs import spy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
@@ -32,18 +33,6 @@ def inputs():
     ids = torch.tensor([PROMPT])
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
-
-def spy(monkeypatch):
-    """Count the runs of our loop."""
-    calls = []
-    real = dropin.run_generation
-
-    def run(*a, **k):
-        calls.append(k.get("method"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(dropin, "run_generation", run)
-    return calls
 
 
 @pytest.mark.parametrize("method", ["ddtree", "dflash", "ar"])

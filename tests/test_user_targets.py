@@ -19,11 +19,11 @@ import torch
 import dflash
 import dflash_kernels
 from dflash import TargetAdapter
-from dflash.decoding import hf as dropin
 from dflash.decoding.parity import first_divergence
 from dflash.target import UnsupportedTargetFeature, decoder_parts
 from dflash.target.head import TargetHead, head_is_dense
 from dflash.target.quantized import row_dependence
+from dropin_runs import spy
 from tiny_models import tiny_dflash2_draft, tiny_draft, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,18 +69,6 @@ def assert_lossless(target, draft, ref, head_path=None, methods=METHODS, spread=
             div = first_divergence(target, ref[0], result.output_ids[0])
             assert spread and abs(div.logit_margin) <= spread, f"{method}: {div.describe()} (allowed {spread})"
 
-
-def spy(monkeypatch):
-    """The methods our loop ran for drop-in calls (a fallback to transformers' generate adds nothing)."""
-    calls = []
-    real = dropin.run_generation
-
-    def run(*a, **k):
-        calls.append(k.get("method"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(dropin, "run_generation", run)
-    return calls
 
 
 # ------------------------------------------------------------------ PEFT

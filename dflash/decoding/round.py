@@ -474,24 +474,24 @@ class Round:
         ids = torch.cat([self.last[:, None], self.mask_block], 1)  # [b, B]
         embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
         out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache)  # [b, B, H]
-        W = self.adapter.head  # the target's lm_head, fused or as its module (dflash.target.head)
+        lm_head = self.adapter.head  # the target's lm_head, fused or as its module (dflash.target.head)
         head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
         if self.method == "dflash":
             if self.selector_k:
-                self._draft_selector(out, head, W)
+                self._draft_selector(out, head, lm_head)
                 return
             if self.rejection:
                 self._draft_sampled_dense(head)
                 return
-            proposals = W.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
-                                 check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
+            proposals = lm_head.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
+                                       check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
             self.proposals.copy_(proposals.view(self.b, self.D))
             return
         if self.selector_tree:
-            self._draft_selector_tree(out, head, W)
+            self._draft_selector_tree(out, head, lm_head)
             return
-        logprobs, ids = W.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
-                               check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
+        logprobs, ids = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
+                                     check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
         if self.host_tree:  # the b trees in one C++ call, into the state; it knows each node's path score, so
             # it sums the masses too
@@ -530,7 +530,7 @@ class Round:
         mass = torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last)  # [b, V] fp32
         self.path_mass.copy_((mass * MASS_SCALE).long())  # exact scaling (a power of two), then floored
 
-    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, W) -> None:
+    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
 
         ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
@@ -546,8 +546,8 @@ class Round:
         draft, s = self.draft_model, self.sampling
         selector = draft.candidate_selector
         k = self.selector_k
-        logprobs, cand = W.topk(head.reshape(-1, head.shape[-1]), k, positions=self.draft_rows_flat,
-                                check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
+        logprobs, cand = lm_head.topk(head.reshape(-1, head.shape[-1]), k, positions=self.draft_rows_flat,
+                                      check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         logprobs, cand = logprobs.view(self.b, self.D, k), cand.view(self.b, self.D, k)
         projected = selector.hidden_projection(out[:, 1:])
         temperature, seed = 0.0, None
@@ -567,7 +567,7 @@ class Round:
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
 
-    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, W) -> None:
+    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
         """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
         ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
@@ -581,8 +581,8 @@ class Round:
         """
         draft = self.draft_model
         selector = draft.candidate_selector
-        unary, candidates = W.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
-                                   check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
+        unary, candidates = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
+                                         check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         unary, candidates = unary.view(self.b, self.D, self.K), candidates.view(self.b, self.D, self.K)
         projected = selector.hidden_projection(out[:, 1:])
         owns = []
