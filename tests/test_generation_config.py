@@ -171,3 +171,35 @@ def test_neutral_values_are_accepted(pair):
                           pad_token_id=0, use_cache=True, output_scores=False, attention_mask=torch.ones(1, 10),
                           stopping_criteria=StoppingCriteriaList())
     assert torch.equal(res.output_ids, ref) and torch.equal(res.sequences, ref)
+
+
+def test_pad_ids_in_a_prompt_without_a_mask_are_masked_as_transformers_infers(pair):
+    """No attention_mask and the prompt holds pad_token_id (not an eos id): transformers' generate() infers
+    ``input_ids != pad_token_id``. Leading pad ids are left padding (the same tokens); a pad id after the first
+    other token is refused by name (before: attended, a different text silently)."""
+    target, draft = pair
+    assert target.generation_config.pad_token_id == 0 and target.generation_config.eos_token_id is None
+    padded = [0, 0, 0] + PROMPT
+    with torch.inference_mode():
+        want = target.generate(torch.tensor([padded]), max_new_tokens=8, do_sample=False)
+    for method in METHODS:
+        res = dflash.generate(target, None if method == "ar" else draft, padded, method=method, max_new_tokens=8)
+        assert torch.equal(res.output_ids, want), method
+    inside = PROMPT[:4] + [0] + PROMPT[4:]
+    with pytest.raises(ValueError, match="holds pad_token_id=0 at position 4 and no attention_mask"):
+        dflash.generate(target, draft, inside, max_new_tokens=8)
+    ones = torch.ones(1, len(inside), dtype=torch.long)  # given explicitly: every token attended, as transformers
+    with torch.inference_mode():
+        want = target.generate(torch.tensor([inside]), attention_mask=ones, max_new_tokens=8, do_sample=False)
+    res = dflash.generate(target, draft, inside, attention_mask=ones, max_new_tokens=8)
+    assert torch.equal(res.output_ids, want)
+
+
+def test_a_pad_id_that_is_an_eos_id_infers_no_mask(pair):
+    """pad_token_id equal to an eos id: transformers infers nothing (every token attended); so do we."""
+    target, draft = pair
+    inside = PROMPT[:4] + [0] + PROMPT[4:]
+    with torch.inference_mode():
+        want = target.generate(torch.tensor([inside]), max_new_tokens=8, do_sample=False, eos_token_id=0)
+    res = dflash.generate(target, draft, inside, max_new_tokens=8, eos_token_id=0)
+    assert torch.equal(res.output_ids, want)

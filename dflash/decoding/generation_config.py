@@ -278,6 +278,36 @@ def _check_attention_mask(mask, input_ids, prompt_len: int):
     return mask
 
 
+def _inferred_attention_mask(input_ids, config, prompt_len: int):
+    """The attention mask transformers' ``generate()`` infers when it is given none: where the prompt holds
+    ``pad_token_id`` and that id is not an eos id, ``input_ids != pad_token_id`` (its pad tokens are masked out,
+    wherever they are); else none (every token attended). Checked as a given mask is (left padding only): a pad
+    id after a prompt's first other token is refused by name, since transformers would attend around it."""
+    pad = config.pad_token_id
+    if pad is None or isinstance(pad, (list, tuple)):
+        return None
+    eos = _token_ids(config.eos_token_id, "eos_token_id")
+    if int(pad) in eos:
+        return None
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(list(input_ids))
+    if ids.dtype not in (torch.int32, torch.int64) or not bool((ids == int(pad)).any()):
+        return None
+    mask = (ids != int(pad)).long()
+    try:
+        return _check_attention_mask(mask, input_ids, prompt_len)
+    except UnsupportedGeneration as e:
+        rows = mask if mask.dim() == 2 else mask[None]
+        r, where = next((r, row.tolist()) for r, row in enumerate(rows) if 0 in row.tolist()[row.tolist().index(1):]
+                        or 1 not in row.tolist())
+        pos = (where.index(0, where.index(1)) if 1 in where else 0)
+        raise UnsupportedGeneration(
+            "attention_mask", f"row {r} of the prompt holds pad_token_id={int(pad)} at position {pos} and no "
+            f"attention_mask was given: transformers' generate() then infers attention_mask = (input_ids != "
+            f"{int(pad)}) and masks that token out, which our loops do not (only left padding is). Pass "
+            "attention_mask= explicitly (all ones: the token is attended), or set a pad_token_id that is not in the "
+            "prompt") from e
+
+
 def _check_other_fields(config, defaults: dict) -> None:
     for name, value in config.to_dict().items():
         if name in _HANDLED or name in _INERT or value is None:
@@ -314,6 +344,7 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     kwargs.pop("tokenizer", None)  # transformers uses it only for stop_strings / token healing, both refused
     _check_call_keywords(kwargs)
     prompt_len = _prompt_length(input_ids)
+    mask_given = attention_mask is not None
     attention_mask = _check_attention_mask(attention_mask, input_ids, prompt_len)
     max_new = kwargs.get("max_new_tokens")
     if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
@@ -323,6 +354,8 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
 
     config, explicit, explicit_max_length, legacy_temperature = _merged_config(target, generation_config, kwargs)
+    if not mask_given:
+        attention_mask = _inferred_attention_mask(input_ids, config, prompt_len)
     max_new = _max_new_tokens(config, explicit_max_length, prompt_len, target)
     stop_ids = _stop_ids(config, loop_kwargs.pop("stop_token_ids", None))
     stopping_criteria = _checked_criteria(stopping_criteria)
