@@ -299,7 +299,12 @@ class TargetAdapter:
         backend = dflash_kernels.get_backend(self.device)
         features = self._has_attn_features
         visible = None
-        if cache.static and backend != "triton":
+        static = cache.static
+        if static and self._host_prefix(cache, b, T, backend):
+            # one sequence on the CPU, its committed length exact on the host: the pass attends as an eager one
+            # (every committed key unmasked, :func:`dflash_kernels.reference.split_attention`), no [T, S] mask
+            static = False
+        elif static and backend != "triton":
             S = cache.key_rows(T)
             tree_pos = positions if tree_bits is not None else None
             # one causal row over exactly its keys (an eager AR step of one sequence) sees them all: no mask where no
@@ -309,7 +314,6 @@ class TargetAdapter:
                        dflash_kernels.tree_visibility(tree_bits, cache.length_t, T, n_keys=S, positions=tree_pos,
                                                       window=w)
                        for w in set(self.windows)}
-        static = cache.static
         attention_pass = AttentionPass(
             prefix_len=cache.length_t if static else cache.length,
             bits=tree_bits if static or tree_bits is None else tree_bits[0],
@@ -342,6 +346,15 @@ class TargetAdapter:
                 if idx in wanted:
                     outputs[idx] = h[0] if single else h
         return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
+
+    @staticmethod
+    def _host_prefix(cache, b: int, T: int, backend: str) -> bool:
+        """Whether a round pass on the frozen ``cache`` may attend as an eager pass: one sequence on the CPU with
+        the reference backend, its keys bounded by the host mirror (eager rounds: :attr:`KVBuffer.key_bound`),
+        whose committed length is then exact (``length_t == length``, read by no one: the CPU is the host) and
+        leaves room for the pass's ``T`` rows (the layers' keys are then exactly ``[0, length + T)``)."""
+        return (b == 1 and cache.key_bound and backend != "triton" and cache.length_t.device.type == "cpu"
+                and cache.length + T <= cache.max_len)
 
     def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
         """Gemma 4's per-layer inputs ``[b, T, L, P]`` (None for other families), as its decoder's forward computes

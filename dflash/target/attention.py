@@ -223,25 +223,37 @@ def pass_attention(query, key, value, attention_pass: AttentionPass, window: Opt
                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                    backend: Optional[str] = None) -> torch.Tensor:
     """``[1, Hq, T, D]`` attention of one layer in one pass (see the module docstring for the paths); ``backend``:
-    the pass's unless the layer's head dim is past the kernel's (:data:`KERNEL_MAX_HEAD_DIM`)."""
+    the pass's unless the layer's head dim is past the kernel's (:data:`KERNEL_MAX_HEAD_DIM`).
+
+    On the reference path a windowed layer reads only keys ``>= prefix_len - window + 1`` (no row of the pass,
+    all at positions ``>= prefix_len``, sees an older one): the mask covers ``[T, window + T]`` at most, whatever
+    the prefix; when every remaining key is within the window of every row, the layer is attended as unwindowed.
+    """
     T = query.shape[2]
     prefix = attention_pass.prefix_len
+    positions = attention_pass.positions
     causal = attention_pass.bits is None
     plain = softcap is None and sinks is None
+    triton = (backend or attention_pass.backend) == "triton"
     if causal and prefix == 0 and window is None and plain:
         return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scaling, enable_gqa=True)
-    if (backend or attention_pass.backend) == "triton":
+    if triton:
         return dflash_kernels.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
-                                             positions=attention_pass.positions, window=window,
-                                             **_features(softcap, sinks))
+                                             positions=positions, window=window, **_features(softcap, sinks))
+    if window is not None:
+        start = max(0, prefix - window + 1)
+        if start:  # windows are relative: shifting every position by ``start`` keeps the rule
+            key, value, prefix = key[:, :, start:], value[:, :, start:], prefix - start
+            positions = None if positions is None else positions - start
+        if prefix + T <= window:  # the farthest pair (row at prefix + T - 1, key 0) is within the window
+            window = None
     if not plain:
         return kernel_reference.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
-                                               positions=attention_pass.positions, window=window,
-                                               **_features(softcap, sinks))
-    mask = None
-    if not (causal and T == 1 and window is None):  # a single causal row sees every key: no mask
-        mask = kernel_reference.tree_visibility(attention_pass.bits, prefix, T, positions=attention_pass.positions,
-                                                window=window, device=query.device)
+                                               positions=positions, window=window, **_features(softcap, sinks))
+    if window is None:
+        return kernel_reference.split_attention(query, key, value, prefix, attention_pass.bits, scale=scaling)
+    mask = kernel_reference.tree_visibility(attention_pass.bits, prefix, T, positions=positions, window=window,
+                                            device=query.device)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 

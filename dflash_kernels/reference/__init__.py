@@ -8,6 +8,7 @@ from .gather import *  # noqa: F401,F403
 from .lm_head import *  # noqa: F401,F403
 from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
+from .split_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403
 from .sampling import *  # noqa: F401,F403
 from .rejection import *  # noqa: F401,F403
