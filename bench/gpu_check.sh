@@ -6,7 +6,7 @@
 #   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh    # on a CPU machine: every step's Python, tiny shapes
 #   GPU_CHECK_STEPS=hybrid,e2e bash bench/gpu_check.sh   # only those steps (a second, shorter lease)
 #
-# Time: the whole run stays inside GPU_CHECK_BUDGET_S seconds (default 480). PLAN below gives each
+# Time: the whole run stays inside GPU_CHECK_BUDGET_S seconds (default 540). PLAN below gives each
 # step a limit; the limits add up to at most the budget, and the plan and its sum ("planned device
 # time: N s") are printed first. A step may also use what the steps before it left unused, never
 # the time the steps after it are planned to get; it ends with SIGTERM when its time is up (a pytest
@@ -25,6 +25,10 @@
 #   round:    bench/gpu_round_latency.py: one DFlash / DDTree verify round at Qwen3-8B shapes (8 of 36
 #             layers, prefix 4096): our path, our path with the pre-redesign dense-mask attention, and
 #             the plain-torch path; their features and K/V must agree
+#   long:     bench/long_prompts.py: 2k-32k-token prompts at Qwen3-8B shapes (4 layers, bf16): time to first
+#             token and per token against transformers' generate() (Triton path: the prefill's later chunks
+#             and every round's verify through the tree-attention kernel, split over the keys at a 32k
+#             prefix), dflash / ddtree round times, peak memory at 32k; tokens equal
 #   compiled: bench/gpu_compiled_round.py: eager vs generate(compile=True) (torch.compile + CUDA graphs)
 #             at Qwen3-8B shapes (4 layers): draft / verify ms per round, tokens/s; greedy tokens equal,
 #             or in bf16 a divergence at a near-tie of the target's logits (its margin is reported)
@@ -67,7 +71,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 OUT_DIR=${OUT:-bench/results/gpu_check}
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 DRY_STEP_S=${GPU_CHECK_DRY_STEP_S:-300}
@@ -87,6 +91,7 @@ PLAN=(
     tests:70
     syncs:30
     round:25
+    long:60
     compiled:75
     hybrid:30
     families:50
@@ -133,7 +138,7 @@ else
     MICRO_JSON=micro.json
 fi
 JSON_OF=([probe]="" [build]=build.json [kernels]=gpu_kernel_check.json [tests]=gpu_tests.json
-         [syncs]=gpu_round_syncs.json [round]=gpu_round_latency.json [compiled]=gpu_compiled_round.json
+         [syncs]=gpu_round_syncs.json [round]=gpu_round_latency.json [long]=long_prompts.json [compiled]=gpu_compiled_round.json
          [hybrid]=gpu_hybrid_check.json [families]=gpu_family_check.json [stress]=gpu_compaction_stress.json
          [e2e]=e2e/results.json [auto]=gpu_auto_budget.json [batch]=gpu_batch_crossover.json [micro]=$MICRO_JSON)
 
@@ -375,6 +380,10 @@ step syncs "$PY" bench/gpu_round_syncs.py --layers 4 --json "$OUT_DIR/gpu_round_
 # ---------------------------------------------------------------- round: our path vs plain torch
 step round "$PY" bench/gpu_round_latency.py --layers 8 --prefix 4096 --budgets 64,256 \
     --json "$OUT_DIR/gpu_round_latency.json" "${DRY[@]}"
+
+# ---------------------------------------------------------------- long: 2k-32k-token prompts vs transformers
+step long "$PY" bench/long_prompts.py --device cuda --shape qwen3-8b --layers 4 --dtype bfloat16 \
+    --lengths 2048,8192,16384,32768 --new-tokens 32 --reps 2 --json "$OUT_DIR/long_prompts.json" "${DRY[@]}"
 
 # ---------------------------------------------------------------- compiled: eager vs CUDA graphs
 step compiled "$PY" bench/gpu_compiled_round.py --layers 4 --prompt-len 256 --max-new-tokens 32 --repeats 2 \
