@@ -103,10 +103,8 @@ def test_model_forward_while_adapter_is_open_is_the_models_own():
 
 
 def test_reference_masks_are_small_and_gqa_is_native():
-    """Reference backend: one ``[T, L + T]`` visibility mask per eager drafter pass (shared by its layers, not
-    one per layer); none for the target's passes of one sequence on the CPU (the prefill's first chunk is causal
-    SDPA, a round's verify attends its committed keys unmasked: split_attention); SDPA with enable_gqa, no K/V
-    copies."""
+    """Reference backend: one ``[T, L + T]`` visibility mask per eager round pass (shared by its layers, not
+    one per layer), none for the first prefill chunk; SDPA with enable_gqa, no K/V copies."""
     target = tiny_target("qwen3", layers=2, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     TargetAdapter(target).close()  # the check against the model's own forward: its passes are not the generation's
@@ -126,8 +124,8 @@ def test_reference_masks_are_small_and_gqa_is_native():
             mock.patch.object(attention_module.F, "scaled_dot_product_attention", sdpa), \
             mock.patch.object(torch.Tensor, "repeat_interleave", side_effect=AssertionError("K/V copied per head")):
         result = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=10, tree_budget=5)
-    # per round: one mask for the drafter's pass; the target's verify builds none
-    assert len(shapes) == result.num_rounds
+    # per round: one mask for the drafter's pass, one for the target's verify (no window here)
+    assert len(shapes) == 2 * result.num_rounds
     # an eager round's keys stop at the host-known length + T, not the 256-row cache bucket
     assert all(shape == (1, n, S) and S < 256 for n, S, shape in shapes)  # [b, T, S], one sequence here
     assert all(kw.get("enable_gqa") for kw in sdpa_kwargs)

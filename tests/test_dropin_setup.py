@@ -19,7 +19,7 @@ import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding import hf as dropin
 from dflash.target import TargetAdapter
-from dflash.target.adapter import PREFILL_CHUNK
+from dflash.decoding.round import BATCH_PREFILL_CHUNK
 from tiny_models import tiny_draft, tiny_target
 
 
@@ -74,7 +74,8 @@ class Passes:
         result = self.results[-1]
         rows = result.rows or [result]
         rounds = max(row.num_rounds for row in rows)
-        prefill = math.ceil(int(mask.sum(1).max()) / PREFILL_CHUNK)  # a padded batch: one pass per chunk
+        # one sequence: its whole prompt in one pass; a padded batch: one pass per chunk
+        prefill = 1 if ids.shape[0] == 1 else math.ceil(int(mask.sum(1).max()) / BATCH_PREFILL_CHUNK)
         return self.count - before, prefill + rounds, out
 
 

@@ -20,7 +20,7 @@ import dflash_kernels
 from dflash.target import TargetAdapter
 from dflash.target.attention import AttentionPass, pass_attention
 from dflash_kernels import reference as kernel_reference
-from tiny_models import tiny_draft, tiny_target
+from tiny_models import tiny_draft, tiny_family_target, tiny_target
 
 split_module = importlib.import_module("dflash_kernels.reference.split_attention")  # the module, not its op
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -148,15 +148,17 @@ def _masks_built(target, draft, prompt, method, chunk):
 
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
-def test_a_long_prompt_builds_no_prefix_mask_and_stays_lossless(method):
-    """A 200-token prompt prefilled in 32-row chunks, then rounds: the target builds no mask over its committed
-    keys (before: one ``[32, prefix + 32]`` per layer and chunk, one ``[T, S]`` per round); the drafter's
-    pass keeps its one ``[B, S]`` mask per round. Tokens equal transformers'."""
+def test_rounds_at_a_long_prefix_build_no_prefix_mask_and_stay_lossless(method):
+    """A 200-token prompt (the split threshold lowered to 64 committed tokens): a round's target pass builds no
+    mask over its committed keys (before: one ``[T, S]`` per round, converted to floats by every layer); the
+    prompt's prefill, one pass, builds none either; the drafter keeps its one ``[B, S]`` mask per round.
+    Tokens equal transformers'."""
     target = tiny_target("qwen3", layers=2, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     prompt = [1 + (7 * i + 3) % 89 for i in range(200)]  # no pad id (0): transformers would mask it
     TargetAdapter(target).close()  # the forward check (its passes are not the generation's)
-    shapes, result = _masks_built(target, None if method == "ar" else draft, prompt, method, 32)
+    with mock.patch("dflash.target.adapter.SPLIT_MIN_PREFIX", 64):
+        shapes, result = _masks_built(target, None if method == "ar" else draft, prompt, method, None)
     with torch.inference_mode():
         want = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     assert torch.equal(result.output_ids, want)
@@ -164,16 +166,87 @@ def test_a_long_prompt_builds_no_prefix_mask_and_stays_lossless(method):
     assert len(shapes) == (0 if method == "ar" else result.num_rounds)
 
 
-def test_a_windowed_target_masks_only_its_window():
-    """Sliding-window layers at a 200-token prompt (window 24): every target mask covers at most window - 1 + T
-    keys, whatever the prefix."""
-    target = tiny_target("qwen3", layers=2, hidden=32, sliding_window=24)
+def test_below_the_threshold_rounds_keep_the_masked_attention():
+    """At a short prefix (and for targets that quantize their activations) a round attends as before: one mask
+    per pass, the model's own numbers bit for bit."""
+    target = tiny_target("qwen3", layers=2, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
-    prompt = [1 + (5 * i + 1) % 89 for i in range(200)]
     TargetAdapter(target).close()
-    shapes, result = _masks_built(target, draft, prompt, "ddtree", 32)
+    shapes, result = _masks_built(target, draft, list(range(1, 40)), "dflash", None)
+    assert len([s for s in shapes if s[0] == "target"]) == result.num_rounds
+
+
+def test_a_windowed_target_masks_only_its_window():
+    """Mistral (every layer windowed) at a 200-token prompt prefilled in 32-row chunks (window 24): every
+    target mask covers at most window - 1 + T keys, whatever the prefix."""
+    target = tiny_family_target("mistral", window=24)
+    target.generation_config.pad_token_id = None
+    draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
+    prompt = [1 + (5 * i + 1) % 60 for i in range(200)]
+    TargetAdapter(target).close()
+    with mock.patch("dflash.target.adapter.SPLIT_MIN_PREFIX", 64):
+        shapes, result = _masks_built(target, draft, prompt, "ddtree", 32)
     with torch.inference_mode():
         want = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     assert torch.equal(result.output_ids, want)
     target_masks = [(T, S) for who, T, S in shapes if who == "target"]
     assert target_masks and all(S <= 24 - 1 + T for T, S in target_masks), [m for m in target_masks if m[1] > 23 + m[0]]
+
+
+def _layer_calls(target):
+    calls = []
+    handle = target.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
+    return calls, handle
+
+
+def test_the_prompt_is_prefilled_in_one_pass_with_the_models_own_numbers():
+    """The default prefill: the whole prompt in one pass (transformers' generate() does the same: its time to
+    first token, and its hidden states bit for bit at a 3000-token prompt; 2048-row chunks each built a mask over
+    their prefix and took twice its time). ``prefill_chunk_size`` in the generation config chunks it, as
+    transformers then does, and stays lossless."""
+    target = tiny_target("qwen3", layers=2, hidden=32)
+    target.config.max_position_embeddings = 4096
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 90, (3000,), generator=g)
+    with torch.inference_mode():
+        own = target(ids[None], output_hidden_states=True).hidden_states[-1][0, -1]
+        with TargetAdapter(target) as adapter:
+            calls, handle = _layer_calls(target)
+            last, _ = adapter.prefill(ids, adapter.new_cache(3016))
+            handle.remove()
+            ours = adapter.norm(last)[0]
+    assert len(calls) == 1 and torch.equal(ours, own)
+    prompt = ids[:300].tolist()
+    with torch.inference_mode():
+        want = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, prefill_chunk_size=128)
+    calls, handle = _layer_calls(target)
+    res = dflash.generate(target, None, prompt, method="ar", max_new_tokens=6, prefill_chunk_size=128)
+    handle.remove()
+    assert torch.equal(res.output_ids, want) and len(calls) == 3 + 5  # 128 + 128 + 44 rows, then 5 steps
+    with pytest.raises(ValueError, match="prefill_chunk_size must be None .* or an int >= 1, got 0"):
+        dflash.generate(target, None, prompt, method="ar", max_new_tokens=6, prefill_chunk_size=0)
+
+
+def test_targets_that_quantize_activations_never_split():
+    """A module whose weight quantizes its input activations dynamically (torchao's ``act_quant_kwargs``): the
+    adapter keeps the bit-exact masked attention at every prefix."""
+    from dflash.target.quantized import quantizes_activations
+
+    target = tiny_target("qwen3", layers=2, hidden=32)
+    assert not quantizes_activations(target)
+    PerRow = type("PerRow", (), {})  # torchao's one-scale-per-token granularity, by its class name
+    target.model.layers[0].mlp.up_proj.weight.act_quant_kwargs = type("Kwargs", (), {"granularity": PerRow()})()
+    try:
+        assert quantizes_activations(target)
+        with TargetAdapter(target) as adapter, mock.patch("dflash.target.adapter.SPLIT_MIN_PREFIX", 1):
+            cache = adapter.new_cache(64)
+            cache.commit(10)
+            cache.freeze()
+            assert not adapter._split_pass(cache, 1, 4, "reference")
+    finally:
+        del target.model.layers[0].mlp.up_proj.weight.act_quant_kwargs
+    with TargetAdapter(target) as adapter, mock.patch("dflash.target.adapter.SPLIT_MIN_PREFIX", 1):
+        cache = adapter.new_cache(64)
+        cache.commit(10)
+        cache.freeze()
+        assert adapter._split_pass(cache, 1, 4, "reference")

@@ -53,6 +53,7 @@ def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: st
     options = LoopOptions(max_new_tokens=plan.max_new_tokens, sampling=plan.sampling,
                           stop_token_ids=plan.stop_token_ids, stopping_criteria=plan.stopping_criteria,
                           streamer=plan.streamer, attention_mask=plan.attention_mask, pad_token_id=plan.pad_token_id,
+                          prefill_chunk_size=plan.prefill_chunk_size,
                           **{k: v for k, v in plan.loop_kwargs.items() if k in _METHOD_KEYWORDS[method]})
     return generate_rounds(target, draft, input_ids, method, options, compile=compile,
                            max_cache_len=check_max_cache_len(max_cache_len))

@@ -129,13 +129,13 @@ SUPPORTED = {
 # behaviour), or which name the generation's plumbing rather than its output: accepted whatever they hold.
 _INERT = {
     "pad_token_id", "bos_token_id", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
-    "compile_config", "disable_compile", "prefill_chunk_size", "early_stopping", "length_penalty", "low_memory",
+    "compile_config", "disable_compile", "early_stopping", "length_penalty", "low_memory",
     "decoder_start_token_id", "transformers_version", "_from_model_config", "is_assistant", "_commit_hash",
     "return_dict_in_generate", "generation_kwargs",
 }
 # Fields this module reads.
 _HANDLED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
-            "min_length", "min_new_tokens", "num_beams", "num_return_sequences", "speculation_type"}
+            "min_length", "min_new_tokens", "num_beams", "num_return_sequences", "speculation_type", "prefill_chunk_size"}
 # Allowed (neutral) values of the other fields, besides None and transformers' global default.
 _NEUTRAL = {
     "output_attentions": (False,), "output_hidden_states": (False,), "output_scores": (False,),
@@ -192,6 +192,8 @@ class GenerationPlan:
     attention_mask: Any = None
     #: the id that pads a batch's finished rows (``pad_token_id``, else the first eos id, as transformers)
     pad_token_id: Optional[int] = None
+    #: rows per prefill pass (``prefill_chunk_size``; None: the whole prompt in one pass, as transformers)
+    prefill_chunk_size: Optional[int] = None
 
 
 def _token_ids(value, name: str) -> Tuple[int, ...]:
@@ -370,7 +372,11 @@ def resolve_generation(target, input_ids, generation_config=None, **kwargs) -> G
     if pad is None and stopping_criteria is not None and _batch_size(input_ids) > 1:
         raise UnsupportedGeneration("pad_token_id", "a batch whose rows a stopping criterion may end early needs a "
                                                     "pad_token_id (or an eos_token_id) to pad the finished rows")
-    return GenerationPlan(max_new_tokens=max_new, sampling=sampling, stop_token_ids=stop_ids,
+    chunk = config.prefill_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UnsupportedGeneration("prefill_chunk_size", f"prefill_chunk_size must be None (the whole prompt in one "
+                                                          f"pass) or an int >= 1, got {chunk!r}")
+    return GenerationPlan(prefill_chunk_size=chunk, max_new_tokens=max_new, sampling=sampling, stop_token_ids=stop_ids,
                           stopping_criteria=stopping_criteria, streamer=streamer,
                           return_dict_in_generate=bool(config.return_dict_in_generate), loop_kwargs=loop_kwargs,
                           attention_mask=attention_mask, pad_token_id=None if pad is None else int(pad))

@@ -45,7 +45,8 @@ class LoopOptions:
     DDTree always walks its tree (``"match"``), greedy rounds match the argmax
     whatever the rule. ``attention_mask``: a left-padded batch's mask ``[b, T]``
     (each row's prompt is its tokens); ``pad_token_id`` pads a batch's rows
-    that ended early, in ``result.output_ids``.
+    that ended early, in ``result.output_ids``. ``prefill_chunk_size``: rows per prefill pass (None: the whole
+    prompt in one pass, as transformers' ``generate()``).
     """
 
     max_new_tokens: int
@@ -63,6 +64,9 @@ class LoopOptions:
     acceptance: Optional[str] = None
     attention_mask: object = None
     pad_token_id: Optional[int] = None
+    #: rows per prefill pass (``generation_config.prefill_chunk_size``, as transformers chunks its prefill); None:
+    #: the whole prompt in one pass
+    prefill_chunk_size: Optional[int] = None
     #: the resolved stop ids (set by :meth:`resolve`)
     stop_ids: set = field(default_factory=set, repr=False)
 

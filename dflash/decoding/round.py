@@ -154,6 +154,11 @@ def _zeros(role, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+
+#: Rows per prefill pass of a batch (one sequence prefills its whole prompt in one pass): each pass builds a
+#: ``[b, T, S]`` visibility over the longest prompt, which chunks of this many rows bound.
+BATCH_PREFILL_CHUNK = 2048
+
 class Round:
     """The state and the two steps of one generation's rounds (see the module docstring).
 
@@ -377,13 +382,17 @@ class Round:
     def _prefill_batch(self, prompts, chunk_size: Optional[int] = None) -> None:
         """The prompts of a batch in the same causal passes: each sequence's tokens from position 0, padded on the
         right to the longest (``[b, P_max]``; a pad row comes after every real one, so causality keeps it out
-        of every real row), in chunks of :data:`~dflash.target.adapter.PREFILL_CHUNK` rows. Each pass is a round
+        of every real row), in chunks of the generation's ``prefill_chunk_size``, else
+        :data:`~dflash.target.adapter.PREFILL_CHUNK`, else :data:`BATCH_PREFILL_CHUNK` rows (each pass builds a
+        ``[b, T, S]`` visibility: chunks bound it). Each pass is a round
         pass over the frozen target cache (every sequence at its own length); then each sequence keeps its real
         rows only (``length += min(P_r - start, chunk)``), its last real row's hidden state chooses its first
         token, and its real rows' captured features go to its drafter cache (eagerly, row by row)."""
         from ..target.adapter import PREFILL_CHUNK
 
-        chunk = PREFILL_CHUNK if chunk_size is None else int(chunk_size)
+        if chunk_size is None:
+            chunk_size = self.adapter.prefill_chunk if self.adapter.prefill_chunk is not None else PREFILL_CHUNK
+        chunk = BATCH_PREFILL_CHUNK if chunk_size is None else int(chunk_size)
         device, b = self.device, self.b
         lengths = [int(p.numel()) for p in prompts]
         width = max(lengths)

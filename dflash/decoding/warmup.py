@@ -22,8 +22,8 @@ are one count each: the AR step (1), the DFlash verify and the drafter's block
 (``B``), the DDTree verify (``N + 1`` with ``N = tree_size(B - 1, K, budget)``,
 ``K = min(budget, vocab)``, a DFlash2 drafter's selector top-k: fewer than
 ``budget`` nodes when ``D`` levels of ``K`` cannot fill the budget). The prefill is not: a prompt of ``P`` tokens runs
-passes of ``PREFILL_CHUNK`` rows and a last one of the rest, anything from 1
-row up. Layers with a window, softcap or sinks run the kernel on the first
+one pass of ``P`` rows (or, with ``PREFILL_CHUNK`` set, passes of that many rows and a last one of the
+rest), anything from 1 row up. Layers with a window, softcap or sinks run the kernel on the first
 chunk too (``min(P, PREFILL_CHUNK)`` rows), plain layers only on the chunks
 after it (SDPA runs the first). :func:`attention_row_counts` gives one count
 per distinct variant in such a range, and each is launched.
@@ -151,7 +151,7 @@ def verify_tree_rows(block_size: int, tree_budget, vocab: int, draft=None) -> Li
 
 @torch.inference_mode()
 def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[int] = None,
-           tree_budget=None, temperature: float = 0.0, max_prompt_len: int = PREFILL_CHUNK) -> None:
+           tree_budget=None, temperature: float = 0.0, max_prompt_len: int = 2048) -> None:
     """Launch every kernel variant ``generate(target, draft, method=..., ...)`` with these settings uses.
 
     ``max_prompt_len``: the longest prompt to expect; every prompt up to it
@@ -171,7 +171,8 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
     generate(target, draft, prompt, **kw)
     if dflash_kernels.get_backend(device) != "triton":
         return
-    chunk = int(_adapter_module.PREFILL_CHUNK)  # read now: the adapter's prefill reads it per call
+    chunk = _adapter_module.PREFILL_CHUNK  # read now: the adapter's prefill reads it per call
+    chunk = int(max_prompt_len) if chunk is None else int(chunk)  # None: one pass of the whole prompt
     first_rows, later_rows = prefill_row_ranges(int(max_prompt_len), chunk)
     with TargetAdapter(target) as adapter:
         cfg = adapter.config

@@ -59,13 +59,23 @@ from .head import TargetHead
 from .hybrid import LINEAR_PASS_KWARG, HybridKVCache, LinearPass, linear_modules, linear_patches, linear_shape
 from .own_forward_check import check_own_forward, own_probe
 from .patches import Patch, hold
-from .quantized import check_row_independent
+from .quantized import check_row_independent, quantizes_activations
 from .wrappers import check_wrappers, unwrap_target
 
 __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "UnsupportedTargetFeature", "decoder_parts"]
 
-#: Rows per prefill pass: long prompts are prefilled in chunks of this many tokens.
-PREFILL_CHUNK = 2048
+#: Rows per prefill pass; None: the whole prompt in one pass, as transformers' ``generate()`` runs it (the same
+#: causal SDPA call over the same keys: the model's own numbers, and its time to first token). A generation whose
+#: ``generation_config.prefill_chunk_size`` is set prefills in chunks of that many rows, as transformers then does
+#: (:attr:`TargetAdapter.prefill_chunk`).
+PREFILL_CHUNK: Optional[int] = None
+
+#: A round pass of one sequence on the CPU attends its committed keys unmasked (``AttentionPass.split``,
+#: :func:`dflash_kernels.reference.split_attention`) from this many committed tokens on: there a ``[T, S]`` mask
+#: costs the masked kernel up to three times the attention's own time. Below it, and for targets that quantize
+#: their activations (whose outputs turn a last-bit difference into another quantization step), the masked
+#: attention: the model's own numbers bit for bit.
+SPLIT_MIN_PREFIX = 2048
 
 
 def decoder_parts(model):
@@ -115,6 +125,7 @@ class TargetAdapter:
         self.model = model = unwrap_target(model)
         self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb = decoder_parts(model)
         check_row_independent(model)
+        self._quantized_activations = quantizes_activations(model)
         #: the lm_head and how it runs (fused ops on its weight, or the module itself: :mod:`dflash.target.head`)
         self.head = TargetHead(self.lm_head)
         self.config = model.config
@@ -300,9 +311,10 @@ class TargetAdapter:
         features = self._has_attn_features
         visible = None
         static = cache.static
-        if static and self._host_prefix(cache, b, T, backend):
-            # one sequence on the CPU, its committed length exact on the host: the pass attends as an eager one
-            # (every committed key unmasked, :func:`dflash_kernels.reference.split_attention`), no [T, S] mask
+        split = static and self._split_pass(cache, b, T, backend)
+        if split:
+            # one sequence on the CPU at a long prefix, its committed length exact on the host: every committed
+            # key unmasked (:func:`dflash_kernels.reference.split_attention`), no [T, S] mask
             static = False
         elif static and backend != "triton":
             S = cache.key_rows(T)
@@ -323,6 +335,7 @@ class TargetAdapter:
             softcaps=self.spec.attn_softcaps if features else (),
             sinks=self.spec.sinks if features else (),
             visible=visible,
+            split=split,
         )
         kw = {self._cache_kw: cache, PASS_KWARG: attention_pass}
         if self.hybrid:
@@ -347,14 +360,15 @@ class TargetAdapter:
                     outputs[idx] = h[0] if single else h
         return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
 
-    @staticmethod
-    def _host_prefix(cache, b: int, T: int, backend: str) -> bool:
-        """Whether a round pass on the frozen ``cache`` may attend as an eager pass: one sequence on the CPU with
-        the reference backend, its keys bounded by the host mirror (eager rounds: :attr:`KVBuffer.key_bound`),
-        whose committed length is then exact (``length_t == length``, read by no one: the CPU is the host) and
-        leaves room for the pass's ``T`` rows (the layers' keys are then exactly ``[0, length + T)``)."""
+    def _split_pass(self, cache, b: int, T: int, backend: str) -> bool:
+        """Whether a round pass on the frozen ``cache`` attends its committed keys unmasked: one sequence on the
+        CPU with the reference backend, its keys bounded by the host mirror (eager rounds:
+        :attr:`KVBuffer.key_bound`), whose committed length is then exact (``length_t == length``, read by no one:
+        the CPU is the host), at least :data:`SPLIT_MIN_PREFIX` of them, room for the pass's ``T`` rows (the
+        layers' keys are then exactly ``[0, length + T)``), and a target that does not quantize its activations."""
         return (b == 1 and cache.key_bound and backend != "triton" and cache.length_t.device.type == "cpu"
-                and cache.length + T <= cache.max_len)
+                and SPLIT_MIN_PREFIX <= cache.length and cache.length + T <= cache.max_len
+                and not self._quantized_activations)
 
     def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
         """Gemma 4's per-layer inputs ``[b, T, L, P]`` (None for other families), as its decoder's forward computes
@@ -395,8 +409,12 @@ class TargetAdapter:
         tables = {t: self.rotary_emb(h, pos, t) for t in self.spec.rope_types}
         return [tables[t] for t in self.layer_types]
 
+    #: this generation's prefill chunk (``generation_config.prefill_chunk_size``; None: :data:`PREFILL_CHUNK`)
+    prefill_chunk: Optional[int] = None
+
     def prefill(self, ids: torch.Tensor, cache: TargetKVCache, chunk_size: Optional[int] = None):
-        """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (default :data:`PREFILL_CHUNK`), committing them.
+        """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (default :attr:`prefill_chunk`, else
+        :data:`PREFILL_CHUNK`; None: the whole prompt in one pass), committing them.
 
         Returns ``(last_hidden [1, H], features)``: the pre-norm hidden state of
         the last prompt row and, when the adapter captures layers, the context
@@ -404,7 +422,9 @@ class TargetAdapter:
         one buffer), else None.
         """
         P = ids.numel()
-        chunk_size = PREFILL_CHUNK if chunk_size is None else int(chunk_size)
+        if chunk_size is None:
+            chunk_size = self.prefill_chunk if self.prefill_chunk is not None else PREFILL_CHUNK
+        chunk_size = max(P, 1) if chunk_size is None else int(chunk_size)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         features = None

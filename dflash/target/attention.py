@@ -107,6 +107,10 @@ class AttentionPass:
     sinks: Sequence[Optional[torch.Tensor]] = ()
     #: fixed-shape passes, reference backend: ``{window: visible [T, S] bool}`` built once, shared by the layers
     visible: Optional[dict] = None
+    #: a round pass at a long prefix (reference backend, CPU): the committed keys attended unmasked and merged
+    #: with the pass's own by log-sum-exp (:func:`dflash_kernels.reference.split_attention`: the same attention up
+    #: to rounding); else the masked attention, the model's own numbers bit for bit
+    split: bool = False
 
     @property
     def static(self) -> bool:
@@ -250,8 +254,10 @@ def pass_attention(query, key, value, attention_pass: AttentionPass, window: Opt
     if not plain:
         return kernel_reference.tree_attention(query, key, value, attention_pass.bits, prefix, scale=scaling,
                                                positions=positions, window=window, **_features(softcap, sinks))
-    if window is None:
+    if window is None and attention_pass.split:
         return kernel_reference.split_attention(query, key, value, prefix, attention_pass.bits, scale=scaling)
+    if causal and T == 1 and window is None:  # a single causal row sees every key: no mask
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
     mask = kernel_reference.tree_visibility(attention_pass.bits, prefix, T, positions=positions, window=window,
                                             device=query.device)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)

@@ -34,7 +34,7 @@ from typing import Optional
 
 from .families import UnsupportedTargetFeature
 
-__all__ = ["check_row_independent", "row_dependence"]
+__all__ = ["check_row_independent", "quantizes_activations", "row_dependence"]
 
 #: torchao activation granularities that give each token its own scale (the class names in
 #: ``torchao.quantization.granularity``)
@@ -92,3 +92,19 @@ def check_row_independent(model) -> None:
         reason = row_dependence(module)
         if reason is not None:
             raise UnsupportedTargetFeature(type(model).__name__, f"row-dependent quantization in {name}", reason)
+
+
+def quantizes_activations(model) -> bool:
+    """Whether a module of ``model`` quantizes its input activations at run time (torchao dynamic activation
+    quantization, bitsandbytes LLM.int8): a last-bit difference in an input row can move it to another
+    quantization step, so such a target runs the attention that gives the model's own numbers bit for bit."""
+    bnb = sys.modules.get("bitsandbytes.nn")
+    linear8 = getattr(bnb, "Linear8bitLt", None)
+    for module in model.modules():
+        if linear8 is not None and isinstance(module, linear8):
+            return True
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None and getattr(weight, "act_quant_kwargs", None) is not None \
+                and getattr(weight, "act_quant_scale", None) is None:
+            return True
+    return False
