@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -236,3 +235,18 @@ def test_cli_flag(capsys):
     assert "--draft-window must be an int >= 1" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--method", "ar", "--draft-window", "4"]) == 2
     assert "method 'ar' drafts nothing" in capsys.readouterr().err
+
+
+def test_bench_script_runs_small(capsys):
+    """bench/draft_window.py at a smoke size: its table, every window's output checked against no window."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import draft_window
+    finally:
+        sys.path.pop(0)
+    report = draft_window.main(["--lengths", "48,80", "--windows", "none,8", "--max-new-tokens", "6",
+                                "--prompts", "1"])
+    assert [(r["length"], r["window"]) for r in report["rows"]] == [(48, "none"), (48, "8"), (80, "none"),
+                                                                      (80, "8")]
+    out = capsys.readouterr().out
+    assert "| prompt tokens | draft_window | tau |" in out and "| 80 | 8 |" in out
