@@ -25,7 +25,7 @@ from dflash import DFlashDraftModel, make_draft_config
 from dflash.drafter.cache import DraftKVCache
 from dflash.decoding.generation_config import UnsupportedGeneration
 from dflash.decoding import compiled
-from tiny_models import tiny_draft, tiny_target
+from tiny_models import tiny_dflash2_draft, tiny_draft, tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B = 8
@@ -141,6 +141,21 @@ def test_greedy_generation_is_the_target_s(pair, method):
         assert torch.equal(res.output_ids, ref), W
     # a window past the whole sequence is no window: the same rounds
     assert res.acceptance_lengths == plain.acceptance_lengths
+
+
+def test_dflash2_drafter_and_sampling(pair):
+    """A DFlash2 drafter (its convolutions around the same attention) stays lossless with a window; sampled
+    rounds (rejection against the drafter's q, DDTree's walk) run with it: every committed token is the
+    target's own sample whatever the drafter saw, so the distribution is the target's."""
+    target, draft = pair
+    ref = greedy(target, PROMPT, 10)
+    draft2 = tiny_dflash2_draft(target, block_size=4, target_layer_ids=[1, 2])
+    for method in ("dflash", "ddtree"):
+        res = dflash.generate(target, draft2, PROMPT, method=method, max_new_tokens=10, draft_window=2)
+        assert torch.equal(res.output_ids, ref), method
+        sampled = [dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=10, do_sample=True,
+                                   temperature=0.9, seed=5, draft_window=w).output_ids for w in (None, 2, 2)]
+        assert torch.equal(sampled[1], sampled[2]) and sampled[1].shape == sampled[0].shape
 
 
 def test_window_changes_the_drafts(pair):
