@@ -259,8 +259,8 @@ class DraftLayer(nn.Module):
         * full-attention layer: ``[a - W, a)``, the last ``W``: window ``W + 1`` at the anchor for every row;
         * anchored sliding layer of window ``Wl``: ``[a - min(W, Wl), a)``: window ``min(W, Wl) + 1`` at the
           anchor;
-        * z-lab sliding layer of window ``Wl`` (``q - k < Wl``, each row its own): ``[a - min(W, Wl - 1 - j),
-          a)``, i.e. ``k >= max(a - W, a + j - Wl + 1)``: the kernel's window stays ``Wl``, measured from
+        * z-lab sliding layer of window ``Wl`` (``q - k < Wl``, each row its own): ``[a - min(W, max(0,
+          Wl - 1 - j)), a)``, i.e. ``k >= max(a - W, a + j - Wl + 1)``: the kernel's window stays ``Wl``, measured from
           ``max(a + j, a + Wl - W - 1)`` (unchanged when ``W >= Wl - 1``). Since that moves block rows'
           positions closer together, the layer's own rule inside the block (``j - j' >= Wl`` hidden, which
           only bites when ``Wl < B``) goes into the block bits as ``band = Wl``.
