@@ -52,8 +52,9 @@ class DraftKVCache(KVBuffer):
         """``[B, ceil(B/32)]`` int32 block visibility: every bit set (each block query sees every block key),
         or with ``causal`` bit ``j'`` of row ``j`` set iff ``j' <= j``; ``band`` (an int, or None) also clears
         the bits ``j - j' >= band`` (a layer's own window inside the block, when a drafter window moves the
-        positions its kernel window is measured from: :meth:`~dflash.drafter.model.DraftLayer.round_window`). Made once per cache,
-        block size and kind, before any traced pass reads it."""
+        positions its kernel window is measured from:
+        :meth:`~dflash.drafter.model.DraftLayer.round_window`). Made once per cache, block size and kind,
+        before any traced pass reads it."""
         key = (B, causal) if band is None else (B, causal, int(band))
         bits = self._block_bits.get(key)
         if bits is None:
