@@ -179,6 +179,10 @@ def cmd_generate(args) -> int:
         from .decoding.options import check_acceptance
 
         check_acceptance(args.acceptance, args.method)  # before any model loads
+    if args.draft_window is not None:
+        from .decoding.options import check_draft_window
+
+        check_draft_window(args.draft_window, args.method)  # before any model loads
     text = _read_prompt(args)
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -198,6 +202,8 @@ def cmd_generate(args) -> int:
         kw["tree_budget"] = args.tree_budget
     if args.method != "ar" and args.acceptance is not None:
         kw["acceptance"] = args.acceptance
+    if args.draft_window is not None:
+        kw["draft_window"] = args.draft_window  # with --method ar: refused by generate, naming the keyword
     if args.compile:
         kw["compile"] = True
     it = stream(target, draft if args.method != "ar" else None, prompt, tokenizer=tokenizer, **kw)
@@ -255,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how a sampled DFlash chain accepts drafts: rejection (default: drafts sampled from the "
                           "drafter, kept with probability min(1, p/q)) or match (argmax drafts kept while they "
                           "equal the target's sample); ddtree walks its tree (match only)")
+    gen.add_argument("--draft-window", type=_int_at_least(1, "--draft-window must be an int >= 1 (the drafter "
+                                                            "attends only to the last W context rows before its "
+                                                            "block); leave it out for no window"), default=None,
+                     metavar="W", help="the drafter attends only to the last W context rows before its block "
+                                       "(dflash / ddtree; the output is unchanged, only acceptance; default: off)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     gen.add_argument("--compile", action="store_true",
                      help="compiled fixed-shape rounds (torch.compile; CUDA graphs on a GPU), set up before the "

@@ -52,6 +52,8 @@ NOT_RUN = {
     "python -m dflash generate --compile": "torch.compile of the rounds; tests/test_compiled_rounds.py compiles them",
     "python bench/drafter_tau.py": "both shipped drafters on 16 prompts; tests/test_tiny_pair.py runs it at smoke size",
     "python bench/acceptance_rules.py": "four samplings of 8 prompts; tests/test_rejection.py runs it at smoke size",
+    "python bench/draft_window.py": "long prompts (2k to 8k tokens) with and without a drafter window; "
+                                    "tests/test_draft_window.py runs it at smoke size",
     "python bench/auto_budget.py": "every fixed budget and auto on two prompt sets; tests/test_auto_budget.py runs "
                                    "it at smoke size",
     "python bench/dropin_chat.py": "a 20-call chat, eager and compiled; tests/test_dropin_setup.py runs it at "

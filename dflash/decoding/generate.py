@@ -10,14 +10,15 @@ from __future__ import annotations
 from .compiled import check_max_cache_len
 from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
 from .loop import generate_rounds
-from .options import METHODS, LoopOptions
+from .options import METHODS, LoopOptions, check_draft_window
 from .result import GenerationResult
 
 # loop keywords each method takes besides the common ones
 _METHOD_KEYWORDS = {
     "ar": {"seed", "stage_timing"},
-    "dflash": {"seed", "stage_timing", "block_size", "acceptance"},
-    "ddtree": {"seed", "stage_timing", "block_size", "tree_budget", "mask_token_id", "return_trees", "acceptance"},
+    "dflash": {"seed", "stage_timing", "block_size", "acceptance", "draft_window"},
+    "ddtree": {"seed", "stage_timing", "block_size", "tree_budget", "mask_token_id", "return_trees", "acceptance",
+               "draft_window"},
 }
 
 
@@ -38,6 +39,7 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
             allowed = ", ".join(sorted(_METHOD_KEYWORDS[method]))
             raise UnsupportedGeneration(name, f"{name} does not apply to method {method!r} (its own keywords: "
                                               f"{allowed})")
+    check_draft_window(plan.loop_kwargs.get("draft_window"), method)  # before any model runs
     return plan
 
 
@@ -89,7 +91,11 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     acceptance seen), ``mask_token_id``,
     ``return_trees``, ``stage_timing``, ``acceptance`` (how a sampled DFlash
     chain accepts drafts: ``"rejection"``, the default, or ``"match"``;
-    DDTree walks its tree, ``"match"`` only). A ``temperature > 0`` given with no
+    DDTree walks its tree, ``"match"`` only), ``draft_window`` (None, the default: off; an int ``W >= 1``:
+    the drafter attends only to the last ``W`` context rows before its block, the target's features of the
+    ``W`` committed positions before it, plus the block, each drafter layer's own sliding window still
+    applying on top; dflash and ddtree only; the output stays the target's, only acceptance changes;
+    :meth:`dflash.drafter.model.DraftLayer.round_window`). A ``temperature > 0`` given with no
     ``do_sample`` anywhere samples at that temperature (this package's
     convention before the transformers semantics). Anything our loops cannot
     serve (``num_beams > 1``, ``repetition_penalty != 1``, logits processors,

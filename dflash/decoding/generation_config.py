@@ -98,6 +98,8 @@ LOOP_KEYWORDS = {
                   "probability min(1, p/q)) or 'match' (argmax drafts kept while they equal the target's sample); "
                   "ddtree: 'match' only",
     "stage_timing": "per-stage times in the result",
+    "draft_window": "None (off) or an int W >= 1: the drafter attends only to the last W context rows before its "
+                    "block (dflash / ddtree; the output is unchanged, only acceptance)",
 }
 
 #: transformers generate keywords we serve, with their meaning here (README's table comes from this).

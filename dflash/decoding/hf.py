@@ -75,7 +75,7 @@ from ..target.wrappers import unwrap_target
 from .compiled import check_max_cache_len
 from .generate import METHODS, prepare_generation, run_generation
 from .generation_config import UnsupportedGeneration
-from .options import check_acceptance, check_pair, check_tree_budget
+from .options import check_acceptance, check_draft_window, check_pair, check_tree_budget
 
 _STATE = "_dflash_dropin"
 
@@ -136,7 +136,7 @@ def is_applied(target) -> bool:
 
 def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto", block_size=None,
           mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None,
-          compile=False, max_cache_len="auto") -> DropIn:
+          compile=False, max_cache_len="auto", draft_window: Optional[int] = None) -> DropIn:
     """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
 
     ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
@@ -145,7 +145,9 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
     ``tree_budget`` (ddtree; ``"auto"`` by default: chosen each round from
     this device's measured costs, :mod:`dflash.decoding.budget_policy`), ``block_size``, ``mask_token_id``, ``acceptance``
     (sampled DFlash chains: ``"rejection"``, the default, or ``"match"``;
-    ``"rejection"`` with ddtree is refused here): as in
+    ``"rejection"`` with ddtree is refused here), ``draft_window`` (None: off;
+    an int ``W >= 1``: the drafter attends only to the last ``W`` context rows
+    before its block; refused here with ``method="ar"``): as in
     :func:`dflash.generate`. ``compile``: False (eager rounds, the default) or
     True (compiled rounds, CUDA graphs on CUDA: as ``dflash.generate(...,
     compile=True)``; a target that cannot be traced raises
@@ -180,7 +182,10 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
         finally:
             adapter.close()
     check_acceptance(acceptance, chosen or "dflash")  # assistant_model calls run DFlash chains
+    check_draft_window(draft_window, chosen or "dflash")
     loop_kwargs = dict(stage_timing=stage_timing)
+    if draft_window is not None:
+        loop_kwargs["draft_window"] = draft_window
     if acceptance is not None and chosen != "ar":
         loop_kwargs["acceptance"] = acceptance
     if block_size is not None:

@@ -16,7 +16,7 @@ from ..drafter.config import DraftConfigError, validate_target_layer_ids
 from .generation_config import SamplingSettings
 
 __all__ = ["ACCEPTANCE_RULES", "AUTO_BUDGETS", "LoopOptions", "METHODS", "RoundShape", "check_acceptance",
-           "check_pair", "check_tree_budget", "prepare_prompts"]
+           "check_draft_window", "check_pair", "check_tree_budget", "prepare_prompts"]
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -46,7 +46,9 @@ class LoopOptions:
     whatever the rule. ``attention_mask``: a left-padded batch's mask ``[b, T]``
     (each row's prompt is its tokens); ``pad_token_id`` pads a batch's rows
     that ended early, in ``result.output_ids``. ``prefill_chunk_size``: rows per prefill pass (None: the whole
-    prompt in one pass, as transformers' ``generate()``).
+    prompt in one pass, as transformers' ``generate()``). ``draft_window``: None (off) or an int ``W >= 1``: the
+    drafter attends only to the last ``W`` context rows before its block
+    (:func:`check_draft_window`); the output is the target's whatever ``W``, only acceptance changes.
     """
 
     max_new_tokens: int
@@ -67,6 +69,7 @@ class LoopOptions:
     #: rows per prefill pass (``generation_config.prefill_chunk_size``, as transformers chunks its prefill); None:
     #: the whole prompt in one pass
     prefill_chunk_size: Optional[int] = None
+    draft_window: Optional[int] = None
     #: the resolved stop ids (set by :meth:`resolve`)
     stop_ids: set = field(default_factory=set, repr=False)
 
@@ -89,6 +92,7 @@ class LoopOptions:
         if self.return_trees and method != "ddtree":
             raise ValueError(f"return_trees applies to method 'ddtree' only, not {method!r}")
         acceptance = check_acceptance(self.acceptance, method)
+        draft_window = check_draft_window(self.draft_window, method)
         if self.sampling.greedy:
             acceptance = "match"  # the argmax draft is accepted iff it is the target's argmax, under either rule
         if method == "ar":
@@ -111,14 +115,16 @@ class LoopOptions:
             if not isinstance(budget, int):
                 buckets = budget
                 budget = buckets[-1]
-        return RoundShape(method, B, budget, mask_id, acceptance, buckets)
+        return RoundShape(method, B, budget, mask_id, acceptance, buckets, draft_window)
 
 
 @dataclass(frozen=True)
 class RoundShape:
     """The fixed shape of a generation's rounds: method, block size ``B`` (1 for AR), tree budget (0 unless
-    DDTree), the block's mask id, the acceptance rule (``"rejection"`` only for sampled DFlash chains) and,
-    for a budget chosen per round, its buckets (increasing; ``tree_budget`` is the largest; ``()``: fixed)."""
+    DDTree), the block's mask id, the acceptance rule (``"rejection"`` only for sampled DFlash chains),
+    for a budget chosen per round, its buckets (increasing; ``tree_budget`` is the largest; ``()``: fixed),
+    and the drafter window (None: off; a static int, so compiled rounds trace it as a constant and a round of
+    another window is another pool entry)."""
 
     method: str
     block_size: int
@@ -126,6 +132,7 @@ class RoundShape:
     mask_token_id: int
     acceptance: str = "match"
     budget_buckets: tuple = ()
+    draft_window: Optional[int] = None
 
 
 def check_acceptance(acceptance, method: str) -> str:
@@ -151,6 +158,23 @@ def check_acceptance(acceptance, method: str) -> str:
                              "runs; use acceptance='match' or leave it unset")
         raise ValueError(f"acceptance='rejection' applies to DFlash chains; method {method!r} drafts nothing")
     return "match"
+
+
+def check_draft_window(draft_window, method: str = "dflash") -> Optional[int]:
+    """The checked ``draft_window``: None (off: the drafter attends to every committed context row) or an int
+    ``W >= 1`` (it attends only to the last ``W`` context rows before its block, i.e. the target's features of
+    the ``W`` committed positions before the block's anchor, plus the block; each drafter layer's own sliding
+    window still applies: :meth:`dflash.drafter.model.DraftLayer.round_window`). A ValueError saying what is
+    allowed otherwise, or when ``method`` drafts nothing (``"ar"``)."""
+    if draft_window is None:
+        return None
+    if isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 1:
+        raise ValueError(f"draft_window must be an int >= 1 (the drafter attends only to the last draft_window "
+                         f"context rows before its block) or None (off: every context row), got {draft_window!r}")
+    if method not in ("dflash", "ddtree"):
+        raise ValueError(f"draft_window applies to the drafter (methods 'dflash' and 'ddtree'); method {method!r} "
+                         f"drafts nothing: leave draft_window unset")
+    return int(draft_window)
 
 
 def check_tree_budget(tree_budget):

@@ -236,8 +236,9 @@ class Round:
         self.dcache = DraftKVCache(draft.config, S_draft, dtype=draft_dtype, device=device, batch=b,
                                    kv=alloc("draft", batched(DraftKVCache.kv_shape(draft.config, S_draft)),
                                             draft_dtype, device))
-        for causal in {layer.causal for layer in draft.layers}:  # made before tracing: a traced step looks them up
-            self.dcache.block_bits(B, causal)
+        for layer in draft.layers:  # made before tracing: a traced step looks them up
+            band = layer.round_window(self.rows[:B][None], B, shape.draft_window)[2]
+            self.dcache.block_bits(B, layer.causal, band)
         width = len(adapter.capture_layer_ids) * adapter.hidden_size
         self.ctx = torch.zeros(b, B, width, dtype=adapter.dtype, device=device)
         self.ctx_count = torch.zeros(b, **long)
@@ -482,7 +483,8 @@ class Round:
         draft = self.draft_model
         ids = torch.cat([self.last[:, None], self.mask_block], 1)  # [b, B]
         embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
-        out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache)  # [b, B, H]
+        window = {} if self.shape.draft_window is None else {"draft_window": self.shape.draft_window}
+        out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache, **window)  # [b, B, H]
         lm_head = self.adapter.head  # the target's lm_head, fused or as its module (dflash.target.head)
         head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
         if self.method == "dflash":

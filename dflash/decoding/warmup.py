@@ -151,8 +151,11 @@ def verify_tree_rows(block_size: int, tree_budget, vocab: int, draft=None) -> Li
 
 @torch.inference_mode()
 def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[int] = None,
-           tree_budget=None, temperature: float = 0.0, max_prompt_len: int = 2048) -> None:
+           tree_budget=None, temperature: float = 0.0, max_prompt_len: int = 2048,
+           draft_window: Optional[int] = None) -> None:
     """Launch every kernel variant ``generate(target, draft, method=..., ...)`` with these settings uses.
+
+    ``draft_window``: the generations' drafter window (a window is a variant of the drafter's attention).
 
     ``max_prompt_len``: the longest prompt to expect; every prompt up to it
     (any length, so any short last prefill chunk) launches only warmed
@@ -168,6 +171,8 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
         kw["block_size"] = B
     if method == "ddtree":
         kw["tree_budget"] = tree_budget
+    if draft_window is not None:
+        kw["draft_window"] = draft_window
     generate(target, draft, prompt, **kw)
     if dflash_kernels.get_backend(device) != "triton":
         return
@@ -201,7 +206,9 @@ def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[i
                 _warm_attention(hq, hkv, head_dim, dtype, device, tree_counts, tree_bits, variants, scale)
     if draft is not None and method != "ar":
         dc = draft.config
-        draft_variants = _layer_variants([layer.sliding_window for layer in draft.layers])
+        draft_variants = _layer_variants([layer.sliding_window if draft_window is None else
+                                          layer.round_window(torch.zeros(1, B, dtype=torch.long), B, draft_window)[0]
+                                          for layer in draft.layers])
         _warm_attention(dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, draft.fc.weight.dtype, device,
                         [B], lambda T: torch.full((T, (T + 31) // 32), -1, dtype=torch.int32, device=device),
                         draft_variants, dc.head_dim ** -0.5)

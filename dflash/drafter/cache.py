@@ -13,7 +13,12 @@ rows are ingested eagerly (:meth:`DFlashDraftModel.ingest_context`, before
 * the block queries attend to rows ``[0, length_t[r] + count[r])`` (all
   context) and the ``B`` block rows, every one visible (the drafter is not
   causal); rows past ``length_t[r] + count[r] + B`` are stale and masked by
-  the attention;
+  the attention; with a drafter window (``draft_window=W``,
+  :meth:`~dflash.drafter.model.DFlashDraftModel.draft_block`) only the last
+  ``W`` context rows before the block are visible, by the attention's mask:
+  the cache still holds every committed row (its memory is not bounded by
+  ``W``), since rows are addressed by position and a later call may run
+  without the window;
 * :meth:`advance` adds ``count`` to ``length_t`` on the device.
 """
 
@@ -29,7 +34,8 @@ __all__ = ["DraftKVCache"]
 class DraftKVCache(KVBuffer):
     """The drafter's cache (see the module docstring; ``kv=``: caller storage)."""
 
-    #: reference backend, during a round pass: ``{window: visible [b, B, S] bool}`` shared by the layers
+    #: reference backend, during a round pass: ``{(window, causal, anchored): visible [b, B, S] bool}`` shared by
+    #: the layers of one kind
     visible = None
 
     @staticmethod
@@ -42,22 +48,31 @@ class DraftKVCache(KVBuffer):
         super().__init__(layers, kv_heads, head_dim, max_len, dtype, device, kv=kv, batch=batch)
         self._block_bits = {}
 
-    def block_bits(self, B: int, causal: bool = False) -> torch.Tensor:
+    def block_bits(self, B: int, causal: bool = False, band=None) -> torch.Tensor:
         """``[B, ceil(B/32)]`` int32 block visibility: every bit set (each block query sees every block key),
-        or with ``causal`` bit ``j'`` of row ``j`` set iff ``j' <= j``. Made once per cache, block size and
-        kind, before any traced pass reads it."""
-        bits = self._block_bits.get((B, causal))
+        or with ``causal`` bit ``j'`` of row ``j`` set iff ``j' <= j``; ``band`` (an int, or None) also clears
+        the bits ``j - j' >= band`` (a layer's own window inside the block, when a drafter window moves the
+        positions its kernel window is measured from:
+        :meth:`~dflash.drafter.model.DraftLayer.round_window`). Made once per cache, block size and kind,
+        before any traced pass reads it."""
+        key = (B, causal) if band is None else (B, causal, int(band))
+        bits = self._block_bits.get(key)
         if bits is None:
-            if causal:
-                seen = torch.ones(B, B, dtype=torch.bool).tril()
+            if causal or band is not None:
+                j = torch.arange(B)
+                seen = torch.ones(B, B, dtype=torch.bool)
+                if causal:
+                    seen &= j[None, :] <= j[:, None]
+                if band is not None:
+                    seen &= (j[:, None] - j[None, :]) < int(band)
                 words = torch.zeros(B, (B + 31) // 32, dtype=torch.int64)
-                for j in range(B):
-                    words[:, j // 32] |= seen[:, j].long() << (j % 32)
+                for k in range(B):
+                    words[:, k // 32] |= seen[:, k].long() << (k % 32)
                 words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as int32 bit patterns
                 bits = words.to(device=self.length_t.device, dtype=torch.int32)
             else:
                 bits = torch.full((B, (B + 31) // 32), -1, dtype=torch.int32, device=self.length_t.device)
-            self._block_bits[(B, causal)] = bits
+            self._block_bits[key] = bits
         return bits
 
     def write_block(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,

@@ -121,6 +121,8 @@ class DraftAttention(nn.Module):
         context_count: Optional[torch.Tensor] = None,
         causal: bool = False,
         anchored: bool = False,
+        band: Optional[int] = None,
+        kind: Optional[tuple] = None,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
@@ -135,14 +137,17 @@ class DraftAttention(nn.Module):
         its sequence's cached context and the whole block, nothing read on the
         host. K/V are read once per kv head: the Triton path runs
         :func:`dflash_kernels.tree_attention` with every block key visible
-        (GQA packed, ``window`` applied at ``block_positions [b, B]``: the rows'
-        own positions, or their block's anchor for an ``anchored`` window), the
-        reference path the pass's mask made once per (window, causal, anchored) in
-        :meth:`DFlashDraftModel.draft_block`.
+        (GQA packed, ``window`` applied at ``block_positions [b, B]``: what
+        :meth:`DraftLayer.round_window` gives, the rows' own positions, or their
+        block's anchor for an anchored or drafter window; ``band``: the block
+        bits' own band, :meth:`~dflash.drafter.cache.DraftKVCache.block_bits`),
+        the reference path the pass's mask made once per layer ``kind``
+        (:attr:`DraftLayer.kind`; default ``(window, causal, anchored)``) in
+        :meth:`DFlashDraftModel.draft_block` from the same inputs.
         """
         if cache is not None:
             return self._round(block, context, cos, sin, cache, window, block_positions, context_count, causal,
-                               anchored)
+                               anchored, band, kind)
         B, C = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos[C:], sin[C:])
@@ -152,7 +157,8 @@ class DraftAttention(nn.Module):
                                              enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
 
-    def _round(self, block, context, cos, sin, cache, window, block_positions, context_count, causal, anchored):
+    def _round(self, block, context, cos, sin, cache, window, block_positions, context_count, causal, anchored,
+               band=None, kind=None):
         """The decoding round's attention (see :meth:`forward`): ``[b * B, H]``."""
         b, C = context.shape[0], context.shape[1]
         B = block.shape[0] // b
@@ -162,10 +168,11 @@ class DraftAttention(nn.Module):
         k, v = self.project_kv(torch.cat([context, rows], 1), cos[:, None], sin[:, None])  # [b, Hkv, C + B, D]
         k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
         if cache.visible is not None:  # reference backend
-            out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[window, causal, anchored],
+            kind = (window, causal, anchored) if kind is None else kind
+            out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[kind],
                                                   scale=self.scaling)
         else:
-            out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal), prefix,
+            out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal, band), prefix,
                                                 scale=self.scaling, positions=block_positions, window=window,
                                                 backend="triton")
         return self.o_proj(out.transpose(1, 2).reshape(b * B, self.num_heads * self.head_dim))
@@ -185,6 +192,10 @@ class DraftLayer(nn.Module):
     (z-lab's rule), or, with ``sliding_window_anchored`` set (speculators'
     rule), keeps for every row of a block the ``W`` context rows before the
     block's anchor ``a`` (``a - W <= k < a``) and the block itself.
+
+    A decoding round may add a drafter window (``draft_window``, anchored:
+    :meth:`round_window`): it only ever hides context rows, and a layer sees
+    the intersection of its own window and the drafter's.
     """
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
@@ -217,6 +228,12 @@ class DraftLayer(nn.Module):
         out = sublayer(x.view(rows, H)).view(blocks)
         return conv.finish(out, d1, residual=residual.reshape(blocks)).view(rows, H)
 
+    @property
+    def kind(self) -> tuple:
+        """``(sliding_window, causal, window_anchored)``: layers of one kind see the same keys in a round (the
+        reference backend's visibility is made once per kind, :meth:`DFlashDraftModel.draft_block`)."""
+        return self.sliding_window, self.causal, self.window_anchored
+
     def window_positions(self, block_positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """The positions a layer's window is measured from: each row's own, or (``window_anchored``) the
         position of its block's anchor (rows in blocks of ``block_size``, the pass's block length; any shape
@@ -226,16 +243,58 @@ class DraftLayer(nn.Module):
         B = int(block_size)
         return block_positions.reshape(-1, B)[:, :1].expand(-1, B).reshape(block_positions.shape)
 
+    def round_window(self, block_positions: torch.Tensor, block_size: int, draft_window: Optional[int] = None):
+        """``(window, positions, band)``: what a decoding round's attention of this layer is given, the
+        kernel's ``window`` measured from ``positions [b, B]`` (``pos_q - pos_k >= window`` hides key ``k``;
+        block keys sit at the same ``positions``) and the block bits' ``band`` (None: none).
+
+        Without ``draft_window``: the layer's own window at :meth:`window_positions`, no band.
+
+        With ``draft_window = W`` (an int >= 1), block ``[a, a + B)`` (``a`` its anchor, the position of the
+        last committed token; the context rows are positions ``< a``): every block row sees only the last
+        ``W`` context rows before the block, ``a - W <= k < a``, intersected with the layer's own window, and
+        the block keys it saw without ``W`` (the drafter window never hides a block key). So block row ``j``
+        (position ``a + j``) sees the context rows
+
+        * full-attention layer: ``[a - W, a)``, the last ``W``: window ``W + 1`` at the anchor for every row;
+        * anchored sliding layer of window ``Wl``: ``[a - min(W, Wl), a)``: window ``min(W, Wl) + 1`` at the
+          anchor;
+        * z-lab sliding layer of window ``Wl`` (``q - k < Wl``, each row its own): ``[a - min(W, max(0,
+          Wl - 1 - j)), a)``, i.e. ``k >= max(a - W, a + j - Wl + 1)``: the kernel's window stays ``Wl``, measured from
+          ``max(a + j, a + Wl - W - 1)`` (unchanged when ``W >= Wl - 1``). Since that moves block rows'
+          positions closer together, the layer's own rule inside the block (``j - j' >= Wl`` hidden, which
+          only bites when ``Wl < B``) goes into the block bits as ``band = Wl``.
+
+        Effective window per layer: ``min(layer window, W)`` context rows, counted back from the anchor.
+        """
+        B = int(block_size)
+        if draft_window is None:
+            return self.sliding_window, self.window_positions(block_positions, B), None
+        W = int(draft_window)
+        anchors = block_positions.reshape(-1, B)[:, :1]
+        if self.sliding_window is None or self.window_anchored:
+            window = W + 1 if self.sliding_window is None else min(self.sliding_window, W + 1)
+            return window, anchors.expand(-1, B).reshape(block_positions.shape), None
+        Wl = int(self.sliding_window)
+        positions = torch.maximum(block_positions.reshape(-1, B), anchors + (Wl - W - 1))
+        return Wl, positions.reshape(block_positions.shape), (Wl if Wl < B else None)
+
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
-                context_count=None, block_size: Optional[int] = None):
+                context_count=None, block_size: Optional[int] = None, draft_window: Optional[int] = None):
         """``block [rows, H]`` in blocks of ``block_size`` rows (None: the config's ``block_size``; a decoding
-        round passes its own, which may be smaller)."""
+        round passes its own, which may be smaller). ``draft_window``: a decoding round's drafter window
+        (:meth:`round_window`; with ``cache`` only)."""
         B = self.block_size if block_size is None else int(block_size)
-        positions = None if block_positions is None else self.window_positions(block_positions, B)
+        window, positions, band = self.sliding_window, None, None
+        if block_positions is not None:
+            if cache is not None:
+                window, positions, band = self.round_window(block_positions, B, draft_window)
+            else:
+                positions = self.window_positions(block_positions, B)
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
-                                          window=self.sliding_window, block_positions=positions,
+                                          window=window, block_positions=positions,
                                           context_count=context_count, causal=self.causal,
-                                          anchored=self.window_anchored)
+                                          anchored=self.window_anchored, band=band, kind=self.kind)
         block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block, B)
         return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block, B)
 
@@ -330,7 +389,8 @@ class DFlashDraftModel(nn.Module):
         return self.norm(block)
 
     def draft_block(self, block_embeds: torch.Tensor, context_features: torch.Tensor,
-                    context_count: torch.Tensor, cache, block_size: Optional[int] = None) -> torch.Tensor:
+                    context_count: torch.Tensor, cache, block_size: Optional[int] = None,
+                    draft_window: Optional[int] = None) -> torch.Tensor:
         """The decoding round's drafter pass of ``b`` sequences (fixed shapes, nothing read on the host).
 
         ``block_embeds [b, B, H]``; ``context_features [b, C, n*H]`` of which
@@ -344,10 +404,23 @@ class DFlashDraftModel(nn.Module):
         (``[B, H]``, ``[C, n*H]``, count ``[1]``; returns ``[B, H]``), on a cache
         of one sequence. (``block_size``: accepted for the callers that name it;
         it is ``B``.)
+
+        ``draft_window``: None (every committed context row visible), or an int ``W >= 1``: every block row
+        attends only to the last ``W`` context rows before its block (the target's features of the ``W``
+        committed positions before the anchor, ``[a - W, a)``, fewer when fewer exist) and to its block, each
+        layer's own sliding window still applying on top (effective window ``min(layer window, W)``:
+        :meth:`DraftLayer.round_window` says exactly which rows). It goes through the attention's ``window=``
+        on both backends. The cache still holds every context row (masked, not dropped): memory is not
+        bounded by ``W``; the Triton kernel skips the key tiles before the window, the reference backend's
+        masked attention still runs over every cache row.
         """
+        if draft_window is not None and (isinstance(draft_window, bool) or not isinstance(draft_window, int)
+                                         or draft_window < 1):
+            raise ValueError(f"draft_window must be an int >= 1 (the context rows before the block the drafter "
+                             f"attends to) or None (all of them), got {draft_window!r}")
         if block_embeds.dim() == 2:
             return self.draft_block(block_embeds[None], context_features[None], context_count, cache,
-                                    block_size)[0]
+                                    block_size, draft_window)[0]
         dtype = self.fc.weight.dtype
         b, B, H = block_embeds.shape
         if block_size is not None and int(block_size) != B:
@@ -363,19 +436,18 @@ class DFlashDraftModel(nn.Module):
         cache.visible = None
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees its sequence's committed context and the whole block (causal layers: the block
-            # up to itself): [b, B, S] per distinct (window, causal, anchored)
-            cache.visible = {(layer.sliding_window, layer.causal, layer.window_anchored): None
-                             for layer in self.layers}
+            # up to itself): [b, B, S] per distinct layer kind (window, causal, anchored)
+            cache.visible = {layer.kind: None for layer in self.layers}
             for layer in self.layers:
-                key = (layer.sliding_window, layer.causal, layer.window_anchored)
+                key = layer.kind
                 if cache.visible[key] is None:
+                    window, window_positions, band = layer.round_window(block_positions, B, draft_window)
                     cache.visible[key] = dflash_kernels.tree_visibility(
-                        cache.block_bits(B, layer.causal), cache.length_t + context_count, B,
-                        n_keys=cache.key_rows(C + B), positions=layer.window_positions(block_positions, B),
-                        window=layer.sliding_window)
+                        cache.block_bits(B, layer.causal, band), cache.length_t + context_count, B,
+                        n_keys=cache.key_rows(C + B), positions=window_positions, window=window)
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
-                          context_count=context_count, block_size=B)
+                          context_count=context_count, block_size=B, draft_window=draft_window)
         cache.advance(context_count)
         return self.norm(block).view(b, B, H)
 
