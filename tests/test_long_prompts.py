@@ -1,31 +1,37 @@
 """Lossless at 32k-token prompts: every family of the table, the hybrids included, against its own ``generate()``.
 
 For each row of :data:`dflash.target.families.FAMILIES` a tiny random model of the family's own transformers class
-(fp32; hidden 16, 2 query heads over 1 K/V head of 8 dims, vocabulary 64) with ``max_position_embeddings`` past the
-prompt, a seeded random 32768-token prompt, and ``dflash.generate`` with ``method="ar"``, ``"dflash"`` and
-``"ddtree"`` (a drafter steered to the reference text, so rounds accept drafts and DDTree branches) must equal
-``model.generate(ids, do_sample=False)`` token for token (``NEW`` new tokens), on the reference ops (the CPU path;
-the Triton interpreter would take hours at this length).
+(fp32; hidden 16, one query head over one K/V head of 8 dims, vocabulary 64; one layer, two where the family's
+point is two layer types) with ``max_position_embeddings`` past the prompt, a seeded random 32768-token prompt, and
+``dflash.generate`` with ``method="ar"``, ``"dflash"`` and ``"ddtree"`` (a drafter steered to the reference text,
+so rounds accept drafts and DDTree's trees branch) must equal ``model.generate(ids, do_sample=False)`` token for
+token (``NEW`` new tokens), on the reference ops (the CPU path; the Triton interpreter would take hours here).
 
 Windowed families slide over ``WINDOW`` = 3000 positions: far below the prompt, above our prefill chunk
-(:data:`dflash.target.PREFILL_CHUNK`, 2048 rows), so every window straddles a chunk boundary, and the rows the
-prompt's last row sees start in an earlier chunk. Mistral / Phi-3 / Qwen3-MoE slide on every layer; Qwen2/3,
-Gemma2, gpt-oss alternate sliding and full layers; Gemma3 / Gemma 4 keep a sliding and a global layer (two rotary
-tables). Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) keep one Gated-DeltaNet layer and one attention layer.
+(:data:`dflash.target.PREFILL_CHUNK`, 2048 rows), so every window straddles a chunk boundary and the rows the
+prompt's last row sees start in an earlier chunk. Mistral / Phi-3 / Qwen3-MoE slide on every layer (one layer);
+Qwen2/3, Gemma2 and gpt-oss keep their one sliding layer (the softcap and the sinks on a window); Gemma3 and
+Gemma 4 a sliding and a global layer (two rotary tables; Gemma 4: 16-dim global heads, per-layer inputs,
+``attention_k_eq_v``, the MoE block; no KV-sharing layer, which would cost two more). Hybrids (Qwen3.5,
+Qwen3.5-MoE, Qwen3-Next) keep one Gated-DeltaNet layer (two value heads over one key head) and one attention
+layer. The batch test: a left-padded Llama batch of the 32k prompt and a 12k one.
 
 The model's own output is computed once per family (a module fixture shared by the three methods). For the
-families whose own prefill would materialize a ``[P, P]`` mask or eager ``[H, P, P]`` scores (sliding windows,
-Gemma2's eager softcapped attention), it runs through transformers' own chunked prefill: ``generate(...,
-prefill_chunk_size=REF_CHUNK)`` (the ``GenerationConfig`` field of transformers 5.17 and 5.24, run by
-``GenerationMixin._prefill`` of the model's own ``generate()``: the model's own forward on its own cache, chunk
-by chunk). ``REF_CHUNK`` = 3072 is not a multiple of our 2048-row chunks, so the two prefills cut the prompt at
-different rows. Families without windows (Llama, the hybrids, nanochat) prefill in one pass.
+families whose own prefill would materialize a ``[P, P]`` mask or eager ``[H, P, P]`` scores (sliding windows;
+Gemma2 and gpt-oss run eager attention for their softcap and sinks) it runs through transformers' own chunked
+prefill, ``generate(..., prefill_chunk_size=REF_CHUNK)``: the ``GenerationConfig`` field of transformers 5.17 and
+5.24, run by ``GenerationMixin._prefill`` inside the model's own ``generate()`` (the model's own forward on its
+own cache, chunk by chunk; sliding layers on its sliding-window cache). ``REF_CHUNK`` = 3072 is not a multiple
+of our 2048-row chunks, so the two prefills cut the prompt at different rows. Families without windows (Llama,
+nanochat, the hybrids) prefill in one pass.
 
-Cost on one core (torch 2.13 CPU, transformers 5.24; each of our 32k prefills is 16 chunks of masked SDPA): see
-``COSTS`` at the bottom of this docstring, measured with ``--durations``.
+Cost (seconds on one core, torch 2.13 CPU, transformers 5.24; the own generate() plus the three methods, each
+of which prefills 32k rows in 16 chunks through the reference attention: masked SDPA, and for Gemma2's softcap
+and gpt-oss' sinks the explicit torch attention, hence their share):
+llama 23, qwen2 27, qwen3 26, mistral 19, phi3 18, gemma2 72, gemma3 52, qwen3_moe 29, gpt_oss 93, qwen3_5 20,
+qwen3_5_moe 21, qwen3_next 20, nanochat 19, gemma4 56, the batch 33: about 535 s in all, over the 4 minutes
+wanted, at the smallest sizes that keep each family's features (tests/shard_costs.json books it).
 """
-
-import time
 
 import pytest
 import torch
@@ -34,6 +40,8 @@ import dflash
 import dflash_kernels
 from dflash.target import families
 from tiny_models import RiggedDraft, tiny_draft, tiny_family_target, tiny_hybrid_target
+
+pytestmark = pytest.mark.slow  # about 9 minutes on one core (the cost above)
 
 P = 32768
 NEW = 12
@@ -74,14 +82,19 @@ BUILDERS = {
     "gemma2": (_dense("gemma2"), True),
     "gemma3_text": (_dense("gemma3", layers=2), True),
     "qwen3_moe": (_dense("qwen3_moe"), True),
-    "gpt_oss": (_dense("gpt_oss"), True),
+    # yarn over a quarter of the positions (the factor the config's lengths imply: no mismatch warning)
+    "gpt_oss": (_dense("gpt_oss", rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=MAX_POS // 4,
+        beta_fast=32.0, beta_slow=1.0, truncate=False)), True),
     "qwen3_5_text": (_hybrid("qwen3_5"), False),
     "qwen3_5_moe_text": (_hybrid("qwen3_5_moe"), False),
     "qwen3_next": (_hybrid("qwen3_next"), False),
     "nanochat": (_zoo("nanochat", "NanoChatForCausalLM", num_hidden_layers=1), False),
     "gemma4_text": (_zoo("gemma4_text", "Gemma4ForCausalLM", num_hidden_layers=2, sliding_window=WINDOW,
                          layer_types=["sliding_attention", "full_attention"], global_head_dim=16,
-                         num_global_key_value_heads=1, final_logit_softcapping=3.0), True),
+                         num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
+                         num_experts=4, top_k_experts=2, moe_intermediate_size=16, final_logit_softcapping=3.0),
+                    True),
 }
 
 
@@ -104,9 +117,7 @@ def case(request):
     build, chunked = BUILDERS[request.param]
     target = build()
     ids = _prompt()
-    t0 = time.perf_counter()
     ref = _own(target, ids, chunked)
-    print(f"\n{request.param}: own generate {time.perf_counter() - t0:.1f}s")
     layers = target.config.get_text_config().num_hidden_layers
     draft = tiny_draft(target, block_size=4, layers=1, target_layer_ids=[0, layers - 1])
     return request.param, target, draft, ids, ref
