@@ -70,6 +70,12 @@ __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "Unsupporte
 #: (:attr:`TargetAdapter.prefill_chunk`).
 PREFILL_CHUNK: Optional[int] = None
 
+#: Rows per prefill pass of a target with a layer that cannot run causal SDPA over a whole prompt (a sliding
+#: window, an attention softcap, sinks, a head dim past the kernel's): such a layer's pass builds a ``[T, S]``
+#: visibility or scores (``[P, P]`` for a one-pass prompt: 4 GiB of floats at 32k tokens, as transformers' own
+#: one-pass prefill builds), which chunks of this many rows bound (a windowed layer's to ``[T, window + T]``).
+MASKED_PREFILL_CHUNK = 2048
+
 #: A round pass of one sequence on the CPU attends its committed keys unmasked (``AttentionPass.split``,
 #: :func:`dflash_kernels.reference.split_attention`) from this many committed tokens on: there a ``[T, S]`` mask
 #: costs the masked kernel up to three times the attention's own time. Below it, and for targets that quantize
@@ -146,6 +152,9 @@ class TargetAdapter:
         self.norm_eps = spec.norm_eps
         self._has_attn_features = any(c is not None for c in spec.attn_softcaps) or any(
             s is not None for s in spec.sinks)
+        #: whether a layer attends with a visibility beyond causal SDPA's (a window, a softcap, sinks): its
+        #: prefill runs in chunks (:data:`MASKED_PREFILL_CHUNK`)
+        self.masked_layers = self._has_attn_features or any(w is not None for w in self.windows)
         self._outputs: Dict[int, torch.Tensor] = {}
         self._experts_configs = list({id(m.config): m.config for m in experts_modules(model)}.values())
         #: hybrid targets: the Gated-DeltaNet geometry and modules (None / empty for dense targets)
@@ -414,7 +423,8 @@ class TargetAdapter:
 
     def prefill(self, ids: torch.Tensor, cache: TargetKVCache, chunk_size: Optional[int] = None):
         """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (default :attr:`prefill_chunk`, else
-        :data:`PREFILL_CHUNK`; None: the whole prompt in one pass), committing them.
+        :data:`PREFILL_CHUNK`, else, for a target with a masked layer (:attr:`masked_layers`),
+        :data:`MASKED_PREFILL_CHUNK`; None: the whole prompt in one pass), committing them.
 
         Returns ``(last_hidden [1, H], features)``: the pre-norm hidden state of
         the last prompt row and, when the adapter captures layers, the context
@@ -424,6 +434,8 @@ class TargetAdapter:
         P = ids.numel()
         if chunk_size is None:
             chunk_size = self.prefill_chunk if self.prefill_chunk is not None else PREFILL_CHUNK
+        if chunk_size is None and self.masked_layers:
+            chunk_size = MASKED_PREFILL_CHUNK
         chunk_size = max(P, 1) if chunk_size is None else int(chunk_size)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
