@@ -193,26 +193,44 @@ class TargetCapture:
 
 @torch.no_grad()
 def capture_target(adapter: TargetAdapter, ids: torch.Tensor, num_context_layers: int, logit_layer: int,
-                   cache=None) -> TargetCapture:
+                   cache=None, segments: Optional[Sequence[int]] = None,
+                   chunk_size: Optional[int] = None) -> TargetCapture:
     """Run the frozen target on ``ids [T]`` (positions 0..T-1) and split its captured layers.
 
     ``adapter`` must capture ``target_layer_ids + [logit_layer]`` in that
     order; the context is the first ``n`` layers' concat, the labels' hidden
     the logit layer's output. ``cache`` (a TargetKVCache of >= T rows) is
     reused when given (cropped to 0 first).
+
+    The pass is the adapter's chunked prefill (causal chunks of
+    ``chunk_size`` rows, default :data:`~dflash.target.adapter.PREFILL_CHUNK`):
+    the target's transient memory is that of one chunk over its prefix, never
+    a ``[T, T]`` score or mask, whatever ``T``. ``segments`` (the lengths of
+    the samples of a packed sequence, summing to ``T``): one pass per sample,
+    each from an empty cache at positions ``0..len-1``, so no sample's
+    features see another sample (exactly the features of the sample trained
+    alone).
     """
     n = int(num_context_layers)
     if len(adapter.capture_layer_ids) != n + 1 or adapter.capture_layer_ids[-1] != logit_layer:
         raise ValueError(f"the adapter must capture the {n} context layers then the logit layer {logit_layer}, "
                          f"it captures {adapter.capture_layer_ids}")
     T = ids.numel()
+    lengths = [T] if segments is None else [int(x) for x in segments]
+    if sum(lengths) != T or any(x < 1 for x in lengths):
+        raise ValueError(f"segments {lengths} must be positive lengths summing to the sequence's {T} tokens")
     if cache is None:
-        cache = adapter.new_cache(T)
-    cache.crop(0)
-    adapter.forward(ids, torch.arange(T, device=ids.device), cache)
+        cache = adapter.new_cache(max(lengths))
     H = adapter.hidden_size
-    context = adapter.context_features()[:, : n * H]
-    return TargetCapture(context=context, logit_hidden=adapter.captured_layer(logit_layer))
+    features = torch.empty(T, (n + 1) * H, dtype=adapter.dtype, device=adapter.device)
+    start = 0
+    for length in lengths:
+        cache.crop(0)
+        _, feats = adapter.prefill(ids[start:start + length], cache, chunk_size=chunk_size)
+        features[start:start + length] = feats
+        start += length
+    cache.crop(0)
+    return TargetCapture(context=features[:, : n * H], logit_hidden=features[:, n * H:])
 
 
 @torch.no_grad()
