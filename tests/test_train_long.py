@@ -280,3 +280,29 @@ def test_cli_window_flags_refused_with_init(byte_target_dir, train_data, tmp_pat
     rc = main(_common(byte_target_dir, train_data, tmp_path / "o") + ["--init", str(init), "--steps", "1",
                                                                       "--sliding-window", "16"])
     assert rc == 2 and "the checkpoint's config sets its layers" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the tau-against-length benchmark
+
+
+def test_tau_vs_prompt_length_script_runs_small(tmp_path, capsys):
+    """``bench/tau_vs_prompt_length.py`` at two short lengths: one row per length, DFlash and DDTree tau, the
+    target's bits/byte, the Markdown table."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tau_vs_prompt_length.py"
+    spec = importlib.util.spec_from_file_location("tau_vs_prompt_length", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "tau.json"
+    report = module.main(["--lengths", "32,96", "--prompts", "1", "--new-tokens", "8", "--budgets", "4",
+                          "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [r["prompt_tokens"] for r in report["rows"]] == [32, 96]
+    for r in report["rows"]:
+        assert 1.0 <= r["dflash"] <= report["block_size"] and 1.0 <= r["ddtree_4"] <= report["block_size"]
+        assert r["target_bits_per_byte"] > 0
+    assert "| prompt tokens | DFlash tau | DDTree-4 tau |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        module.main(["--lengths", "0,64"])
