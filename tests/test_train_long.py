@@ -306,3 +306,23 @@ def test_tau_vs_prompt_length_script_runs_small(tmp_path, capsys):
     assert "| prompt tokens | DFlash tau | DDTree-4 tau |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         module.main(["--lengths", "0,64"])
+
+
+def test_train_long_memory_step_runs_small():
+    """``bench/train_long_memory.py``'s measured step (packed, checkpointed, windowed) at smoke size, in this
+    process."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "train_long_memory.py"
+    spec = importlib.util.spec_from_file_location("train_long_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        row = module.child(dict(seq_len=96, blocks=2, layers=2, target=str(module.DEFAULT_TARGET), sliding_window=16,
+                                pack=2, grad_checkpoint=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert row["seq_len"] == 96 and row["pack"] == 2 and row["blocks"] == 2 and row["grad_checkpoint"]
+    assert row["peak_extra_mib"] >= 0 and row["loss"] > 0
