@@ -3,7 +3,7 @@
 Run::
 
     python bench/tau_vs_prompt_length.py [--lengths 256,1024,2048,4096,8192] [--prompts 8] [--new-tokens 64]
-        [--budgets 32] [--drafter DIR] [--json out.json]
+        [--budgets 32] [--drafter DIR] [--window W] [--json out.json]
 
 The tiny target with the shipped DFlash drafter (``dflash/assets/tiny``; another drafter directory with
 ``--drafter``), CPU, fp32, one thread, greedy (T = 0), no stop token. Prompts: ``--prompts`` per length,
@@ -17,6 +17,12 @@ pooled. The tiny target was pretrained on 256-byte windows (``max_position_embed
 drafter on 384-token sequences, so this column says whether a drop in tau comes with the target itself
 leaving its trained range (the drafter is asked to predict a target that behaves differently) or with
 the drafter alone (a context longer than any it saw in training).
+
+``--window W`` runs the same weights with every drafter layer a sliding-window layer of ``W`` tokens
+(z-lab's rule: block row ``j`` at position ``a + j`` sees context positions ``> a + j - W``; the
+drafter's own non-causal block attention kept), so the drafter attends to about as much context as it
+trained on, whatever the prompt length. That is what a drafter config with sliding-window layers does
+at inference; a run-time window on the committed context does the same up to the block's ``B - 1`` rows.
 """
 
 from __future__ import annotations
@@ -60,6 +66,20 @@ def target_bits_per_byte(target, prompts, tail: int = 256) -> float:
     return total / max(count, 1) / math.log(2)
 
 
+def with_window(draft, window: int):
+    """``draft``'s weights in a drafter whose every layer is a (non-causal) sliding-window layer of ``window``."""
+    import copy
+
+    config = copy.deepcopy(draft.config)
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    config.sliding_window = int(window)
+    config.use_sliding_window = True
+    config.is_causal = False
+    windowed = type(draft)(config)
+    windowed.load_state_dict(draft.state_dict())
+    return windowed.to(next(draft.parameters()).dtype).eval()
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=_ints, default=DEFAULT_LENGTHS, help="prompt lengths in tokens (bytes)")
@@ -67,11 +87,15 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--budgets", type=_ints, default=[32], help="DDTree node budgets")
     p.add_argument("--drafter", default=None, help="a drafter directory (default: the shipped tiny drafter)")
+    p.add_argument("--window", type=int, default=None,
+                   help="run the drafter with every layer a sliding-window layer of W tokens (same weights)")
     p.add_argument("--no-target-bpb", action="store_true", help="skip the target bits/byte column")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1:
         p.error("--prompts and --new-tokens must be >= 1")
+    if args.window is not None and args.window < 1:
+        p.error(f"--window must be >= 1 (tokens of context the drafter sees), got {args.window}")
 
     import dflash_kernels
     from dflash.decoding.drafter import DFlashDraftModel
@@ -86,6 +110,8 @@ def main(argv=None) -> dict:
         drafter_dir = Path(args.drafter) if args.drafter else DRAFT_DIR
         if args.drafter:
             draft = DFlashDraftModel.from_pretrained(args.drafter, dtype=torch.float32)
+        if args.window is not None:
+            draft = with_window(draft, args.window)
         methods = [("dflash", None)] + [("ddtree", b) for b in args.budgets]
         rows = []
         with dflash_kernels.force_backend("reference"):
@@ -111,7 +137,8 @@ def main(argv=None) -> dict:
         data = log.get("data", {})
         if data.get("sequences"):
             trained_on = round(data.get("tokens", 0) / data["sequences"])
-    report = dict(drafter=str(drafter_dir), block_size=draft.block_size, new_tokens=args.new_tokens,
+    report = dict(drafter=str(drafter_dir), window=args.window, block_size=draft.block_size,
+                  new_tokens=args.new_tokens,
                   budgets=args.budgets, drafter_trained_on_tokens_per_sequence=trained_on,
                   target_max_position_embeddings=target.config.max_position_embeddings, rows=rows)
     heads = ["prompt tokens", "DFlash tau"] + [f"DDTree-{b} tau" for b in args.budgets]
@@ -119,7 +146,8 @@ def main(argv=None) -> dict:
         heads.append("target bits/byte (last 256)")
     print(f"\ntiny pair, greedy, {args.prompts} held-out prompts per length x {args.new_tokens} new tokens, "
           f"CPU fp32, block {draft.block_size}" + (f", drafter trained on {trained_on}-token sequences"
-                                                   if trained_on else "") + "\n")
+                                                   if trained_on else "")
+          + (f", every drafter layer a {args.window}-token window" if args.window else "") + "\n")
     print("| " + " | ".join(heads) + " |")
     print("|" + "---:|" * len(heads))
     for r in rows:

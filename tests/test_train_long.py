@@ -297,8 +297,8 @@ def test_tau_vs_prompt_length_script_runs_small(tmp_path, capsys):
     spec.loader.exec_module(module)
     out = tmp_path / "tau.json"
     report = module.main(["--lengths", "32,96", "--prompts", "1", "--new-tokens", "8", "--budgets", "4",
-                          "--json", str(out)])
-    assert json.loads(out.read_text()) == report
+                          "--window", "40", "--json", str(out)])
+    assert json.loads(out.read_text()) == report and report["window"] == 40
     assert [r["prompt_tokens"] for r in report["rows"]] == [32, 96]
     for r in report["rows"]:
         assert 1.0 <= r["dflash"] <= report["block_size"] and 1.0 <= r["ddtree_4"] <= report["block_size"]
@@ -306,6 +306,11 @@ def test_tau_vs_prompt_length_script_runs_small(tmp_path, capsys):
     assert "| prompt tokens | DFlash tau | DDTree-4 tau |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         module.main(["--lengths", "0,64"])
+    # --window: the same weights, every layer a non-causal sliding-window layer
+    draft = DFlashDraftModel.from_pretrained(report["drafter"], dtype=torch.float32)
+    windowed = module.with_window(draft, 40)
+    assert [(layer.sliding_window, layer.causal) for layer in windowed.layers] == [(40, False)] * len(draft.layers)
+    assert all(torch.equal(a, b) for a, b in zip(windowed.state_dict().values(), draft.state_dict().values()))
 
 
 def test_train_long_memory_step_runs_small():
