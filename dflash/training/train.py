@@ -28,7 +28,16 @@ The shipped tiny drafter (``dflash/assets/tiny/drafter``) comes from::
         --eval-every 500 --final-eval --seed 0 --threads 1
 
 (one CPU thread; ``train_log.json`` next to the weights holds the measured
-numbers). With ``--steps`` alone the learning-rate schedule depends on the
+numbers).
+
+Long sequences (2k-8k tokens and more): ``--max-length`` crops, the target's
+pass runs in causal chunks (never a ``[T, T]`` score), ``--grad-checkpoint``
+recomputes the drafter's layers in the backward, and memory grows linearly
+with ``T`` (``bench/train_long_memory.py``). ``--pack`` fills sequences of
+``--max-length`` tokens with several short samples without any block seeing
+another sample. ``--sliding-window W`` (with ``--layer-types`` to mix
+``full`` and ``sliding`` layers) trains a fresh drafter whose sliding layers
+see what they will see at inference. With ``--steps`` alone the learning-rate schedule depends on the
 step count only, so the run is reproducible step for step for a seed;
 ``--minutes`` makes it depend on the machine's speed.
 """
