@@ -60,6 +60,9 @@ NOT_RUN = {
                                    "smoke size",
     "python bench/train_world_parity.py": "three trainings of the tiny drafter; tests/test_train_distributed.py "
                                          "checks the same equality at test size",
+    "python bench/tau_vs_prompt_length.py": "prompts up to 8k tokens; tests/test_train_long.py runs it at smoke size",
+    "python bench/train_long_memory.py": "a fresh process per length up to 8k tokens; tests/test_train_long.py runs "
+                                         "its step at smoke size",
 }
 
 

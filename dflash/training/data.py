@@ -41,8 +41,8 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ..tiny.corpus import line_start_prompts
-from .records import (DataError, TrainingSequence, read_prompts_jsonl, read_training_jsonl, valid_anchor_mask,
-                      write_jsonl)
+from .records import (DataError, TrainingSequence, pack_sequences, read_prompts_jsonl, read_training_jsonl,
+                      segment_starts, sequence_anchor_mask, valid_anchor_mask, write_jsonl)
 
 __all__ = [
     "DataError",
@@ -52,6 +52,9 @@ __all__ = [
     "build_greedy_records",
     "write_jsonl",
     "valid_anchor_mask",
+    "sequence_anchor_mask",
+    "segment_starts",
+    "pack_sequences",
     "read_training_jsonl",
     "read_prompts_jsonl",
     "build_parser",

@@ -46,7 +46,7 @@ from .distributed import (World, full_parameters, full_tensor, gradient_scale, g
                           load_full_, shard_target_layers, wrap_drafter)
 from .evaluation import distributed_tau, final_eval_table
 from .objective import BlockTrainingConfig, default_gamma, resolve_logit_layer, sequence_weight_sum, step_loss
-from .records import read_prompts_jsonl, read_training_jsonl
+from .records import pack_sequences, read_prompts_jsonl, read_training_jsonl
 from .state import StateError, TrainingState, load_state, save_state
 
 __all__ = ["LOG_NAME", "STATE_SUBDIR", "JSONL_LOG_NAME", "SAVE_DTYPES", "lr_at", "batch_indices", "rank_positions",
@@ -133,6 +133,9 @@ def _new_drafter(args, target, tokenizer) -> DFlashDraftModel:
         extra = dflash2_config(cfg.hidden_size, cfg.vocab_size, args.block_size,
                                conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                                selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
+    window, types = getattr(args, "sliding_window", None), getattr(args, "layer_types", None)
+    if window is not None or types is not None:
+        extra.update(layer_types=types or ["sliding_attention"] * args.layers, sliding_window=window)
     config = make_draft_config(
         hidden_size=cfg.hidden_size, num_hidden_layers=args.layers,
         num_attention_heads=args.heads or cfg.num_attention_heads,
@@ -300,6 +303,32 @@ def _check_args(args, world: World) -> None:
         raise ValueError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     if args.shard_target and args.parallel != "fsdp":
         raise ValueError("--shard-target needs --parallel fsdp")
+    if args.max_length is not None and args.max_length < 1:
+        raise ValueError(f"--max-length must be a positive number of tokens, got {args.max_length}")
+    if getattr(args, "pack", False) and args.max_length is None:
+        raise ValueError("--pack needs --max-length: the length of a packed sequence (e.g. --max-length 4096)")
+    _check_window_args(args)
+
+
+def _check_window_args(args) -> None:
+    """``--sliding-window`` / ``--layer-types``: a fresh drafter's attention layout, checked before any loading."""
+    window, types = getattr(args, "sliding_window", None), getattr(args, "layer_types", None)
+    if window is None and types is None:
+        return
+    if args.init or args.resume:
+        raise ValueError("--sliding-window / --layer-types shape a fresh drafter; with --init or --resume the "
+                         "checkpoint's config sets its layers (drop these flags)")
+    if window is not None and window < 1:
+        raise ValueError(f"--sliding-window must be >= 1 (tokens of context a block row sees), got {window}")
+    if types is not None:
+        if len(types) != args.layers:
+            raise ValueError(f"--layer-types lists {len(types)} layer type(s) for --layers {args.layers}: give one "
+                             "per drafter layer")
+        sliding = "sliding_attention" in types
+        if sliding and window is None:
+            raise ValueError("--layer-types has sliding_attention layers: give their window with --sliding-window W")
+        if window is not None and not sliding:
+            raise ValueError(f"--sliding-window {window} but --layer-types has no sliding_attention layer")
 
 
 def _train(args, world: World) -> dict:
@@ -395,6 +424,9 @@ class _TrainRun:
         args, draft, target = self.args, self.draft, self.target
         self.sequences = read_training_jsonl(args.data, self.vocab, self.block_size, tokenizer=self.tokenizer,
                                              max_length=args.max_length)
+        self.samples = len(self.sequences)
+        if getattr(args, "pack", False):
+            self.sequences = pack_sequences(self.sequences, args.max_length, self.block_size)
         self.adapter = TargetAdapter(target, list(draft.target_layer_ids) + [
             resolve_logit_layer(args.logit_layer, draft.target_layer_ids, target.config.num_hidden_layers)])
         _check_pair(self.adapter, draft)
@@ -596,11 +628,14 @@ class _TrainRun:
             "train_minutes": round(train_seconds / 60, 2),
             "train_loss_last_log": last[0]["loss"],
             "block_tau_last_log": last[0]["block_tau"],
-            "data": {"file": str(args.data), "sequences": len(self.sequences),
+            "data": {"file": str(args.data), "sequences": len(self.sequences), "samples": self.samples,
+                     "packed": bool(getattr(args, "pack", False)), "max_length": args.max_length,
                      "tokens": int(sum(s.input_ids.numel() for s in self.sequences)),
                      "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in self.sequences))},
             "drafter": {"layers": self.draft.config.num_hidden_layers, "block_size": self.block_size,
                         "target_layer_ids": list(self.draft.target_layer_ids), "logit_layer": self.cfg.logit_layer,
+                        "layer_types": list(getattr(self.draft.config, "layer_types", None) or []),
+                        "sliding_window": getattr(self.draft.config, "sliding_window", None),
                         "parameters": sum(p.numel() for p in self.draft.parameters()),
                         "storage_dtype": args.save_dtype, **self._dflash2_summary()},
             "hyperparameters": self._hyperparameters(),

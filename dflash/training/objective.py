@@ -27,6 +27,13 @@ the final norm and the lm_head is exactly the target's choice):
    the anchor token has not been through the target yet) and
    ``M[b*B+j, C+b'*B+j'] = 0`` iff ``b' == b`` (bidirectional inside the
    block, never another block); ``-inf`` (dtype min) elsewhere.
+   A packed sequence (several samples end to end, ``segments``; see
+   :mod:`.records`) runs one target pass per sample (positions restart at 0),
+   takes its anchors inside one sample, gives every row its position inside
+   its sample, and also hides the context rows of other samples:
+   ``M[b*B+j, p] = 0`` iff ``s_b <= p < a_b`` with ``s_b`` the first row of
+   the anchor's sample. Each block's loss is then exactly the loss it has when
+   its sample is trained alone.
 4. Labels: the target's greedy choice at block position ``k >= 1`` (absolute
    position ``a+k``) is its argmax after position ``a+k-1``::
 
@@ -71,7 +78,7 @@ from dflash_kernels.reference.lm_head import soft_cap
 from ..drafter.model import DFlash2DraftModel, DFlashDraftModel
 from ..target import TargetAdapter
 from ..target.head import TargetHead
-from .records import TrainingSequence, valid_anchor_mask
+from .records import TrainingSequence, segment_starts, sequence_anchor_mask
 from .selector_objective import selector_block_losses
 
 __all__ = [
@@ -128,23 +135,29 @@ def sample_anchors(valid: torch.Tensor, count: int, generator: Optional[torch.Ge
     return candidates[pick].sort().values
 
 
-def block_visibility(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+def block_visibility(anchors: torch.Tensor, block_size: int, context_len: int,
+                     context_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bool ``[nb*B, C + nb*B]``: which keys each block query sees.
 
-    Query ``b*B + j`` sees context row ``p`` iff ``p < anchors[b]`` and block
-    key ``C + b'*B + j'`` iff ``b' == b``.
+    Query ``b*B + j`` sees context row ``p`` iff ``s_b <= p < anchors[b]`` and
+    block key ``C + b'*B + j'`` iff ``b' == b``; ``s_b = context_start[b]``,
+    the first row of the anchor's sample in a packed sequence (default 0).
     """
     nb, B, C = anchors.numel(), int(block_size), int(context_len)
     q_block = torch.arange(nb, device=anchors.device).repeat_interleave(B)  # [nb*B]
-    ctx = torch.arange(C, device=anchors.device)[None, :] < anchors[q_block][:, None]  # [nb*B, C]
+    p = torch.arange(C, device=anchors.device)[None, :]
+    ctx = p < anchors[q_block][:, None]  # [nb*B, C]
+    if context_start is not None:
+        ctx &= p >= context_start.to(anchors.device)[q_block][:, None]
     blk = q_block[:, None] == q_block[None, :]  # [nb*B, nb*B]
     return torch.cat([ctx, blk], dim=1)
 
 
 def block_attention_mask(anchors: torch.Tensor, block_size: int, context_len: int,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         dtype: torch.dtype = torch.float32,
+                         context_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Additive ``[nb*B, C + nb*B]`` mask of :func:`block_visibility` (0 visible, dtype min hidden)."""
-    visible = block_visibility(anchors, block_size, context_len)
+    visible = block_visibility(anchors, block_size, context_len, context_start)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible,
                                                                                        torch.finfo(dtype).min)
 
@@ -193,26 +206,44 @@ class TargetCapture:
 
 @torch.no_grad()
 def capture_target(adapter: TargetAdapter, ids: torch.Tensor, num_context_layers: int, logit_layer: int,
-                   cache=None) -> TargetCapture:
+                   cache=None, segments: Optional[Sequence[int]] = None,
+                   chunk_size: Optional[int] = None) -> TargetCapture:
     """Run the frozen target on ``ids [T]`` (positions 0..T-1) and split its captured layers.
 
     ``adapter`` must capture ``target_layer_ids + [logit_layer]`` in that
     order; the context is the first ``n`` layers' concat, the labels' hidden
     the logit layer's output. ``cache`` (a TargetKVCache of >= T rows) is
     reused when given (cropped to 0 first).
+
+    The pass is the adapter's chunked prefill (causal chunks of
+    ``chunk_size`` rows, default :data:`~dflash.target.adapter.PREFILL_CHUNK`):
+    the target's transient memory is that of one chunk over its prefix, never
+    a ``[T, T]`` score or mask, whatever ``T``. ``segments`` (the lengths of
+    the samples of a packed sequence, summing to ``T``): one pass per sample,
+    each from an empty cache at positions ``0..len-1``, so no sample's
+    features see another sample (exactly the features of the sample trained
+    alone).
     """
     n = int(num_context_layers)
     if len(adapter.capture_layer_ids) != n + 1 or adapter.capture_layer_ids[-1] != logit_layer:
         raise ValueError(f"the adapter must capture the {n} context layers then the logit layer {logit_layer}, "
                          f"it captures {adapter.capture_layer_ids}")
     T = ids.numel()
+    lengths = [T] if segments is None else [int(x) for x in segments]
+    if sum(lengths) != T or any(x < 1 for x in lengths):
+        raise ValueError(f"segments {lengths} must be positive lengths summing to the sequence's {T} tokens")
     if cache is None:
-        cache = adapter.new_cache(T)
-    cache.crop(0)
-    adapter.forward(ids, torch.arange(T, device=ids.device), cache)
+        cache = adapter.new_cache(max(lengths))
     H = adapter.hidden_size
-    context = adapter.context_features()[:, : n * H]
-    return TargetCapture(context=context, logit_hidden=adapter.captured_layer(logit_layer))
+    features = torch.empty(T, (n + 1) * H, dtype=adapter.dtype, device=adapter.device)
+    start = 0
+    for length in lengths:
+        cache.crop(0)
+        _, feats = adapter.prefill(ids[start:start + length], cache, chunk_size=chunk_size)
+        features[start:start + length] = feats
+        start += length
+    cache.crop(0)
+    return TargetCapture(context=features[:, : n * H], logit_hidden=features[:, n * H:])
 
 
 @torch.no_grad()
@@ -226,7 +257,8 @@ def target_labels(adapter: TargetAdapter, logit_hidden: torch.Tensor, rows: torc
 
 def drafter_block_losses(draft: DFlashDraftModel, lm_head, block_embeds: torch.Tensor,
                          context: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
-                         weights: torch.Tensor, fused: bool = True, forward: Optional[Callable] = None):
+                         weights: torch.Tensor, fused: bool = True, forward: Optional[Callable] = None,
+                         row_starts: Optional[torch.Tensor] = None):
     """Weighted per-position losses ``[nb, B-1]`` and the block states ``[nb*B, H]``.
 
     ``lm_head``: the target's :class:`~dflash.target.head.TargetHead` (``adapter.head``), or its weight ``[V, H]``.
@@ -235,6 +267,9 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head, block_embeds: torch.T
     [nb]``, ``labels [nb, B-1]``, ``weights [B]`` (:func:`loss_weights`).
     ``fused=False`` is the naive path (full ``[nb*B, V]`` logits, then
     ``F.cross_entropy``), kept for the memory benchmark and as a check.
+    ``row_starts`` (a packed sequence: :func:`~.records.segment_starts`, at
+    least ``C`` rows): row ``r`` sits at position ``r - row_starts[r]`` of its
+    sample, and a block sees only its anchor's sample's context rows.
     """
     nb, B = anchors.numel(), int(weights.numel())
     C = context.shape[0]
@@ -244,8 +279,15 @@ def drafter_block_losses(draft: DFlashDraftModel, lm_head, block_embeds: torch.T
         raise ValueError(f"context has {C} rows but an anchor is at {int(anchors.max())}")
     dev = block_embeds.device
     offsets = torch.arange(B, device=dev)
-    positions = torch.cat([torch.arange(C, device=dev), (anchors[:, None] + offsets).flatten()])
-    mask = block_attention_mask(anchors, B, C, dtype=draft.fc.weight.dtype)
+    rows_c = torch.arange(C, device=dev)
+    if row_starts is None:
+        positions = torch.cat([rows_c, (anchors[:, None] + offsets).flatten()])
+        mask = block_attention_mask(anchors, B, C, dtype=draft.fc.weight.dtype)
+    else:
+        starts = row_starts.to(dev)
+        anchor_start = starts[anchors]
+        positions = torch.cat([rows_c - starts[:C], ((anchors - anchor_start)[:, None] + offsets).flatten()])
+        mask = block_attention_mask(anchors, B, C, dtype=draft.fc.weight.dtype, context_start=anchor_start)
     states = (forward or draft)(block_embeds, context, positions, attn_mask=mask, block_size=B)  # [nb*B, H]
     rows = (torch.arange(nb, device=dev)[:, None] * B + offsets[None, 1:]).flatten()  # k >= 1
     w = weights[1:].to(dev).repeat(nb)
@@ -304,7 +346,7 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
     dev = adapter.device
     ids = seq.input_ids.to(dev)
     if anchors is None:
-        anchors = sample_anchors(valid_anchor_mask(seq.loss_mask, B), cfg.blocks_per_seq, generator)
+        anchors = sample_anchors(sequence_anchor_mask(seq, B), cfg.blocks_per_seq, generator)
     anchors = anchors.to(dev)
     n = len(draft.target_layer_ids)
     label_rows = (anchors[:, None] + torch.arange(B - 1, device=dev)).flatten()  # a + k - 1, k = 1..B-1
@@ -312,7 +354,7 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
         context, all_labels = store[seq.line]
         labels = all_labels[label_rows]
     else:
-        cap = capture_target(adapter, ids, n, cfg.logit_layer, cache)
+        cap = capture_target(adapter, ids, n, cfg.logit_layer, cache, segments=seq.segments)
         context = cap.context
         if store is not None:
             all_labels = target_labels(adapter, cap.logit_hidden, torch.arange(ids.numel() - 1, device=dev))
@@ -334,8 +376,9 @@ def sequence_block_losses(draft: DFlashDraftModel, adapter: TargetAdapter, seq: 
     with torch.no_grad():
         embeds = adapter.embed(block_ids.flatten(), raw_scale=draft.input_embedding_scale)
     weights = loss_weights(B, cfg.gamma)
+    starts = None if seq.segments is None else segment_starts(seq).to(dev)
     losses, states = drafter_block_losses(draft, adapter.head, embeds, context, anchors, labels, weights,
-                                          fused=cfg.fused, forward=forward)
+                                          fused=cfg.fused, forward=forward, row_starts=starts)
     out = dict(labels=labels, anchors=anchors, weight_sum=weights.sum() * anchors.numel())
     if isinstance(draft, DFlash2DraftModel):
         prev = ids[anchors[:, None] + torch.arange(B - 1, device=dev)]  # [nb, B-1]: x[a + k - 1], k = 1..B-1
@@ -357,7 +400,7 @@ def sequence_weight_sum(seq: TrainingSequence, cfg: BlockTrainingConfig) -> floa
     distributed step can compute the global batch's normaliser
     ``W = sum over all sequences of the step`` without communicating.
     """
-    valid = int(valid_anchor_mask(seq.loss_mask, cfg.block_size).sum())
+    valid = int(sequence_anchor_mask(seq, cfg.block_size).sum())
     return float(loss_weights(cfg.block_size, cfg.gamma).sum()) * min(int(cfg.blocks_per_seq), valid)
 
 

@@ -9,6 +9,14 @@ One sequence per line, in either form::
 regenerated chat data: the assistant tokens the target wrote). Other keys
 (``source``, ``turn``) are ignored by the reader. Every error names the file
 and the line.
+
+Packing (:func:`pack_sequences`, ``python -m dflash train --pack``) puts
+several samples end to end into one sequence of at most ``--max-length``
+tokens. A packed sequence keeps its samples' lengths (``segments``): each
+sample's target features come from its own target pass at positions
+``0..len-1``, its blocks take their anchors inside it and see only its own
+context rows at its own positions, so every block computes exactly what it
+computes when its sample is trained alone.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -25,6 +33,9 @@ __all__ = [
     "TrainingSequence",
     "write_jsonl",
     "valid_anchor_mask",
+    "sequence_anchor_mask",
+    "segment_starts",
+    "pack_sequences",
     "read_training_jsonl",
     "read_prompts_jsonl",
 ]
@@ -36,11 +47,18 @@ class DataError(ValueError):
 
 @dataclass
 class TrainingSequence:
-    """One training sequence: ``input_ids [T]`` and ``loss_mask [T]`` (bool), from ``line`` of the file."""
+    """One training sequence: ``input_ids [T]`` and ``loss_mask [T]`` (bool), from ``line`` of the file.
+
+    A packed sequence (:func:`pack_sequences`) also carries ``segments``, the
+    lengths of its samples in order (summing to ``T``), and ``lines``, their
+    lines; ``line`` is then its first sample's line.
+    """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     line: int
+    segments: Optional[Tuple[int, ...]] = None
+    lines: Optional[Tuple[int, ...]] = None
 
 
 def write_jsonl(records: Sequence[dict], path: Union[str, Path]) -> Path:
@@ -69,6 +87,66 @@ def valid_anchor_mask(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
     a = torch.arange(1, T - B + 1)
     valid[a] = (m[a + B] - m[a + 1]) == (B - 1)
     return valid
+
+
+def segment_starts(seq: TrainingSequence) -> torch.Tensor:
+    """int64 ``[T]``: the first row of the sample each row belongs to (all 0 for an unpacked sequence).
+
+    Row ``r``'s position inside its sample is ``r - segment_starts(seq)[r]``.
+    """
+    T = seq.input_ids.numel()
+    if seq.segments is None:
+        return torch.zeros(T, dtype=torch.long)
+    lengths = torch.tensor(seq.segments, dtype=torch.long)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts, lengths)
+
+
+def sequence_anchor_mask(seq: TrainingSequence, block_size: int) -> torch.Tensor:
+    """:func:`valid_anchor_mask` of each sample of ``seq`` in turn: a packed sequence's blocks start and end
+    inside one sample, with at least one of its rows before the anchor."""
+    if seq.segments is None:
+        return valid_anchor_mask(seq.loss_mask, block_size)
+    return torch.cat([valid_anchor_mask(m, block_size) for m in torch.split(seq.loss_mask, list(seq.segments))])
+
+
+def pack_sequences(sequences: Sequence[TrainingSequence], max_length: int,
+                   block_size: int) -> List[TrainingSequence]:
+    """Samples packed end to end, in order, into sequences of at most ``max_length`` tokens.
+
+    Next-fit in file order (deterministic): a sample joins the current pack
+    while the pack stays within ``max_length``, else it starts the next one.
+    Each pack keeps its samples' lengths (``segments``) and lines; see the
+    module docstring for what that guarantees. Raises ValueError for a
+    ``max_length`` below one block plus one context token or a sample longer
+    than ``max_length`` (crop first: ``read_training_jsonl(max_length=)``).
+    """
+    B, limit = int(block_size), int(max_length)
+    if limit < B + 1:
+        raise ValueError(f"a packed length of {limit} tokens holds no block: it must be >= {B + 1} (one block of "
+                         f"{B} plus one context token)")
+    packs: List[List[TrainingSequence]] = []
+    size = 0
+    for seq in sequences:
+        n = seq.input_ids.numel()
+        if n > limit:
+            raise ValueError(f"line {seq.line}: a sample of {n} tokens does not fit a packed length of {limit}")
+        if seq.segments is not None:
+            raise ValueError(f"line {seq.line}: already packed")
+        if not packs or size + n > limit:
+            packs.append([])
+            size = 0
+        packs[-1].append(seq)
+        size += n
+    out = []
+    for group in packs:
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        out.append(TrainingSequence(torch.cat([s.input_ids for s in group]), torch.cat([s.loss_mask for s in group]),
+                                    group[0].line, segments=tuple(s.input_ids.numel() for s in group),
+                                    lines=tuple(s.line for s in group)))
+    return out
 
 
 def _parse_line(path, lineno: int, line: str) -> dict:

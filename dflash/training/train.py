@@ -28,7 +28,16 @@ The shipped tiny drafter (``dflash/assets/tiny/drafter``) comes from::
         --eval-every 500 --final-eval --seed 0 --threads 1
 
 (one CPU thread; ``train_log.json`` next to the weights holds the measured
-numbers). With ``--steps`` alone the learning-rate schedule depends on the
+numbers).
+
+Long sequences (2k-8k tokens and more): ``--max-length`` crops, the target's
+pass runs in causal chunks (never a ``[T, T]`` score), ``--grad-checkpoint``
+recomputes the drafter's layers in the backward, and memory grows linearly
+with ``T`` (``bench/train_long_memory.py``). ``--pack`` fills sequences of
+``--max-length`` tokens with several short samples without any block seeing
+another sample. ``--sliding-window W`` (with ``--layer-types`` to mix
+``full`` and ``sliding`` layers) trains a fresh drafter whose sliding layers
+see what they will see at inference. With ``--steps`` alone the learning-rate schedule depends on the
 step count only, so the run is reproducible step for step for a seed;
 ``--minutes`` makes it depend on the machine's speed.
 """
@@ -82,6 +91,20 @@ def _int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+LAYER_TYPE_NAMES = {"full_attention": "full_attention", "full": "full_attention",
+                    "sliding_attention": "sliding_attention", "sliding": "sliding_attention"}
+
+
+def _layer_types(text: str) -> List[str]:
+    names = [x for x in text.replace(" ", "").split(",") if x]
+    unknown = [x for x in names if x not in LAYER_TYPE_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown layer type(s) {unknown or [text]}; allowed: full_attention (or full), sliding_attention "
+            "(or sliding), one per drafter layer, comma-separated")
+    return [LAYER_TYPE_NAMES[x] for x in names]
+
+
 def _add_file_arguments(p: argparse.ArgumentParser) -> None:
     """The data, output, initialisation, resume and checkpoint options."""
     io = p.add_argument_group("data and files")
@@ -99,7 +122,12 @@ def _add_file_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--state-dir", default=None, help=f"where {STATE_JSON} and its tensors go (default: --out/training_state)")
     io.add_argument("--save-dtype", choices=sorted(_SAVE_DTYPES), default="bf16", help="stored weight dtype")
     io.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at the end)")
-    io.add_argument("--max-length", type=int, default=None, help="crop training sequences to this length")
+    io.add_argument("--max-length", type=int, default=None,
+                    help="crop training sequences to this length (with --pack: the packed length)")
+    io.add_argument("--pack", action="store_true",
+                    help="pack several samples end to end into sequences of at most --max-length tokens: one "
+                         "target pass per sample, one drafter pass over all blocks of the pack; no block sees "
+                         "another sample (the same losses as the samples trained alone)")
     io.add_argument("--cache-target", action="store_true",
                     help="keep each sequence's target features and labels in memory after its first pass "
                          "(T*n*H floats per sequence; later epochs skip the target)")
@@ -119,6 +147,13 @@ def _add_architecture_arguments(p: argparse.ArgumentParser) -> None:
     arch.add_argument("--head-dim", type=int, default=None, help="default: the target's")
     arch.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     arch.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask id")
+    arch.add_argument("--sliding-window", type=int, default=None,
+                      help="window W (tokens) of the drafter's sliding-window layers: a block row at position q "
+                           "sees the context rows at positions > q - W (as at inference); without --layer-types "
+                           "every layer slides")
+    arch.add_argument("--layer-types", type=_layer_types, default=None,
+                      help="comma-separated, one per drafter layer: full_attention (full) or sliding_attention "
+                           "(sliding); sliding layers need --sliding-window")
     d2 = p.add_argument_group("DFlash2 (--arch dflash2; defaults as published)")
     d2.add_argument("--conv-kernel-size", type=int, default=None, help="taps of each dynamic convolution (2)")
     d2.add_argument("--conv-group-size", type=int, default=None, help="channels sharing a dynamic kernel (16)")
