@@ -77,6 +77,7 @@ from dflash_kernels.reference.lm_head import soft_cap
 
 from ..drafter.model import DFlash2DraftModel, DFlashDraftModel
 from ..target import TargetAdapter
+from ..target.adapter import MASKED_PREFILL_CHUNK
 from ..target.head import TargetHead
 from .records import TrainingSequence, segment_starts, sequence_anchor_mask
 from .selector_objective import selector_block_losses
@@ -216,7 +217,7 @@ def capture_target(adapter: TargetAdapter, ids: torch.Tensor, num_context_layers
     reused when given (cropped to 0 first).
 
     The pass is the adapter's chunked prefill (causal chunks of
-    ``chunk_size`` rows, default :data:`~dflash.target.adapter.PREFILL_CHUNK`):
+    ``chunk_size`` rows, default :data:`~dflash.target.adapter.MASKED_PREFILL_CHUNK`):
     the target's transient memory is that of one chunk over its prefix, never
     a ``[T, T]`` score or mask, whatever ``T``. ``segments`` (the lengths of
     the samples of a packed sequence, summing to ``T``): one pass per sample,
@@ -239,7 +240,8 @@ def capture_target(adapter: TargetAdapter, ids: torch.Tensor, num_context_layers
     start = 0
     for length in lengths:
         cache.crop(0)
-        _, feats = adapter.prefill(ids[start:start + length], cache, chunk_size=chunk_size)
+        _, feats = adapter.prefill(ids[start:start + length], cache,
+                                   chunk_size=MASKED_PREFILL_CHUNK if chunk_size is None else chunk_size)
         features[start:start + length] = feats
         start += length
     cache.crop(0)
