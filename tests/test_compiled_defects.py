@@ -58,7 +58,8 @@ def greedy(target, n, prompt=PROMPT):
 
 
 def long_prompt(n, seed=0):
-    return torch.randint(0, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    # no pad id (0): transformers infers a mask hiding it, which a prompt of ours refuses
+    return torch.randint(1, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def pool_of(target):

@@ -131,7 +131,8 @@ def test_prompt_lengths_and_small_trees_no_new_variant(method, monkeypatch, gpu_
     B = 2 if method == "ddtree" else 4
     draft = None if method == "ar" else tiny_draft(target, block_size=B, target_layer_ids=[0, 1],
                                                      dtype=torch.bfloat16)
-    prompts = [[(5 * i + 3) % 7 for i in range(n)] for n in (5, 34, 50)]  # last chunks of 5, 10 and 2 rows
+    # last chunks of 5, 10 and 2 rows; no pad id (0), which transformers would mask
+    prompts = [[1 + (5 * i + 3) % 6 for i in range(n)] for n in (5, 34, 50)]
     budgets = [20, 5] if method == "ddtree" else [None]
     tree_sizes = set()
     for budget in budgets:
