@@ -54,6 +54,8 @@ NOT_RUN = {
     "python bench/acceptance_rules.py": "four samplings of 8 prompts; tests/test_rejection.py runs it at smoke size",
     "python bench/draft_window.py": "long prompts (2k to 8k tokens) with and without a drafter window; "
                                     "tests/test_draft_window.py runs it at smoke size",
+    "python bench/long_prompts.py": "2k to 32k-token prompts against transformers; tests/test_gpu_check.py runs its "
+                                    "dry run (the GPU check's long step)",
     "python bench/auto_budget.py": "every fixed budget and auto on two prompt sets; tests/test_auto_budget.py runs "
                                    "it at smoke size",
     "python bench/dropin_chat.py": "a 20-call chat, eager and compiled; tests/test_dropin_setup.py runs it at "

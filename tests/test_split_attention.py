@@ -250,3 +250,4 @@ def test_targets_that_quantize_activations_never_split():
         cache.commit(10)
         cache.freeze()
         assert adapter._split_pass(cache, 1, 4, "reference")
+
