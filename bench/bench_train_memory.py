@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -50,8 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(vocab=151936, hidden=64, seq_len=1024, blocks=32, block_size=16, target_layers=3)
 
 
-from dflash.benchmark.memory import proc_status_kib as _status_kib  # noqa: E402
-from dflash.benchmark.memory import reset_peak_rss as _reset_peak  # noqa: E402
+from dflash.benchmark.memory import PeakGrowth  # noqa: E402
 
 
 def child(variant: str, cfg: dict) -> dict:
@@ -94,27 +92,12 @@ def child(variant: str, cfg: dict) -> dict:
     del h
 
     gen = torch.Generator().manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        reset = _reset_peak()
-        before = _status_kib("VmRSS") * 1024
-    t0 = time.perf_counter()
-    out = step_loss(draft, adapter, [seq], step_cfg, generator=gen, cache=cache)
-    out.loss.backward()
-    seconds = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        how = "torch.cuda.max_memory_allocated - allocated before"
-    elif reset:
-        peak = _status_kib("VmHWM") * 1024 - before
-        how = "VmHWM after clear_refs reset - VmRSS before (fresh process)"
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-        how = "ru_maxrss - VmRSS before (fresh process)"
+    with PeakGrowth(device) as growth:
+        t0 = time.perf_counter()
+        out = step_loss(draft, adapter, [seq], step_cfg, generator=gen, cache=cache)
+        out.loss.backward()
+        seconds = time.perf_counter() - t0
+    peak, how = growth.bytes, growth.how
     n_sup = out.num_blocks * (B - 1)
     return dict(variant=variant, device=device.type, peak_extra_mib=round(peak / 2**20, 1), seconds=round(seconds, 2),
                 loss=round(out.loss.item(), 4), num_blocks=out.num_blocks, supervised_rows=n_sup,

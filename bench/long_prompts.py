@@ -113,23 +113,14 @@ def run_once(name, target, draft, ids, new_tokens, device):
 
 
 def peak_memory(name, target, draft, ids, new_tokens, device):
-    """MiB the peak memory grew by over one generation (peak RSS on the CPU, ``VmHWM`` reset first; max
-    allocated on CUDA), in a process that has run nothing longer: :func:`main` runs it in a fresh process
-    per implementation and length (``--memory-of``)."""
-    from dflash.benchmark.memory import proc_status_kib, reset_peak_rss
+    """MiB the peak memory grew by over one generation (:class:`~dflash.benchmark.memory.PeakGrowth`: peak RSS on
+    the CPU, max allocated on CUDA), in a process that has run nothing longer: :func:`main` runs it in a fresh
+    process per implementation and length (``--memory-of``)."""
+    from dflash.benchmark.memory import PeakGrowth
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    elif reset_peak_rss():
-        base = proc_status_kib("VmRSS") * 1024
-    else:
-        return None
-    run_once(name, target, draft, ids, new_tokens, device)
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    return (proc_status_kib("VmHWM") * 1024 - base) / 2**20
+    with PeakGrowth(device) as growth:
+        run_once(name, target, draft, ids, new_tokens, device)
+    return growth.mib
 
 
 def prompt_ids(length: int, vocab: int, device) -> torch.Tensor:

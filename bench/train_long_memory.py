@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -44,8 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash.benchmark.memory import proc_status_kib as _status_kib  # noqa: E402
-from dflash.benchmark.memory import reset_peak_rss as _reset_peak  # noqa: E402
+from dflash.benchmark.memory import PeakGrowth  # noqa: E402
 
 DEFAULT_TARGET = ROOT / "dflash" / "assets" / "tiny" / "target"
 
@@ -98,25 +96,12 @@ def child(cfg: dict) -> dict:
         step_loss(draft, adapter, [short], BlockTrainingConfig(block_size=B, blocks_per_seq=2, logit_layer=L - 1),
                   generator=torch.Generator().manual_seed(0), cache=cache).loss.backward()
         draft.zero_grad(set_to_none=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        else:
-            reset = _reset_peak()
-            before = _status_kib("VmRSS") * 1024
-        t0 = time.perf_counter()
-        out = step_loss(draft, adapter, [seq], step_cfg, generator=torch.Generator().manual_seed(0), cache=cache)
-        out.loss.backward()
-        seconds = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak, how = torch.cuda.max_memory_allocated() - before, "cuda max_memory_allocated - allocated before"
-    elif reset:
-        peak, how = _status_kib("VmHWM") * 1024 - before, "VmHWM after clear_refs - VmRSS before (fresh process)"
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-        how = "ru_maxrss - VmRSS before (fresh process)"
+        with PeakGrowth(device) as growth:
+            t0 = time.perf_counter()
+            out = step_loss(draft, adapter, [seq], step_cfg, generator=torch.Generator().manual_seed(0), cache=cache)
+            out.loss.backward()
+            seconds = time.perf_counter() - t0
+    peak, how = growth.bytes, growth.how
     R = out.num_blocks * B
     return dict(seq_len=T, grad_checkpoint=bool(cfg["grad_checkpoint"]), pack=pieces,
                 sliding_window=window or 0, blocks=out.num_blocks, peak_extra_mib=round(peak / 2**20, 1),
