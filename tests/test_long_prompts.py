@@ -7,9 +7,9 @@ point is two layer types) with ``max_position_embeddings`` past the prompt, a se
 so rounds accept drafts and DDTree's trees branch) must equal ``model.generate(ids, do_sample=False)`` token for
 token (``NEW`` new tokens), on the reference ops (the CPU path; the Triton interpreter would take hours here).
 
-Windowed families slide over ``WINDOW`` = 3000 positions: far below the prompt, above our prefill chunk
-(:data:`dflash.target.PREFILL_CHUNK`, 2048 rows), so every window straddles a chunk boundary and the rows the
-prompt's last row sees start in an earlier chunk. Mistral / Phi-3 / Qwen3-MoE slide on every layer (one layer);
+Windowed families slide over ``WINDOW`` = 3000 positions: far below the prompt, above our prefill chunk for
+such targets (:data:`dflash.target.adapter.MASKED_PREFILL_CHUNK`, 2048 rows), so every window straddles a chunk
+boundary and the rows the prompt's last row sees start in an earlier chunk. Mistral / Phi-3 / Qwen3-MoE slide on every layer (one layer);
 Qwen2/3, Gemma2 and gpt-oss keep their one sliding layer (the softcap and the sinks on a window); Gemma3 and
 Gemma 4 a sliding and a global layer (two rotary tables; Gemma 4: 16-dim global heads, per-layer inputs,
 ``attention_k_eq_v``, the MoE block; no KV-sharing layer, which would cost two more). Hybrids (Qwen3.5,
@@ -25,13 +25,10 @@ own cache, chunk by chunk; sliding layers on its sliding-window cache). ``REF_CH
 of our 2048-row chunks, so the two prefills cut the prompt at different rows. Families without windows (Llama,
 nanochat, the hybrids) prefill in one pass.
 
-Cost (seconds on one core, torch 2.13 CPU, transformers 5.24; the own generate() plus the three methods, each
-of which prefills 32k rows in 16 chunks through the reference attention: masked SDPA, and for Gemma2's softcap
-and gpt-oss' sinks the explicit torch attention, hence their share):
-llama 23, qwen2 27, qwen3 26, mistral 19, phi3 18, gemma2 72, gemma3 52, qwen3_moe 29, gpt_oss 97, qwen3_5 20,
-qwen3_5_moe 21, qwen3_next 20, nanochat 19, gemma4 59, the batch 33: about 540 s in all (transformers 5.17 /
-torch 2.11: about 570 s), over the 4 minutes wanted, at the smallest sizes that keep each family's features
-(tests/shard_costs.json books it).
+Cost: about 125 s on one core (torch 2.13 CPU, transformers 5.24; tests/shard_costs.json books it). A target
+without masked layers prefills its 32k rows in one pass (causal SDPA, as its own ``generate()``); a windowed one
+in 2048-row chunks whose windowed layers read only their window's keys; Gemma2's softcap and gpt-oss' sinks take
+the explicit torch attention over those keys, hence their share.
 """
 
 import pytest
@@ -42,7 +39,7 @@ import dflash_kernels
 from dflash.target import families
 from tiny_models import RiggedDraft, tiny_draft, tiny_family_target, tiny_hybrid_target
 
-pytestmark = pytest.mark.slow  # about 9 minutes on one core (the cost above)
+pytestmark = pytest.mark.slow  # about 2 minutes on one core (the cost above)
 
 P = 32768
 NEW = 12
