@@ -83,8 +83,7 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
     try:
         reader = HostReader(rnd.device, rnd.payload_size * b)
         start = time.perf_counter()
-        rnd.adapter.prefill_chunk = options.prefill_chunk_size  # this generation's (its config's), as transformers
-        firsts = reader.read(rnd.start(list(prompts) + filler))
+        firsts = reader.read(rnd.start(list(prompts) + filler, chunk_size=options.prefill_chunk_size))
         for out, first in zip(outs, firsts):
             out.extend([first])
         first_time = time.perf_counter() - start

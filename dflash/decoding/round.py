@@ -154,10 +154,10 @@ def _zeros(role, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-
 #: Rows per prefill pass of a batch (one sequence prefills its whole prompt in one pass): each pass builds a
 #: ``[b, T, S]`` visibility over the longest prompt, which chunks of this many rows bound.
 BATCH_PREFILL_CHUNK = 2048
+
 
 class Round:
     """The state and the two steps of one generation's rounds (see the module docstring).
@@ -332,12 +332,13 @@ class Round:
         if self.method != "ar":
             self.ctx_count.zero_()
 
-    def start(self, prompts) -> torch.Tensor:
+    def start(self, prompts, chunk_size: Optional[int] = None) -> torch.Tensor:
         """Prefill each sequence's prompt (``prompts``: ``b`` int64 tensors ``[P_r]``, or one ``[P]`` when ``b ==
-        1``; chunked, shapes vary), choose its first token, ingest its features into the drafter; then freeze
-        both caches. Returns the first tokens ``[b]`` (also in ``last``).
+        1``; shapes vary), choose its first token, ingest its features into the drafter; then freeze both caches.
+        Returns the first tokens ``[b]`` (also in ``last``). ``chunk_size``: rows per prefill pass (the
+        generation's ``prefill_chunk_size``; None: :meth:`TargetAdapter.prefill`'s default).
 
-        One sequence: the adapter's eager prefill (causal SDPA per chunk, as ``generate()`` runs its prompt). A
+        One sequence: the adapter's eager prefill (causal SDPA, as ``generate()`` runs its prompt). A
         batch: :meth:`_prefill_batch`, every sequence's prompt in the same passes; on a hybrid target
         :meth:`_prefill_rows`, each sequence's prompt on its own."""
         if isinstance(prompts, torch.Tensor):
@@ -345,18 +346,18 @@ class Round:
         if len(prompts) != self.b:
             raise ValueError(f"this round runs {self.b} sequences, got {len(prompts)} prompts")
         if self.b == 1:
-            last_hidden, features = self.adapter.prefill(prompts[0], self.cache)
+            last_hidden, features = self.adapter.prefill(prompts[0], self.cache, chunk_size=chunk_size)
             self.last.copy_(self.choose(last_hidden).reshape(1))
             if self.dcache is not None:
                 self.draft_model.ingest_context(features, self.dcache)
         elif getattr(self.cache, "linear", None) is not None:
-            self._prefill_rows(prompts)
+            self._prefill_rows(prompts, chunk_size)
         else:
-            self._prefill_batch(prompts)
+            self._prefill_batch(prompts, chunk_size)
         self.freeze()
         return self.last
 
-    def _prefill_rows(self, prompts) -> None:
+    def _prefill_rows(self, prompts, chunk_size: Optional[int] = None) -> None:
         """A hybrid target's batch: each sequence's prompt prefilled on its own rows, one sequence after the
         other, exactly as one sequence's (:meth:`TargetAdapter.prefill` over :meth:`HybridKVCache.row`: its
         attention K/V rows, its conv windows and recurrent states, by the model's own forward in causal chunks).
@@ -371,7 +372,7 @@ class Round:
         drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
         last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
         for r, prompt in enumerate(prompts):
-            hidden, features = self.adapter.prefill(prompt, rows[r])
+            hidden, features = self.adapter.prefill(prompt, rows[r], chunk_size=chunk_size)
             last_hidden[r].copy_(hidden[0])
             if drows is not None:
                 self.draft_model.ingest_context(features, drows[r])
@@ -391,9 +392,8 @@ class Round:
         token, and its real rows' captured features go to its drafter cache (eagerly, row by row)."""
         from ..target.adapter import PREFILL_CHUNK
 
-        if chunk_size is None:
-            chunk_size = self.adapter.prefill_chunk if self.adapter.prefill_chunk is not None else PREFILL_CHUNK
-        chunk = BATCH_PREFILL_CHUNK if chunk_size is None else int(chunk_size)
+        chunk = chunk_size if chunk_size is not None else PREFILL_CHUNK
+        chunk = BATCH_PREFILL_CHUNK if chunk is None else int(chunk)
         device, b = self.device, self.b
         lengths = [int(p.numel()) for p in prompts]
         width = max(lengths)

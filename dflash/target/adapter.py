@@ -67,7 +67,7 @@ __all__ = ["PREFILL_CHUNK", "TargetAdapter", "TargetStructureError", "Unsupporte
 #: Rows per prefill pass; None: the whole prompt in one pass, as transformers' ``generate()`` runs it (the same
 #: causal SDPA call over the same keys: the model's own numbers, and its time to first token). A generation whose
 #: ``generation_config.prefill_chunk_size`` is set prefills in chunks of that many rows, as transformers then does
-#: (:attr:`TargetAdapter.prefill_chunk`).
+#: (the ``chunk_size`` of :meth:`TargetAdapter.prefill`).
 PREFILL_CHUNK: Optional[int] = None
 
 #: Rows per prefill pass of a target with a layer that cannot run causal SDPA over a whole prompt (a sliding
@@ -418,11 +418,8 @@ class TargetAdapter:
         tables = {t: self.rotary_emb(h, pos, t) for t in self.spec.rope_types}
         return [tables[t] for t in self.layer_types]
 
-    #: this generation's prefill chunk (``generation_config.prefill_chunk_size``; None: :data:`PREFILL_CHUNK`)
-    prefill_chunk: Optional[int] = None
-
     def prefill(self, ids: torch.Tensor, cache: TargetKVCache, chunk_size: Optional[int] = None):
-        """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (default :attr:`prefill_chunk`, else
+        """Prefill ``ids [P]`` in causal chunks of ``chunk_size`` rows (a generation's ``prefill_chunk_size``; default
         :data:`PREFILL_CHUNK`, else, for a target with a masked layer (:attr:`masked_layers`),
         :data:`MASKED_PREFILL_CHUNK`; None: the whole prompt in one pass), committing them.
 
@@ -433,7 +430,7 @@ class TargetAdapter:
         """
         P = ids.numel()
         if chunk_size is None:
-            chunk_size = self.prefill_chunk if self.prefill_chunk is not None else PREFILL_CHUNK
+            chunk_size = PREFILL_CHUNK
         if chunk_size is None and self.masked_layers:
             chunk_size = MASKED_PREFILL_CHUNK
         chunk_size = max(P, 1) if chunk_size is None else int(chunk_size)
