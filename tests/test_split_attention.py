@@ -55,25 +55,6 @@ def test_split_attention_is_the_spec(dtype, Hq, Hkv, prefix, T, tree):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefix,T,tail", [(1, 4, 9), (40, 16, 21), (300, 3, 3)])
-def test_split_attention_with_a_tail_mask_is_masked_sdpa(dtype, prefix, T, tail):
-    """A drafter's pass: every committed key, then a tail of context and block rows seen as ``tail_visible``
-    says; a row may see no tail key at all (only the prefix)."""
-    q, k, v = qkv(4, 2, T, prefix + tail, 16, dtype, seed=prefix + tail)
-    g = torch.Generator().manual_seed(tail)
-    tail_visible = torch.rand(T, tail, generator=g) < 0.5
-    tail_visible[0] = False
-    mask = torch.cat([torch.ones(T, prefix, dtype=torch.bool), tail_visible], 1)
-    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                            scale=0.3, enable_gqa=True)
-    got = split_module.split_attention(q, k, v, prefix, scale=0.3, tail_visible=tail_visible)
-    atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
-    with pytest.raises(ValueError, match=f"tail_visible must be \\[T, S - prefix_len\\] = \\[{T}, {tail}\\]"):
-        split_module.split_attention(q, k, v, prefix, scale=0.3, tail_visible=tail_visible[:, 1:])
-
-
 def test_split_attention_without_the_cpu_kernel_is_the_masked_sdpa():
     q, k, v = qkv(4, 2, 9, 40, 16, torch.float32, seed=3)
     want = kernel_reference.tree_attention(q, k, v, None, 31)

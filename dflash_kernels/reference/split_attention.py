@@ -45,46 +45,33 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_len: int,
-                    bits: Optional[torch.Tensor] = None, *, scale: Optional[float] = None,
-                    tail_visible: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[1, Hq, T, D]`` attention of ``query [1, Hq, T, D]`` over ``key/value [1, Hkv, S, D]`` (GQA:
-    ``Hq % Hkv == 0``) whose first ``prefix_len`` keys every row sees.
+                    bits: Optional[torch.Tensor] = None, *, scale: Optional[float] = None) -> torch.Tensor:
+    """``[1, Hq, T, D]`` attention of ``query [1, Hq, T, D]`` over ``key/value [1, Hkv, prefix_len + T, D]``
+    (GQA: ``Hq % Hkv == 0``): every committed key, and own key ``j`` when ``j <= i`` (``bits=None``) or bit ``j``
+    of ``bits[i]`` is set (``bits [T, >= ceil(T/32)]`` int32, the tree's ancestors-or-self, the diagonal set).
 
-    The other ``S - prefix_len`` keys (the "tail"): by default the pass's own ``T`` rows (``S = prefix_len + T``),
-    own key ``j`` visible to row ``i`` when ``j <= i`` (``bits=None``) or bit ``j`` of ``bits[i]`` is set (``bits
-    [T, >= ceil(T/32)]`` int32, the tree's ancestors-or-self, the diagonal set); or, with ``tail_visible [T, S -
-    prefix_len]`` bool, exactly where it is True (each row must see at least one key of the whole).
-
-    On the CPU the prefix and the tail are two passes merged by their log-sum-exp (see the module docstring);
-    elsewhere SDPA with the whole boolean mask. ``prefix_len = 0`` causal is plain causal SDPA.
+    On the CPU the prefix and the pass's own keys are two passes merged by their log-sum-exp (see the module
+    docstring); elsewhere SDPA with the boolean mask. ``prefix_len = 0`` causal is plain causal SDPA.
     """
-    T, S = query.shape[-2], key.shape[-2]
+    T = query.shape[-2]
     p = int(prefix_len)
-    if tail_visible is None and (S != p + T or value.shape[-2] != p + T):
+    if key.shape[-2] != p + T or value.shape[-2] != p + T:
         raise ValueError(f"split_attention: key/value must hold prefix_len + T = {p + T} rows, got "
                          f"{key.shape[-2]} and {value.shape[-2]}")
-    if tail_visible is not None and tuple(tail_visible.shape) != (T, S - p):
-        raise ValueError(f"split_attention: tail_visible must be [T, S - prefix_len] = [{T}, {S - p}], got "
-                         f"{list(tail_visible.shape)}")
-    if tail_visible is None and bits is None and (p == 0 or T == 1):  # causal from the top-left, or one row
+    if bits is None and (p == 0 or T == 1):  # causal from the top-left corner, or one row that sees every key
         return F.scaled_dot_product_attention(query, key, value, is_causal=p == 0 and T > 1, scale=scale,
                                               enable_gqa=True)
     if (query.device.type != "cpu" or _FLASH_CPU is None or query.dim() != 4 or p == 0
             or key.shape[-1] != value.shape[-1]):  # the CPU kernel takes one head dim for keys and values
-        if tail_visible is None:
-            mask = tree_visibility(bits, p, T, device=query.device)
-        else:
-            mask = torch.cat([torch.ones(T, p, dtype=torch.bool, device=query.device), tail_visible], 1)
+        mask = tree_visibility(bits, p, T, device=query.device)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
-    own = tail_visible if tail_visible is not None else None if bits is None else _tree_bits_visible(bits, T)
-    tail_mask = None
-    if own is not None:
-        tail_mask = torch.zeros(own.shape, dtype=query.dtype, device=query.device).masked_fill_(~own, float("-inf"))
+    own_mask = None
+    if bits is not None:  # the kernel takes an additive mask in the query's dtype
+        own_mask = torch.zeros(T, T, dtype=query.dtype, device=query.device).masked_fill_(
+            ~_tree_bits_visible(bits, T), float("-inf"))
     out_p, lse_p = _FLASH_CPU(query, key[..., :p, :], value[..., :p, :], 0.0, False, scale=scale)
-    out_c, lse_c = _FLASH_CPU(query, key[..., p:, :], value[..., p:, :], 0.0, own is None, attn_mask=tail_mask,
+    out_c, lse_c = _FLASH_CPU(query, key[..., p:, :], value[..., p:, :], 0.0, bits is None, attn_mask=own_mask,
                               scale=scale)
-    if tail_visible is not None:  # a row that sees no tail key: the kernel gives it 0 and a log-sum-exp of 0
-        lse_c = lse_c.masked_fill(~tail_visible.any(-1), float("-inf"))
     m = torch.maximum(lse_p, lse_c)
     w_p = torch.exp(lse_p - m)[..., None]
     w_c = torch.exp(lse_c - m)[..., None]
