@@ -158,6 +158,22 @@ def test_reference_static_attention_masks_before_use():
     torch.testing.assert_close(vis[:, :7], ref.tree_visibility(_tree_bits(4), 3, 4))
 
 
+@pytest.mark.parametrize("t,smax", [(1, 1), (1, 9), (5, 12), (33, 70)])
+def test_chain_visibility_is_the_rule_of_a_chains_own_bits(t, smax):
+    """The one-compare chain visibility (bits None, no window) equals the general rule given a chain's
+    ancestor bits (parent of node i is i - 1), for shared and per-row device prefixes, every prefix up to the
+    last that fits."""
+    chain = dk.ancestor_bits(torch.arange(-1, t - 1)).to(DEVICE)
+    for prefix in range(smax - t + 1):
+        got = ref.tree_visibility(None, _t([prefix]), t, n_keys=smax)
+        assert got.shape == (t, smax)
+        assert torch.equal(got, ref.tree_visibility(chain, _t([prefix]), t, n_keys=smax))
+    prefixes = _t([0, smax - t, (smax - t) // 2])
+    got = ref.tree_visibility(None, prefixes, t, n_keys=smax)
+    want = ref.tree_visibility(chain.expand(3, *chain.shape), prefixes, t, n_keys=smax)
+    assert got.shape == (3, t, smax) and torch.equal(got, want)
+
+
 def test_triton_static_attention_launch_does_not_depend_on_the_prefix(monkeypatch):
     """Grid, split count and every argument but the prefix tensor are the same for any prefix value; nothing is
     read on the host (meta tensors: any read raises)."""

@@ -742,3 +742,21 @@ def test_softcap_sample_matches_capped_softmax_distribution(backend, temperature
                                  seed=4321, softcap=c)
     assert chi_square(samples, probs) < CHI2_CRITICAL_DF7_P001
     assert chi_square(samples, uncapped) > 10 * CHI2_CRITICAL_DF7_P001
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (33, 257)])
+def test_rms_norm_is_the_hf_modules_bit_for_bit(dtype, rows, hidden):
+    """The reference norm (one ``torch.rms_norm`` call) gives transformers' own RMSNorm module's bits, for the
+    final norm the heads fold in and for the drafter's norms."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    module = Qwen3RMSNorm(hidden, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
+    want = module(x)
+    got = ref.rms_norm(x, module.weight.detach(), 1e-6)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)

@@ -33,6 +33,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import dflash_kernels
+from dflash_kernels import reference as kernel_reference
 
 from .config import DraftConfigError, check_draft_config, dflash_value, draft_layer_ids, qwen3_config
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv, is_dflash2
@@ -48,10 +49,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return kernel_reference.rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -442,9 +440,16 @@ class DFlashDraftModel(nn.Module):
                 key = layer.kind
                 if cache.visible[key] is None:
                     window, window_positions, band = layer.round_window(block_positions, B, draft_window)
-                    cache.visible[key] = dflash_kernels.tree_visibility(
-                        cache.block_bits(B, layer.causal, band), cache.length_t + context_count, B,
-                        n_keys=cache.key_rows(C + B), positions=window_positions, window=window)
+                    prefix, keys = cache.length_t + context_count, cache.key_rows(C + B)
+                    if window is None and band is None and not layer.causal:
+                        # every block row sees what one row after the whole block sees (every context row,
+                        # every block row): a one-row chain's compare, not the bits' lookup
+                        seen = dflash_kernels.tree_visibility(None, prefix + (B - 1), 1, n_keys=keys)
+                        cache.visible[key] = seen.view(-1, 1, keys).expand(b, B, keys)
+                    else:
+                        cache.visible[key] = dflash_kernels.tree_visibility(
+                            cache.block_bits(B, layer.causal, band), prefix, B, n_keys=keys,
+                            positions=window_positions, window=window)
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
                           context_count=context_count, block_size=B, draft_window=draft_window)

@@ -342,7 +342,12 @@ def _visibility_device_prefix(
     # Every tensor below has a leading row dim: 1 where shared (broadcast), b where per row.
     p = _prefix_rows(prefix_len, device)  # [1 or b, 1]
     rows = torch.arange(n_keys, device=device)
-    node = rows[None, :] - p  # [1 or b, S_max]
+    node = rows[None, :] - p  # [1 or b, S_max]: the tree key index j of row k (negative: a prefix key)
+    if bits is None and window is None:
+        # a chain: row k is seen iff j <= i (every prefix key has j < 0, and j <= i < T keeps every row past the
+        # tree out): one compare, where the general rule below takes eleven ops
+        visible = node[:, None, :] <= torch.arange(n_tree, device=device)[None, :, None]
+        return visible.reshape(n_tree, n_keys) if batch is None else visible.expand(batch, n_tree, n_keys).contiguous()
     in_tree = (node >= 0) & (node < n_tree)
     node = node.clamp(0, max(n_tree - 1, 0))
     if bits is None:
