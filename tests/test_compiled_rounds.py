@@ -124,6 +124,32 @@ def test_no_recompile_within_or_across_generations(trace_only, reference_ops, me
     assert torch.equal(second.output_ids, greedy(target, 40, other))
 
 
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_compiled_reference_rounds_attend_over_the_committed_rows_only(trace_only, reference_ops, method,
+                                                                       monkeypatch):
+    """On the reference attention a traced round reads only the rows the host bounds (``length + T``), not its
+    whole cache bucket, in one graph for every length: cache rows past every row the generation can reach hold
+    NaN, which any read of them (masked or not) would carry into the output."""
+    from dflash.decoding.round import Round
+
+    target, draft, ref = pair(second_right=method == "ddtree")
+    start = Round.start
+
+    def poisoned_start(self, prompts, chunk_size=None):
+        last = start(self, prompts, chunk_size)
+        for cache in self._caches():
+            cache.kv_batched[..., len(PROMPT) + 40 + 16:, :] = float("nan")
+            assert cache.max_len > len(PROMPT) + 40 + 16  # the bucket's tail is there to poison
+        return last
+
+    monkeypatch.setattr(Round, "start", poisoned_start)
+    kw = dict(method=method, max_new_tokens=40, compile=True, **_method_kw(method))
+    for prompt in (PROMPT, PROMPT[:4]):
+        result = dflash.generate(target, draft, prompt, **kw)
+        assert torch.equal(result.output_ids, greedy(target, 40, prompt))
+    assert counters["stats"]["unique_graphs"] == (1 if method == "ar" else 2)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_inductor_compiled_equals_eager(reference_ops, method, temperature):

@@ -26,6 +26,7 @@ Rows past the committed length are scratch: the next pass overwrites them.
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 
@@ -91,6 +92,13 @@ class KVBuffer:
         #: eager round passes: attend over the rows the host mirror says can be visible (``length + T``), not
         #: the whole cache (a traced round, whose shapes may not change, sets this False)
         self.key_bound = True
+        #: a traced round on the reference attention: a ``[0, length + 2]`` tensor whose last size (marked
+        #: dynamic) carries the host mirror's bound into the compiled graph, so one graph attends over ``length +
+        #: T`` rows at every length instead of the whole cache (:meth:`bind_key_extent`); None: no such bound
+        self.key_extent: Optional[torch.Tensor] = None
+        #: during a round pass: the rows ``length_t[:, None] + arange(T)`` [b, T] every layer of the pass writes,
+        #: made once by the pass (:meth:`write_rows`' ``dest``); None between passes
+        self.pass_dest: Optional[torch.Tensor] = None
 
     @property
     def kv(self) -> torch.Tensor:
@@ -197,19 +205,39 @@ class KVBuffer:
         (``max_len``, fixed: traced rounds), or with :attr:`key_bound` the ``length + new`` the host mirrors
         bound them by (the longest row's; keys past a row's are masked either way, so both give the same
         attention)."""
+        if self.key_extent is not None:  # a symbolic size under tracing: ``max(length, 1) + 2`` at this call
+            return min(self.max_len, self.key_extent.shape[1] - 2 + int(new))
         return min(self.max_len, self.length + int(new)) if self.key_bound else self.max_len
 
-    def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, keys: int):
+    def bind_key_extent(self) -> None:
+        """Carry the host mirror's longest length into :attr:`key_extent` (made and marked dynamic on first use)
+        before a traced pass: its size is ``max(length, 1) + 2``. Never 0 or 1, and no key count of 1 either
+        (an empty cache's one-row pass, the warm-up's): the tracer specializes sizes 0 and 1. Attending over
+        one masked row more than an empty cache holds changes nothing."""
+        extent = max(self.length, 1) + 2
+        if self.key_extent is None:
+            import torch._dynamo
+
+            self.key_extent = torch.empty(0, extent)
+            torch._dynamo.mark_dynamic(self.key_extent, 1)
+        else:
+            self.key_extent.resize_(0, extent)
+
+    def write_rows(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, keys: int,
+                   dest: Optional[torch.Tensor] = None):
         """Write ``k, v [b, Hkv, T, D]`` of each sequence ``r`` at rows ``start[r] + arange(T)`` (``start [b]`` on
         the device; a sequence's rows are distinct, so the scatter has no overlap); return the layer's first
-        ``keys`` rows of every sequence ``(k, v) [b, Hkv, keys, D]`` (:meth:`key_rows`)."""
+        ``keys`` rows of every sequence ``(k, v) [b, Hkv, keys, D]`` (:meth:`key_rows`). ``dest``: those rows
+        ``[b, T]`` when the caller made them once for every layer of its pass (then ``start`` is unused)."""
         T = k.shape[-2]
         if self.geometry is not None:  # rows padded to the storage's (Hkv, D): zeros where the slot has none
             k, v = self._padded(k), self._padded(v)
+        if dest is None:
+            dest = start[:, None] + self.rows[:T]
         if self.batch == 1:  # the one-sequence form of the op (the layout is the same)
-            dflash_kernels.kv_write_(self.kv_batched[0], layer_idx, start + self.rows[:T], k[0], v[0])
+            dflash_kernels.kv_write_(self.kv_batched[0], layer_idx, dest[0], k[0], v[0])
         else:
-            dflash_kernels.kv_write_(self.kv_batched, layer_idx, start[:, None] + self.rows[:T], k, v)
+            dflash_kernels.kv_write_(self.kv_batched, layer_idx, dest, k, v)
         layer = self.kv_batched[:, layer_idx]
         if self.geometry is not None:
             h, dk, dv = self.geometry[layer_idx]

@@ -218,8 +218,11 @@ class RoundSteps:
             self._draft, self._verify = _draft_step, [_verify_step] * self.buckets
         else:
             rnd.host_tree = False  # a traced round builds and walks the tree with the device ops
-            for cache in rnd._caches():  # and attends over whole caches (its shapes may not change)
+            for cache in rnd._caches():  # and attends over whole caches (its shapes may not change) ...
                 cache.key_bound = False
+            # ... except on the reference attention without CUDA graphs: there one graph attends over the rows the
+            # host mirrors bound, through a size it traces as a symbol (KVBuffer.bind_key_extent)
+            self.bound_keys = not self.cuda and rnd.backend != "triton"
             # one compiled copy per budget bucket: each its own graph and guards, so switching buckets between
             # rounds never recompiles
             self._draft = _compiled(_draft_step, rnd.device)
@@ -231,13 +234,20 @@ class RoundSteps:
         return len(self.rnd.bucket_nodes)
 
     def _run_draft(self):
+        self._bind_keys()
         with self._hooks():
             return self._draft(self.rnd)
+
+    def _bind_keys(self) -> None:
+        if self.traced and self.bound_keys:
+            for cache in self.rnd._caches():
+                cache.bind_key_extent()
 
     def _run_verify(self, bucket: int):
         linear = getattr(self.rnd.cache, "linear", None)
         if linear is not None:  # a hybrid target's stash of this bucket's rows, picked outside any traced code
             linear.stash(self.rnd.bucket_nodes[bucket] + 1 if self.rnd.method == "ddtree" else self.rnd.T)
+        self._bind_keys()
         with self._hooks():
             return self._verify[bucket](self.rnd, bucket)
 
