@@ -37,6 +37,9 @@ class DraftKVCache(KVBuffer):
     #: reference backend, during a round pass: ``{(window, causal, anchored): visible [b, B, S] bool}`` shared by
     #: the layers of one kind
     visible = None
+    #: during a draft pass: ``(prefix [b], context rows [b, C], block rows [b, B])``, its writes' rows made once
+    #: for every layer (:meth:`begin_block`); None between passes
+    block_dests = None
 
     @staticmethod
     def kv_shape(config, max_len: int):
@@ -84,15 +87,26 @@ class DraftKVCache(KVBuffer):
         each sequence's block rows (``length_t + count``).
         """
         C = num_context
-        prefix = self.length_t + count
         keys = self.key_rows(k.shape[-2])  # the pass's C + B rows past the committed context bound its keys
+        if self.block_dests is None:
+            self.begin_block(C, k.shape[-2] - C, count)
+        prefix, context_rows, block_rows = self.block_dests
         # two writes in stream order: the context rows (padding included), then the block rows, which overwrite
         # the padding rows they meet; within each write the destination rows are distinct
         if C:
-            self.write_rows(layer_idx, k[:, :, :C], v[:, :, :C], self.length_t, keys)
-        k_all, v_all = self.write_rows(layer_idx, k[:, :, C:], v[:, :, C:], prefix, keys)
+            self.write_rows(layer_idx, k[:, :, :C], v[:, :, :C], self.length_t, keys, dest=context_rows)
+        k_all, v_all = self.write_rows(layer_idx, k[:, :, C:], v[:, :, C:], prefix, keys, dest=block_rows)
         return k_all, v_all, prefix
+
+    def begin_block(self, num_context: int, block_size: int, count: torch.Tensor) -> None:
+        """Make a draft pass's write rows once for all its layers (:attr:`block_dests`, until :meth:`advance`):
+        ``prefix = length_t + count [b]``, the context rows ``length_t[:, None] + arange(C)`` and the block rows
+        ``prefix[:, None] + arange(B)``."""
+        prefix = self.length_t + count
+        self.block_dests = (prefix, self.length_t[:, None] + self.rows[:num_context],
+                            prefix[:, None] + self.rows[:block_size])
 
     def advance(self, count: torch.Tensor) -> None:
         """Keep the pass's ``count [b]`` (device) real context rows of each sequence."""
+        self.block_dests = None
         self.length_t.add_(count)

@@ -432,6 +432,7 @@ class DFlashDraftModel(nn.Module):
         positions = torch.cat([length + rows[:C], block_positions], 1)  # [b, C + B]
         cos, sin = self.rope(positions, block)
         cache.visible = None
+        cache.block_dests = None  # made by the first layer's write (DraftKVCache.begin_block)
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees its sequence's committed context and the whole block (causal layers: the block
             # up to itself): [b, B, S] per distinct layer kind (window, causal, anchored)

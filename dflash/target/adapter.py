@@ -358,15 +358,20 @@ class TargetAdapter:
         rope = self._position_embeddings(h, positions)
         wanted = set(self.capture_layer_ids)
         outputs = {}
-        with active_pass(attention_pass):  # for layers that do not forward **kw to their attention
-            for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
-                if per_layer is not None:
-                    kw["per_layer_input"] = per_layer[:, :, idx]
-                out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings,
-                            use_cache=True, **kw)
-                h = out[0] if isinstance(out, (tuple, list)) else out
-                if idx in wanted:
-                    outputs[idx] = h[0] if single else h
+        if cache.static:  # the rows every layer writes, once for the pass
+            cache.pass_dest = cache.length_t[:, None] + cache.rows[:T]
+        try:
+            with active_pass(attention_pass):  # for layers that do not forward **kw to their attention
+                for idx, (layer, position_embeddings) in enumerate(zip(self.layers, rope)):
+                    if per_layer is not None:
+                        kw["per_layer_input"] = per_layer[:, :, idx]
+                    out = layer(h, attention_mask=None, position_ids=positions,
+                                position_embeddings=position_embeddings, use_cache=True, **kw)
+                    h = out[0] if isinstance(out, (tuple, list)) else out
+                    if idx in wanted:
+                        outputs[idx] = h[0] if single else h
+        finally:
+            cache.pass_dest = None
         return h[0] if single else h, [outputs[k] for k in self.capture_layer_ids]
 
     def _split_pass(self, cache, b: int, T: int, backend: str) -> bool:

@@ -64,7 +64,8 @@ class TargetKVCache(KVBuffer):
         slot = self.kv_slot(layer_idx)
         if self.static:
             T = key_states.shape[-2]
-            return self.write_rows(slot, key_states, value_states, self.length_t, self.key_rows(T))
+            dest = self.pass_dest if self.pass_dest is not None and self.pass_dest.shape[-1] == T else None
+            return self.write_rows(slot, key_states, value_states, self.length_t, self.key_rows(T), dest=dest)
         if key_states.shape[0] != 1:
             raise ValueError(f"an eager pass (the prefill) runs one sequence at a time (a batch prefills row by row "
                              f"through cache.row(r)), got key states {tuple(key_states.shape)}")
