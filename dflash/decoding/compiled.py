@@ -125,7 +125,43 @@ def _compile_kwargs(device: torch.device) -> dict:
     kw = dict(COMPILE_OPTIONS)
     if kw.get("backend") == "inductor" and device.type == "cpu":
         kw["options"] = {"cpp_wrapper": True, **kw.get("options", {})}
+    kw["options"] = {**kw.get("options", {}), "guard_filter_fn": _round_guards}
     return kw
+
+
+#: the guards a compiled step keeps: its non-parameter tensors' (the round's state and caches: dtype, device,
+#: shape, strides), the symbolic sizes' and the global state's
+_KEPT_GUARDS = frozenset({"TENSOR_MATCH", "SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "DEFAULT_DEVICE",
+                          "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE", "AUTOGRAD_SAVED_TENSORS_HOOKS"})
+
+
+def _round_guards(entries) -> list:
+    """Dynamo's guard filter for the steps: which guards each call checks before running the graph.
+
+    A step is compiled once per pool entry, whose key holds everything its Python state is made of (the
+    settings, and :func:`structure_stamp` of the target and the drafter: every module's and parameter's
+    identity, dtype and shape), so the guards on that state (hundreds: module types, attribute presence,
+    constants, hooks dicts; about 0.4 ms a call on the CPU, more than a tiny round's own small ops) can only
+    ever pass; a change they would have caught makes a new entry instead. Parameters are graph inputs read
+    from the modules each call, so new values (a reload) run in the same graph."""
+    return [e.guard_type in _KEPT_GUARDS and not (e.guard_type == "TENSOR_MATCH"
+                                                   and isinstance(e.value, torch.nn.Parameter)) for e in entries]
+
+
+def structure_stamp(*models) -> int:
+    """A hash of what a compiled round's graphs assume of ``models`` (None entries skipped): each module's
+    identity and type, each parameter's and buffer's identity, dtype, shape and device. A module replaced
+    (a quantizer, an adapter), a parameter re-made or moved changes it."""
+    parts = []
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            parts.append((id(module), type(module)))
+            for t in itertools.chain(module._parameters.values(), module._buffers.values()):
+                if t is not None:
+                    parts.append((id(t), t.dtype, tuple(t.shape), t.device))
+    return hash(tuple(parts))
 
 
 _copies = itertools.count()
@@ -666,7 +702,8 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
         return
     # the pool key: the settings, then the rows of both caches (one bucket; 0 for an AR round's drafter)
     settings = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), str(adapter.dtype),
-                draft_dtype, str(adapter.device), mode, repr(sorted(_compile_kwargs(adapter.device).items())), batch)
+                draft_dtype, str(adapter.device), mode, repr(sorted(_compile_kwargs(adapter.device).items())), batch,
+                structure_stamp(adapter.model, draft if shape.method != "ar" else None))
     need = max(target_rows, draft_rows)
     pool = _pool(target)
     with pool.lock:
