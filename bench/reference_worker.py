@@ -68,16 +68,21 @@ class Reference:
 
 
 class ZLab(Reference):
+    @staticmethod
+    def check(args):
+        """Before anything heavy is imported: ``dflash`` must be z-lab's installed package."""
+        spec = importlib.util.find_spec("dflash")
+        origin = spec.origin if spec is not None else None
+        if origin is None or "site-packages" not in origin:
+            raise SystemExit(f"z-lab's dflash 0.1.0 must be installed; `import dflash` finds {origin} (run outside "
+                             "the repository with an empty PYTHONPATH)")
+
     def __init__(self, target_dir, drafter_dir, args):
         import torch
 
         torch.cuda.synchronize = lambda *a, **k: None
-        import dflash
         from dflash import model
 
-        if "site-packages" not in (dflash.__file__ or ""):
-            raise SystemExit(f"z-lab's dflash 0.1.0 must be installed; got {dflash.__file__} (run outside the "
-                             "repository with an empty PYTHONPATH)")
         self.model = model
         super().__init__(target_dir, drafter_dir, model.DFlashDraftModel)
 
@@ -94,6 +99,11 @@ class ZLab(Reference):
 
 
 class DDTree(Reference):
+    @staticmethod
+    def check(args):
+        if not (Path(args.ddtree_src) / "ddtree.py").is_file():
+            raise SystemExit(f"no ddtree.py in --ddtree-src {args.ddtree_src}")
+
     def __init__(self, target_dir, drafter_dir, args):
         import torch
 
@@ -184,6 +194,7 @@ def main(argv=None) -> int:
     if args.impl == "ddtree" and not args.ddtree_src:
         p.error("ddtree needs --ddtree-src")
     _drop_own_directory()
+    IMPLS[args.impl].check(args)
     out = sys.stdout
     sys.stdout = sys.stderr  # the protocol owns stdout; everything the references print goes to stderr
     return serve(args, out)
