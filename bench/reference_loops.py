@@ -10,8 +10,9 @@ Implementations, each generating the same held-out prompts (``heldout_prompts(n,
 
 The references run in worker processes under their own environment (bench/reference_worker.py: z-lab's package
 and this one both import as ``dflash``), kept alive for the whole run and fed over a line protocol, so the
-implementations take turns: in each of ``--repeats`` rounds every implementation generates all prompts once
-(the order rotates each round). Each implementation first generates one prompt untimed (warm-up; compilation
+implementations take turns: in each of ``--repeats`` rounds every implementation generates all prompts once,
+prompt by prompt (prompt i by every implementation, the order rotating, then prompt i + 1: a burst of other
+load on a shared machine then slows all of them, not one). Each implementation first generates one prompt untimed (warm-up; compilation
 for ours compiled). Reported per implementation:
 
 * tokens/s: new tokens / the smallest total over the rounds of the per-call wall times (``perf_counter``
@@ -152,8 +153,8 @@ class Ours:
         import dflash
 
         kw = dict(method=self.method, max_new_tokens=max_new_tokens, seed=seed, compile=self.compile)
-        if temperature > 0:  # greedy: no sampling flags (transformers warns about an unused temperature)
-            kw["temperature"] = temperature
+        if temperature > 0:  # plain temperature sampling as the references do (top_k=0: no global top_k=50)
+            kw.update(do_sample=True, temperature=temperature, top_k=0)
         if self.method == "ddtree":
             kw["tree_budget"] = self.tree_budget
         return dflash.generate(self.target, self.draft, torch.tensor(ids, dtype=torch.long), **kw)
@@ -295,13 +296,19 @@ def main(argv=None) -> int:
                 runners[name](prompts[:1], **settings)
                 compile_s[name] = time.perf_counter() - t0
             for rep in range(args.repeats):
-                k = rep % len(names)
-                for name in names[k:] + names[:k]:
-                    reply = runners[name](prompts, **settings)
-                    impl = impls[name]
-                    impl.seconds.append(sum(reply["seconds"]))
-                    impl.prompt_seconds.append(reply["seconds"])
-                    impl.new_tokens, impl.rounds = reply["new_tokens"], reply["rounds"]
+                for impl in impls.values():
+                    impl.prompt_seconds.append([])
+                    impl.new_tokens, impl.rounds = [], []
+                for i, prompt in enumerate(prompts):  # turns per prompt: a burst of other load hits every one
+                    k = (rep + i) % len(names)
+                    for name in names[k:] + names[:k]:
+                        reply = runners[name]([prompt], **dict(settings, seed=args.seed + i))
+                        impl = impls[name]
+                        impl.prompt_seconds[-1] += reply["seconds"]
+                        impl.new_tokens += reply["new_tokens"]
+                        impl.rounds += reply["rounds"]
+                for impl in impls.values():
+                    impl.seconds.append(sum(impl.prompt_seconds[-1]))
 
             # ---- the counted pass (eager implementations)
             if not args.no_ops:
