@@ -12,16 +12,19 @@ The references run in worker processes under their own environment (bench/refere
 and this one both import as ``dflash``), kept alive for the whole run and fed over a line protocol, so the
 implementations take turns: in each of ``--repeats`` rounds every implementation generates all prompts once,
 prompt by prompt (prompt i by every implementation, the order rotating, then prompt i + 1: a burst of other
-load on a shared machine then slows all of them, not one). Each implementation first generates one prompt untimed (warm-up; compilation
-for ours compiled). Reported per implementation:
+load on a shared machine then slows all of them, not one). Each implementation first generates one prompt
+untimed (warm-up; compilation for ours compiled). Reported per implementation:
 
 * tokens/s: new tokens / the smallest total over the rounds of the per-call wall times (``perf_counter``
   around each call: prefill, rounds, output), and ours / the reference of the same method;
-* tau: mean tokens per round as each loop reports them (accepted drafts + 1, before the length cut);
+* tau: mean tokens per round as each loop reports them (accepted drafts + 1; ours before the last round's length
+  cut, z-lab's last block shortened to the tokens left, the DDTree code's uncut);
 * ops/round: device ops per round by ``dflash.benchmark.launches.LaunchCounter`` (eager only, inside
   ``torch.inference_mode()``, the same rules on both sides), from one extra pass:
   (ops of a call with ``--max-new-tokens``) - (ops of the same call with 1 new token), over the rounds
-  between them; the per-op breakdown of a round, ours next to the reference's, follows the table;
+  between them; the per-op breakdown of a round, ours next to the reference's, follows the table. On a CPU our
+  ops run their reference backend (plain torch: a tree's visibility or ancestor bits are a dozen ops where a GPU
+  launches one Triton kernel);
 * greedy: every implementation's tokens against ours eager DFlash, token for token (a mismatch is printed
   loudly and makes the exit status 1); at ``--temperature > 0`` nothing is compared.
 
