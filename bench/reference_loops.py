@@ -16,7 +16,9 @@ load on a shared machine then slows all of them, not one). Each implementation f
 untimed (warm-up; compilation for ours compiled). Reported per implementation:
 
 * tokens/s: new tokens / the smallest total over the rounds of the per-call wall times (``perf_counter``
-  around each call: prefill, rounds, output), and ours / the reference of the same method;
+  around each call: prefill, rounds, output), and ours / the reference of the same method; beside it the
+  median over the rounds of that ratio taken within each round (steadier where other processes share the
+  cores: both sides of a round ran in the same minutes);
 * tau: mean tokens per round as each loop reports them (accepted drafts + 1; ours before the last round's length
   cut, z-lab's last block shortened to the tokens left, the DDTree code's uncut);
 * ops/round: device ops per round by ``dflash.benchmark.launches.LaunchCounter`` (eager only, inside
@@ -52,6 +54,7 @@ import io
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -355,11 +358,21 @@ def backend() -> str:
     return name + (" (the Triton interpreter: not a speed path)" if name == "triton" else "")
 
 
+def round_ratios(impls: dict, impl: Impl) -> list | None:
+    """Ours / reference tokens/s within each round (the same minutes of machine load), or None."""
+    ref = impls.get(REF_NAMES[impl.method])
+    if ref is None:
+        return None
+    return [(impl.tokens / s) / (ref.tokens / r) for s, r in zip(impl.seconds, ref.seconds)]
+
+
 def ratio_to_ref(impls: dict, impl: Impl) -> str:
     ref = impls.get(REF_NAMES[impl.method])
     if ref is None:
-        return "-"
-    return f"{impl.tokens_per_s / ref.tokens_per_s:.2f}x"
+        return "-", "-"
+    if impl is ref:
+        return "1.00x", "1.00x"
+    return f"{impl.tokens_per_s / ref.tokens_per_s:.2f}x", f"{statistics.median(round_ratios(impls, impl)):.2f}x"
 
 
 def render(impls, args, notes, base, compile_s) -> str:
@@ -367,14 +380,14 @@ def render(impls, args, notes, base, compile_s) -> str:
              f"T={args.temperature}, tree budget {args.tree_budget}, {args.repeats} rounds (min), "
              f"{args.threads} thread(s), torch {torch.__version__}, our kernels' backend {backend()}"]
     lines += [f"NOTE: {n}" for n in notes]
-    lines += ["", "| method | implementation | tokens/s | ours / reference | tau | ops/round | greedy = "
-              f"{base.name} |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| method | implementation | tokens/s | ours / reference | per-round ratio, median | tau | ops/round "
+              f"| greedy = {base.name} |", "|---|---|---|---|---|---|---|---|"]
     for impl in impls.values():
         ops = f"{impl.ops_per_round:.0f}" if impl.ops_per_round is not None else "-"
         eq = "-" if impl.greedy_equal is None else ("yes" if impl.greedy_equal else "**NO**")
-        ratio = "1.00x" if impl.kind == "reference" else ratio_to_ref(impls, impl)
+        ratio, median = ratio_to_ref(impls, impl)
         method = METHOD_NAMES[impl.method] + (f" (budget {args.tree_budget})" if impl.method == "ddtree" else "")
-        lines.append(f"| {method} | {impl.name} | {impl.tokens_per_s:.1f} | {ratio} | {impl.tau:.2f} | {ops} | {eq} |")
+        lines.append(f"| {method} | {impl.name} | {impl.tokens_per_s:.1f} | {ratio} | {median} | {impl.tau:.2f} | {ops} | {eq} |")
     compiled = {n: s for n, s in compile_s.items() if impls[n].kind == "compiled"}
     if compiled:
         lines.append("")
@@ -404,6 +417,7 @@ def to_json(impls, args, notes, argv, compile_s) -> dict:
                          sum_of_prompt_minima_s=sum(map(min, zip(*impl.prompt_seconds))),
                          ratio_to_reference=(impl.tokens_per_s / impls[REF_NAMES[impl.method]].tokens_per_s
                                              if REF_NAMES[impl.method] in impls else None),
+                         round_ratios=round_ratios(impls, impl),
                          tau=impl.tau, ops_per_round=impl.ops_per_round, by_op_per_round=impl.by_op_per_round,
                          greedy_equal=impl.greedy_equal, mismatches=impl.mismatches,
                          first_call_s=compile_s.get(impl.name)))
