@@ -24,6 +24,9 @@ Protocol: one JSON object per line in, one per line out (every other print goes 
 * ``{"cmd": "count", ...the same keys}`` -> ``{"ops": [...], "by_op": [{op: n}], "rounds": [...]}``: each
   prompt once under the launch counter, inside ``torch.inference_mode()``.
 * ``{"cmd": "quit"}``.
+
+A command that raises answers ``{"error": TRACEBACK}``; a ``dflash`` that is not z-lab's installed package (or
+no ``ddtree.py`` at ``--ddtree-src``) stops the worker before anything is loaded, its reason on stderr.
 """
 
 from __future__ import annotations
