@@ -47,6 +47,8 @@ NOT_RUN = {
     "python3 -m venv": "the installation (CI installs exactly this way)",
     "python -m pytest": "the test suite itself",
     "python bench/compare_revisions.py": "needs a second checkout; tests/test_benchmark_cli.py runs the benchmark",
+    "python bench/reference_loops.py": "needs z-lab's package and the DDTree code in another venv; "
+                                       "tests/test_reference_loops.py runs our side's dry run",
     "python bench/compile_speed.py": "torch.compile of every method; tests/test_compiled_rounds.py compiles them",
     "bash bench/gpu_check.sh": "a GPU script; tests/test_gpu_check.py runs its CPU dry run",
     "python -m dflash generate --compile": "torch.compile of the rounds; tests/test_compiled_rounds.py compiles them",
