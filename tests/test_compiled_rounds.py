@@ -150,6 +150,28 @@ def test_compiled_reference_rounds_attend_over_the_committed_rows_only(trace_onl
     assert counters["stats"]["unique_graphs"] == (1 if method == "ar" else 2)
 
 
+def test_a_module_replaced_between_calls_makes_a_new_compiled_round(trace_only, reference_ops):
+    """A pooled round's graphs check only their tensors (the other guards are dropped for speed): a module of the
+    target replaced between calls (here by one that computes something else with the same weight) must not run
+    in the old graph, which would silently give the old model's tokens."""
+    target, draft, _ = pair()
+    kw = dict(method="dflash", max_new_tokens=24, compile=True)
+    dflash.generate(target, draft, PROMPT, **kw)
+
+    class Shifted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 0.25
+
+    old = target.model.layers[1].mlp.down_proj
+    new = Shifted(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight)
+    target.model.layers[1].mlp.down_proj = new
+    result = dflash.generate(target, draft, PROMPT, **kw)
+    assert result.compile_time > 0  # a new entry, compiled for the new model
+    assert torch.equal(result.output_ids, greedy(target, 24))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_inductor_compiled_equals_eager(reference_ops, method, temperature):
