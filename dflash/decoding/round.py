@@ -686,20 +686,17 @@ class Round:
         tokens, depths, parents = self.tokens[:, :n], self.depths[:, :n], self.parents[:, : n + 1]
         ids = torch.cat([self.last[:, None], tokens], 1)  # [b, n + 1]
         positions = length[:, None] + torch.cat([depths.new_zeros(self.b, 1), depths], 1)  # the root at depth 0
-        # [b, n + 1, W]; a tree built on the host gets its bits there too (the row-copy loop over values it already
-        # holds, no device op), a device-built one by fixed-shape ops (or the kernel)
-        bits = torch.stack([dflash_kernels.ancestor_bits(parents[r], check=self.host_tree, backend=self.backend)
-                            for r in range(self.b)])
+        bits = torch.stack([dflash_kernels.ancestor_bits(parents[r], check=False, backend=self.backend)
+                            for r in range(self.b)])  # [b, n + 1, W]
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
         choices = self.choose(hidden)  # [b, n + 1]
-        if self.host_tree:
-            path, path_len, committed = self._walk_on_host(parents, tokens, choices)
-        else:
-            walks = [dflash_kernels.walk_tree_device(parents[r], tokens[r], choices[r], self.D, bits[r],
-                                                     backend=self.backend) for r in range(self.b)]
-            path = torch.stack([w[0] for w in walks])  # [b, D + 1]
-            path_len = torch.cat([w[1] for w in walks])  # [b]
-            committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
+        walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) if self.host_tree else
+                 dflash_kernels.walk_tree_device(parents[r], tokens[r], choices[r], self.D, bits[r],
+                                                 backend=self.backend)
+                 for r in range(self.b)]
+        path = torch.stack([w[0] for w in walks])  # [b, D + 1]
+        path_len = torch.cat([w[1] for w in walks])  # [b]
+        committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
         kept = path_len * self.alive  # a stopped sequence keeps nothing
         self.path.copy_(path)
         self.cache.compact_advance(path, kept)
@@ -713,19 +710,16 @@ class Round:
         return torch.cat([committed, path_len[:, None]], 1).reshape(-1)
 
     def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
-        """The C++ walks of the ``b`` trees (host tensors ``parents [b, n + 1]``, ``tokens [b, n]``, ``choices [b, n
-        + 1]``), padded as :func:`dflash_kernels.walk_tree_device` pads them: ``(path [b, D+1], path_len [b],
-        committed [b, D+1])`` (unused slots 0), made from the host values in one tensor each (no device op)."""
-        paths, lengths, committed = [], [], []
-        for r in range(self.b):
-            accepted, bonus = dflash_kernels.walk_tree(parents[r], tokens[r], choices[r])
-            path = accepted.tolist()
-            row_tokens = tokens[r].tolist()
-            pad = [0] * (self.B - len(path))
-            paths.append(path + pad)
-            lengths.append(len(path))
-            committed.append([row_tokens[i - 1] for i in path[1:]] + [bonus] + pad)
-        return torch.tensor(paths), torch.tensor(lengths), torch.tensor(committed)
+        """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
+        [D+1], path_len [1], committed [D+1])`` (unused slots 0)."""
+        accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
+        n = accepted.numel()
+        path = torch.zeros(self.B, dtype=torch.long)
+        path[:n] = accepted
+        committed = torch.zeros(self.B, dtype=torch.long)
+        committed[: n - 1] = tokens[accepted[1:] - 1]
+        committed[n - 1 : n] = choices.index_select(0, accepted[-1:])  # the bonus (a tensor: no Python value)
+        return path, self.rows[n : n + 1], committed
 
     def _verify_ar(self) -> torch.Tensor:
         rows = self.rows[:1]

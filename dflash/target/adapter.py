@@ -58,6 +58,7 @@ from .families import (PATCHES, TargetStructureError, UnsupportedTargetFeature, 
 from .head import TargetHead
 from .hybrid import LINEAR_PASS_KWARG, HybridKVCache, LinearPass, linear_modules, linear_patches, linear_shape
 from .own_forward_check import check_own_forward, own_probe
+from .norms import norm_patches
 from .patches import Patch, hold
 from .quantized import check_row_independent, quantizes_activations
 from .wrappers import check_wrappers, unwrap_target
@@ -130,8 +131,9 @@ class TargetAdapter:
         #: the transformers model inside the wrappers the caller holds it in (itself when it wears none)
         self.model = model = unwrap_target(model)
         self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb = decoder_parts(model)
-        check_row_independent(model)
-        self._quantized_activations = quantizes_activations(model)
+        modules = list(model.modules())  # listed once for every structural question below
+        check_row_independent(model, modules)
+        self._quantized_activations = quantizes_activations(model, modules)
         #: the lm_head and how it runs (fused ops on its weight, or the module itself: :mod:`dflash.target.head`)
         self.head = TargetHead(self.lm_head)
         self.config = model.config
@@ -139,7 +141,9 @@ class TargetAdapter:
         self.capture_layer_ids = validate_target_layer_ids(capture_layer_ids, self.num_layers, warn_repeats=False) if capture_layer_ids else []
         self._cache_kw = _cache_keyword(self.layers[0])
         #: what this model's passes must do (windows, rope, softcaps, sinks, experts): the family table, resolved
-        self.spec = spec = resolve_target(model, self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb)
+        moe = experts_modules(model, modules)
+        self.spec = spec = resolve_target(model, self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb,
+                                          moe)
         self.family = spec.family.name
         self.layer_types = spec.layer_types
         self.sliding_window = getattr(self.config, "sliding_window", None)
@@ -156,7 +160,8 @@ class TargetAdapter:
         #: prefill runs in chunks (:data:`MASKED_PREFILL_CHUNK`)
         self.masked_layers = self._has_attn_features or any(w is not None for w in self.windows)
         self._outputs: Dict[int, torch.Tensor] = {}
-        self._experts_configs = list({id(m.config): m.config for m in experts_modules(model)}.values())
+        self._experts_configs = list({id(m.config): m.config for m in moe}.values())
+        self._norm_patches = norm_patches(modules)
         #: hybrid targets: the Gated-DeltaNet geometry and modules (None / empty for dense targets)
         self.linear_shape = (linear_shape(type(model).__name__, self.layers, spec.linear_layers)
                              if spec.linear_layers else None)
@@ -184,7 +189,7 @@ class TargetAdapter:
         if unknown:
             raise TargetStructureError(f"the {self.family} row names patches no adapter builds: {unknown} "
                                        f"(known: {', '.join(PATCHES)})")
-        return [p for name in self.spec.family.patches for p in build[name]()]
+        return [p for name in self.spec.family.patches for p in build[name]()] + self._norm_patches
 
     def close(self) -> None:
         """Release this adapter's patches (the last adapter open on the model gives it back its own

@@ -128,6 +128,11 @@ class AttentionPass:
         return self.sinks[layer_idx] if layer_idx is not None and self.sinks else None
 
 
+def in_active_pass() -> bool:
+    """Whether one of our passes is running (:func:`active_pass`)."""
+    return bool(_ACTIVE)
+
+
 @contextlib.contextmanager
 def active_pass(attention_pass: "AttentionPass") -> Iterator[None]:
     """Make ``attention_pass`` the pass of every attention call without one until the block ends (see

@@ -271,9 +271,10 @@ def _takes_layer_type(rotary_emb) -> bool:
         return False
 
 
-def experts_modules(model) -> list:
-    """Modules dispatching on ``config._experts_implementation`` (transformers' ``@use_experts_implementation``)."""
-    return [m for m in model.modules()
+def experts_modules(model, modules=None) -> list:
+    """Modules dispatching on ``config._experts_implementation`` (transformers' ``@use_experts_implementation``);
+    ``modules``: ``model.modules()`` when the caller already listed them."""
+    return [m for m in (model.modules() if modules is None else modules)
             if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(getattr(m, "config", None),
                                                                                   "_experts_implementation")]
 
@@ -502,10 +503,11 @@ def _rope_types(name: str, family: Family, rotary_emb, layer_types, linear_layer
     return tuple(sorted(set(layer_types)))
 
 
-def _experts_choice(name: str, family: Family, model, lm_head) -> Optional[str]:
+def _experts_choice(name: str, family: Family, model, lm_head, moe=None) -> Optional[str]:
     """The experts implementation to run while open (None: no experts, or the model's own is kept), chosen from
-    the one the model was loaded with (:func:`choose_experts_implementation`)."""
-    moe = experts_modules(model)
+    the one the model was loaded with (:func:`choose_experts_implementation`); ``moe``: the model's
+    :func:`experts_modules` when the caller has them."""
+    moe = experts_modules(model) if moe is None else moe
     if not moe:
         return None
     if family.known and not family.moe:
@@ -515,8 +517,9 @@ def _experts_choice(name: str, family: Family, model, lm_head) -> Optional[str]:
     return choose_experts_implementation(loaded, weight.device, experts_dtype(moe[0]))
 
 
-def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetSpec:
-    """The :class:`TargetSpec` of ``model``, or :class:`UnsupportedTargetFeature` naming what we cannot do."""
+def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb, experts=None) -> TargetSpec:
+    """The :class:`TargetSpec` of ``model``, or :class:`UnsupportedTargetFeature` naming what we cannot do
+    (``experts``: the model's :func:`experts_modules` when the caller has them)."""
     config = model.config
     name = type(model).__name__
     family = _family_of(config)
@@ -531,7 +534,7 @@ def resolve_target(model, decoder, layers, norm, lm_head, rotary_emb) -> TargetS
     kv_geometry, kv_layers = _kv_geometry(name, config, layers, linear_layers)
     _check_scales(name, family, config, decoder, layers, linear_layers)
     rope_types = _rope_types(name, family, rotary_emb, layer_types, linear_layers)
-    experts = _experts_choice(name, family, model, lm_head)
+    experts = _experts_choice(name, family, model, lm_head, experts)
     eps = fusable_norm(norm)
     return TargetSpec(
         family=family, layer_types=layer_types, windows=_layer_windows(family, config, layers, layer_types),

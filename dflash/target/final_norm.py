@@ -20,6 +20,7 @@ RMSNorm.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -47,10 +48,29 @@ def _probe_rows(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.
     return (x * scale + shift).to(dtype=dtype, device=device)
 
 
+#: module -> (what the answer depends on, the answer): :func:`fusable_norm` probes a module once per weight
+_ANSWERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def fusable_norm(norm) -> Optional[float]:
     """``eps`` when ``norm`` computes exactly the fused ops' RMSNorm with its own ``weight [H]`` (see the module
-    docstring), else None (the norm runs as its module)."""
+    docstring), else None (the norm runs as its module). Remembered per module while its class, an instance
+    ``forward`` of its own, its weight (the tensor itself, its dtype and device), epsilon and bias stay the same."""
     weight = getattr(norm, "weight", None)
+    key = (type(norm), id(vars(norm).get("forward")), id(weight), getattr(weight, "dtype", None),
+           getattr(weight, "device", None), norm_eps(norm), getattr(norm, "bias", None) is None)
+    try:
+        known = _ANSWERS.get(norm)
+    except TypeError:  # not weak-referenceable: no memory
+        return _probe(norm, weight)
+    if known is not None and known[0] == key:
+        return known[1]
+    eps = _probe(norm, weight)
+    _ANSWERS[norm] = (key, eps)
+    return eps
+
+
+def _probe(norm, weight) -> Optional[float]:
     eps = norm_eps(norm)
     if eps is None or type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dim() != 1:
         return None

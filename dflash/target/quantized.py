@@ -85,22 +85,25 @@ def row_dependence(module) -> Optional[str]:
     return None if weight is None else _torchao_reason(weight)
 
 
-def check_row_independent(model) -> None:
+def check_row_independent(model, modules=None) -> None:
     """Raise :class:`UnsupportedTargetFeature` naming the first module of ``model`` whose quantization makes a
-    verify row depend on the other rows (module docstring); quiet for every other target."""
-    for name, module in model.named_modules():
+    verify row depend on the other rows (module docstring); quiet for every other target. ``modules``:
+    ``model.modules()`` when the caller already listed them."""
+    for module in (model.modules() if modules is None else modules):
         reason = row_dependence(module)
         if reason is not None:
+            name = next(n for n, m in model.named_modules() if m is module)
             raise UnsupportedTargetFeature(type(model).__name__, f"row-dependent quantization in {name}", reason)
 
 
-def quantizes_activations(model) -> bool:
+def quantizes_activations(model, modules=None) -> bool:
     """Whether a module of ``model`` quantizes its input activations at run time (torchao dynamic activation
     quantization, bitsandbytes LLM.int8): a last-bit difference in an input row can move it to another
-    quantization step, so such a target runs the attention that gives the model's own numbers bit for bit."""
+    quantization step, so such a target runs the attention that gives the model's own numbers bit for bit.
+    ``modules``: ``model.modules()`` when the caller already listed them."""
     bnb = sys.modules.get("bitsandbytes.nn")
     linear8 = getattr(bnb, "Linear8bitLt", None)
-    for module in model.modules():
+    for module in (model.modules() if modules is None else modules):
         if linear8 is not None and isinstance(module, linear8):
             return True
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None

@@ -373,15 +373,21 @@ def gumbel_noise(seed: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """HF RMSNorm: ``(weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)).to(x.dtype)``, stats in fp32.
 
-    Through ``torch.rms_norm``, one kernel on a GPU where the formula's own ops are six. On the CPU its
-    composite computes the formula's ops in the formula's order, so the result is the HF module's bit for bit
+    On the CPU through ``torch.rms_norm``, one dispatched op where the formula's own are six: its composite
+    computes the formula's ops in the formula's order, so the result is the HF module's bit for bit
     (tests/test_lm_head.py holds it in fp32, bf16 and fp16). The weight multiplies after the cast back, as
     HF's does, except in fp32 where the cast is the identity and the weight goes into the one call.
+    Elsewhere the formula's own ops: a GPU's fused ``rms_norm`` kernel reduces in another order, which would
+    no longer be the modules' bits.
     """
-    size = x.shape[-1:]
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return torch.rms_norm(x, size, weight, eps)
-    return (weight * torch.rms_norm(x.float(), size, None, eps).to(x.dtype)).to(x.dtype)
+    if x.device.type == "cpu":
+        size = x.shape[-1:]
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return torch.rms_norm(x, size, weight, eps)
+        return (weight * torch.rms_norm(x.float(), size, None, eps).to(x.dtype)).to(x.dtype)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
 
 
 def normed_rows(head: HeadInputs) -> torch.Tensor:
