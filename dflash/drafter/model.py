@@ -41,7 +41,11 @@ from .formats import FORMATS, read_checkpoint, shown_names, write_checkpoint
 
 
 class RMSNorm(nn.Module):
-    """``w * (x * rsqrt(mean(x^2) + eps))``, the norm computed in fp32 and cast back first."""
+    """``w * (x * rsqrt(mean(x^2) + eps))``, the norm computed in fp32 and cast back first.
+
+    On the CPU :func:`dflash_kernels.reference.rms_norm` (transformers' RMSNorm bit for bit, one op); elsewhere
+    one fused ``torch.rms_norm`` kernel, whose weight multiplies before the cast back: the drafter's numbers
+    only move its proposals, never the output."""
 
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()
@@ -49,7 +53,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_reference.rms_norm(x, self.weight, self.eps)
+        if x.device.type == "cpu":
+            return kernel_reference.rms_norm(x, self.weight, self.eps)
+        return torch.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
