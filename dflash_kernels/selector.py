@@ -48,7 +48,8 @@ __all__ = ["select_candidates"]
 MAX_BLOCK_R = 64
 NUM_WARPS = 4
 
-#: The seed is a device scalar that may sit at any offset of a state buffer: no alignment specialization.
+#: The seed is a device scalar that may sit at any offset of a state buffer: no alignment specialization. (The
+#: kernel's ``top_k`` is not specialized either: one binary for every top-k a user may ask.)
 UNALIGNED_PTRS = ("seed_ptr",)
 
 #: :data:`SELECTOR_ROW0` as a kernel constant.
@@ -58,7 +59,7 @@ _TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
                 torch.int32: "i32"}
 
 
-@triton.jit(do_not_specialize_on_alignment=UNALIGNED_PTRS)
+@triton.jit(do_not_specialize=("top_k",), do_not_specialize_on_alignment=UNALIGNED_PTRS)
 def _selector_kernel(
     unary_ptr, cand_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_ptr, seed_ptr,
     tok_ptr, idx_ptr, q_ptr,  # fresh contiguous [S, D], [S, D], [S, D, k]
@@ -107,7 +108,8 @@ def _selector_kernel(
             qi, qj = q[:, None], q[None, :]
             above = ((qj > qi) | ((qj == qi) & (offs_k[None, :] < offs_k[:, None]))) & k_ok[None, :]
             if top_k < k:
-                q = tl.where(tl.sum(above.to(tl.int32), axis=1) < top_k, q, 0.0)
+                # the rank counted in fp32 (an int32 row sum gives sm_90 an 8 B stack frame at k = 32)
+                q = tl.where(tl.sum(tl.where(above, 1.0, 0.0), axis=1) < top_k.to(tl.float32), q, 0.0)
                 q = q / tl.sum(q, axis=0)
             if top_p < 1.0:
                 q = tl.where(tl.sum(tl.where(above, q[None, :], 0.0), axis=1) < top_p, q, 0.0)
@@ -229,7 +231,7 @@ def launch_configs(shapes=SELECTOR_SHAPES, dtypes=(torch.bfloat16, torch.float32
 
     out = []
     for shape_name, D, k, r, V in shapes:
-        ints = {"D": D, "k": k, "r": r, "top_k": min(20, k) if k > 1 else 2, "stride_us": D * k, "stride_ud": k, "stride_uk": 1,
+        ints = {"D": D, "k": k, "r": r, "stride_us": D * k, "stride_ud": k, "stride_uk": 1,
                 "stride_cs": D * k, "stride_cd": k, "stride_ck": 1, "stride_ps": D * r, "stride_pd": r,
                 "stride_pr": 1, "stride_pv": r, "stride_pc": 1, "stride_sv": r, "stride_sc": 1, "stride_as": 1}
         types, divisible, ones = runtime_int_specialization(ints)
@@ -238,7 +240,7 @@ def launch_configs(shapes=SELECTOR_SHAPES, dtypes=(torch.bfloat16, torch.float32
             for sample, filtered in ((False, False), (True, False), (True, True)):
                 ptrs = {"unary_ptr": "*fp32", "cand_ptr": "*i64", "proj_ptr": t, "pred_ptr": t, "succ_ptr": t,
                         "anchor_ptr": "*i64", "seed_ptr": "*i64", "tok_ptr": "*i64", "idx_ptr": "*i64",
-                        "q_ptr": "*fp32", "temperature": "fp32", "top_p": "fp32", "min_p": "fp32"}
+                        "q_ptr": "*fp32", "temperature": "fp32", "top_k": "i32", "top_p": "fp32", "min_p": "fp32"}
                 out.append(dict(
                     name=f"selector[{shape_name} {_TRITON_TYPE[dtype]} sample={sample} filter={filtered}]",
                     kernel=_selector_kernel, signature=dict(ptrs, **types),
