@@ -695,14 +695,17 @@ dynamic_conv.register_autograd(_dynamic_conv_grad, setup_context=_dynamic_conv_s
 @torch.library.custom_op(f"{_NS}::select_candidates", mutates_args=())
 def select_candidates(unary: Tensor, candidates: Tensor, projected: Tensor, predecessor: Tensor,
                       successor: Tensor, anchor: Tensor, temperature: float,
-                      seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                      seed: Optional[Tensor] = None, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.select_candidates`: ``(tokens [.., D] int64, index [.., D] int64, q [.., D, k]
-    fp32)``."""
-    return _select_candidates(unary, candidates, projected, predecessor, successor, anchor, temperature, seed)
+    fp32)`` (``top_k`` 0, ``top_p`` 1, ``min_p`` 0: that filter off)."""
+    return _select_candidates(unary, candidates, projected, predecessor, successor, anchor, temperature, seed,
+                              top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 @select_candidates.register_fake
-def _select_candidates_fake(unary, candidates, projected, predecessor, successor, anchor, temperature, seed=None):
+def _select_candidates_fake(unary, candidates, projected, predecessor, successor, anchor, temperature, seed=None,
+                            top_k=0, top_p=1.0, min_p=0.0):
     lead = unary.shape[:-1]
     return (unary.new_empty(lead, dtype=torch.int64), unary.new_empty(lead, dtype=torch.int64),
             unary.new_empty(unary.shape, dtype=torch.float32))

@@ -7,8 +7,11 @@ the kernel one launch. Program ``s`` (grid ``(S,)``) loads the anchor, then
 per position: the ``k`` candidates' unary scores and ids, the bilinear term
 ``<predecessor[prev] * projected[j], successor[c_i]>`` in ``BLOCK_R`` rank
 chunks (a ``[BLOCK_K, BLOCK_R]`` gather of successor rows), the softmax at the
-temperature, the choice (greedy: ``tl.argmax`` with ties to the lowest slot;
-sampling: inverse CDF, ``tl.cumsum`` of ``q`` against the position's uniform),
+temperature, when sampling with filters (``FILTER``) top-k / top-p / min-p on ``q``
+(a ``[BLOCK_K, BLOCK_K]`` pairwise ranking, as
+:func:`dflash_kernels.reference.filter_candidate_probs`), the choice (greedy:
+``tl.argmax`` with ties to the lowest slot; sampling: inverse CDF, ``tl.cumsum``
+of ``q`` against the position's uniform),
 and stores token, slot and ``q``; the chosen token stays in a register as the
 next position's predecessor. Everything in fp32.
 
@@ -36,6 +39,7 @@ import triton.language as tl
 from . import reference as _reference
 from ._dispatch import resolve_backend, tracing
 from .reference.lm_head import check_seed_tensor
+from .reference.sampling import check_sampling_args
 from .reference.selector import SELECTOR_ROW0, check_selector
 
 __all__ = ["select_candidates"]
@@ -44,7 +48,8 @@ __all__ = ["select_candidates"]
 MAX_BLOCK_R = 64
 NUM_WARPS = 4
 
-#: The seed is a device scalar that may sit at any offset of a state buffer: no alignment specialization.
+#: The seed is a device scalar that may sit at any offset of a state buffer: no alignment specialization. (The
+#: kernel's ``top_k`` is not specialized either: one binary for every top-k a user may ask.)
 UNALIGNED_PTRS = ("seed_ptr",)
 
 #: :data:`SELECTOR_ROW0` as a kernel constant.
@@ -54,17 +59,19 @@ _TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
                 torch.int32: "i32"}
 
 
-@triton.jit(do_not_specialize_on_alignment=UNALIGNED_PTRS)
+@triton.jit(do_not_specialize=("top_k",), do_not_specialize_on_alignment=UNALIGNED_PTRS)
 def _selector_kernel(
     unary_ptr, cand_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_ptr, seed_ptr,
     tok_ptr, idx_ptr, q_ptr,  # fresh contiguous [S, D], [S, D], [S, D, k]
     D, k, r, temperature,  # temperature: 1.0 when greedy
+    top_k, top_p, min_p,  # FILTER only: top_k in 1..k (k: off), top_p in (0, 1], min_p in [0, 1]
     stride_us, stride_ud, stride_uk,
     stride_cs, stride_cd, stride_ck,
     stride_ps, stride_pd, stride_pr,
     stride_pv, stride_pc, stride_sv, stride_sc,
     stride_as,
-    SAMPLE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    SAMPLE: tl.constexpr, FILTER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Sequence ``s = program_id(0)``: the chain over its ``D`` positions (module docstring)."""
     s = tl.program_id(0)
@@ -97,6 +104,19 @@ def _selector_kernel(
         z = scores / temperature
         e = tl.where(k_ok, tl.exp(z - tl.max(z, axis=0)), 0.0)
         q = e / tl.sum(e, axis=0)
+        if FILTER:  # slot j ranks above slot i: q_j > q_i, ties to the lower slot; invalid slots rank nowhere
+            qi, qj = q[:, None], q[None, :]
+            above = ((qj > qi) | ((qj == qi) & (offs_k[None, :] < offs_k[:, None]))) & k_ok[None, :]
+            if top_k < k:
+                # the rank counted in fp32 (an int32 row sum gives sm_90 an 8 B stack frame at k = 32)
+                q = tl.where(tl.sum(tl.where(above, 1.0, 0.0), axis=1) < top_k.to(tl.float32), q, 0.0)
+                q = q / tl.sum(q, axis=0)
+            if top_p < 1.0:
+                q = tl.where(tl.sum(tl.where(above, q[None, :], 0.0), axis=1) < top_p, q, 0.0)
+                q = q / tl.sum(q, axis=0)
+            if min_p > 0.0:
+                q = tl.where(q >= min_p * tl.max(q, axis=0), q, 0.0)
+                q = q / tl.sum(q, axis=0)
         if SAMPLE:
             u_j = tl.sum(tl.where(offs_d == j, uniforms, 0.0), axis=0)
             cdf = tl.cumsum(q, axis=0)
@@ -120,7 +140,7 @@ def block_r(rank: int) -> int:
     return min(MAX_BLOCK_R, max(2, triton.next_power_of_2(int(rank))))
 
 
-def _launch(unary, candidates, projected, predecessor, successor, anchor, t, seed):
+def _launch(unary, candidates, projected, predecessor, successor, anchor, t, seed, filters=(None, None, None)):
     S, D, k = unary.shape
     r = predecessor.shape[1]
     dev = unary.device
@@ -130,12 +150,15 @@ def _launch(unary, candidates, projected, predecessor, successor, anchor, t, see
     if S == 0 or D == 0:
         return tokens, index, q
     anchor = anchor.reshape(-1)
+    top_k, top_p, min_p = filters
+    filtered = t > 0 and any(f is not None for f in filters)
     _selector_kernel[(S,)](
         unary, candidates, projected, predecessor, successor, anchor, seed if seed is not None else anchor,
         tokens, index, q, D, k, r, t if t > 0 else 1.0,
+        min(top_k or k, k), 1.0 if top_p is None else top_p, 0.0 if min_p is None else min_p,
         *unary.stride(), *candidates.stride(), *projected.stride(), *predecessor.stride(), *successor.stride(),
         anchor.stride(0),
-        SAMPLE=t > 0, BLOCK_K=max(2, triton.next_power_of_2(k)), BLOCK_R=block_r(r),
+        SAMPLE=t > 0, FILTER=filtered, BLOCK_K=max(2, triton.next_power_of_2(k)), BLOCK_R=block_r(r),
         BLOCK_D=max(2, triton.next_power_of_2(D)), num_warps=NUM_WARPS, num_stages=1,
     )
     return tokens, index, q
@@ -144,6 +167,7 @@ def _launch(unary, candidates, projected, predecessor, successor, anchor, t, see
 def select_candidates(unary: torch.Tensor, candidates: torch.Tensor, projected: torch.Tensor,
                       predecessor: torch.Tensor, successor: torch.Tensor, anchor: torch.Tensor,
                       temperature: float = 0.0, seed: Optional[torch.Tensor] = None, *,
+                      top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
                       backend: Optional[str] = None):
     """The selector's chain over ``D`` drafted positions (one launch on the Triton backend).
 
@@ -156,28 +180,35 @@ def select_candidates(unary: torch.Tensor, candidates: torch.Tensor, projected: 
         temperature: python float, 0 = greedy.
         seed: int64 ``[1]`` device tensor, required when sampling (the uniforms are
             :func:`dflash_kernels.reference.selector_uniforms` of its value).
+        top_k, top_p, min_p: when sampling, the target's warpers applied to ``q`` before the draw (None, 0 and
+            1 are off; :func:`dflash_kernels.reference.filter_candidate_probs`); ignored when greedy.
         backend: 'triton' or 'reference' to fix the backend, None: :func:`dflash_kernels.get_backend`.
 
     Returns:
         ``(tokens int64, index int64 (the chosen slot), q fp32)`` of shapes ``[D]``, ``[D]``, ``[D, k]``
-        (``[S, D]``, ``[S, D]``, ``[S, D, k]`` for batched inputs); ``q = softmax(scores / T)``, the
-        softmax of the scores themselves when greedy.
+        (``[S, D]``, ``[S, D]``, ``[S, D, k]`` for batched inputs); ``q = filtered(softmax(scores / T))``,
+        the distribution each token was drawn from; the softmax of the scores themselves when greedy.
     """
     batched, t = check_selector(unary, candidates, projected, predecessor, successor, anchor, temperature)
+    top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
+    filters = (top_k, top_p, min_p or None) if t > 0 else (None, None, None)
     if t > 0:
         if seed is None:
             raise ValueError("select_candidates: sampling (temperature > 0) needs a device seed (int64 [1])")
         check_seed_tensor(seed, unary.device, "select_candidates")
     which = resolve_backend(backend, unary.device)
     if which == "reference":
-        return _reference.select_candidates(unary, candidates, projected, predecessor, successor, anchor, t, seed)
+        return _reference.select_candidates(unary, candidates, projected, predecessor, successor, anchor, t, seed,
+                                            *filters)
     if tracing():
+        top_k, top_p, min_p = filters
         return torch.ops.dflash.select_candidates(unary, candidates, projected, predecessor, successor, anchor, t,
-                                                  seed if t > 0 else None)
+                                                  seed if t > 0 else None, top_k or 0,
+                                                  1.0 if top_p is None else top_p, min_p or 0.0)
     if not batched:
         unary, candidates, projected = unary[None], candidates[None], projected[None]
     out = _launch(unary, candidates, projected, predecessor, successor, anchor, t,
-                  None if t == 0 else seed.reshape(1))
+                  None if t == 0 else seed.reshape(1), filters)
     return out if batched else tuple(o[0] for o in out)
 
 
@@ -206,14 +237,14 @@ def launch_configs(shapes=SELECTOR_SHAPES, dtypes=(torch.bfloat16, torch.float32
         types, divisible, ones = runtime_int_specialization(ints)
         for dtype in dtypes:
             t = "*" + _TRITON_TYPE[dtype]
-            for sample in (False, True):
+            for sample, filtered in ((False, False), (True, False), (True, True)):
                 ptrs = {"unary_ptr": "*fp32", "cand_ptr": "*i64", "proj_ptr": t, "pred_ptr": t, "succ_ptr": t,
                         "anchor_ptr": "*i64", "seed_ptr": "*i64", "tok_ptr": "*i64", "idx_ptr": "*i64",
-                        "q_ptr": "*fp32", "temperature": "fp32"}
+                        "q_ptr": "*fp32", "temperature": "fp32", "top_k": "i32", "top_p": "fp32", "min_p": "fp32"}
                 out.append(dict(
-                    name=f"selector[{shape_name} {_TRITON_TYPE[dtype]} sample={sample}]", kernel=_selector_kernel,
-                    signature=dict(ptrs, **types),
-                    constexprs=dict(dict(SAMPLE=sample, BLOCK_K=max(2, triton.next_power_of_2(k)),
+                    name=f"selector[{shape_name} {_TRITON_TYPE[dtype]} sample={sample} filter={filtered}]",
+                    kernel=_selector_kernel, signature=dict(ptrs, **types),
+                    constexprs=dict(dict(SAMPLE=sample, FILTER=filtered, BLOCK_K=max(2, triton.next_power_of_2(k)),
                                          BLOCK_R=block_r(r), BLOCK_D=max(2, triton.next_power_of_2(D))), **ones),
                     num_warps=NUM_WARPS, num_stages=1, divisible_by_16=divisible))
     return out

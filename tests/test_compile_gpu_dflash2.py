@@ -51,8 +51,8 @@ def test_configs_cover_both_kernels_and_variants():
     assert {(c["signature"]["x_ptr"], c["constexprs"]["HAS_RESIDUAL"]) for c in conv} == {
         (t, r) for t in ("*bf16", "*fp32") for r in (False, True)}
     assert {c["constexprs"]["K"] for c in conv} == {2, 4}
-    assert {(c["signature"]["proj_ptr"], c["constexprs"]["SAMPLE"]) for c in sel} == {
-        (t, s) for t in ("*bf16", "*fp32") for s in (False, True)}
+    assert {(c["signature"]["proj_ptr"], c["constexprs"]["SAMPLE"], c["constexprs"]["FILTER"]) for c in sel} == {
+        (t, s, f) for t in ("*bf16", "*fp32") for s, f in ((False, False), (True, False), (True, True))}
     # real layouts: unit channel strides are constexprs, the hidden size and row strides are hinted; the
     # strided half of the projection output keeps its (non-unit) tap stride an argument
     for c in conv:
@@ -128,8 +128,9 @@ def test_enumerated_binaries_are_the_ones_that_run():
     unary, candidates = logits.topk(k, dim=-1)
     cb = torch.randn(V, r, dtype=torch.bfloat16)
     args = (unary, candidates, torch.randn(D, r, dtype=torch.bfloat16), cb, cb, torch.tensor([3]))
-    for sample in (False, True):
+    for sample, filtered in ((False, False), (True, False), (True, True)):
+        filters = dict(top_k=5, top_p=0.9, min_p=0.05) if filtered else {}
         key = _launch_key(lambda: dk.select_candidates(*args, 0.7 if sample else 0.0, torch.tensor([9]),
-                                                       backend="triton"))
-        cfg = next(c for c in CONFIGS if c["name"] == f"selector[{name} bf16 sample={sample}]")
+                                                       backend="triton", **filters))
+        cfg = next(c for c in CONFIGS if c["name"] == f"selector[{name} bf16 sample={sample} filter={filtered}]")
         _assert_config_is_the_launch(cfg, key)

@@ -67,6 +67,9 @@ NOT_RUN = {
     "python bench/tau_vs_prompt_length.py": "prompts up to 8k tokens; tests/test_train_long.py runs it at smoke size",
     "python bench/train_long_memory.py": "a fresh process per length up to 8k tokens; tests/test_train_long.py runs "
                                          "its step at smoke size",
+    "python bench/sampled_acceptance.py": "both tiny drafters at six samplings, 20 seeds x 8 prompts; "
+                                          "tests/test_sampled_acceptance.py runs its --dry-run",
+    "python bench/zlab_sampled_reference.py": "z-lab's package in its own environment (the fixture's script)",
 }
 
 

@@ -550,9 +550,12 @@ class Round:
         the reference package scores with the logits themselves, which differ from these by one constant per
         row: the same argmax and the same ``softmax(scores / T)``. The selector re-scores them from
         ``prev`` = the token chosen before (the anchor ``last`` for row 1) and takes the best (greedy), or
-        draws from ``q_j = softmax(scores_j / T)`` with uniforms of the device seed (moved on by one, as
-        :meth:`choose` does; each sequence its own uniforms); ``q_ids`` / ``q_probs`` keep that ``q`` (the
-        candidates' ids and probabilities, also written when greedy). The ``b`` sequences in one launch.
+        draws from ``q_j = filtered(softmax(scores_j / T))`` (the target's top-k / top-p / min-p applied to the
+        candidates' distribution, as the target's ``p`` is processed: fewer proposals the target's filters
+        remove) with uniforms of the device seed (moved on by one, as :meth:`choose` does; each sequence its
+        own uniforms); ``q_ids`` / ``q_probs`` keep that ``q`` (the candidates' ids and probabilities, also
+        written when greedy), the distribution each proposal was drawn from. The ``b`` sequences in one
+        launch.
         """
         draft, s = self.draft_model, self.sampling
         selector = draft.candidate_selector
@@ -561,19 +564,20 @@ class Round:
                                       check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         logprobs, cand = logprobs.view(self.b, self.D, k), cand.view(self.b, self.D, k)
         projected = selector.hidden_projection(out[:, 1:])
-        temperature, seed = 0.0, None
+        temperature, seed, filters = 0.0, None, {}
         if not s.greedy:
             self.seed.add_(1)
             temperature, seed = float(s.temperature), self.seed
+            filters = dict(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
         if self.b == 1:  # the one-sequence form of the op (sequence 0 of a batch draws the same)
             tokens, _, q = dflash_kernels.select_candidates(
                 logprobs[0], cand[0], projected[0], selector.predecessor_codebook.weight,
-                selector.successor_codebook.weight, self.last, temperature, seed, backend=self.backend)
+                selector.successor_codebook.weight, self.last, temperature, seed, backend=self.backend, **filters)
             tokens, q = tokens[None], q[None]
         else:
             tokens, _, q = dflash_kernels.select_candidates(
                 logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
-                self.last, temperature, seed, backend=self.backend)
+                self.last, temperature, seed, backend=self.backend, **filters)
         self.proposals.copy_(tokens)
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)

@@ -26,11 +26,13 @@ rank, ``k`` selector candidates, ``D = B - 1`` drafted positions):
       u_j, c_j = top-k of z_j                    [D, k] values and token ids
       p_j      = hidden_projection(h_j)          [D, r]
       s_j[i]   = u_j[i] + < predecessor_codebook[prev_j] * p_j , successor_codebook[c_j[i]] >
-      x_j      = c_j[argmax s_j]  (greedy)   or  a draw of c_j from q_j = softmax(s_j / T)
+      x_j      = c_j[argmax s_j]  (greedy)   or  a draw of c_j from q_j = filtered(softmax(s_j / T))
       prev_1 = the anchor token, prev_{j+1} = x_j
 
-  ``q_j`` is the drafter's distribution the verifier uses in rejection
-  sampling (zero outside ``c_j``). The chain is
+  ``filtered``: the target's top-k / top-p / min-p over the ``k`` candidates
+  (:func:`dflash_kernels.reference.filter_candidate_probs`; off when the
+  call sets none). ``q_j`` is the drafter's distribution the verifier uses in
+  rejection sampling (zero outside ``c_j`` and where the filters cut). The chain is
   :func:`dflash_kernels.select_candidates` (one launch for all ``D``
   positions on the Triton backend; sampling by inverse CDF with one uniform
   per position, from a device seed), or, given explicit uniforms,

@@ -10,10 +10,16 @@ per position; ``r`` selector rank; ``V`` vocabulary)::
     anchor      [S]        int    the token before position 0 of each sequence
 
     s_j[i] = unary[j, i] + sum_r predecessor[prev_j, r] * projected[j, r] * successor[candidates[j, i], r]
-    q_j    = softmax(s_j / T)   (T = 1 when greedy)
+    q_j    = filtered(softmax(s_j / T))   (T = 1 when greedy: softmax(s_j), never filtered)
     i_j    = argmax_i s_j[i], lowest slot on ties            (greedy, T == 0)
            = min(#{i : cdf_j[i] <= u_j}, last_j)              (sampling, cdf_j = cumsum(q_j), u_j in (0, 1])
     x_j    = candidates[j, i_j];  prev_0 = anchor, prev_{j+1} = x_j
+
+``filtered`` (sampling only; each off by default) applies the target's warpers, in transformers'
+order, to the ``k`` candidates' distribution (:func:`filter_candidate_probs`): top-k, then top-p, then
+min-p, renormalizing after each. A draft drawn from a ``q`` as close as the target's processed ``p``
+proposes no token the target's filters remove, so the verifier's ``min(1, p / q)`` rejects less; any
+``q`` is lossless as long as the verifier gets the one the draft was drawn from (the returned ``q``).
 
 ``last_j`` is the last slot with ``q_j > 0``: a uniform at or past the
 rounded total ``cdf_j[k-1]`` (probability ~1e-7) takes that slot, never one
@@ -34,8 +40,10 @@ from typing import Optional, Tuple
 import torch
 
 from .lm_head import check_seed_tensor, uniform_noise
+from .sampling import check_sampling_args
 
-__all__ = ["SELECTOR_ROW0", "check_selector", "select_candidates", "select_chain", "selector_uniforms"]
+__all__ = ["SELECTOR_ROW0", "check_selector", "filter_candidate_probs", "select_candidates", "select_chain",
+           "selector_uniforms"]
 
 #: Philox row counter of sequence 0's selector uniforms (far above any lm_head output row).
 SELECTOR_ROW0 = 0x5E1EC000
@@ -94,10 +102,41 @@ def selector_uniforms(seed: torch.Tensor, sequences: int, positions: int) -> tor
     return uniform_noise(seed, rows, torch.arange(positions, device=seed.device, dtype=torch.int64))
 
 
+def filter_candidate_probs(q: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                           min_p: Optional[float] = None) -> torch.Tensor:
+    """fp32 ``[..., k]``: the candidates' distribution ``q [..., k]`` through top-k, top-p and min-p (None / 0 /
+    1: off), renormalized after each, as transformers' warpers order them.
+
+    Slots are ranked by ``q`` descending, ties by slot (the lower slot ranks first):
+    ``above[i, j] = q_j > q_i or (q_j == q_i and j < i)``. Top-k keeps the slots of rank ``< top_k``; top-p
+    keeps slot ``i`` while the mass ranked above it is ``< top_p`` (transformers removes a token when the mass
+    at or below it is ``<= 1 - top_p``: the same set); min-p keeps ``q_i >= min_p * max q``. The best slot
+    always stays. Pairwise ``[..., k, k]``, no sort (``k`` is the selector's few candidates).
+    """
+    q = q.float()
+    k = q.shape[-1]
+    slot = torch.arange(k, device=q.device)
+    qi, qj = q[..., :, None], q[..., None, :]
+    above = (qj > qi) | ((qj == qi) & (slot[None, :] < slot[:, None]))  # [..., k (i), k (j)]
+    if top_k is not None and 0 < top_k < k:
+        q = torch.where(above.sum(-1) < top_k, q, 0.0)
+        q = q / q.sum(-1, keepdim=True)
+    if top_p is not None and top_p < 1.0:
+        mass = torch.where(above, q[..., None, :], 0.0).sum(-1)
+        q = torch.where(mass < top_p, q, 0.0)
+        q = q / q.sum(-1, keepdim=True)
+    if min_p is not None and min_p > 0.0:
+        q = torch.where(q >= min_p * q.amax(-1, keepdim=True), q, 0.0)
+        q = q / q.sum(-1, keepdim=True)
+    return q
+
+
 def select_chain(unary, candidates, projected, predecessor, successor, anchor, temperature: float = 0.0,
-                 uniforms: Optional[torch.Tensor] = None):
+                 uniforms: Optional[torch.Tensor] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 min_p: Optional[float] = None):
     """The chain of the module docstring with explicit ``uniforms`` (``[D]`` / ``[S, D]`` in [0, 1]; needed
-    when sampling, ignored when greedy).
+    when sampling, ignored when greedy); ``top_k`` / ``top_p`` / ``min_p`` filter ``q`` when sampling
+    (:func:`filter_candidate_probs`).
 
     Returns ``(tokens [.., D] int64, index [.., D] int64 (the chosen slot), q [.., D, k] fp32)``, without the
     ``S`` dimension when the inputs have none.
@@ -113,6 +152,9 @@ def select_chain(unary, candidates, projected, predecessor, successor, anchor, t
         if uniforms is None or tuple(uniforms.shape) != (S, D):
             raise ValueError(f"select_chain: sampling (temperature {t}) needs uniforms of shape "
                              f"{[S, D] if batched else [D]}, got {None if uniforms is None else tuple(uniforms.shape)}")
+    top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
+    min_p = min_p or None
+    filtered = any(f is not None for f in (top_k, top_p, min_p))
     prev = anchor.reshape(-1).to(torch.int64).expand(S)
     pred_w, succ_w = predecessor.float(), successor.float()
     tokens, index, qs = [], [], []
@@ -121,6 +163,8 @@ def select_chain(unary, candidates, projected, predecessor, successor, anchor, t
         scores = unary[:, j].float() + torch.einsum("skr,sr->sk", succ_w[candidates[:, j].long()], context)
         q = torch.softmax(scores / (t if t > 0 else 1.0), dim=-1)
         if t > 0:
+            if filtered:
+                q = filter_candidate_probs(q, top_k, top_p, min_p)
             below = q.cumsum(-1) <= uniforms[:, j, None].float()
             last = torch.where(q > 0, torch.arange(k, device=q.device), 0).amax(-1)  # never a q = 0 slot
             i = torch.minimum(below.sum(-1), last)
@@ -137,7 +181,8 @@ def select_chain(unary, candidates, projected, predecessor, successor, anchor, t
 
 
 def select_candidates(unary, candidates, projected, predecessor, successor, anchor, temperature: float = 0.0,
-                      seed: Optional[torch.Tensor] = None):
+                      seed: Optional[torch.Tensor] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                      min_p: Optional[float] = None):
     """:func:`select_chain` with the uniforms of a device ``seed`` (int64 ``[1]``; required when sampling):
     :func:`selector_uniforms`. Returns ``(tokens, index, q)`` as :func:`select_chain`."""
     batched, t = check_selector(unary, candidates, projected, predecessor, successor, anchor, temperature)
@@ -150,4 +195,5 @@ def select_candidates(unary, candidates, projected, predecessor, successor, anch
         uniforms = selector_uniforms(seed, S, D)
         if not batched:
             uniforms = uniforms[0]
-    return select_chain(unary, candidates, projected, predecessor, successor, anchor, t, uniforms)
+    return select_chain(unary, candidates, projected, predecessor, successor, anchor, t, uniforms, top_k, top_p,
+                        min_p)
