@@ -130,7 +130,7 @@ class AttentionPass:
 
 def in_active_pass() -> bool:
     """Whether one of our passes is running (:func:`active_pass`)."""
-    return bool(_ACTIVE)
+    return len(_ACTIVE) > 0  # (dynamo of torch 2.11 cannot trace bool() of a list)
 
 
 @contextlib.contextmanager
