@@ -55,9 +55,11 @@ def measure(target, draft, prompts, seeds, temperature, filt, max_new_tokens, ac
     for seed in seeds:
         c = n = 0
         for i, ids in enumerate(prompts):
-            r = generate(target, draft, torch.tensor(ids, dtype=torch.long), method="dflash",
+            # every filter given, "none" as top_k=0 / top_p=1.0: transformers' global top_k=50 would otherwise
+            # filter our side where z-lab's samples the plain softmax
+            r = generate(target, draft, torch.tensor(ids, dtype=torch.long), method="dflash", do_sample=True,
                          temperature=temperature, max_new_tokens=max_new_tokens, seed=1000 * seed + i,
-                         acceptance=acceptance, eos_token_id=eos, **{k: v for k, v in filt.items() if v not in (0, 1.0)})
+                         acceptance=acceptance, eos_token_id=eos, **filt)
             c += sum(r.acceptance_lengths)
             n += r.num_rounds
         committed.append(c)
