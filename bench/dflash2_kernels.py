@@ -41,65 +41,10 @@ if ARGS is not None and ARGS.device == "cpu":
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
+from dflash.benchmark.launches import LaunchCounter  # noqa: E402
 from dflash.drafter.dflash2 import GroupedDynamicCausalConv  # noqa: E402
-
-#: aten ops that launch nothing (views, metadata, allocation without a fill)
-_FREE = {"view", "_unsafe_view", "slice", "select", "expand", "as_strided", "t", "transpose", "permute", "detach",
-         "alias", "unsqueeze", "squeeze", "reshape", "empty", "empty_like", "empty_strided", "lift_fresh",
-         "_to_copy_noop", "unbind", "split", "split_with_sizes", "resolve_conj", "resolve_neg", "item",
-         "_local_scalar_dense", "sym_size", "sym_stride", "is_contiguous", "sym_numel"}
-
-
-class _Launches(TorchDispatchMode):
-    """Counts device-kernel launches: aten ops that compute (not views) and Triton launches."""
-
-    def __init__(self):
-        super().__init__()
-        self.aten = 0
-        self.triton = 0
-        self._patched = []
-        self._inside = 0  # > 0 while a Triton launch runs (the interpreter's own tensor copies are not launches)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self._inside and func.__name__.split(".")[0] not in _FREE:
-            self.aten += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        import triton.runtime.jit as jit
-        classes = [jit.JITFunction]
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-            classes.append(InterpretedFunction)
-        except ImportError:  # pragma: no cover
-            pass
-        for cls in classes:
-            real = cls.run
-
-            def run(fn_self, *a, _real=real, **kw):
-                if not kw.get("warmup", False):
-                    self.triton += 1
-                self._inside += 1
-                try:
-                    return _real(fn_self, *a, **kw)
-                finally:
-                    self._inside -= 1
-
-            cls.run = run
-            self._patched.append((cls, real))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for cls, real in self._patched:
-            cls.run = real
-        return super().__exit__(*exc)
-
-    @property
-    def total(self):
-        return self.aten + self.triton
 
 
 def _shapes(device: str):
@@ -182,7 +127,7 @@ def main(args) -> None:
             for backend in ("reference", "triton"):
                 with dk.force_backend(backend):
                     fn()  # warm (compiles / caches) outside the count
-                    with _Launches() as c:
+                    with LaunchCounter() as c:
                         fn()
                     counts[backend] = c
             line = (f"{name:<22} {counts['reference'].total:>12} "

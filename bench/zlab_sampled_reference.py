@@ -45,6 +45,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script's z-lab loader
+from zlab_reference import zlab  # noqa: E402
+
 TEMPERATURES = (0.3, 0.7, 1.0)
 FILTERS = {"none": dict(top_p=1.0, top_k=0), "top_p0.95_top_k20": dict(top_p=0.95, top_k=20)}
 #: the drafter pairs: this repository's directories of each target and drafter (fp32 on both sides)
@@ -53,19 +56,6 @@ PAIRS = {"tiny": dict(target="dflash/assets/tiny/target", drafters=["drafter", "
          "zlab_fixture": dict(target="tests/fixtures/zlab_dflash2/target", drafters=["dflash", "dflash2"],
                               drafter_dir="tests/fixtures/zlab_dflash2")}
 EOS = 257  # both targets' byte vocabulary's eos: the stop token on both sides
-
-
-def zlab():
-    import dflash
-
-    if not hasattr(dflash, "DFlash2DraftModel") or "site-packages" not in (dflash.__file__ or ""):
-        sys.exit(f"this script needs z-lab's dflash 0.1.0 installed, not {dflash.__file__}: run it outside the "
-                 f"repository with an empty PYTHONPATH")
-    from dflash import model
-
-    # dflash_generate times its stages with torch.cuda.synchronize(), which a CPU build refuses
-    torch.cuda.synchronize = lambda *a, **k: None
-    return model
 
 
 def load_drafter(model, path: Path):
