@@ -148,15 +148,15 @@ def _round_guards(entries) -> list:
                                                    and isinstance(e.value, torch.nn.Parameter)) for e in entries]
 
 
-def structure_stamp(*models) -> int:
-    """A hash of what a compiled round's graphs assume of ``models`` (None entries skipped): each module's
-    identity and type, each parameter's and buffer's identity, dtype, shape and device. A module replaced
-    (a quantizer, an adapter), a parameter re-made or moved changes it."""
+def structure_stamp(*module_lists) -> int:
+    """A hash of what a compiled round's graphs assume of the models whose ``modules()`` are given (None
+    entries skipped): each module's identity and type, each parameter's and buffer's identity, dtype, shape
+    and device. A module replaced (a quantizer, an adapter), a parameter re-made or moved changes it."""
     parts = []
-    for model in models:
-        if model is None:
+    for modules in module_lists:
+        if modules is None:
             continue
-        for module in model.modules():
+        for module in modules:
             parts.append((id(module), type(module)))
             for t in itertools.chain(module._parameters.values(), module._buffers.values()):
                 if t is not None:
@@ -703,7 +703,7 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
     # the pool key: the settings, then the rows of both caches (one bucket; 0 for an AR round's drafter)
     settings = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), str(adapter.dtype),
                 draft_dtype, str(adapter.device), mode, repr(sorted(_compile_kwargs(adapter.device).items())), batch,
-                structure_stamp(adapter.model, draft if shape.method != "ar" else None))
+                structure_stamp(adapter.modules, draft.modules() if shape.method != "ar" else None))
     need = max(target_rows, draft_rows)
     pool = _pool(target)
     with pool.lock:

@@ -131,7 +131,8 @@ class TargetAdapter:
         #: the transformers model inside the wrappers the caller holds it in (itself when it wears none)
         self.model = model = unwrap_target(model)
         self.decoder, self.layers, self.norm, self.lm_head, self.rotary_emb = decoder_parts(model)
-        modules = list(model.modules())  # listed once for every structural question below
+        #: the model's modules, listed once for every structural question (here, and the compiled pool's key)
+        self.modules = modules = list(model.modules())
         check_row_independent(model, modules)
         self._quantized_activations = quantizes_activations(model, modules)
         #: the lm_head and how it runs (fused ops on its weight, or the module itself: :mod:`dflash.target.head`)
