@@ -22,6 +22,12 @@ integers are bit for bit the reference's, so both backends choose the same
 tokens for the same seed, up to fp32 rounding of ``q`` / its running sum at a
 uniform that falls within an ulp of a CDF step.
 
+Loads and stores never overlap: every input (scores, ids, projections, codebooks, anchor, seed) is only
+read, and the three outputs are fresh tensors :func:`_launch` allocates (no input aliases them); program ``s``
+stores only row ``s`` of each, one slot per position ``j`` (``q``: that position's ``k`` entries), so no two
+stores of the grid meet and no load reads a stored value (the chosen token is carried in a register, not
+reloaded). The ``FILTER`` ranking is register-only: it adds no load or store.
+
 Token ids in ``candidates`` and ``anchor`` must lie in ``[0, V)``; the kernel
 does not check them (the reference raises on an out-of-range index). Not
 differentiable: training scores teacher-forced candidates with the

@@ -78,9 +78,9 @@ class DraftKVCache(KVBuffer):
             self._block_bits[key] = bits
         return bits
 
-    def write_block(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int,
-                    count: torch.Tensor):
-        """Write ``k, v [b, Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block).
+    def write_block(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, num_context: int):
+        """Write ``k, v [b, Hkv, C + B, D]`` (``C = num_context`` padded context rows, then the block) at the rows
+        the pass made (:meth:`begin_block`).
 
         Returns ``(k_all, v_all [b, Hkv, S', D], prefix [b])``: the layer's first
         ``S' =`` :meth:`key_rows` ``(C + B)`` rows and the number of keys before
@@ -89,7 +89,7 @@ class DraftKVCache(KVBuffer):
         C = num_context
         keys = self.key_rows(k.shape[-2])  # the pass's C + B rows past the committed context bound its keys
         if self.block_dests is None:
-            self.begin_block(C, k.shape[-2] - C, count)
+            raise RuntimeError("DraftKVCache.write_block outside a draft pass: call begin_block first")
         prefix, context_rows, block_rows = self.block_dests
         # two writes in stream order: the context rows (padding included), then the block rows, which overwrite
         # the padding rows they meet; within each write the destination rows are distinct
@@ -99,7 +99,7 @@ class DraftKVCache(KVBuffer):
         return k_all, v_all, prefix
 
     def begin_block(self, num_context: int, block_size: int, count: torch.Tensor) -> None:
-        """Make a draft pass's write rows once for all its layers (:attr:`block_dests`, until :meth:`advance`):
+        """Begin a draft pass: its write rows, once for all its layers (:attr:`block_dests`, until :meth:`advance`):
         ``prefix = length_t + count [b]``, the context rows ``length_t[:, None] + arange(C)`` and the block rows
         ``prefix[:, None] + arange(B)``."""
         prefix = self.length_t + count

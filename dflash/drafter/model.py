@@ -122,7 +122,6 @@ class DraftAttention(nn.Module):
         attn_mask: Optional[torch.Tensor] = None,
         window: Optional[int] = None,
         block_positions: Optional[torch.Tensor] = None,
-        context_count: Optional[torch.Tensor] = None,
         causal: bool = False,
         anchored: bool = False,
         band: Optional[int] = None,
@@ -136,8 +135,9 @@ class DraftAttention(nn.Module):
         :class:`~dflash.drafter.cache.DraftKVCache` (a decoding round of ``b``
         sequences): ``block [b * B, H]`` (each sequence's block in turn),
         ``context [b, C, H]``, ``cos/sin [b, C + B, D]``; only the first
-        ``context_count[r]`` (device) of sequence ``r``'s ``C`` context rows are
-        real; they and the block go to the cache and the block attends to all
+        ``count[r]`` (device) of sequence ``r``'s ``C`` context rows are real
+        (the pass's :meth:`~dflash.drafter.cache.DraftKVCache.begin_block`);
+        they and the block go to the cache and the block attends to all
         its sequence's cached context and the whole block, nothing read on the
         host. K/V are read once per kv head: the Triton path runs
         :func:`dflash_kernels.tree_attention` with every block key visible
@@ -150,8 +150,8 @@ class DraftAttention(nn.Module):
         :meth:`DFlashDraftModel.draft_block` from the same inputs.
         """
         if cache is not None:
-            return self._round(block, context, cos, sin, cache, window, block_positions, context_count, causal,
-                               anchored, band, kind)
+            return self._round(block, context, cos, sin, cache, window, block_positions, causal, anchored, band,
+                               kind)
         B, C = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos[C:], sin[C:])
@@ -161,8 +161,8 @@ class DraftAttention(nn.Module):
                                              enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
 
-    def _round(self, block, context, cos, sin, cache, window, block_positions, context_count, causal, anchored,
-               band=None, kind=None):
+    def _round(self, block, context, cos, sin, cache, window, block_positions, causal, anchored, band=None,
+               kind=None):
         """The decoding round's attention (see :meth:`forward`): ``[b * B, H]``."""
         b, C = context.shape[0], context.shape[1]
         B = block.shape[0] // b
@@ -170,7 +170,7 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(rows).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
         q = apply_rope(q, cos[:, None, C:], sin[:, None, C:])  # [b, Hq, B, D]
         k, v = self.project_kv(torch.cat([context, rows], 1), cos[:, None], sin[:, None])  # [b, Hkv, C + B, D]
-        k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C, context_count)
+        k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C)
         if cache.visible is not None:  # reference backend
             kind = (window, causal, anchored) if kind is None else kind
             out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[kind],
@@ -284,7 +284,7 @@ class DraftLayer(nn.Module):
         return Wl, positions.reshape(block_positions.shape), (Wl if Wl < B else None)
 
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
-                context_count=None, block_size: Optional[int] = None, draft_window: Optional[int] = None):
+                block_size: Optional[int] = None, draft_window: Optional[int] = None):
         """``block [rows, H]`` in blocks of ``block_size`` rows (None: the config's ``block_size``; a decoding
         round passes its own, which may be smaller). ``draft_window``: a decoding round's drafter window
         (:meth:`round_window`; with ``cache`` only)."""
@@ -296,8 +296,7 @@ class DraftLayer(nn.Module):
             else:
                 positions = self.window_positions(block_positions, B)
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
-                                          window=window, block_positions=positions,
-                                          context_count=context_count, causal=self.causal,
+                                          window=window, block_positions=positions, causal=self.causal,
                                           anchored=self.window_anchored, band=band, kind=self.kind)
         block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block, B)
         return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block, B)
@@ -438,7 +437,7 @@ class DFlashDraftModel(nn.Module):
         positions = torch.cat([length + rows[:C], block_positions], 1)  # [b, C + B]
         cos, sin = self.rope(positions, block)
         cache.visible = None
-        cache.block_dests = None  # made by the first layer's write (DraftKVCache.begin_block)
+        cache.begin_block(C, B, context_count)  # every layer's write rows, once for the pass
         if dflash_kernels.get_backend(block.device) != "triton":
             # every block row sees its sequence's committed context and the whole block (causal layers: the block
             # up to itself): [b, B, S] per distinct layer kind (window, causal, anchored)
@@ -447,7 +446,7 @@ class DFlashDraftModel(nn.Module):
                 key = layer.kind
                 if cache.visible[key] is None:
                     window, window_positions, band = layer.round_window(block_positions, B, draft_window)
-                    prefix, keys = cache.length_t + context_count, cache.key_rows(C + B)
+                    prefix, keys = cache.block_dests[0], cache.key_rows(C + B)
                     if window is None and band is None and not layer.causal:
                         # every block row sees what one row after the whole block sees (every context row,
                         # every block row): a one-row chain's compare, not the bits' lookup
@@ -458,8 +457,8 @@ class DFlashDraftModel(nn.Module):
                             cache.block_bits(B, layer.causal, band), prefix, B, n_keys=keys,
                             positions=window_positions, window=window)
         for layer in self.layers:
-            block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions,
-                          context_count=context_count, block_size=B, draft_window=draft_window)
+            block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions, block_size=B,
+                          draft_window=draft_window)
         cache.advance(context_count)
         return self.norm(block).view(b, B, H)
 
