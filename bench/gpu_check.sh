@@ -47,6 +47,11 @@
 #             tokens/s and tau per row, auto over the best and the median fixed budget
 #   batch:    bench/gpu_batch_crossover.py: ar, the DFlash chain and DDTree budgets 8 / 32 / 64 at batch 1, 4
 #             and 16, Qwen3-8B shapes (4 layers, fp32, the steered drafter): where trees stop paying
+#   refloops: (opt-in: only when GPU_CHECK_STEPS names it) bench/reference_loops.py --device cuda: z-lab's
+#             DFlash loop and the DDTree reference loop beside ours (eager and compiled) on the tiny pair:
+#             tokens/s, tau, ops per round, greedy tokens equal. Their code travels as files under
+#             GPU_CHECK_REF_SRC (default runs/refsrc: zlab/dflash/ = z-lab's installed dflash 0.1.0 package
+#             folder, ddtree/ = a checkout of the DDTree code; carry runs/refsrc); a missing one fails the step
 #   micro:    the pytest-benchmark suite in bench/ (without bench_train_memory.py) at real shapes (last: it
 #             gets what the steps before it left)
 # Output, in $OUT when set, else bench/results/gpu_check/: each step's log (<step>.log) and JSON,
@@ -61,8 +66,10 @@
 # import error fails), e2e runs at a few tokens on the CPU. Each step is capped at
 # GPU_CHECK_DRY_STEP_S seconds (default 300) instead of its device limit.
 #
-# Selection (GPU_CHECK_STEPS, a comma list of step names; unset or empty: every step): the other steps
-# are "not selected", left out of the plan and its sum, and not run. Without build among them the
+# Selection (GPU_CHECK_STEPS, a comma list of step names; unset or empty: every step but the opt-in ones):
+# the other steps are "not selected", left out of the plan and its sum, and not run. An opt-in step
+# (OPT_IN: it needs files carried to the machine) runs only when named; the default plan's sum stays
+# within the budget without it. Without build among them the
 # extension is not built, only checked to import (an in-place build carried from an earlier run, say:
 # dflash_kernels/_C*.so); if it does not, the run stops there.
 #
@@ -79,11 +86,14 @@ SELECTED=${GPU_CHECK_STEPS:-}
 GRACE_S=5     # SIGTERM this long before a step's time is up, then SIGKILL
 MIN_STEP_S=10  # a step granted less than this is not started ("no time")
 
-# name:limit_s in run order; the sum is the planned device time and must not exceed BUDGET_S. Sized from
+# name:limit_s in run order; the sum over the default selection (the opt-in steps left out) is the planned
+# device time and must not exceed BUDGET_S. Sized from
 # the seconds each step took on an H200 (two leases, 2026-12): probe 4-6, build 53, kernels 30, tests 66
 # (82 kernel tests, their Triton compiles included), syncs 27-33, round 21, compiled 71-73, hybrid 27,
 # families 34-40 (before gpt-oss's fp32 rerun), stress 11, e2e 22, auto 39 (bf16, 96 tokens), micro 104
-# (before its vocabulary-sized weights were drawn on the device instead of the host)
+# (before its vocabulary-sized weights were drawn on the device instead of the host); refloops (opt-in) not yet
+# run on a GPU: 150 s covers 6 implementations x 8 prompts x (1 + 3 repeats) of 128 tokens on the tiny pair,
+# a counted pass of each eager one and two compiles
 PLAN=(
     probe:10
     build:55
@@ -99,10 +109,17 @@ PLAN=(
     e2e:20
     auto:30
     batch:30
+    refloops:150
     micro:5
 )
+OPT_IN=" refloops "  # in the plan only when GPU_CHECK_STEPS names them
+REF_SRC=${GPU_CHECK_REF_SRC:-runs/refsrc}
 
-selected() {  # name: whether GPU_CHECK_STEPS asks for it (the probe always runs)
+selected() {  # name: whether GPU_CHECK_STEPS asks for it (the probe always runs; an opt-in step only by name)
+    if [[ "$OPT_IN" == *" $1 "* ]]; then
+        [[ ",$SELECTED," == *",$1,"* ]]
+        return
+    fi
     [ -z "$SELECTED" ] || [ "$1" = probe ] || [[ ",$SELECTED," == *",$1,"* ]]
 }
 
@@ -140,7 +157,8 @@ fi
 JSON_OF=([probe]="" [build]=build.json [kernels]=gpu_kernel_check.json [tests]=gpu_tests.json
          [syncs]=gpu_round_syncs.json [round]=gpu_round_latency.json [long]=long_prompts.json [compiled]=gpu_compiled_round.json
          [hybrid]=gpu_hybrid_check.json [families]=gpu_family_check.json [stress]=gpu_compaction_stress.json
-         [e2e]=e2e/results.json [auto]=gpu_auto_budget.json [batch]=gpu_batch_crossover.json [micro]=$MICRO_JSON)
+         [e2e]=e2e/results.json [auto]=gpu_auto_budget.json [batch]=gpu_batch_crossover.json [refloops]=reference_loops.json
+         [micro]=$MICRO_JSON)
 
 die() {
     echo "gpu_check: FAIL: $*" >&2
@@ -416,6 +434,15 @@ step auto "$PY" bench/gpu_auto_budget.py --layers 4 --prompt-len 256 --new-token
 # ---------------------------------------------------------------- batch: trees against the chain as b grows
 step batch "$PY" bench/gpu_batch_crossover.py --layers 4 --prompt-len 256 --new-tokens 48 --repeats 1 \
     --json "$OUT_DIR/gpu_batch_crossover.json" "${DRY[@]}"
+
+# ---------------------------------------------------------------- refloops (opt-in): the reference loops beside ours
+if [ "$DRY_RUN" = 1 ]; then
+    REF_DEVICE=cpu
+else
+    REF_DEVICE=cuda
+fi
+step refloops "$PY" bench/reference_loops.py --device "$REF_DEVICE" --zlab-src "$REF_SRC/zlab" \
+    --ddtree-src "$REF_SRC/ddtree" --repeats 3 --require-references --json "$OUT_DIR/reference_loops.json" "${DRY[@]}"
 
 # ---------------------------------------------------------------- micro: pytest-benchmark suite, last
 if [ "$DRY_RUN" = 1 ]; then

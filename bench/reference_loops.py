@@ -41,7 +41,17 @@ then, from the repository root (our venv)::
     OMP_NUM_THREADS=1 python bench/reference_loops.py --zlab-python /tmp/venv-zlab/bin/python \\
         --ddtree-src /tmp/ddtree_src --json runs/reference_loops.json
 
-Without ``--zlab-python`` (or when its worker cannot start) only our side runs, and the output says so.
+On a GPU (``--device cuda``) everything runs there, each timed call bracketed by a synchronize; a machine
+without network gets z-lab's package as files: copy its installed ``dflash/`` folder (``site-packages/dflash``
+of the environment above) into a directory and pass that directory as ``--zlab-src`` (the workers then run under
+this interpreter, with stand-ins for the DDTree code's unused ``loguru`` / ``datasets`` imports where missing)::
+
+    python bench/reference_loops.py --device cuda --zlab-src runs/refsrc/zlab --ddtree-src runs/refsrc/ddtree
+
+(``bench/gpu_check.sh``'s ``refloops`` step runs exactly that when the two directories are there.)
+
+Without ``--zlab-python`` / ``--zlab-src`` (or when its worker cannot start) only our side runs, and the output
+says so.
 ``--dry-run``: one prompt of 32 tokens, 8 new tokens, one round, eager only (seconds).
 """
 
@@ -149,11 +159,11 @@ class Worker:
 class Ours:
     """Our ``generate`` on the tiny pair, the same call shape as the worker's."""
 
-    def __init__(self, method: str, compile: bool, tree_budget: int):
+    def __init__(self, method: str, compile: bool, tree_budget: int, device: torch.device):
         from dflash.tiny.pair import load_default_pair
 
-        self.target, self.draft, _ = load_default_pair()
-        self.method, self.compile, self.tree_budget = method, compile, tree_budget
+        self.target, self.draft, _ = load_default_pair(device=device)
+        self.method, self.compile, self.tree_budget, self.device = method, compile, tree_budget, device
 
     def call(self, ids, max_new_tokens, temperature, seed):
         import dflash
@@ -177,12 +187,19 @@ class Ours:
                 reply["ops"].append(counter.total)
                 reply["by_op"].append(dict(counter.by_op))
             else:
+                synchronize(self.device)
                 t0 = time.perf_counter()
                 r = self.call(ids, max_new_tokens, temperature, seed + i)
+                synchronize(self.device)
                 reply["seconds"].append(time.perf_counter() - t0 - r.compile_time)  # a recompile is not timed
             reply["new_tokens"].append(r.output_ids[0, len(ids):].tolist())
             reply["rounds"].append([d + 1 for d in r.accepted_depths])
         return reply
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def convert_drafter(out: Path, num_target_layers: int) -> Path:
@@ -219,7 +236,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zlab-python", default=None, help="python of an environment with z-lab's dflash==0.1.0")
     p.add_argument("--ddtree-src", default=None, help="a checkout of the DDTree code (ddtree.py, dflash.py, model/)")
-    p.add_argument("--ddtree-python", default=None, help="python for the DDTree worker (default: --zlab-python)")
+    p.add_argument("--zlab-src", default=None, help="a directory holding z-lab's dflash/ package folder, run by "
+                                                     "--zlab-python (default: this interpreter)")
+    p.add_argument("--ddtree-python", default=None,
+                   help="python for the DDTree worker (default: --zlab-python, else this interpreter)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (every implementation runs there)")
     p.add_argument("--methods", nargs="+", default=["dflash", "ddtree"], choices=["dflash", "ddtree"])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -231,12 +252,21 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-compiled", action="store_true", help="leave out ours with compile=True")
     p.add_argument("--no-ops", action="store_true", help="skip the counted pass (ops per round)")
+    p.add_argument("--require-references", action="store_true",
+                   help="exit 2 when a reference of --methods was not run (a missing source or environment)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--dry-run", action="store_true", help="1 prompt of 32 tokens, 8 new tokens, 1 round, eager")
     args = p.parse_args(argv)
     if args.dry_run:
         args.prompts, args.prompt_len, args.max_new_tokens, args.repeats, args.no_compiled = 1, 32, 8, 1, True
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: cpu or cuda[:N]")
+    zlab_python = args.zlab_python or (sys.executable if args.zlab_src else None)
+    zlab_extra = ["--zlab-src", str(Path(args.zlab_src).resolve())] if args.zlab_src else []
 
     from dflash.tiny.corpus import heldout_prompts
 
@@ -250,8 +280,8 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         # ---- the references
         refs = {}
-        if args.zlab_python is None:
-            notes.append("no --zlab-python: the references were not run (ours only)")
+        if zlab_python is None:
+            notes.append("no --zlab-python / --zlab-src: the references were not run (ours only)")
         else:
             from transformers import AutoConfig
 
@@ -259,10 +289,10 @@ def main(argv=None) -> int:
             drafter = convert_drafter(tmp / "drafter_zlab", layers)
             wanted = []
             if "dflash" in args.methods:
-                wanted.append(("dflash", "zlab", args.zlab_python, []))
+                wanted.append(("dflash", "zlab", zlab_python, zlab_extra))
             if "ddtree" in args.methods:
                 if args.ddtree_src and (Path(args.ddtree_src) / "ddtree.py").is_file():
-                    wanted.append(("ddtree", "ddtree", args.ddtree_python or args.zlab_python,
+                    wanted.append(("ddtree", "ddtree", args.ddtree_python or args.zlab_python or sys.executable,
                                    ["--ddtree-src", str(Path(args.ddtree_src).resolve())]))
                 else:
                     notes.append(f"no DDTree code at --ddtree-src {args.ddtree_src!r}: the DDTree reference was "
@@ -273,7 +303,7 @@ def main(argv=None) -> int:
                     worker = Worker(impl, python, extra, tmp, args.threads)
                     workers.append(worker)
                     info = worker.ask(cmd="setup", target=str(TARGET_DIR), drafter=str(drafter),
-                                      threads=args.threads, launches=str(LAUNCHES))
+                                      threads=args.threads, launches=str(LAUNCHES), device=str(device))
                 except (RuntimeError, OSError) as e:
                     notes.append(f"the {impl} worker could not start, its reference was not run: {e}")
                     if worker is not None:
@@ -292,7 +322,7 @@ def main(argv=None) -> int:
                 for compiled in (False, True) if not args.no_compiled else (False,):
                     name = f"ours {method}, {'compiled' if compiled else 'eager'}"
                     impls[name] = Impl(name, method, "compiled" if compiled else "eager")
-                    runners[name] = Ours(method, compiled, args.tree_budget).generate
+                    runners[name] = Ours(method, compiled, args.tree_budget, device).generate
 
             # ---- warm-up (ours compiled: compiles and pools its rounds), then the timed rounds, taking turns
             names = list(impls)
@@ -338,24 +368,29 @@ def main(argv=None) -> int:
             impl.greedy_equal = not impl.mismatches
             mismatch |= bool(impl.mismatches)
 
-    report = render(impls, args, notes, base, compile_s)
+    report = render(impls, args, notes, base, compile_s, device)
     print(report)
     if mismatch:
         print("\n!!! GREEDY MISMATCH: " + "; ".join(
             f"{i.name}: prompt {k} differs from {base.name} at new token {pos}" for i in impls.values()
             for k, pos in i.mismatches))
+    missing = [REF_NAMES[m] for m in args.methods if REF_NAMES[m] not in impls]
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(to_json(impls, args, notes, argv, compile_s), indent=1) + "\n")
+        out.write_text(json.dumps(to_json(impls, args, notes, argv, compile_s, device), indent=1) + "\n")
+    if missing and args.require_references:
+        print(f"\n!!! --require-references: not run: {', '.join(missing)} (see the notes above)")
+        return 2
     return 1 if mismatch else 0
 
 
-def backend() -> str:
+def backend(device: torch.device) -> str:
     import dflash_kernels
 
-    name = dflash_kernels.get_backend(torch.device("cpu"))
-    return name + (" (the Triton interpreter: not a speed path)" if name == "triton" else "")
+    name = dflash_kernels.get_backend(device)
+    interpreted = name == "triton" and device.type == "cpu"
+    return name + (" (the Triton interpreter: not a speed path)" if interpreted else "")
 
 
 def round_ratios(impls: dict, impl: Impl) -> list | None:
@@ -375,10 +410,14 @@ def ratio_to_ref(impls: dict, impl: Impl) -> str:
     return f"{impl.tokens_per_s / ref.tokens_per_s:.2f}x", f"{statistics.median(round_ratios(impls, impl)):.2f}x"
 
 
-def render(impls, args, notes, base, compile_s) -> str:
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+
+
+def render(impls, args, notes, base, compile_s, device) -> str:
     lines = [f"{args.prompts} held-out prompts x {args.prompt_len} tokens, {args.max_new_tokens} new tokens, "
              f"T={args.temperature}, tree budget {args.tree_budget}, {args.repeats} rounds (min), "
-             f"{args.threads} thread(s), torch {torch.__version__}, our kernels' backend {backend()}"]
+             f"{device_name(device)}, torch {torch.__version__}, our kernels' backend {backend(device)}"]
     lines += [f"NOTE: {n}" for n in notes]
     lines += ["", "| method | implementation | tokens/s | ours / reference | per-round ratio, median | tau | ops/round "
               f"| greedy = {base.name} |", "|---|---|---|---|---|---|---|---|"]
@@ -408,7 +447,7 @@ def render(impls, args, notes, base, compile_s) -> str:
     return "\n".join(lines)
 
 
-def to_json(impls, args, notes, argv, compile_s) -> dict:
+def to_json(impls, args, notes, argv, compile_s, device) -> dict:
     rows = []
     for impl in impls.values():
         rows.append(dict(name=impl.name, method=impl.method, kind=impl.kind, tokens=impl.tokens,
@@ -422,8 +461,8 @@ def to_json(impls, args, notes, argv, compile_s) -> dict:
                          greedy_equal=impl.greedy_equal, mismatches=impl.mismatches,
                          first_call_s=compile_s.get(impl.name)))
     command = "python bench/reference_loops.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    return dict(command=command, settings=vars(args), torch=torch.__version__, backend=backend(), notes=notes,
-                rows=rows)
+    return dict(command=command, settings=vars(args), torch=torch.__version__, device=device_name(device),
+                backend=backend(device), notes=notes, rows=rows)
 
 
 if __name__ == "__main__":

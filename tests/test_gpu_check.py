@@ -113,6 +113,9 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None, steps=None)
 
 STEPS = ["build", "kernels", "tests", "syncs", "round", "long", "compiled", "hybrid", "families", "stress", "e2e", "auto",
          "batch", "micro"]
+#: steps that run only when GPU_CHECK_STEPS names them, and where they sit in the plan (before micro)
+OPT_IN = ["refloops"]
+PLANNED = STEPS[:-1] + OPT_IN + STEPS[-1:]
 
 
 def summary_states(stdout):
@@ -131,8 +134,10 @@ def test_step_runner_all_steps_pass(tmp_path):
         [f"{s}.log" for s in STEPS] + ["build.json", "gpu_check_summary.json"])
     summary = json.loads((tmp_path / "out" / "gpu_check_summary.json").read_text())
     assert summary["done"] and not summary["failed"] and summary["gpu"] == "Fake GPU"
-    assert [s["step"] for s in summary["steps"]] == ["probe"] + STEPS
-    assert all(s["state"] == "ok" and s["granted"] >= s["limit"] for s in summary["steps"])
+    assert [s["step"] for s in summary["steps"]] == ["probe"] + PLANNED
+    assert all(s["state"] == "ok" and s["granted"] >= s["limit"] for s in summary["steps"] if s["step"] in STEPS)
+    assert {s["step"]: s["state"] for s in summary["steps"]}["refloops"] == "not selected"
+    assert "reference_loops.py" not in result.stdout
 
 
 def test_step_runner_a_failing_kernel_check_fails_the_run(tmp_path):
@@ -175,6 +180,18 @@ def test_step_runner_runs_only_the_selected_steps(tmp_path):
     assert not summary["failed"] and {s["step"]: s["state"] for s in summary["steps"]}["kernels"] == "not selected"
 
 
+def test_an_opt_in_step_runs_when_named(tmp_path):
+    """refloops needs the references' code carried to the machine: it runs only when GPU_CHECK_STEPS names it,
+    on the GPU, with its sources under GPU_CHECK_REF_SRC (default runs/refsrc), and fails without them."""
+    result = run_with_fake_gpu(tmp_path, steps="refloops")
+    assert result.returncode == 0, result.stderr
+    plan = dict(script_plan()[1])
+    assert f"planned device time: {plan['probe'] + plan['refloops']} s" in result.stdout
+    assert ("fake python: bench/reference_loops.py --device cuda --zlab-src runs/refsrc/zlab --ddtree-src "
+            "runs/refsrc/ddtree --repeats 3 --require-references --json") in result.stdout
+    assert set(summary_states(result.stdout).values()) == {"not selected"}
+
+
 def test_step_runner_refuses_an_unknown_step(tmp_path):
     result = run_with_fake_gpu(tmp_path, steps="hybrid,speed")
     assert result.returncode == 1
@@ -201,11 +218,13 @@ def script_plan():
 def test_plan_fits_the_budget_and_names_every_step():
     budget, plan = script_plan()
     assert budget == 540  # 15 minutes of device time in all, 1-2 of them to start the machine: room for a rerun of part
-    assert sum(limit for _, limit in plan) <= budget
-    assert [name for name, _ in plan] == ["probe"] + STEPS
+    assert sum(limit for name, limit in plan if name not in OPT_IN) <= budget  # the default selection
+    assert all(limit <= budget for name, limit in plan if name in OPT_IN)
+    assert [name for name, _ in plan] == ["probe"] + PLANNED
     text = SCRIPT.read_text()
+    assert re.search(r'^OPT_IN=" (.*) "', text, re.M).group(1).split() == OPT_IN
     called = re.findall(r"^\s*step ([a-z0-9-]+) ", text, re.M)
-    assert sorted(set(called)) == sorted(STEPS)  # every planned step runs, nothing unplanned does
+    assert sorted(set(called)) == sorted(PLANNED)  # every planned step runs, nothing unplanned does
     assert all(limit > 0 for _, limit in plan)
 
 
@@ -258,7 +277,8 @@ def test_floor_stack_dry_run_runs_every_step(tmp_path):
     plan_text = out.split("gpu_check: plan")[1].split("planned device time")[0]
     plan = dict(re.findall(r"^  ([a-z0-9-]+)\s+(\d+) s$", plan_text, re.M))
     assert list(plan) == ["probe"] + STEPS
-    assert sum(int(v) for v in plan.values()) == planned == sum(limit for _, limit in script_plan()[1])
+    assert sum(int(v) for v in plan.values()) == planned == sum(
+        limit for name, limit in script_plan()[1] if name not in OPT_IN)
     assert "dry run: skipping the nvidia-smi" in out and "dry run: skipping the pip build" in out
     assert "dry run: skipped" in out  # the scripts name the CUDA-only parts they leave out
     assert "gpu_check: FAIL" not in out + result.stderr and "] FAILED" not in result.stderr
@@ -269,6 +289,9 @@ def test_floor_stack_dry_run_runs_every_step(tmp_path):
     for entry in summary["steps"]:
         if entry["step"] == "probe":
             assert entry["state"] == "skipped (dry run)"
+            continue
+        if entry["step"] in OPT_IN:
+            assert entry["state"] == "not selected"
             continue
         assert entry["state"] == "ok" and entry["limit"] == int(plan[entry["step"]]), entry
         path = tmp_path / "out" / entry["json"]
