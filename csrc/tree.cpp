@@ -1,7 +1,7 @@
-// DDTree host ops (SPEC section 5): the best-first tree build and the walk of
-// the verified tree. Both run on the CPU: the tree is small (a few hundred
-// nodes), its build is a sequential priority-queue loop, and the walk decides
-// what the host commits. The Python reference of both is
+// DDTree host ops: the best-first tree build and the walk of the verified
+// tree. Both run on the CPU: the tree is small (a few hundred nodes), its
+// build is a sequential priority-queue loop, and the walk decides what the
+// host commits. The Python reference of both is
 // dflash_kernels/reference/tree.py; the two must agree bit for bit.
 //
 // build_tree(top_logprobs [D, K] float, top_ids [D, K] int64/int32, budget)
@@ -14,15 +14,24 @@
 //   depth < D. The loop stops at `budget` nodes or an empty queue.
 //   Scores are computed as score(parent) + logprob[depth - 1][rank] in double
 //   precision (the parent's score is looked up per popped node), which is the
-//   path sum without the cancellation of "score - old + new". Ties in the
-//   score pop the entry pushed first (lower insertion counter).
+//   path sum without the cancellation of "score - old + new".
+//   Tie rule (the one of every tree build, dflash_kernels.build_tree_device's
+//   too): nodes come in the order (score desc, depth asc, parent asc, rank
+//   asc). The queue holds at most one candidate per parent (a parent's
+//   children enter one at a time, each after the one before it pops), so
+//   (score, depth, parent) orders its entries totally and rank never decides;
+//   every candidate pushed later than another of its chain (a next sibling: a
+//   higher rank; a first child: a greater depth) also comes later in the
+//   order whenever their scores tie, so the pops follow the order exactly.
+//   Parents are node numbers, which within one depth follow the same order:
+//   "parent asc" is the device build's "parent's slot asc".
 //   The node count n = min(budget, sum_{d=1..D} K^d) is known up front (the
 //   queue only runs empty once the whole tree is popped), so the loop writes
 //   straight into the preallocated outputs. build_tree_scored also returns
 //   each node's score (its path sum, double), non-increasing in node order. Inputs are read in place
 //   (float32/float64, int64/int32, any strides), with no conversion copies.
-//   Queue entries are 128-bit integer keys (score, then ~counter), so each
-//   heap comparison is one unsigned compare (see make_key below).
+//   Queue entries are 128-bit integer keys (score, then ~depth, ~parent), so
+//   each heap comparison is one unsigned compare (see make_key below).
 //
 // walk_tree(parents [N+1], token_ids [N], target_choice [N+1])
 //   From the root (node 0): while target_choice[cur] equals the token of a
@@ -47,12 +56,13 @@ namespace {
 
 // Queue entries are single 128-bit keys: high 64 bits = the score mapped to
 // an unsigned integer in the same order (sign-magnitude to offset binary),
-// low 64 bits = ~counter, so "pops first" (higher score, then lower insertion
-// counter) is one unsigned compare, and counters are unique, so the order is
-// total and the pop sequence cannot depend on the heap's layout. Scores get
-// `+ 0.0` first, which turns -0.0 into +0.0 (they compare equal as doubles,
-// so they must map to one key) and changes no other value. The rest of a
-// candidate (parent, depth, rank) lives in a side array indexed by counter.
+// low 64 bits = (~depth << 32) | ~parent (32 bits each), so "pops first"
+// (higher score, then lower depth, then lower parent) is one unsigned
+// compare; the queue never holds two entries of one parent, so keys are
+// unique, the order is total and the pop sequence cannot depend on the heap's
+// layout. Scores get `+ 0.0` first, which turns -0.0 into +0.0 (they compare
+// equal as doubles, so they must map to one key) and changes no other value.
+// The candidate's rank lives in a side array indexed by its parent.
 using Key = unsigned __int128;
 
 inline uint64_t score_bits(double score) {
@@ -69,15 +79,13 @@ inline double bits_score(uint64_t o) {
   return score;
 }
 
-inline Key make_key(double score, uint32_t counter) {
-  return (Key{score_bits(score)} << 64) | Key{~uint64_t{counter}};
+inline Key make_key(double score, uint32_t depth, uint32_t parent) {
+  const uint64_t tie = (uint64_t{~depth} << 32) | uint64_t{~parent};
+  return (Key{score_bits(score)} << 64) | Key{tie};
 }
 
-struct Payload {
-  uint32_t parent;  // node index of the parent (0 = root)
-  uint32_t depth;   // 1-based depth, row depth - 1 of the inputs
-  uint32_t rank;    // column of the inputs
-};
+inline uint32_t key_depth(const Key key) { return ~static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32); }
+inline uint32_t key_parent(const Key key) { return ~static_cast<uint32_t>(static_cast<uint64_t>(key)); }
 
 // Binary max-heap of keys on a preallocated array, with hole-based sifts and
 // a replace-top operation: a pop followed by the push of the popped entry's
@@ -156,39 +164,39 @@ void build_tree_loop(const lp_t* lp, int64_t lp_s0, int64_t lp_s1, const id_t* i
   parents[0] = -1;
   if (n == 0) return;
   auto logprob = [&](int64_t row, int64_t rank) { return static_cast<double>(lp[row * lp_s0 + rank * lp_s1]); };
-  // A heap of at most 2n entries (each pop pushes at most two, and pops one),
-  // payload[counter] per pushed candidate, node_score[i] = score of node i
-  // (root 0). Uninitialized: every slot is written before it is read.
-  std::unique_ptr<Key[]> storage(new Key[2 * n + 1]);
-  std::unique_ptr<Payload[]> payload(new Payload[2 * n + 1]);
+  // A heap of at most n + 1 entries (one per parent, nodes 0..n),
+  // rank_of[p] = the rank of parent p's candidate in the heap, node_score[i] =
+  // score of node i (root 0). Uninitialized: every slot is written before it
+  // is read.
+  std::unique_ptr<Key[]> storage(new Key[n + 1]);
+  std::unique_ptr<uint32_t[]> rank_of(new uint32_t[n + 1]);
   std::unique_ptr<double[]> node_score(new double[n + 1]);
   node_score[0] = 0.0;
   KeyHeap heap(storage.get());
-  uint32_t counter = 0;
-  payload[counter] = Payload{0, 1, 0};
-  heap.push(make_key(logprob(0, 0), counter++));
+  rank_of[0] = 0;
+  heap.push(make_key(logprob(0, 0), 1, 0));
   for (int64_t node = 1; node <= n; ++node) {
     // The heap cannot run empty before n pops: n <= the full tree's size and
     // every node of the full tree is eventually pushed.
     const Key top = heap.top();
-    const Payload c = payload[~static_cast<uint32_t>(static_cast<uint64_t>(top))];
+    const uint32_t parent = key_parent(top), depth = key_depth(top), rank = rank_of[parent];
     const double score = bits_score(static_cast<uint64_t>(top >> 64));
-    const int64_t row = c.depth - 1;
-    tokens[node - 1] = static_cast<int64_t>(ids[row * id_s0 + static_cast<int64_t>(c.rank) * id_s1]);
-    depths[node - 1] = c.depth;
-    parents[node] = c.parent;
+    const int64_t row = depth - 1;
+    tokens[node - 1] = static_cast<int64_t>(ids[row * id_s0 + static_cast<int64_t>(rank) * id_s1]);
+    depths[node - 1] = depth;
+    parents[node] = parent;
     node_score[node] = score;
     if (scores != nullptr) scores[node - 1] = score;
     if (node == n) break;  // the last node's sibling and child are never popped
-    if (c.rank + 1 < k) {
-      payload[counter] = Payload{c.parent, c.depth, c.rank + 1};
-      heap.replace_top(make_key(node_score[c.parent] + logprob(row, c.rank + 1), counter++));
+    if (rank + 1 < k) {
+      rank_of[parent] = rank + 1;
+      heap.replace_top(make_key(node_score[parent] + logprob(row, rank + 1), depth, parent));
     } else {
       heap.pop();
     }
-    if (c.depth < max_depth) {
-      payload[counter] = Payload{static_cast<uint32_t>(node), c.depth + 1, 0};
-      heap.push(make_key(score + logprob(row + 1, 0), counter++));
+    if (depth < max_depth) {
+      rank_of[node] = 0;
+      heap.push(make_key(score + logprob(row + 1, 0), depth + 1, static_cast<uint32_t>(node)));
     }
   }
 }
@@ -230,8 +238,8 @@ std::pair<torch::Tensor, torch::Tensor> host_build_inputs(const torch::Tensor& t
   return {std::move(lp), std::move(ids)};
 }
 
-// The node count of a tree of `budget` nodes over depth x K inputs, checked to fit the uint32 node indices
-// and counters of the heap loop.
+// The node count of a tree of `budget` nodes over depth x K inputs, checked to fit the uint32 node indices,
+// depths and ranks of the heap loop.
 int64_t checked_tree_nodes(int64_t max_depth, int64_t k, int64_t budget, const char* op) {
   constexpr int64_t kMaxNodes = int64_t{1} << 30;
   const int64_t n = full_tree_nodes(max_depth, k, budget < kMaxNodes ? budget : kMaxNodes);

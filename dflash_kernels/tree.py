@@ -16,7 +16,8 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
 * :func:`build_tree_device` / :func:`walk_tree_device` (from
   :mod:`dflash_kernels.tree_device`) do the build and the walk with torch ops
   on the inputs' device, fixed shapes (:func:`tree_size` gives ``N``) and no
-  host sync: the same trees as the C++ ops when scores are distinct.
+  host sync: the same trees as the C++ ops, bit for bit, exact score ties
+  included (one tie rule: ``(score desc, depth asc, parent asc, rank asc)``).
 * :func:`selector_child_logprobs` / :func:`build_selector_tree_device`: the
   tree over a DFlash2 candidate selector, whose children are scored given
   their parent's token (:mod:`dflash_kernels.reference.selector_tree`); the
@@ -65,7 +66,8 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
     Returns:
         ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)``, all on
         the CPU, ``N <= budget``. Scores are float64 path sums of log-probs; the
-        queue pops the highest score, ties in insertion order (see
+        queue pops the highest score, ties in the order (depth asc, parent
+        asc, rank asc), every tree build's tie rule (see
         :func:`dflash_kernels.reference.build_tree` for the algorithm).
         Inputs on a GPU are copied to the CPU first (inside the C++ op, which
         reads CPU inputs in place: any strides, float32/float64 without a

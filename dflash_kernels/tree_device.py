@@ -224,11 +224,10 @@ def build_tree_device(
     larger), so ``parents[i] < i``; the selected set is the first ``N`` nodes
     of one total order of the whole tree that sorts by score, hence it is
     prefix-closed (a node's parent is selected) and a valid best-first tree:
-    every selected node scores ``>=`` every unselected node. With distinct
-    scores this is exactly the C++ heap's tree (tokens, depths, parents bit
-    for bit); on exact score ties the heap breaks ties by insertion order, so
-    the two may number (and, at the budget boundary, select) tied nodes
-    differently.
+    every selected node scores ``>=`` every unselected node. This is exactly
+    the C++ heap's tree (tokens, depths, parents bit for bit), exact score ties
+    included: the heap pops in the same order (parents by node number, which
+    within a depth follow the slots).
 
     Not checked (checking would read values on the host): NaN, positive or
     unsorted log-probs make the selection unspecified; ``parents`` is still

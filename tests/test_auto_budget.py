@@ -100,6 +100,30 @@ def test_each_bucket_is_the_fixed_budget_tree(reference_ops, host_tree, dflash2)
     adapter.close()
 
 
+@torch.inference_mode()
+def test_host_and_device_builds_draft_one_tree_on_exact_ties(reference_ops, monkeypatch):
+    """Every draft log-prob tied (the drafter's final norm zeroed: every logit 0; two children a node, so the
+    tree is deeper than one level and same-depth nodes of different parents tie): an eager CPU round's C++
+    build and the device build a traced round runs draft the same tree, numbering included (one tie rule)."""
+    import dflash.decoding.round as round_module
+
+    monkeypatch.setattr(round_module, "tree_branching", lambda *args: 2)
+    target, draft = pair()
+    draft.norm.weight.zero_()
+    trees = []
+    for host in (True, False):
+        adapter, rnd = _round(target, draft, 12)
+        assert rnd.host_tree  # an eager CPU round on the reference backend builds on the host
+        rnd.host_tree = host
+        rnd.draft()
+        trees.append((rnd.tokens.clone(), rnd.depths.clone(), rnd.parents.clone()))
+        adapter.close()
+    (tokens, depths, parents), device = trees
+    assert torch.equal(tokens, device[0]) and torch.equal(depths, device[1]) and torch.equal(parents, device[2])
+    ranks = parents[0, 1:].tolist()
+    assert ranks == sorted(ranks) and len(set(depths[0].tolist())) > 1  # parents in order, deeper than one level
+
+
 def _masses(rnd):
     """The round's ``path_mass`` of its one sequence, out of the payload's fixed point."""
     return [m / MASS_SCALE for m in rnd.path_mass[0].tolist()]

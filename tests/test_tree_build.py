@@ -110,18 +110,19 @@ def test_exhausted_queue_gives_the_full_tree(depth, k):
     assert_same_tree(tree, ref.build_tree(lp, ids, 1024))
 
 
-def test_ties_pop_in_insertion_order():
-    # Every log-prob equal: candidates pop in the order they were pushed, and
-    # each pop pushes its next sibling before its first child.
-    # Pushes: a(1:r0) | pop a -> b(1:r1), c(2:r0 under a) | pop b -> d(2:r0 under b)
-    # | pop c -> e(2:r1 under a), f(3:r0 under c) | pop d -> ... | pop e | pop f.
+def test_ties_follow_the_one_rule():
+    # Every log-prob zero: every node ties, so the order is (depth asc, parent asc, rank asc): both depth-1
+    # nodes, then node 1's two children, then node 2's (insertion order would put node 2's first child
+    # before node 1's second: [-1, 0, 0, 1, 2, 1, 3]).
     lp = torch.zeros(3, 2)
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
     tokens, depths, parents = dk.build_tree(lp, ids, 6)
-    assert parents.tolist() == [-1, 0, 0, 1, 2, 1, 3]
-    assert tokens.tolist() == [1, 2, 3, 3, 4, 5]
-    assert depths.tolist() == [1, 1, 2, 2, 2, 3]
+    assert parents.tolist() == [-1, 0, 0, 1, 1, 2, 2]
+    assert tokens.tolist() == [1, 2, 3, 4, 3, 4]
+    assert depths.tolist() == [1, 1, 2, 2, 2, 2]
     assert_same_tree((tokens, depths, parents), ref.build_tree(lp, ids, 6))
+    assert_same_tree((tokens, depths, parents), ref.build_tree_sorted(lp, ids, 6))
+    assert_same_tree((tokens, depths, parents), dk.build_tree_device(lp, ids, 6))
 
 
 def test_random_inputs_match_reference_exactly():

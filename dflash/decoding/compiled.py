@@ -5,8 +5,8 @@ small ops. Here the draft and verify steps of :class:`~dflash.decoding.round.Rou
 (functions of fixed-shape device tensors only, the same steps eager
 generation calls) are traced once by
 ``torch.compile(fullgraph=True, dynamic=False)``; on CUDA each compiled step
-is then captured in a ``torch.cuda.CUDAGraph`` and a round is two graph
-replays plus the one host read of its payload.
+is then captured in a ``torch.cuda.CUDAGraph`` (the verify step once per budget bucket) and a round is two
+graph replays plus the one host read of its payload.
 
 Set-up, all before the generation's clock starts (its seconds go to
 ``result.compile_time``, never into ``total_time`` or tokens/s):

@@ -85,7 +85,8 @@ On the CPU with the reference backend, eager DDTree rounds build and walk the
 tree with the C++ host ops (:func:`dflash_kernels.build_tree` /
 :func:`dflash_kernels.walk_tree`: the host is the device there, the walk
 costs microseconds against the tensor walk's many small ops); they give the
-same tree and path as the device ops a traced round runs.
+same tree and path as the device ops a traced round runs, exact score ties
+included (one tie rule, :func:`dflash_kernels.build_tree`).
 
 Each cache is sized from the rows its own side writes (:func:`cache_rows`),
 rounded up to :data:`ROW_BUCKET`; :meth:`Round.check_room` refuses, on the

@@ -39,8 +39,14 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
     It starts with (depth 1, rank 0, parent 0). Each pop appends the candidate
     as the next node and pushes, in this order, (a) its next sibling (same
     parent and depth, ``rank + 1``) if ``rank + 1 < K`` and (b) its first child
-    (``depth + 1``, rank 0, parent = the new node) if ``depth < D``. Equal
-    scores pop in insertion order.
+    (``depth + 1``, rank 0, parent = the new node) if ``depth < D``.
+
+    Tie rule, every tree build's (:func:`build_tree_sorted` spells it out):
+    nodes come in the order ``(score desc, depth asc, parent asc, rank asc)``,
+    parents by node number. The queue holds one candidate per parent at most,
+    and a candidate that enters after another of its chain (a next sibling, a
+    first child) also comes after it in that order on a tied score, so the
+    pops follow the order exactly.
     """
     if top_logprobs.dim() != 2 or top_ids.shape != top_logprobs.shape:
         raise ValueError(
@@ -58,15 +64,14 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
     token_ids: List[int] = []
     depths: List[int] = []
     parents: List[int] = [-1]
-    # Entries: (-score, counter, depth, rank, parent, parent_score); heapq pops
-    # the smallest tuple, i.e. the highest score, then the lowest counter.
+    # Entries: (-score, depth, parent, rank, parent_score); heapq pops the
+    # smallest tuple: the highest score, then the lowest depth, then the lowest
+    # parent (never two entries of one parent: rank is not compared).
     queue: list = []
-    counter = 0
     if budget > 0 and max_depth > 0 and k > 0:
-        heapq.heappush(queue, (-(0.0 + logprobs[0][0]), counter, 1, 0, 0, 0.0))
-        counter += 1
+        heapq.heappush(queue, (-(0.0 + logprobs[0][0]), 1, 0, 0, 0.0))
     while queue and len(token_ids) < budget:
-        neg_score, _, depth, rank, parent, parent_score = heapq.heappop(queue)
+        neg_score, depth, parent, rank, parent_score = heapq.heappop(queue)
         score = -neg_score
         token_ids.append(ids[depth - 1][rank])
         depths.append(depth)
@@ -74,12 +79,10 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
         node = len(token_ids)
         if rank + 1 < k:
             sibling_score = parent_score + logprobs[depth - 1][rank + 1]
-            heapq.heappush(queue, (-sibling_score, counter, depth, rank + 1, parent, parent_score))
-            counter += 1
+            heapq.heappush(queue, (-sibling_score, depth, parent, rank + 1, parent_score))
         if depth < max_depth:
             child_score = score + logprobs[depth][0]
-            heapq.heappush(queue, (-child_score, counter, depth + 1, 0, node, score))
-            counter += 1
+            heapq.heappush(queue, (-child_score, depth + 1, node, 0, score))
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
 
@@ -121,8 +124,8 @@ def build_tree_sorted(
     (the root has position 0). All nodes are then sorted by ``(score desc,
     depth asc, position asc)`` and the first ``N`` become nodes ``1..N``.
     This is the tie rule spelled out without the device build's pruning (the
-    per-depth top-N and the dominated-pair cut), against which it is tested.
-    With distinct scores it equals :func:`build_tree`.
+    per-depth top-N and the dominated-pair cut) or the heap's lazy expansion,
+    against which both are tested; they equal it, ties included.
     """
     if top_logprobs.dim() != 2 or top_ids.shape != top_logprobs.shape:
         raise ValueError(
