@@ -49,7 +49,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import dflash_kernels.lm_head as lm_head_module  # noqa: E402
+import dflash_kernels.cross_entropy as cross_entropy_module  # noqa: E402
 from bench_gather import peak_extra_bytes  # noqa: E402
 from dflash_kernels import (force_backend, lm_head_argmax, lm_head_cross_entropy, lm_head_sample,  # noqa: E402
                             lm_head_topk)
@@ -184,7 +184,7 @@ def test_cross_entropy_memory_8192x151936(benchmark):
         with force_backend("triton"):
             benchmark.pedantic(lambda: ours_cross_entropy(hidden, weight, norm_weight, targets), rounds=3)
     else:
-        plan = lm_head_module.cross_entropy_chunk_plan(n, vocab, 64, torch.bfloat16)
+        plan = cross_entropy_module.cross_entropy_chunk_plan(n, vocab, 64, torch.bfloat16)
         fused = plan["chunk_bytes"] + 2 * n * 64 * 2  # chunk buffers + operand and its gradient [N, H] bf16
         info.update(measured="chunk plan at the real shape (H 64, bf16); see scaled_* for a profiler measurement",
                     fused_chunk_plan=plan, fused_peak_bytes=fused)
@@ -193,7 +193,7 @@ def test_cross_entropy_memory_8192x151936(benchmark):
         assert scaled["scaled_fused_peak_bytes"] < scaled["scaled_unfused_logits_bytes"] / 8
         benchmark.pedantic(lambda: None, rounds=1)
     info["fused_over_unfused_logits"] = round(fused / full_logits, 4)
-    plan = lm_head_module.cross_entropy_chunk_plan(n, vocab, 4096 if CUDA else 64, torch.bfloat16)
+    plan = cross_entropy_module.cross_entropy_chunk_plan(n, vocab, 4096 if CUDA else 64, torch.bfloat16)
     assert plan["chunk_bytes"] < full_logits / 8, f"the fused CE's chunk buffers ({plan['chunk_bytes']} B) are not " \
         f"below 1/8 of the logits ({full_logits} B)"
     if CUDA:

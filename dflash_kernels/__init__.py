@@ -18,7 +18,8 @@ Public ops (each family's module defines ``__all__``):
 
 * gather + concat of captured layers: :mod:`.gather`
 * final RMSNorm + lm_head at selected positions, fused with argmax / top-K /
-  sampling / cross-entropy: :mod:`.lm_head`
+  sampling: :mod:`.lm_head`; the training loss over the same GEMM, fused linear
+  cross-entropy: :mod:`.cross_entropy`
 * rejection sampling of a drafted chain (the lossless acceptance of sampled
   drafts, dense or sparse draft distribution): :mod:`.rejection`
 * DDTree: tree build and walk (C++; on the device: ``build_tree_device`` /
@@ -38,6 +39,7 @@ from . import reference
 from ._dispatch import available_backends, force_backend, get_backend
 from .gather import *  # noqa: F401,F403
 from .lm_head import *  # noqa: F401,F403
+from .cross_entropy import *  # noqa: F401,F403
 from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
 from .kv_compaction import *  # noqa: F401,F403

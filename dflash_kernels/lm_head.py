@@ -42,19 +42,13 @@ Pipeline (Triton backend):
    * logits: stores one chunk of fp32 logits, plus per-tile row max and
      ``sum(exp(x - max))`` partials from which the chunk's logsumexp follows.
      Top-K merges each chunk into a running top-K with ``torch.topk`` and a
-     running logsumexp; cross-entropy runs ``_ce_grad_kernel`` over the chunk.
+     running logsumexp; the training cross-entropy
+     (:mod:`dflash_kernels.cross_entropy`) consumes the same chunks.
 
    Final-logit softcap (``softcap = c``, Gemma 2 / 3): every epilogue first
    maps the fp32 accumulator to ``c * tanh(acc / c)`` (:func:`tanh_f32`),
    before the rounding to ``logit_dtype`` (argmax, sample), before the stored
-   logits and their logsumexp partials (top-K, cross-entropy); the
-   cross-entropy gradient gets the factor ``1 - (logit / c)^2``.
-
-3. Cross-entropy (as Liger-Kernel's fused linear cross entropy): row chunks of
-   full-vocab logits; per chunk, loss ``= lse - logit[target]`` and
-   ``d loss / d a = (softmax - onehot) @ weight`` computed in the forward
-   (``_ce_grad_kernel`` writes ``softmax - onehot`` in the dot dtype, then one
-   GEMM), stored, and scaled by ``grad_output`` in backward.
+   logits and their logsumexp partials (top-K, cross-entropy).
 
 Dot dtype: the weight's dtype when ``hidden`` has the same dtype (the normal
 case, tensor cores); otherwise fp32 with IEEE precision (so a mixed fp32-hidden
@@ -63,7 +57,7 @@ case, tensor cores); otherwise fp32 with IEEE precision (so a mixed fp32-hidden
 changes how exact products are summed.
 
 Launch configs come from small fixed tables (:func:`gemm_config`,
-:func:`norm_config`, :func:`ce_grad_config`); :func:`launch_configs` lists
+:func:`norm_config`); :func:`launch_configs` lists
 every distinct compiled variant for real model shapes (the GPU compile test
 enumerates it). Integer arguments that change between calls (row counts,
 vocab chunk bounds, row offsets, seeds: :data:`DO_NOT_SPECIALIZE`) are
@@ -91,13 +85,11 @@ __all__ = [
     "lm_head_argmax",
     "lm_head_topk",
     "lm_head_sample",
-    "lm_head_cross_entropy",
 ]
 
 
-# Largest number of fp32 logits one chunk may hold (top-K and cross-entropy):
-# 2**25 elements = 128 MiB of fp32 logits (plus, for CE, the same count of
-# softmax-minus-onehot values in the dot dtype).
+# Largest number of fp32 logits one chunk may hold (top-K and the training cross-entropy):
+# 2**25 elements = 128 MiB of fp32 logits.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
 
 _INT32_MAX = 2 ** 31 - 1
@@ -154,11 +146,6 @@ def norm_config(hidden: int) -> Dict[str, int]:
     return dict(BLOCK_R=max(1, 2048 // block_h), BLOCK_H=block_h, num_warps=4)
 
 
-def ce_grad_config() -> Dict[str, int]:
-    """BLOCK_R, BLOCK_V and num_warps of the softmax-minus-onehot kernel."""
-    return dict(BLOCK_R=2, BLOCK_V=1024, num_warps=4)
-
-
 #: Integer kernel arguments that vary from call to call (the row count per
 #: decoding round, vocab chunk bounds, row offsets, a fresh seed): declared
 #: ``do_not_specialize`` so that they never select a new binary. Everything
@@ -167,7 +154,6 @@ DO_NOT_SPECIALIZE = {
     "_norm_rows_kernel": ("N",),
     "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
     "_argmax_kernel": ("N", "seed"),
-    "_ce_grad_kernel": ("N", "row0"),
     "_gumbel_noise_kernel": ("n_rows", "n_cols", "row0", "col0"),
 }
 
@@ -415,45 +401,6 @@ def _argmax_kernel(
     tl.store(pval_ptr + rows64 * stride_pm + pid_n, best, mask=m_mask)
     tl.store(pidx_ptr + rows64 * stride_pm + pid_n, idx, mask=m_mask)
 
-# the chunk's row count and its first row vary from chunk to chunk
-@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_ce_grad_kernel"])
-def _ce_grad_kernel(
-    logits_ptr, stride_l,  # fp32 [N, V] chunk
-    lse_ptr,  # fp32 [N] logsumexp per row
-    target_ptr,  # int64 [row0 + N]: all rows' targets (the chunk's start at row0)
-    scale_ptr,  # fp32 [row0 + N]: loss weight, 0 for ignored rows (same indexing)
-    grad_ptr, stride_g,  # [N, V] in the dot dtype
-    N, V, row0,
-    softcap,  # HAS_SOFTCAP only
-    BLOCK_R: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """grad[r, j] = scale[row0 + r] * (exp(logits[r, j] - lse[r]) - (j == target[row0 + r])), one tile.
-
-    With HAS_SOFTCAP the logits are the capped ``y = c * tanh(x / c)`` of
-    the raw ``x``, and the gradient wrt ``x`` gets ``dy/dx = 1 - (y / c)^2``.
-
-    The tile is [BLOCK_R, BLOCK_V]; ``row0`` is an offset rather than a
-    sliced pointer so that the chunk start never changes the pointer
-    alignment the binary was specialized on.
-    """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    r_mask = rows < N
-    mask = r_mask[:, None] & (cols < V)[None, :]
-    x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
-    lse = tl.load(lse_ptr + rows, mask=r_mask, other=0.0)
-    target = tl.load(target_ptr + row0 + rows, mask=r_mask, other=-1)
-    scale = tl.load(scale_ptr + row0 + rows, mask=r_mask, other=0.0)
-    p = tl.exp(x - lse[:, None])
-    g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale[:, None]
-    if HAS_SOFTCAP:
-        t = tl.where(mask, x / softcap, 0.0)  # (masked lanes hold -inf)
-        g = g * (1.0 - t * t)
-    tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
-
-
 # --------------------------------------------------------------------------- launchers
 
 
@@ -700,121 +647,6 @@ def _topk_triton(head: HeadInputs, k, chunk_elements):
     return values, ids
 
 
-# ------------------------------------------------------------------ cross-entropy
-
-
-def cross_entropy_chunk_plan(n_rows: int, vocab: int, hidden: int, dot_dtype: torch.dtype = torch.bfloat16,
-                             chunk_elements: Optional[int] = None) -> Dict[str, int]:
-    """How the fused cross-entropy chunks ``n_rows`` positions, and the bytes its chunk buffers take.
-
-    Returns ``rows_per_chunk``, ``logits_bytes`` (fp32 chunk), ``grad_bytes``
-    (softmax - onehot chunk in the dot dtype), ``partial_bytes`` (logsumexp
-    partials) and ``chunk_bytes`` (their sum: the largest transient buffer set
-    the op allocates, besides its ``[N, H]`` operand and gradient).
-    """
-    budget = max(1, int(chunk_elements or DEFAULT_CHUNK_ELEMENTS))
-    rows = max(1, min(n_rows, budget // vocab))
-    if rows >= 128:
-        rows = rows // 128 * 128
-    elem = torch.empty((), dtype=dot_dtype).element_size()
-    block_n = gemm_config(rows, dot_dtype)["BLOCK_N"]
-    logits_bytes = rows * vocab * 4
-    grad_bytes = rows * vocab * elem
-    partial_bytes = 2 * rows * math.ceil(vocab / block_n) * 4
-    return dict(rows_per_chunk=rows, logits_bytes=logits_bytes, grad_bytes=grad_bytes, partial_bytes=partial_bytes,
-                chunk_bytes=logits_bytes + grad_bytes + partial_bytes)
-
-
-def _grad_matmul(grad_logits: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out = grad_logits @ weight ([n, V] @ [V, H]); upcasts weight chunk-wise when dtypes differ."""
-    if grad_logits.dtype == weight.dtype:
-        out.copy_(torch.mm(grad_logits, weight))
-        return
-    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    step = max(1, (1 << 24) // max(1, weight.shape[1]))
-    for v0 in range(0, weight.shape[0], step):
-        acc += grad_logits[:, v0:v0 + step].float() @ weight[v0:v0 + step].float()
-    out.copy_(acc)
-
-
-def _cross_entropy_forward(a, weight, targets, scale, dot_dtype, need_grad, chunk_elements, softcap=None):
-    """Per-row losses [N] and (if need_grad) d loss_r / d a_r [N, H], chunk by chunk (logits soft-capped
-    with ``softcap``, the gradient through the cap)."""
-    N, H = a.shape
-    V = weight.shape[0]
-    loss = torch.empty(N, dtype=torch.float32, device=a.device)
-    grad_a = torch.empty_like(a) if need_grad else None
-    if N == 0:
-        return loss, grad_a
-    plan = cross_entropy_chunk_plan(N, V, H, dot_dtype, chunk_elements)
-    rows_per = plan["rows_per_chunk"]
-    logits = torch.empty(min(rows_per, N), V, dtype=torch.float32, device=a.device)
-    grad_logits = torch.empty(min(rows_per, N), V, dtype=dot_dtype, device=a.device) if need_grad else None
-    safe_targets = targets.clamp(0, V - 1)  # ignored rows have scale 0
-    cfg = dict(ce_grad_config())
-    if triton_interpreting():  # fewer, larger programs (see _gemm_launch_args)
-        cfg["BLOCK_R"] = 64
-    for r0 in range(0, N, rows_per):
-        r1 = min(N, r0 + rows_per)
-        nr = r1 - r0
-        chunk = logits[:nr]
-        lse = _logits_chunk(a[r0:r1], weight, chunk, 0, V, dot_dtype, softcap)
-        picked = chunk.gather(1, safe_targets[r0:r1, None]).squeeze(1)
-        loss[r0:r1] = (lse - picked) * scale[r0:r1]
-        if need_grad:
-            g = grad_logits[:nr]
-            _ce_grad_kernel[(triton.cdiv(nr, cfg["BLOCK_R"]), triton.cdiv(V, cfg["BLOCK_V"]))](
-                chunk, chunk.stride(0), lse, targets, scale, g, g.stride(0), nr, V, r0,
-                1.0 if softcap is None else float(softcap),
-                BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_V"], HAS_SOFTCAP=softcap is not None,
-                num_warps=cfg["num_warps"],
-            )
-            _grad_matmul(g, weight, grad_a[r0:r1])
-    return loss, grad_a
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """loss_r = scale_r * CE(cap(a_r @ W.T), t_r); the gradient wrt ``a`` is computed in the forward."""
-
-    @staticmethod
-    def forward(ctx, a, weight, targets, scale, dot_dtype, chunk_elements, softcap):
-        loss, grad_a = _cross_entropy_forward(a.detach(), weight, targets, scale, dot_dtype,
-                                              ctx.needs_input_grad[0], chunk_elements, softcap)
-        if grad_a is not None:
-            ctx.save_for_backward(grad_a)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        (grad_a,) = ctx.saved_tensors
-        grad = (grad_a.float() * grad_loss.float()[:, None]).to(grad_a.dtype)
-        return grad, None, None, None, None, None, None
-
-
-def _cross_entropy_triton(head: HeadInputs, targets, weights, ignore_index, chunk_elements):
-    hidden, norm_weight, eps, positions = head.hidden, head.norm_weight, head.eps, head.positions
-    dot_dtype = dot_dtype_for(hidden.dtype, head.weight.dtype)
-    weight = head.weight.detach()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if torch.is_grad_enabled() and hidden.requires_grad:
-        # Differentiable prologue in torch (autograd carries the gradient back
-        # through the norm and the row gather); the fused op starts at ``a``.
-        a = hidden if positions is None else hidden.index_select(0, positions)
-        if norm_weight is not None:
-            a = rms_norm(a, norm_weight.detach(), eps)
-        a = a.to(dot_dtype)
-        if a.stride(1) != 1:
-            a = a.contiguous()
-    else:
-        a = _operand_a(head.detached(), dot_dtype)
-    scale = (targets != ignore_index).float()
-    if weights is not None:
-        scale = scale * weights.detach().float()
-    return _FusedLinearCrossEntropy.apply(a, weight, targets, scale.contiguous(), dot_dtype, chunk_elements,
-                                          head.softcap)
-
-
 # --------------------------------------------------------------------------- public ops
 
 
@@ -955,35 +787,6 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     return _sample_triton(head.detached(), t, seed_from(generator, seed), logit_dtype)
 
 
-def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
-                          ignore_index=-100, check_bounds=True, chunk_elements: Optional[int] = None,
-                          softcap=None, backend=None) -> torch.Tensor:
-    """fp32 ``[N]`` losses ``weights * (logsumexp(logits) - logits[target])`` (0 at ``ignore_index``).
-
-    Differentiable wrt ``hidden`` only: ``weight`` and ``norm_weight`` are
-    treated as frozen (no gradient). The Triton path never holds more than
-    one row chunk of the logits (``chunk_elements`` fp32 values, default
-    :data:`DEFAULT_CHUNK_ELEMENTS`); see :func:`cross_entropy_chunk_plan`.
-    ``softcap``: None, or a finite float ``c > 0``, the final-logit softcap
-    (Gemma 2 / 3's ``final_logit_softcapping``): logits become ``c * tanh(logits / c)``
-    on the fp32 accumulator, before the loss; the gradient goes through the tanh
-    (``d/dx = 1 - tanh^2``).
-
-    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
-    does), None: :func:`dflash_kernels.get_backend`.
-    """
-    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
-    targets, weights = check_targets(targets, weights, head.rows, head.vocab, hidden.device, ignore_index)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_cross_entropy(hidden, weight, targets, weights=weights, norm_weight=norm_weight,
-                                                eps=eps, positions=head.positions, ignore_index=ignore_index,
-                                                check_bounds=False, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_cross_entropy(hidden, weight, targets, weights, norm_weight, head.positions,
-                                                      eps, ignore_index, False, chunk_elements, head.softcap)
-    return _cross_entropy_triton(head, targets.contiguous(), weights, ignore_index, chunk_elements)
-
-
 # --------------------------------------------------------------------------- compile enumeration
 
 _TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -996,6 +799,36 @@ REAL_HIDDEN_SIZES = tuple(sorted({h for h, _ in REAL_SHAPES}))
 REAL_VOCAB_SIZES = tuple(sorted({v for _, v in REAL_SHAPES}))
 REAL_POSITION_COUNTS = (1, 7, 15, 16, 17, 64, 65, 257, 1024, 8192)
 REAL_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32))
+
+
+class LaunchConfigs:
+    """The distinct compiled variants of a module's kernels, as :func:`launch_configs` lists them: :meth:`add`
+    one launch (pointer types, integer argument values at a shape, constexprs), deduplicated into :attr:`out`.
+    The integer arguments get the runtime's specialization (``gather.runtime_int_specialization``) except the
+    kernel's ``do_not_specialize`` ones (``do_not_specialize``: the module's table, kernel name -> names)."""
+
+    def __init__(self, do_not_specialize: Dict[str, Tuple[str, ...]]):
+        self.do_not_specialize = do_not_specialize
+        self.out: List[dict] = []
+        self._seen = set()
+
+    def add(self, name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot=False,
+            maxnreg=None) -> None:
+        from .gather import runtime_int_specialization
+
+        dns = self.do_not_specialize.get(kernel.__name__, ())
+        types, divisible, ones = runtime_int_specialization(ints, dns)
+        signature = dict(pointers, **types)
+        constexprs = dict(constexprs, **ones)
+        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items(), key=str)),
+               tuple(sorted(divisible)), num_warps, num_stages)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        tag = ",".join(sorted(divisible)) or "none"
+        self.out.append(dict(name=f"{name} div16={tag}", kernel=kernel, signature=signature, constexprs=constexprs,
+                             num_warps=num_warps, num_stages=num_stages, tensor_core_dot=tensor_core_dot,
+                             divisible_by_16=sorted(divisible), do_not_specialize=list(dns), maxnreg=maxnreg))
 
 
 def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dtypes=REAL_DTYPES) -> List[dict]:
@@ -1016,32 +849,20 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
     :data:`DO_NOT_SPECIALIZE` (their values here are stand-ins). Argmax /
     sample are listed for both logit dtypes a launcher passes: the model's
     (the default) and fp32. The final-logit softcap variants (``HAS_SOFTCAP``)
-    are listed for the logits and CE-gradient kernels at every tile, and for
+    are listed for the logits kernel at every tile, and for
     the heaviest argmax epilogue only (Gumbel sampling in the model's logit
     dtype: the greedy one is the same code minus the noise). The device-seed
     sampling epilogue (``DEVICE_SEED``: the seed loaded from memory, Philox of
     (vocab id, row)) is listed with and without the cap, and the
     :func:`gumbel_noise_block` kernel once per distinct row stride.
     """
-    from .gather import runtime_int_specialization
-
-    out, seen = [], set()
+    collect = LaunchConfigs(DO_NOT_SPECIALIZE)
 
     def add(name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot=False):
-        dns = DO_NOT_SPECIALIZE.get(kernel.__name__, ())
-        types, divisible, ones = runtime_int_specialization(ints, dns)
-        signature = dict(pointers, **types)
-        constexprs = dict(constexprs, **ones)
-        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items(), key=str)),
-               tuple(sorted(divisible)), num_warps, num_stages)
-        if key not in seen:
-            seen.add(key)
-            tag = ",".join(sorted(divisible)) or "none"
-            out.append(dict(name=f"{name} div16={tag}", kernel=kernel, signature=signature, constexprs=constexprs,
-                            num_warps=num_warps, num_stages=num_stages, tensor_core_dot=tensor_core_dot,
-                            divisible_by_16=sorted(divisible), do_not_specialize=list(dns),
-                            maxnreg=gemm_maxnreg(torch.float32 if constexprs.get("DOT_FP32") else torch.bfloat16)
-                            if kernel in (_logits_kernel, _argmax_kernel) else None))
+        maxnreg = None
+        if kernel in (_logits_kernel, _argmax_kernel):
+            maxnreg = gemm_maxnreg(torch.float32 if constexprs.get("DOT_FP32") else torch.bfloat16)
+        collect.add(name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot, maxnreg)
 
     for hidden_dtype, weight_dtype in dtypes:
         dot = dot_dtype_for(hidden_dtype, weight_dtype)
@@ -1098,12 +919,4 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
                     {"seed_ptr": "*i64", "out_ptr": "*fp32"},
                     {"stride_o": V_noise, "n_rows": 16, "n_cols": V_noise, "row0": 0, "col0": 0},
                     {"BLOCK_R": NOISE_BLOCK_R, "BLOCK_C": NOISE_BLOCK_C}, NOISE_NUM_WARPS, 1)
-            gcfg = ce_grad_config()
-            for softcap in (False, True):
-                add(f"ce_grad[{dt}{' softcap' if softcap else ''}]", _ce_grad_kernel,
-                    {"logits_ptr": "*fp32", "lse_ptr": "*fp32", "target_ptr": "*i64", "scale_ptr": "*fp32",
-                     "grad_ptr": "*" + dt, "softcap": "fp32"},
-                    {"stride_l": V, "stride_g": V, "N": 16, "V": V, "row0": 0},
-                    {"BLOCK_R": gcfg["BLOCK_R"], "BLOCK_V": gcfg["BLOCK_V"], "HAS_SOFTCAP": softcap},
-                    gcfg["num_warps"], 1)
-    return out
+    return collect.out

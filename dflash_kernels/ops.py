@@ -82,6 +82,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_, dflash::philox_uint32)
+from . import cross_entropy as _ce
 from . import gated_delta as _gd
 from . import gather as _gather
 from . import kv_compaction as _kv
@@ -268,7 +269,7 @@ def lm_head_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, weigh
                           chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
     """:func:`dflash_kernels.lm_head_cross_entropy`: fp32 ``[N]`` losses (the forward only; the backward is
     ``dflash::lm_head_cross_entropy_backward``, registered with ``register_autograd``)."""
-    return _lm.lm_head_cross_entropy(hidden.detach(), weight.detach(), targets, weights=weights,
+    return _ce.lm_head_cross_entropy(hidden.detach(), weight.detach(), targets, weights=weights,
                                      norm_weight=norm_weight, eps=eps, positions=positions,
                                      ignore_index=ignore_index, check_bounds=check_bounds,
                                      chunk_elements=chunk_elements, softcap=softcap)

@@ -1,7 +1,8 @@
-"""Every Triton kernel of gather + lm_head compiles for sm_90 and sm_80 at every launch config.
+"""Every Triton kernel of gather + lm_head + cross_entropy compiles for sm_90 and sm_80 at every launch config.
 
-The configs are not hard-coded here: ``dflash_kernels.lm_head.launch_configs``
-and ``dflash_kernels.gather.launch_configs`` enumerate what their launchers
+The configs are not hard-coded here: ``dflash_kernels.lm_head.launch_configs``,
+``dflash_kernels.cross_entropy.launch_configs`` and
+``dflash_kernels.gather.launch_configs`` enumerate what their launchers
 choose for real model shapes ((H, V) = tiny (128, 258), Qwen3-4B / 8B,
 Llama-3.1-8B; positions 1..8192; bf16 / fp16 / fp32; argmax with the model's
 and fp32 logit dtypes). Each is compiled with the divisibility hints the
@@ -21,11 +22,11 @@ compiled once per session (two worker processes), then checked per config.
 
 import pytest
 
-from dflash_kernels import gather, lm_head
+from dflash_kernels import cross_entropy, gather, lm_head
 from gpu_compile import assert_fits, compile_many_for_gpu, gpu_compile_unavailable_reason
 
 ARCHS = (90, 80)
-CONFIGS = gather.launch_configs() + lm_head.launch_configs()
+CONFIGS = gather.launch_configs() + lm_head.launch_configs() + cross_entropy.launch_configs()
 CASES = [(cfg, arch) for cfg in CONFIGS for arch in ARCHS]
 
 
@@ -103,7 +104,8 @@ def test_varying_int_arguments_are_not_specialized():
                 "_argmax_kernel": {"N", "seed"}, "_ce_grad_kernel": {"N", "row0"},
                 "_gumbel_noise_kernel": {"n_rows", "n_cols", "row0", "col0"}}
     for name, wanted in expected.items():
-        kernel = getattr(gather if name == "_gather_concat_kernel" else lm_head, name)
+        module = {"_gather_concat_kernel": gather, "_ce_grad_kernel": cross_entropy}.get(name, lm_head)
+        kernel = getattr(module, name)
         assert wanted <= _declared_do_not_specialize(kernel), name
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dflash_kernels.cross_entropy as cross_entropy_module
 import dflash_kernels.lm_head as lm_head_module
 from dflash_kernels import (force_backend, lm_head_argmax, lm_head_cross_entropy, lm_head_logits, lm_head_sample,
                             lm_head_topk)
@@ -361,7 +362,7 @@ def test_cross_entropy_custom_ignore_index_and_no_weights(backend):
 def test_cross_entropy_chunk_plan_bounds_memory():
     # 8192 positions x 151936 vocab: the unfused logits alone are 8192 * 151936 * 4 bytes
     full = 8192 * 151936 * 4
-    plan = lm_head_module.cross_entropy_chunk_plan(8192, 151936, 4096, torch.bfloat16)
+    plan = cross_entropy_module.cross_entropy_chunk_plan(8192, 151936, 4096, torch.bfloat16)
     assert plan["chunk_bytes"] < full / 8
     assert plan["rows_per_chunk"] * 151936 <= lm_head_module.DEFAULT_CHUNK_ELEMENTS
 
@@ -378,7 +379,7 @@ def test_cross_entropy_peak_allocation_is_one_chunk():
     T, H, V, rows = 1024, 16, 1000, 64
     hidden, weight, kw, targets, weights = ce_case(torch.bfloat16, T, H, V, None, False, seed=14)
     full_logits = T * V * 4
-    plan = lm_head_module.cross_entropy_chunk_plan(T, V, H, torch.bfloat16, rows * V)
+    plan = cross_entropy_module.cross_entropy_chunk_plan(T, V, H, torch.bfloat16, rows * V)
     assert plan["rows_per_chunk"] == rows
     peaks = {}
     for backend in BACKENDS:

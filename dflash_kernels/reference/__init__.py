@@ -6,6 +6,7 @@ Triton backend is usable. One module per op family; all names re-exported.
 
 from .gather import *  # noqa: F401,F403
 from .lm_head import *  # noqa: F401,F403
+from .cross_entropy import *  # noqa: F401,F403
 from .tree import *  # noqa: F401,F403
 from .tree_attention import *  # noqa: F401,F403
 from .split_attention import *  # noqa: F401,F403

@@ -29,9 +29,7 @@ and the consumers of ``logits``:
 * ``lm_head_topk``: top-k of ``log_softmax(logits, -1)``, best first.
 * ``lm_head_sample``: one draw per row from
   ``softmax(logits.to(logit_dtype).float() / temperature)``.
-* ``lm_head_cross_entropy``: ``weights * (logsumexp(logits) - logits[target])``
-  per row (0 where ``target == ignore_index``), differentiable wrt ``hidden``
-  only (``weight``, ``norm_weight`` and ``weights`` are constants).
+(The training loss over the same logits: :mod:`dflash_kernels.reference.cross_entropy`.)
 
 Device seed (``lm_head_sample(..., seed=)`` with ``seed`` an int64 tensor ``[1]`` / ``[]``):
 the draw is Gumbel-max, ``argmax(logits.to(logit_dtype).float() * (1 / T) + G)``
@@ -66,7 +64,6 @@ __all__ = [
     "lm_head_argmax",
     "lm_head_topk",
     "lm_head_sample",
-    "lm_head_cross_entropy",
     "HeadInputs",
     "philox_uint32",
     "philox_words",
@@ -491,20 +488,3 @@ def sample_device_seed(head: HeadInputs, t: float, seed: torch.Tensor, logit_dty
     # 1 / T rounded to fp32 once, as the kernel's fp32 argument (a 0-d tensor: no Python float of a tensor)
     inv_t = torch.full((), 1.0 / t, dtype=torch.float32, device=device)
     return torch.argmax(logits * inv_t + noise, dim=-1)
-
-
-def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=None, eps=1e-6, positions=None,
-                          ignore_index=-100, check_bounds=True, softcap=None) -> torch.Tensor:
-    """fp32 ``[N]`` per-row losses ``weights * (logsumexp(logits) - logits[target])``; 0 at ``ignore_index``.
-
-    Differentiable wrt ``hidden`` only (``weight``, ``norm_weight`` and the loss
-    ``weights`` are detached); with ``softcap`` the logits are capped first
-    and autograd goes through the tanh.
-    """
-    head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
-    targets, weights = check_targets(targets, weights, head.rows, head.vocab, hidden.device, ignore_index)
-    logits = _logits(head)
-    loss = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
-    if weights is not None:
-        loss = loss * weights.detach().float()
-    return loss
