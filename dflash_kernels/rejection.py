@@ -12,8 +12,8 @@ host read). Per row group (every row at once unless the budget says otherwise):
 
 1. the processed distribution's support and normalizer per row, for the
    target's rows and (dense) the drafter's: for half-precision logits the
-   histogram method of :mod:`dflash_kernels.sampling`
-   (:func:`~dflash_kernels.sampling.histogram_support`: support = a boundary
+   histogram method of :mod:`dflash_kernels.distribution`
+   (:func:`~dflash_kernels.distribution.histogram_support`: support = a boundary
    value and a tie count, ``p(v) = exp(s_v - top) / mass``), one pass over
    the lm_head weight; fp32 logits take full-vocabulary row chunks and the
    reference warpers (the sampler's dense path);
@@ -43,42 +43,14 @@ from typing import Optional, Tuple
 import torch
 
 from ._dispatch import resolve_backend, tracing
+from .distribution import (DEFAULT_CHUNK_ELEMENTS, HALF_DTYPES, HISTOGRAM_ROWS, ProcessedChunks,
+                           sample_processed_plan)
 from .lm_head import gumbel_noise_block
 from .reference import rejection as _reference
 from .reference.lm_head import HeadInputs, check_temperature, head_inputs, resolve_logit_dtype
-from .reference.sampling import check_sampling_args, processed_scores
-from .sampling import (_HALF_DTYPES, DEFAULT_CHUNK_ELEMENTS, HISTOGRAM_ROWS, _bin_scores, _head_logits, _keys,
-                       histogram_support, sample_processed_plan)
+from .reference.sampling import check_sampling_args
 
 __all__ = ["rejection_sample"]
-
-
-class _Processed:
-    """One head's processed distribution over a row group, served one vocabulary chunk at a time.
-
-    ``chunk(v0, v1)`` -> ``(p [R, v1 - v0] fp32, scores [R, v1 - v0] fp32)``: the
-    probabilities (0 off the support) and the processed scores (``-inf`` off
-    the support); chunks must come in id order, each once per pass (the tie
-    ranks are a running count).
-    """
-
-    def __init__(self, head: HeadInputs, t, filters, logit_dtype, vocab_chunk: int):
-        self.head, self.t, self.filters, self.logit_dtype = head, t, filters, logit_dtype
-        self.histogram = logit_dtype in _HALF_DTYPES
-        if self.histogram:
-            bins = _bin_scores(logit_dtype, t, head.hidden.device)
-            self.support = histogram_support(head, t, *filters, logit_dtype, vocab_chunk, bins)
-            self.seen = torch.zeros(head.rows, dtype=torch.int64, device=head.hidden.device)
-            self.mass = self.support.mass.float()
-
-    def chunk(self, v0: int, v1: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if not self.histogram:  # full-vocabulary rows (v0 = 0, v1 = V): the reference warpers
-            s = processed_scores(_head_logits(self.head, self.logit_dtype), self.t, *self.filters)
-            return torch.softmax(s, dim=1), s
-        logits = _head_logits(self.head.vocab_chunk(v0, v1), self.logit_dtype)
-        support, self.seen = self.support.chunk_mask(_keys(logits), self.seen)
-        s = torch.where(support, logits.float() / self.t, float("-inf"))
-        return torch.exp(s - self.support.top[:, None]) / self.mass[:, None], s
 
 
 def _sparse_chunk(q_ids: torch.Tensor, q_probs: torch.Tensor, rows: int, v0: int, v1: int) -> torch.Tensor:
@@ -106,8 +78,8 @@ def _group(target: HeadInputs, q_head: Optional[HeadInputs], q_sparse, proposals
     device = target.hidden.device
     nq = max(0, min(D - row0, R))  # rows of this group that have a draft (the bonus row D has none)
     x = torch.cat([proposals, proposals.new_full((1,), -1)])[row0:row0 + R]  # -1: no draft at row D
-    p_of = _Processed(target, t, filters, logit_dtype, vocab_chunk)
-    q_of = None if q_head is None or nq == 0 else _Processed(q_head, t, filters, q_logit_dtype, vocab_chunk)
+    p_of = ProcessedChunks(target, t, filters, logit_dtype, vocab_chunk)
+    q_of = None if q_head is None or nq == 0 else ProcessedChunks(q_head, t, filters, q_logit_dtype, vocab_chunk)
     zeros = lambda: torch.zeros(R, dtype=torch.float32, device=device)  # noqa: E731
     px, qx, res_total = zeros(), zeros(), zeros()
     best_res, best_p = torch.full((R,), float("-inf"), device=device), torch.full((R,), float("-inf"), device=device)
@@ -140,7 +112,7 @@ def _rejection_fast(target: HeadInputs, q_head, q_sparse, proposals, t, filters,
                     chunk_elements):
     D, V = proposals.shape[0], target.vocab
     budget = max(1, int(chunk_elements or DEFAULT_CHUNK_ELEMENTS))
-    dense = logit_dtype not in _HALF_DTYPES or (q_head is not None and q_logit_dtype not in _HALF_DTYPES)
+    dense = logit_dtype not in HALF_DTYPES or (q_head is not None and q_logit_dtype not in HALF_DTYPES)
     if dense:  # full-vocabulary rows: as many as the budget holds
         rows, vocab_chunk = max(1, min(D + 1, budget // V)), V
     else:
@@ -182,7 +154,7 @@ def rejection_sample(hidden, weight, proposals, temperature, *, q_hidden=None, q
     :mod:`dflash_kernels.reference.rejection`; the chunked method: the module
     docstring. ``check_bounds=False`` reads nothing on the host.
     ``chunk_elements`` bounds one logits chunk (default
-    :data:`dflash_kernels.sampling.DEFAULT_CHUNK_ELEMENTS`). ``backend``:
+    :data:`dflash_kernels.distribution.DEFAULT_CHUNK_ELEMENTS`). ``backend``:
     'triton' or 'reference' (None: :func:`dflash_kernels.get_backend`).
     """
     head = head_inputs(hidden, weight, norm_weight, eps, None, softcap, check_bounds=False)

@@ -22,7 +22,7 @@ import dflash_kernels
 from dflash_kernels import force_backend, lm_head_sample_processed
 from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
-from dflash_kernels.sampling import sample_processed_plan
+from dflash_kernels.distribution import sample_processed_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -171,7 +171,7 @@ def test_chi_square_detects_a_wrong_distribution():
 def test_triton_histogram_plan_is_bounded():
     plan = sample_processed_plan(16, 151936, torch.bfloat16)
     assert plan["method"] == "histogram" and plan["rows"] == 16
-    assert plan["logits_elements"] <= dflash_kernels.sampling.DEFAULT_CHUNK_ELEMENTS
+    assert plan["logits_elements"] <= dflash_kernels.distribution.DEFAULT_CHUNK_ELEMENTS
     small = sample_processed_plan(200, 151936, torch.bfloat16, chunk_elements=1 << 20)
     assert small["rows"] == 64 and small["rows"] * small["vocab"] <= 1 << 20 and small["vocab"] < 151936
     dense = sample_processed_plan(300, 151936, torch.float32, chunk_elements=1 << 22)
