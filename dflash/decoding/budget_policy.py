@@ -10,9 +10,9 @@ Which ``v``: the one that maximises expected committed tokens per second,
 * ``c_v(L)``: seconds of a round of bucket ``v`` (draft + verify + the
   payload's read) with ``L`` tokens committed. Measured on this device when the
   first round of these settings is set up
-  (:meth:`~dflash.decoding.compiled.RoundSteps.measure_costs`, once per target,
+  (:func:`~dflash.decoding.bucket_costs.measure_round_costs`, once per target,
   drafter, dtypes, device, sampling mode, what runs the steps and batch-size
-  bucket: :func:`~dflash.decoding.compiled.costs_key`; not per prompt length
+  bucket: :func:`~dflash.decoding.bucket_costs.costs_key`; not per prompt length
   nor cache size, so a later generation at any prompt length measures nothing)
   at two cache lengths, the empty cache and the longest prefix that first
   round's caches allow (an eager verify attends over the committed rows, so
