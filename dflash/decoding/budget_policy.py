@@ -47,9 +47,9 @@ Which ``v``: the one that maximises expected committed tokens per second,
   an optimistic start, so a bucket worth trying is tried).
 
 The set-up measurement is a few rounds per bucket, and on a noisy machine
-its error (5-10% between neighbouring buckets on this CPU, measured again and
-again on one target) is as large as the differences it must decide; a bucket
-never chosen would never correct its own. So every :data:`EXPLORE_EVERY`-th
+its error can be as large as the differences it must decide (README, the
+per-round budget's results); a bucket never chosen would never correct its
+own. So every :data:`EXPLORE_EVERY`-th
 choice verifies the runner-up instead of the best: its residual is then
 learned from its own rounds too, and a bucket judged by a wrong measurement
 wins back its place (one round in :data:`EXPLORE_EVERY` at the second-best
@@ -60,9 +60,8 @@ choices under the same seed.
 The smoothing is slow on purpose: the choice is made before the round drafts
 (reading its masses first would be a second host read), so it rests on what
 the last rounds said, and one round's masses predict the next round's best
-bucket poorly (on the tiny pair, replaying every start position of 16 greedy
-texts with every bucket: faster smoothing lost 2-5% to the best fixed budget,
-this one about 1%).
+bucket poorly: a weight of :data:`MASS_RATE` on the newest round averages
+over about ``1 / MASS_RATE`` rounds.
 
 The choice changes only which prefix of the drafted tree is verified, so every
 round is lossless whatever it picks. The chain is not among the choices: at

@@ -143,8 +143,8 @@ def _round_guards(entries) -> list:
     A step is compiled once per pool entry, whose key holds everything its Python state is made of (the
     settings, and :func:`structure_stamp` of the target and the drafter: every module's and parameter's
     identity, dtype and shape), so the guards on that state (hundreds: module types, attribute presence,
-    constants, hooks dicts; about 0.4 ms a call on the CPU, more than a tiny round's own small ops) can only
-    ever pass; a change they would have caught makes a new entry instead. Parameters are graph inputs read
+    constants, hooks dicts, each checked on every call) can only ever pass; a change they would have caught
+    makes a new entry instead. Parameters are graph inputs read
     from the modules each call, so new values (a reload) run in the same graph."""
     return [e.guard_type in _KEPT_GUARDS and not (e.guard_type == "TENSOR_MATCH"
                                                    and isinstance(e.value, torch.nn.Parameter)) for e in entries]
