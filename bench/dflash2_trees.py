@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import dflash
-from dflash.benchmark.run import builtin_prompts
+from dflash.benchmark.prompts import builtin_prompts
 from dflash.tiny.pair import ASSETS, load_target, load_tokenizer
 
 

@@ -71,9 +71,9 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
         :func:`dflash_kernels.reference.build_tree` for the algorithm).
         Inputs on a GPU are copied to the CPU first (inside the C++ op, which
         reads CPU inputs in place: any strides, float32/float64 without a
-        conversion copy). This wrapper only type-checks: the whole call costs
-        about 1-2 us over the heap loop itself. For a build on the device with
-        no host sync see :func:`build_tree_device`.
+        conversion copy). This wrapper only type-checks: the work is the C++
+        heap loop. For a build on the device with no host sync see
+        :func:`build_tree_device`.
     """
     if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
         raise TypeError(f"build_tree: budget must be an int, got {type(budget).__name__}")
@@ -267,8 +267,7 @@ def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optiona
 
 # The device build and walk are fixed-shape torch code without host reads (:mod:`dflash_kernels.tree_device`).
 # Traced on the reference backend they are inlined (inductor fuses the ~60 small ops of a build + bits + walk
-# into a few loops: ~85 us a round on one CPU thread, against ~870 us through the opaque ops); on the Triton
-# backend each is one custom-op node.
+# into a few loops, which opaque ops would keep apart); on the Triton backend each is one custom-op node.
 
 
 def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, *,

@@ -15,6 +15,11 @@ import torch
 
 import dflash_kernels
 from dflash.benchmark import run as benchmark
+from dflash.benchmark import runners
+from dflash.benchmark.configs import PROMPT_LOOKUP_TOKENS, BenchConfig, expand_configs
+from dflash.benchmark.prompts import read_prompts_jsonl
+from dflash.benchmark.runners import PeakMemory, Run, RunSettings, hf_generation_config
+from dflash.benchmark.summary import compare_greedy
 from dflash.cli import main as cli_main
 from dflash.tiny.tokenizer import ByteTokenizer
 from tiny_models import tiny_draft, tiny_target
@@ -109,7 +114,7 @@ def test_all_methods_write_results_table_and_plots(pair_dirs, tmp_path, capsys):
         if row["method"] in ("ar", "hf", "hf-sample"):
             assert shares == []
             continue
-        positions = 3 if row["method"] in ("dflash", "ddtree") else benchmark.PROMPT_LOOKUP_TOKENS
+        positions = 3 if row["method"] in ("dflash", "ddtree") else PROMPT_LOOKUP_TOKENS
         pooled = [n for r in runs_of[row["label"]] for n in r["accepted_drafts"]]
         assert len(pooled) == row["rounds"] and len(shares) == positions
         assert shares == [sum(n >= k for n in pooled) / len(pooled) for k in range(1, positions + 1)]
@@ -130,7 +135,7 @@ def test_a_greedy_mismatch_is_a_failure_and_exits_nonzero(pair_dirs, tmp_path, m
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": [100, 101, 102, 40, 41, 100, 101]}) + "\n\n"
                        + json.dumps({"prompt": "def f(x):\n    return"}) + "\n")
-    real = getattr(benchmark, runner)
+    real = getattr(runners, runner)
 
     def corrupted(cfg, *args, **kwargs):
         run = real(cfg, *args, **kwargs)
@@ -138,7 +143,7 @@ def test_a_greedy_mismatch_is_a_failure_and_exits_nonzero(pair_dirs, tmp_path, m
             run.generated[3] = (run.generated[3] + 1) % 256
         return run
 
-    monkeypatch.setattr(benchmark, runner, corrupted)
+    monkeypatch.setattr(runners, runner, corrupted)
     out = tmp_path / "run"
     rc = cli_main(bench_args(pair_dirs, out, "--prompts", str(prompts), "--methods", f"ar,{method}",
                              "--temperatures", "0", "--ignore-eos"))
@@ -179,7 +184,7 @@ def test_batch_sizes_table_ours_row_by_row_and_hf(pair_dirs, tmp_path, capsys):
 
 
 def test_configs_put_ar_first_and_peers_at_their_temperatures():
-    configs = benchmark.expand_configs(["dflash", "hf", "hf-sample", "prompt-lookup"], [8], [0.0, 1.0], [16])
+    configs = expand_configs(["dflash", "hf", "hf-sample", "prompt-lookup"], [8], [0.0, 1.0], [16])
     assert [c.label for c in configs] == [
         "ar, T=0", "dflash, block 16, T=0", "hf, T=0", "prompt-lookup, T=0",
         "ar, T=1", "dflash, block 16, T=1", "hf-sample, T=1", "prompt-lookup, T=1",
@@ -187,24 +192,24 @@ def test_configs_put_ar_first_and_peers_at_their_temperatures():
 
 
 def test_hf_generation_config_leaves_nothing_to_checkpoint_defaults():
-    settings = benchmark.RunSettings(max_new_tokens=5, stop_token_ids=[7], pad_token_id=7, seed=0)
-    sampled = benchmark.hf_generation_config(benchmark.BenchConfig("prompt-lookup", 0.7), settings, 5)
+    settings = RunSettings(max_new_tokens=5, stop_token_ids=[7], pad_token_id=7, seed=0)
+    sampled = hf_generation_config(BenchConfig("prompt-lookup", 0.7), settings, 5)
     assert (sampled.do_sample, sampled.temperature, sampled.top_k, sampled.top_p) == (True, 0.7, 0, 1.0)
-    assert sampled.prompt_lookup_num_tokens == benchmark.PROMPT_LOOKUP_TOKENS and sampled.eos_token_id == [7]
-    greedy = benchmark.hf_generation_config(benchmark.BenchConfig("hf", 0.0), settings, 5)
+    assert sampled.prompt_lookup_num_tokens == PROMPT_LOOKUP_TOKENS and sampled.eos_token_id == [7]
+    greedy = hf_generation_config(BenchConfig("hf", 0.0), settings, 5)
     assert greedy.do_sample is False and greedy.prompt_lookup_num_tokens is None
 
 
 def test_prompts_jsonl_reader(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "ab"}\n{"input_ids": [1, 2, 3]}\n')
-    assert benchmark.read_prompts_jsonl(good, ByteTokenizer()) == [[97, 98], [1, 2, 3]]
+    assert read_prompts_jsonl(good, ByteTokenizer()) == [[97, 98], [1, 2, 3]]
     for text, match in (('{"input_ids": []}\n', "non-empty list of ints"), ('{"text": "x"}\n', "expected"),
                         ("{oops\n", "not valid JSON"), ("\n", "no prompts")):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(text)
         with pytest.raises(ValueError, match=match):
-            benchmark.read_prompts_jsonl(bad, ByteTokenizer())
+            read_prompts_jsonl(bad, ByteTokenizer())
 
 
 def test_bad_arguments_are_usage_errors(capsys):
@@ -217,17 +222,17 @@ def test_bad_arguments_are_usage_errors(capsys):
 
 
 def test_compare_greedy_reports_first_difference_and_length():
-    ref = benchmark.Run("ar, T=0", 0, [1, 2, 3], 1.0, 0.1, 1, [1, 1])
-    same = benchmark.Run("dflash, T=0", 0, [1, 2, 3], 1.0, 0.1, 1, [2])
-    shorter = benchmark.Run("dflash, T=0", 0, [1, 2], 1.0, 0.1, 1, [1])
-    assert benchmark.compare_greedy(ref, same) is None
-    failure = benchmark.compare_greedy(ref, shorter)
+    ref = Run("ar, T=0", 0, [1, 2, 3], 1.0, 0.1, 1, [1, 1])
+    same = Run("dflash, T=0", 0, [1, 2, 3], 1.0, 0.1, 1, [2])
+    shorter = Run("dflash, T=0", 0, [1, 2], 1.0, 0.1, 1, [1])
+    assert compare_greedy(ref, same) is None
+    failure = compare_greedy(ref, shorter)
     assert (failure.position, failure.expected, failure.got) == (2, 3, None)
     assert "end of output" in failure.describe()
 
 
 def test_peak_memory_on_cpu_sees_a_large_allocation():
-    probe = benchmark.PeakMemory(torch.device("cpu"))
+    probe = PeakMemory(torch.device("cpu"))
     probe.start()
     if probe._rss_base is None:
         pytest.skip("no /proc/self/clear_refs here: peak RSS growth is reported as n/a")

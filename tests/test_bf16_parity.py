@@ -97,7 +97,7 @@ def test_divergence_report_tells_margin():
 
 
 def test_benchmark_failure_reports_the_margin():
-    from dflash.benchmark.run import Failure, add_margin
+    from dflash.benchmark.summary import Failure, add_margin
 
     target = tiny_target("qwen3", layers=2, hidden=32)
     prompt = torch.tensor([1, 2, 3])

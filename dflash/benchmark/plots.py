@@ -1,6 +1,6 @@
 """PNG plots of the end-to-end benchmark (matplotlib, Agg backend: no display needed).
 
-Inputs are the summary rows of :mod:`dflash.benchmark.run` (one per
+Inputs are the summary rows of :mod:`dflash.benchmark.summary` (one per
 configuration: ``method``, ``budget``, ``block_size``, ``temperature``,
 ``tau``, ``speedup``, ``acceptance_histogram`` = {committed tokens per round: count},
 ``position_acceptance`` = [a_1, ..., a_{B-1}], a_k the share of rounds whose accepted drafts reached k).

@@ -10,9 +10,9 @@ Which ``v``: the one that maximises expected committed tokens per second,
 * ``c_v(L)``: seconds of a round of bucket ``v`` (draft + verify + the
   payload's read) with ``L`` tokens committed. Measured on this device when the
   first round of these settings is set up
-  (:meth:`~dflash.decoding.compiled.RoundSteps.measure_costs`, once per target,
+  (:func:`~dflash.decoding.bucket_costs.measure_round_costs`, once per target,
   drafter, dtypes, device, sampling mode, what runs the steps and batch-size
-  bucket: :func:`~dflash.decoding.compiled.costs_key`; not per prompt length
+  bucket: :func:`~dflash.decoding.bucket_costs.costs_key`; not per prompt length
   nor cache size, so a later generation at any prompt length measures nothing)
   at two cache lengths, the empty cache and the longest prefix that first
   round's caches allow (an eager verify attends over the committed rows, so
@@ -47,9 +47,9 @@ Which ``v``: the one that maximises expected committed tokens per second,
   an optimistic start, so a bucket worth trying is tried).
 
 The set-up measurement is a few rounds per bucket, and on a noisy machine
-its error (5-10% between neighbouring buckets on this CPU, measured again and
-again on one target) is as large as the differences it must decide; a bucket
-never chosen would never correct its own. So every :data:`EXPLORE_EVERY`-th
+its error can be as large as the differences it must decide (README, the
+per-round budget's results); a bucket never chosen would never correct its
+own. So every :data:`EXPLORE_EVERY`-th
 choice verifies the runner-up instead of the best: its residual is then
 learned from its own rounds too, and a bucket judged by a wrong measurement
 wins back its place (one round in :data:`EXPLORE_EVERY` at the second-best
@@ -60,9 +60,8 @@ choices under the same seed.
 The smoothing is slow on purpose: the choice is made before the round drafts
 (reading its masses first would be a second host read), so it rests on what
 the last rounds said, and one round's masses predict the next round's best
-bucket poorly (on the tiny pair, replaying every start position of 16 greedy
-texts with every bucket: faster smoothing lost 2-5% to the best fixed budget,
-this one about 1%).
+bucket poorly: a weight of :data:`MASS_RATE` on the newest round averages
+over about ``1 / MASS_RATE`` rounds.
 
 The choice changes only which prefix of the drafted tree is verified, so every
 round is lossless whatever it picks. The chain is not among the choices: at

@@ -46,9 +46,14 @@ compiled generation that would need an entry or a buffer another running
 generation holds is refused (one compiled generation at a time per target
 and buffer).
 
+A budget chosen per round (``tree_budget="auto"``) adds the measurement of
+each bucket's seconds to the set-up, once per settings
+(:mod:`dflash.decoding.bucket_costs`).
+
 A target that cannot be traced as one graph raises :class:`CompileUnsupported`
 naming the cause (run it with ``compile=False``, the default and the
-reference). Hybrid targets compile too: their linear-attention layers' verify
+reference; the class and the toolchain diagnosis live in
+:mod:`dflash.decoding.compile_diagnosis`). Hybrid targets compile too: their linear-attention layers' verify
 and replay are ops with fake implementations, their states device tensors.
 """
 
@@ -58,7 +63,6 @@ import contextlib
 import itertools
 import math
 import os
-import re
 import threading
 import time
 import types
@@ -71,21 +75,19 @@ import torch
 
 from ..drafter.cache import DraftKVCache
 from ..target.output_hooks import inert_output_hooks
+from .bucket_costs import attach_budget_policy, costs_key, measure_round_costs
 from .budget_policy import BudgetPolicy
+from .compile_diagnosis import CompileUnsupported, unsupported
 from .options import RoundShape
 from .round import Round, bucket_rows, cache_rows
 
 __all__ = ["COMPILE_MODES", "CompileUnsupported", "MIN_ROWS", "POOL_CAPACITY", "RoundSteps", "batch_bucket",
-           "check_max_cache_len", "compiled_rows", "costs_key", "lease_steps", "reserved_rows"]
+           "check_max_cache_len", "compiled_rows", "lease_steps", "reserved_rows"]
 
 #: ``compile=`` values: False (the round's steps called eagerly, a fresh round per generation: the default),
 #: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the pooled round of a compiled generation,
 #: its steps called eagerly: what the compiled graphs compute, for tests and comparisons)
 COMPILE_MODES = (False, True, "compile", "static")
-
-
-class CompileUnsupported(RuntimeError):
-    """The target (or a setting) cannot be run as compiled fixed-shape rounds; run with ``compile=False``."""
 
 
 def _capacity_from_env(default: int = 4) -> int:
@@ -141,8 +143,8 @@ def _round_guards(entries) -> list:
     A step is compiled once per pool entry, whose key holds everything its Python state is made of (the
     settings, and :func:`structure_stamp` of the target and the drafter: every module's and parameter's
     identity, dtype and shape), so the guards on that state (hundreds: module types, attribute presence,
-    constants, hooks dicts; about 0.4 ms a call on the CPU, more than a tiny round's own small ops) can only
-    ever pass; a change they would have caught makes a new entry instead. Parameters are graph inputs read
+    constants, hooks dicts, each checked on every call) can only ever pass; a change they would have caught
+    makes a new entry instead. Parameters are graph inputs read
     from the modules each call, so new values (a reload) run in the same graph."""
     return [e.guard_type in _KEPT_GUARDS and not (e.guard_type == "TENSOR_MATCH"
                                                    and isinstance(e.value, torch.nn.Parameter)) for e in entries]
@@ -192,46 +194,6 @@ def _forget_code(fn) -> None:
         reset_code(code)
 
 
-_DISTUTILS_CORE = re.compile(r"(?:AssertionError: )?(\S*distutils[\\/]core\.py)")
-
-
-def _distutils_core_path(exc: BaseException) -> Optional[str]:
-    """The path in setuptools' check ``assert '_distutils' in core.__file__, core.__file__`` when ``exc`` is
-    that failure or wraps it (inductor raises it as ``InductorError: AssertionError: .../distutils/core.py``)."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        text = str(e).strip()
-        first = text.splitlines()[0].strip() if text else ""
-        if isinstance(e, AssertionError) or first.startswith("AssertionError: "):
-            m = _DISTUTILS_CORE.fullmatch(first)
-            if m:
-                return m.group(1)
-        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
-    return None
-
-
-def _unsupported(model_name: str, exc: BaseException) -> CompileUnsupported:
-    """The :class:`CompileUnsupported` for a failure while compiling or capturing the steps."""
-    path = _distutils_core_path(exc)
-    if path is not None:
-        return CompileUnsupported(
-            f"torch.compile could not build the compiled rounds: setuptools failed to load its own distutils "
-            f"(AssertionError: {path}). The standard library's distutils was imported before setuptools: on "
-            "Python < 3.12, importing pip (or anything that switches off setuptools' distutils shim) before "
-            "setuptools makes `import distutils` load the standard library's copy, and setuptools' check of its "
-            "own copy then fails when torch.compile imports it. Import setuptools before anything imports pip "
-            "or distutils (e.g. `import setuptools` at the top of the program), or set "
-            "SETUPTOOLS_USE_DISTUTILS=stdlib in the environment; or run with compile=False.")
-    text = str(exc)
-    return CompileUnsupported(
-        f"{model_name} cannot be run as compiled rounds ({type(exc).__name__}: "
-        f"{text.splitlines()[0] if text else ''}); run it with compile=False")
-
-
 class RoundSteps:
     """A :class:`Round` and its runnable steps: called eagerly (``mode`` False or ``"static"``), or compiled
     (and captured on CUDA)."""
@@ -242,7 +204,7 @@ class RoundSteps:
         self.cuda = rnd.device.type == "cuda" and self.traced
         self.graphs = None
         self.payload = None
-        #: a budget chosen per round: the choice's state (:func:`_bucket_costs`)
+        #: a budget chosen per round: the choice's state (:func:`~dflash.decoding.bucket_costs.attach_budget_policy`)
         self.policy: Optional[BudgetPolicy] = None
         self.ready = False
         #: the shared cache buffers this entry's caches view (:class:`_SharedKV`)
@@ -346,7 +308,7 @@ class RoundSteps:
                         rnd.restore()
                         self._round(bucket)
         except Exception as exc:  # dynamo / inductor / capture failures: say what and what to do
-            raise _unsupported(type(rnd.adapter.model).__name__, exc) from exc
+            raise unsupported(type(rnd.adapter.model).__name__, exc) from exc
         finally:
             rnd.restore()
             rnd.thaw()
@@ -372,38 +334,9 @@ class RoundSteps:
         return self._run_verify(bucket)
 
     def measure_costs(self, repeats: int = 5):
-        """Seconds of a round (draft + verify + the payload's read) per budget bucket, at two cache lengths:
-        ``(lengths, short [V], long [V])``. ``lengths[0]``: the committed tokens now (the set-up's prompt);
-        ``lengths[1]``: the most the caches hold for a round of the largest bucket (both caches moved on by the
-        same count). Each value the median of ``repeats`` after one untimed round (on a GPU its kernels' first
-        launches compile), the buckets taking turns repeat by repeat. The state is put back
-        (:meth:`Round.snapshot`, and the caches' host lengths), as :meth:`prepare` does."""
-        rnd = self.rnd
-        rnd.freeze()
-        rnd.snapshot()
-        committed = rnd.cache.length + 1
-        caches = [(rnd.cache, rnd.T)] + ([] if rnd.dcache is None else [(rnd.dcache, rnd.B)])
-        grow = max(0, min(cache.max_len - cache.length - rows for cache, rows in caches) - 1)
-        results, moved = [], 0
-        try:
-            for extra in (0, grow):
-                rnd.move_snapshot(extra - moved)
-                moved = extra
-                times = [[] for _ in range(self.buckets)]
-                for i in range(repeats + 1):  # the buckets take turns, so a slow phase of the machine hits all
-                    for bucket in range(self.buckets):
-                        rnd.restore()
-                        t0 = time.perf_counter()
-                        self.draft()
-                        self.verify(bucket).to("cpu")
-                        if i:
-                            times[bucket].append(time.perf_counter() - t0)
-                results.append([sorted(t)[len(t) // 2] for t in times])
-        finally:
-            rnd.move_snapshot(-moved)
-            rnd.restore()
-            rnd.thaw()
-        return (committed, committed + max(grow, 1)), results[0], results[1]
+        """Seconds of a round per budget bucket at two cache lengths, ``(lengths, short [V], long [V])``:
+        :func:`~dflash.decoding.bucket_costs.measure_round_costs` of these steps."""
+        return measure_round_costs(self, repeats)
 
     def release(self) -> None:
         """Free what the entry holds: CUDA graphs reset (their memory pool goes back), compiled code dropped,
@@ -543,49 +476,6 @@ def _pool(target) -> _RoundPool:
     return pool
 
 
-def _bucket_costs(target, key, steps: RoundSteps) -> float:
-    """A round whose budget is chosen per round: ``steps.policy`` = the target's :class:`BudgetPolicy` for
-    ``key`` (:func:`costs_key`: the settings that decide what a round costs, not the prompt's length nor the
-    cache rows), made on first use from the round's measured seconds per bucket
-    (:meth:`RoundSteps.measure_costs`, at the empty cache and at the longest prefix this round's caches hold,
-    interpolated in the committed length) and kept on the target, so the measurement and the estimates it
-    learns carry over to every later generation with those settings, at any prompt length; returns the
-    seconds the measurement took (0 when known, or for a fixed budget)."""
-    if not steps.rnd.auto:
-        return 0.0
-    known = getattr(target, "_dflash_budget_policies", None)
-    if not isinstance(known, dict):
-        known = {}
-        try:
-            setattr(target, "_dflash_budget_policies", known)
-        except AttributeError:  # pragma: no cover - a target that refuses attributes: measured every call
-            pass
-    if key in known:
-        steps.policy = known[key]
-        return 0.0
-    t0 = time.perf_counter()
-    lengths, short, long = steps.measure_costs()
-    steps.policy = known[key] = BudgetPolicy(short, long, lengths)
-    return time.perf_counter() - t0
-
-
-def costs_key(shape: RoundShape, draft, sampling, adapter, mode, batch: int) -> tuple:
-    """What a round's measured costs (:func:`_bucket_costs`) are kept under: the round's shape (method, block,
-    budget buckets, acceptance), the drafter, greedy or sampled and which filters (not their values), both
-    dtypes, the device, what runs the steps (``mode`` and the compile options) and the batch-size bucket
-    (:func:`batch_bucket` as compiled rounds round it: 1, 2, 4, 8, ...). Not the prompt's length nor the cache
-    rows: the costs are measured as a function of the committed length (the policy interpolates them), and a
-    compiled round's other cache sizes are corrected by the rounds' own seconds (the residuals), as any other
-    error of the set-up measurement. So one measurement serves every prompt length, and every batch size of
-    its bucket (an eager batch of 3 is measured as 3 and serves 4, and the other way round); the first
-    generation of a new batch-size bucket measures that bucket once."""
-    draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
-    kind = (sampling.greedy, tuple(sorted(sampling.active())))
-    return (shape, id(draft) if shape.method != "ar" else None, kind, str(adapter.dtype), draft_dtype,
-            str(adapter.device), mode, repr(sorted(_compile_kwargs(adapter.device).items())),
-            batch_bucket(batch, True))
-
-
 def _sampling_key(sampling):
     return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
@@ -693,12 +583,13 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
         raise ValueError(f"compile must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
     target_rows, draft_rows = cache_rows(shape, total_tokens)
     draft_dtype = str(draft.fc.weight.dtype) if shape.method != "ar" else None
-    costs = costs_key(shape, draft, sampling, adapter, mode, batch)
+    costs = costs_key(shape, draft, sampling, adapter, mode, repr(sorted(_compile_kwargs(adapter.device).items())),
+                      batch_bucket(batch, True))
     if mode is False:
         rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
                     batch=batch)
         steps = RoundSteps(rnd, False)
-        yield steps, _bucket_costs(target, costs, steps)
+        yield steps, attach_budget_policy(target, costs, steps)
         return
     # the pool key: the settings, then the rows of both caches (one bucket; 0 for an AR round's drafter)
     settings = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), str(adapter.dtype),
@@ -733,6 +624,6 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 with pool.lock:
                     pool.discard(key)
             raise
-        yield steps, compile_time + _bucket_costs(target, costs, steps)
+        yield steps, compile_time + attach_budget_policy(target, costs, steps)
     finally:
         pool.finish(steps)

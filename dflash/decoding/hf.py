@@ -38,7 +38,7 @@ the cache are None: requests for them fall back, below).
   capturing a round for new settings or for a call its caches cannot hold, and with
   ``tree_budget="auto"`` measuring the budgets' costs, once per target, drafter,
   dtypes, device, sampling mode and batch-size bucket, reused at every prompt
-  length: :func:`~dflash.decoding.compiled.costs_key`) is never in the call's
+  length: :func:`~dflash.decoding.bucket_costs.costs_key`) is never in the call's
   tokens/s. The handle reports it: ``handle.last_setup_seconds`` (the last call
   our loop ran; 0.0 when everything was reused), ``handle.setup_seconds`` (summed
   over the calls) and ``handle.last_result``, the

@@ -40,18 +40,15 @@ recurrent states). Here a verify pass never touches the committed state:
   tokens holds. Rows past the count are never applied.
 
 Replay instead of per-step checkpoints (writing the state after every block
-position during the verify and selecting one), chosen by the numbers of
-``bench/gated_delta_rollback.py``. On a GPU the cost is state traffic: at
-Qwen3.5-27B shapes (``Hv = 48``, ``Dk = Dv = 128``, a 3 MiB fp32 state) a
-16-token chain moves 57 MiB per linear layer with checkpoints (2.7 GiB per
-round over 48 layers, and as much memory held until the commit) against
-9.0-9.3 MiB with the replay (433-444 MiB per round), whatever ``a``; for a
-65-node tree, 303-384 MiB against 183-279 MiB per layer (the tree kernel
-stores only the states a later node reloads). On this CPU, one thread, the
-pure-torch reference (not a speed path: it replays all ``B`` steps under a
-``torch.where`` to keep shapes fixed) is the other way round: checkpoints
-0.63 / 6.7-8.2 ms, replay 1.3 / 11.8-14.5 ms per layer per round (tiny /
-``Hv = 12`` shapes), i.e. 1.5-2.1x slower, from recomputing the steps.
+position during the verify and selecting one). On a GPU the cost is state
+traffic: checkpoints write a ``[Hv, Dk, Dv]`` state per block position and
+hold them until the commit, while with the replay a chain's verify writes no
+state and the commit runs the accepted rows from the committed state once more
+(a tree's verify stores only the states a later node reloads). The pure-torch reference
+(not a speed path: it replays all ``B`` steps under a ``torch.where`` to keep
+shapes fixed) pays for the recomputed steps instead of the traffic, so there
+the balance is the other way round. ``bench/gated_delta_rollback.py``
+measures both (README, hybrid targets: the numbers behind the choice).
 
 **In-place passes.** A prefill chunk (kept whole by construction) and a
 one-row causal pass (an AR step: ``commit(1)`` is its only use) run the model's

@@ -265,8 +265,8 @@ def _autocast_dtype(choice: str, device: torch.device) -> Optional[torch.dtype]:
         return torch.bfloat16
     if device.type == "cuda":
         return torch.bfloat16
-    # Measured on an AVX512-BF16 CPU, one thread, 6x256 model, 16x256 tokens: 5.4k tok/s with bf16
-    # autocast vs 2.6k in fp32. Without bf16 instructions autocast is slower, so keep fp32.
+    # bf16 autocast on a CPU with bf16 instructions (README: the tiny pair's training numbers); without them
+    # autocast is slower, so keep fp32.
     return torch.bfloat16 if device.type == "cpu" and _cpu_has_bf16() else None
 
 
