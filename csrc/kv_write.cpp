@@ -11,7 +11,7 @@
 // (converted to kv's dtype). It is the write of the compiled (fixed-shape) rounds: the rows sit at the
 // device-side cache length, so no host value changes per round. A C++ op rather than a Python
 // torch.library.custom_op because the compiled CPU round calls it once per layer per pass and a Python
-// custom op's dispatch costs ~60 us per call there, about the tiny pair's whole attention; as an op
+// custom op's dispatch costs there about as much as the tiny pair's whole attention; as an op
 // with a mutable argument (a!) it is re-inplaced by inductor (the traced alternative, index_copy_ on a
 // view of the cache, is functionalized into a copy of the WHOLE cache per layer). The fake (meta)
 // implementation lives in dflash_kernels/ops.py. One implementation serves every device
