@@ -20,11 +20,9 @@ from dflash import DFlash2DraftModel
 from dflash.decoding import compiled
 from dflash.drafter.config import make_draft_config
 from dflash_kernels import reference as ref
+from prompts import PROMPT, greedy
 from test_host_reads import reads_per_round
 from tiny_models import steer, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
-
 
 @pytest.fixture(autouse=True)
 def reference_ops():
@@ -85,11 +83,6 @@ class TableDraft2(DFlash2DraftModel):
 @pytest.fixture(scope="module")
 def target():
     return tiny_target("qwen3", layers=3, hidden=32)
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 @pytest.fixture(scope="module")
