@@ -24,41 +24,7 @@ import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding.compiled import CompileUnsupported
 from prompts import SHORT_PROMPT as PROMPT, greedy
-from tiny_models import steer, tiny_dflash2_draft, tiny_draft, tiny_target
-
-
-class TableDraft(dflash.DFlashDraftModel):
-    """A traceable rigged drafter: block position at absolute position ``q`` proposes ``reference[q]`` where
-    ``right[q]`` (a fixed random pattern), else another token (ranked first, the right one second when
-    ``second_right``). The same proposals eager and compiled (the round's ``draft_block``), so acceptance
-    varies round by round and both runs see the same rounds."""
-
-    def __init__(self, base, lm_head_weight, reference, p_right=0.7, second_right=False, seed=0):
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        ref = reference.flatten()
-        V = lm_head_weight.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        n = ref.numel() + 64
-        ref = torch.cat([ref, torch.zeros(n - ref.numel(), dtype=torch.long)])
-        wrong = (ref + 1 + torch.randint(0, V - 2, (n,), generator=g)) % V
-        right = torch.rand(n, generator=g) < p_right
-        W = lm_head_weight.detach().float()
-        rows = [steer(W, [r] if ok else ([w, r] if second_right else [w])) for r, w, ok in zip(ref, wrong, right)]
-        self.register_buffer("table", torch.stack(rows).to(lm_head_weight.dtype), persistent=False)
-
-    def _rows(self, positions):
-        return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
-
-    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
-        """``[b, B, H]``: sequence ``r``'s block rows at ``length[r] + count[r] + j`` (device ops: traceable)."""
-        B = block_embeds.shape[1]
-        positions = (cache.length_t + context_count)[:, None] + cache.rows[:B]
-        cache.advance(context_count)
-        return self._rows(positions.reshape(-1)).view(*positions.shape, -1).to(block_embeds.dtype)
-
-    def ingest_context(self, context_features, cache):
-        cache.commit(context_features.shape[0])
+from tiny_models import TableDraft, tiny_dflash2_draft, tiny_draft, tiny_target
 
 
 def pair(family="qwen3", *, layers=3, hidden=32, block_size=4, p_right=0.7, second_right=False, n=40,
