@@ -23,14 +23,8 @@ import dflash_kernels
 from dflash.target import ATTENTION_NAME, TargetAdapter
 from dflash.target import attention as attention_module
 from dflash_kernels import reference as kernel_reference
+from prompts import SHORT_PROMPT as PROMPT, greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.inference_mode():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 def record_masks(target):
@@ -46,7 +40,7 @@ def record_masks(target):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_no_layer_gets_a_mask_and_the_model_is_restored(method, attn):
     target = tiny_target("qwen3", layers=3, hidden=32, attn=attn)
-    ref = greedy(target, 16)
+    ref = greedy(target, 16, PROMPT, inference_mode=True)
     draft = RiggedDraft(tiny_draft(target, block_size=4, target_layer_ids=[0, 1]), target.lm_head.weight, ref,
                         p_right=0.6, second_right=method == "ddtree")
     TargetAdapter(target).close()  # the check against the model's own forward runs its attention on purpose: first
@@ -73,7 +67,7 @@ def test_flash_loaded_models_work_and_keep_their_implementation():
 
     AttentionInterface.register("flash_stand_in", stand_in)
     target = tiny_target("llama", layers=3, hidden=32)
-    ref = greedy(target, 12)
+    ref = greedy(target, 12, PROMPT, inference_mode=True)
     # the check against the model's own forward, on its real implementation: the stand-in is SDPA without the mask
     # transformers builds for a registered flash kernel, so over cached rows it is not the model's own forward
     TargetAdapter(target).close()
@@ -137,7 +131,7 @@ def test_reference_masks_are_small_and_gqa_is_native():
 def test_long_prompt_prefills_in_chunks_and_stays_lossless():
     target = tiny_target("llama", layers=2, hidden=32)
     prompt = [(7 * i + 3) % 90 for i in range(45)]
-    ref = greedy(target, 10, prompt)
+    ref = greedy(target, 10, prompt, inference_mode=True)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     with mock.patch("dflash.target.adapter.PREFILL_CHUNK", 16):
         for method in ("ar", "dflash"):

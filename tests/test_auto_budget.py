@@ -23,20 +23,16 @@ from dflash.decoding.round import MASS_SCALE, Round
 from dflash.decoding.generation_config import SamplingSettings
 from dflash.target import TargetAdapter
 from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
+from prompts import greedy
 from tiny_models import tiny_dflash2_draft, tiny_draft, tiny_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11]
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11]  # this file's own, not prompts.PROMPT
 
 
 @pytest.fixture
 def reference_ops():
     with dflash_kernels.force_backend("reference"):
         yield
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 def pair(block_size=5, dflash2=False):
@@ -251,7 +247,7 @@ def cycle_buckets(monkeypatch):
 @pytest.mark.parametrize("dflash2", [False, True])
 def test_auto_is_lossless(reference_ops, mode, dflash2):
     target, draft = pair(dflash2=dflash2)
-    ref = greedy(target, 30)
+    ref = greedy(target, 30, PROMPT)
     out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=30, tree_budget=[1, 3, 8, 20],
                           compile=mode)
     assert torch.equal(out.output_ids, ref)
@@ -261,7 +257,7 @@ def test_auto_is_lossless(reference_ops, mode, dflash2):
 def test_every_bucket_choice_is_lossless(reference_ops, monkeypatch):
     """Whatever the policy picks (here: a new bucket every round), the tokens are the target's."""
     target, draft = pair()
-    ref = greedy(target, 30)
+    ref = greedy(target, 30, PROMPT)
     cycle_buckets(monkeypatch)
     out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=30, tree_budget=[1, 2, 5, 11])
     assert torch.equal(out.output_ids, ref)
@@ -313,7 +309,7 @@ def test_costs_are_measured_once_per_settings(reference_ops, monkeypatch):
 def test_traced_auto_one_graph_per_bucket_and_no_recompile(reference_ops, trace_only, monkeypatch):
     from torch._dynamo.utils import counters
     target, draft = pair()
-    ref = greedy(target, 30)
+    ref = greedy(target, 30, PROMPT)
     cycle_buckets(monkeypatch)
     kw = dict(method="ddtree", max_new_tokens=30, tree_budget=[2, 5, 11], compile=True)
     out = dflash.generate(target, draft, PROMPT, **kw)
@@ -331,7 +327,7 @@ def test_hybrid_target_auto_is_lossless(reference_ops):
     from tiny_models import tiny_hybrid_target
     target = tiny_hybrid_target("qwen3_5")
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
-    ref = greedy(target, 20)
+    ref = greedy(target, 20, PROMPT)
     for mode in (False, "static"):
         out = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=20, tree_budget=[1, 3, 7],
                               compile=mode)
@@ -340,7 +336,7 @@ def test_hybrid_target_auto_is_lossless(reference_ops):
 
 def test_dropin_defaults_to_auto(reference_ops):
     target, draft = pair()
-    ref = greedy(target, 12)
+    ref = greedy(target, 12, PROMPT)
     state = dflash.apply(target, draft)
     try:
         assert state.loop_kwargs["tree_budget"] == AUTO_BUDGETS

@@ -23,54 +23,14 @@ import dflash
 import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding.compiled import CompileUnsupported
-from tiny_models import steer, tiny_dflash2_draft, tiny_draft, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
-
-
-class TableDraft(dflash.DFlashDraftModel):
-    """A traceable rigged drafter: block position at absolute position ``q`` proposes ``reference[q]`` where
-    ``right[q]`` (a fixed random pattern), else another token (ranked first, the right one second when
-    ``second_right``). The same proposals eager and compiled (the round's ``draft_block``), so acceptance
-    varies round by round and both runs see the same rounds."""
-
-    def __init__(self, base, lm_head_weight, reference, p_right=0.7, second_right=False, seed=0):
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        ref = reference.flatten()
-        V = lm_head_weight.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        n = ref.numel() + 64
-        ref = torch.cat([ref, torch.zeros(n - ref.numel(), dtype=torch.long)])
-        wrong = (ref + 1 + torch.randint(0, V - 2, (n,), generator=g)) % V
-        right = torch.rand(n, generator=g) < p_right
-        W = lm_head_weight.detach().float()
-        rows = [steer(W, [r] if ok else ([w, r] if second_right else [w])) for r, w, ok in zip(ref, wrong, right)]
-        self.register_buffer("table", torch.stack(rows).to(lm_head_weight.dtype), persistent=False)
-
-    def _rows(self, positions):
-        return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
-
-    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
-        """``[b, B, H]``: sequence ``r``'s block rows at ``length[r] + count[r] + j`` (device ops: traceable)."""
-        B = block_embeds.shape[1]
-        positions = (cache.length_t + context_count)[:, None] + cache.rows[:B]
-        cache.advance(context_count)
-        return self._rows(positions.reshape(-1)).view(*positions.shape, -1).to(block_embeds.dtype)
-
-    def ingest_context(self, context_features, cache):
-        cache.commit(context_features.shape[0])
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+from prompts import SHORT_PROMPT as PROMPT, greedy
+from tiny_models import TableDraft, tiny_dflash2_draft, tiny_draft, tiny_target
 
 
 def pair(family="qwen3", *, layers=3, hidden=32, block_size=4, p_right=0.7, second_right=False, n=40,
          dtype=torch.float32):
     target = tiny_target(family, layers=layers, hidden=hidden, dtype=dtype)
-    ref = greedy(target, n + 16)
+    ref = greedy(target, n + 16, PROMPT)
     base = tiny_draft(target, block_size=block_size, target_layer_ids=[0, layers - 1], dtype=dtype)
     return target, TableDraft(base, target.lm_head.weight, ref, p_right=p_right, second_right=second_right), ref
 
@@ -169,7 +129,7 @@ def test_a_module_replaced_between_calls_makes_a_new_compiled_round(trace_only, 
     target.model.layers[1].mlp.down_proj = new
     result = dflash.generate(target, draft, PROMPT, **kw)
     assert result.compile_time > 0  # a new entry, compiled for the new model
-    assert torch.equal(result.output_ids, greedy(target, 24))
+    assert torch.equal(result.output_ids, greedy(target, 24, PROMPT))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -292,7 +252,7 @@ def test_hybrid_targets_compile_and_equal_eager(trace_only, reference_ops, famil
 
     target = tiny_hybrid_target(family)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, target.config.num_hidden_layers - 1])
-    ref = greedy(target, 16)
+    ref = greedy(target, 16, PROMPT)
     for method in ("dflash", "ddtree"):
         for sample in ({}, dict(do_sample=True, temperature=0.7, seed=5)):
             kw = dict(method=method, max_new_tokens=16, **sample, **_method_kw(method))
@@ -313,7 +273,7 @@ def test_every_family_traces_without_breaks_and_stays_lossless(trace_only, refer
 
     target = tiny_family_target(family)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, target.config.num_hidden_layers - 1])
-    ref = greedy(target, 16)
+    ref = greedy(target, 16, PROMPT)
     for method in ("dflash", "ddtree"):
         for mode in ("static", True):
             out = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=16, compile=mode,

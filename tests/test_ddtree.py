@@ -6,9 +6,8 @@ import torch
 import dflash
 import dflash_kernels
 from dflash.decoding import ddtree_generate
+from prompts import PROMPT, greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
 
 
 @pytest.fixture(autouse=True)
@@ -21,11 +20,6 @@ def reference_ops():
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def target(request):
     return tiny_target(request.param, layers=6)
-
-
-def greedy(target, prompt, n):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 def leaves_top1_chain(tree) -> bool:
@@ -41,7 +35,7 @@ def leaves_top1_chain(tree) -> bool:
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 @pytest.mark.parametrize("budget", [1, 4, 16, 64, 256])
 def test_ddtree_is_lossless(target, block_size, budget):
-    ref = greedy(target, PROMPT, 32)
+    ref = greedy(target, 32)
     draft = tiny_draft(target, block_size=block_size)
     res = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=32, tree_budget=budget)
     assert torch.equal(res.output_ids, ref)
@@ -60,7 +54,7 @@ def test_ddtree_is_lossless(target, block_size, budget):
 
 
 def test_ddtree_beats_the_chain_when_the_second_guess_is_right(target):
-    ref = greedy(target, PROMPT, 40)
+    ref = greedy(target, 40)
     draft = tiny_draft(target, block_size=8)
     rigged = RiggedDraft(draft, target.lm_head.weight, ref, p_right=0.5, second_right=True, seed=1)
     chain = dflash.generate(target, rigged, PROMPT, method="dflash", max_new_tokens=40)
@@ -70,7 +64,7 @@ def test_ddtree_beats_the_chain_when_the_second_guess_is_right(target):
 
 
 def test_tree_traces_are_consistent(target):
-    ref = greedy(target, PROMPT, 20)
+    ref = greedy(target, 20)
     draft = tiny_draft(target, block_size=8)
     rigged = RiggedDraft(draft, target.lm_head.weight, ref, p_right=0.7, second_right=True)
     res = ddtree_generate(rigged, target, PROMPT, max_new_tokens=20, tree_budget=16, return_trees=True)
@@ -97,7 +91,7 @@ def test_ddtree_sampling_is_reproducible(target):
 
 
 def test_ddtree_stop_tokens_and_exact_length(target):
-    ref = greedy(target, PROMPT, 30)
+    ref = greedy(target, 30)
     new = ref[0, len(PROMPT):].tolist()
     rigged = RiggedDraft(tiny_draft(target, block_size=8), target.lm_head.weight, ref, p_right=1.0)
     for n in (1, 5, 13):
@@ -111,7 +105,7 @@ def test_ddtree_stop_tokens_and_exact_length(target):
 
 def test_sliding_window_target_is_lossless_under_ddtree():
     target = tiny_target("qwen3", layers=6, sliding_window=6)
-    ref = greedy(target, PROMPT, 24)
+    ref = greedy(target, 24)
     rigged = RiggedDraft(tiny_draft(target, block_size=4), target.lm_head.weight, ref, p_right=0.5,
                          second_right=True)
     assert torch.equal(dflash.generate(target, rigged, PROMPT, method="ddtree", max_new_tokens=24,

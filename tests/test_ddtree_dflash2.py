@@ -20,11 +20,9 @@ from dflash import DFlash2DraftModel
 from dflash.decoding import compiled
 from dflash.drafter.config import make_draft_config
 from dflash_kernels import reference as ref
+from prompts import PROMPT, greedy
 from test_host_reads import reads_per_round
-from tiny_models import steer, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
-
+from tiny_models import TableDraft2, tiny_target
 
 @pytest.fixture(autouse=True)
 def reference_ops():
@@ -50,46 +48,9 @@ def dflash2_draft(target, *, block_size=4, top_k=3, selector_std=1.0, seed=3):
     return draft
 
 
-class TableDraft2(DFlash2DraftModel):
-    """A traceable rigged DFlash2 drafter: block position at absolute position ``q`` gives the state whose
-    lm_head ranks ``reference[q]`` first where ``right[q]`` (a fixed random pattern), else second behind another
-    token. Its selector (random, small) re-scores those candidates; the drafts are often right, so acceptance
-    varies round by round."""
-
-    def __init__(self, base, lm_head_weight, reference, p_right=0.7, seed=0):
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        ref_ids = reference.flatten()
-        V = lm_head_weight.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        n = ref_ids.numel() + 64
-        ref_ids = torch.cat([ref_ids, torch.zeros(n - ref_ids.numel(), dtype=torch.long)])
-        wrong = (ref_ids + 1 + torch.randint(0, V - 2, (n,), generator=g)) % V
-        right = torch.rand(n, generator=g) < p_right
-        W = lm_head_weight.detach().float()
-        rows = [steer(W, [r] if ok else [w, r]) for r, w, ok in zip(ref_ids, wrong, right)]
-        self.register_buffer("table", torch.stack(rows).to(lm_head_weight.dtype), persistent=False)
-
-    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
-        """``[b, B, H]``: sequence ``r``'s block rows at ``length[r] + count[r] + j``."""
-        B = block_embeds.shape[1]
-        positions = ((cache.length_t + context_count)[:, None] + cache.rows[:B]).reshape(-1)
-        cache.advance(context_count)
-        rows = self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
-        return rows.view(block_embeds.shape[0], B, -1).to(block_embeds.dtype)
-
-    def ingest_context(self, context_features, cache):
-        cache.commit(context_features.shape[0])
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_target("qwen3", layers=3, hidden=32)
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ import dflash
 import dflash_kernels
 from dflash.decoding import compiled
 from dflash.drafter.dflash2 import select_reference
+from prompts import PROMPT, greedy
 from tiny_models import tiny_dflash2_draft, tiny_target
 
-PROMPTS = [[5, 17, 33, 2, 9, 41, 60, 7, 3, 12], [88, 4]]
+PROMPTS = [PROMPT, [88, 4]]
 N = 24
 
 
@@ -39,14 +40,9 @@ def draft(target):
     return tiny_dflash2_draft(target, block_size=6, target_layer_ids=[0, 2])
 
 
-def greedy(target, prompt, n=N):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-
-
 def test_greedy_dflash2_is_lossless(target, draft):
     for prompt in PROMPTS:
-        ref = greedy(target, prompt)
+        ref = greedy(target, N, prompt)
         out = dflash.generate(target, draft, prompt, max_new_tokens=N)
         assert torch.equal(out.output_ids, ref)
         static = dflash.generate(target, draft, prompt, max_new_tokens=N, compile="static")
@@ -60,7 +56,7 @@ def test_a_smaller_block_than_the_drafters_is_lossless(target, draft, block_size
     the config's: the drafter's pass takes any block size >= 2, as a DFlash drafter's does."""
     prompt = PROMPTS[0]
     out = dflash.generate(target, draft, prompt, max_new_tokens=N, block_size=block_size)
-    assert torch.equal(out.output_ids, greedy(target, prompt))
+    assert torch.equal(out.output_ids, greedy(target, N, prompt))
     assert max(out.acceptance_lengths) <= block_size
 
 
@@ -117,7 +113,7 @@ def test_proposals_are_the_selector_chain(target, extra):
     assert torch.equal(rnd.q_ids[0], cand)
     torch.testing.assert_close(rnd.q_probs[0], q)
     for ref in PROMPTS:
-        assert torch.equal(dflash.generate(target, draft, ref, max_new_tokens=N).output_ids, greedy(target, ref))
+        assert torch.equal(dflash.generate(target, draft, ref, max_new_tokens=N).output_ids, greedy(target, N, ref))
 
 
 def test_zlab_scalars_change_the_drafter(target):
@@ -173,6 +169,6 @@ def test_traced_rounds(monkeypatch, target, draft):
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 4  # draft + verify, greedy and sampled
         assert torch.equal(dflash.generate(target, draft, PROMPTS[1], max_new_tokens=N, compile=True).output_ids,
-                           greedy(target, PROMPTS[1]))
+                           greedy(target, N, PROMPTS[1]))
     finally:
         torch._dynamo.reset()

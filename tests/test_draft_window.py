@@ -25,6 +25,7 @@ from dflash import DFlashDraftModel, make_draft_config
 from dflash.drafter.cache import DraftKVCache
 from dflash.decoding.generation_config import UnsupportedGeneration
 from dflash.decoding import compiled
+from prompts import greedy
 from tiny_models import tiny_dflash2_draft, tiny_draft, tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,12 +110,7 @@ def test_window_hides_context_rows_only():
 
 # ------------------------------------------------------------------ generation stays the target's
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 11, 3, 28, 19, 44, 6]
-
-
-def greedy(target, prompt, n):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 11, 3, 28, 19, 44, 6]  # this file's own, not prompts.PROMPT
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +129,7 @@ def pair():
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_greedy_generation_is_the_target_s(pair, method):
     target, draft = pair
-    ref = greedy(target, PROMPT, 16)
+    ref = greedy(target, 16, PROMPT)
     tree = dict(tree_budget=6) if method == "ddtree" else {}
     plain = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=16, **tree)
     for W in (1, 4, 64):
@@ -148,7 +144,7 @@ def test_dflash2_drafter_and_sampling(pair):
     rounds (rejection against the drafter's q, DDTree's walk) run with it: every committed token is the
     target's own sample whatever the drafter saw, so the distribution is the target's."""
     target, draft = pair
-    ref = greedy(target, PROMPT, 10)
+    ref = greedy(target, 10, PROMPT)
     draft2 = tiny_dflash2_draft(target, block_size=4, target_layer_ids=[1, 2])
     for method in ("dflash", "ddtree"):
         res = dflash.generate(target, draft2, PROMPT, method=method, max_new_tokens=10, draft_window=2)
@@ -176,7 +172,7 @@ def test_left_padded_batch(pair):
         res = dflash.generate(target, draft, ids, attention_mask=mask, method=method, max_new_tokens=10,
                               draft_window=3)
         for row, prompt in zip(res.rows, (PROMPT, short)):
-            assert torch.equal(row.output_ids, greedy(target, prompt, 10)), method
+            assert torch.equal(row.output_ids, greedy(target, 10, prompt)), method
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
@@ -185,7 +181,7 @@ def test_compiled_rounds_take_the_window(pair, method, monkeypatch):
     rounds as eager."""
     monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))
     target, draft = pair
-    ref = greedy(target, PROMPT, 10)
+    ref = greedy(target, 10, PROMPT)
     tree = dict(tree_budget=6) if method == "ddtree" else {}
     eager = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=10, draft_window=2, **tree)
     res = dflash.generate(target, draft, PROMPT, method=method, max_new_tokens=10, draft_window=2, compile=True,
@@ -204,7 +200,7 @@ def test_triton_path_is_lossless(pair):
     if "triton" not in dflash_kernels.available_backends(torch.device("cpu")):
         pytest.skip("Triton cannot run here")
     target, draft = pair
-    ref = greedy(target, PROMPT, 8)
+    ref = greedy(target, 8, PROMPT)
     with dflash_kernels.force_backend("triton"):
         res = dflash.generate(target, draft, PROMPT, method="ddtree", max_new_tokens=8, tree_budget=6,
                               draft_window=3)
@@ -236,7 +232,7 @@ def test_ar_refuses_the_window(pair):
 
 def test_dropin_passes_the_window(pair):
     target, draft = pair
-    ref = greedy(target, PROMPT, 8)
+    ref = greedy(target, 8, PROMPT)
     with dflash.apply(target, draft, method="dflash", draft_window=2) as handle:
         out = target.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
         assert handle.last_result is not None  # our loop ran it

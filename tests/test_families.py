@@ -46,17 +46,12 @@ import dflash
 import dflash_kernels
 from dflash.target import TargetAdapter, UnsupportedTargetFeature
 from dflash.target import families
+from zoo import PROMPT, greedy  # the family prompt; its greedy text under inference mode
 from tiny_models import (ATTN_SOFTCAP, FAMILY_NAMES, FINAL_SOFTCAP, HYBRID_NAMES, RiggedDraft, tiny_draft,
                          tiny_family_target, tiny_hybrid_target)
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12, 8, 1]
 VOCAB = 64
 BUDGET = 72  # > VOCAB: every depth-1 token can enter the tree
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.inference_mode():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 def backend(name):

@@ -6,9 +6,10 @@ import torch
 import dflash
 import dflash_kernels
 from dflash import DraftConfigError
+from prompts import PROMPT, greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 
-PROMPTS = [[5, 17, 33, 2, 9, 41, 60, 7, 3, 12], [88], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+PROMPTS = [PROMPT, [88], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +25,12 @@ def target(request):
     return tiny_target(request.param, layers=6)
 
 
-def greedy_reference(target, prompt, n):
-    """The target's own greedy decoding through transformers' generate()."""
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-
-
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_dflash_is_lossless_with_a_random_and_a_rigged_drafter(target, block_size):
     draft = tiny_draft(target, block_size=block_size)
     rounds = []
     for prompt in PROMPTS:
-        ref = greedy_reference(target, prompt, 48)
+        ref = greedy(target, 48, prompt)
         assert torch.equal(dflash.generate(target, None, prompt, method="ar", max_new_tokens=48).output_ids, ref)
         out = dflash.generate(target, draft, prompt, max_new_tokens=48)
         assert torch.equal(out.output_ids, ref), "random drafter changed the output"
@@ -53,7 +48,7 @@ def test_dflash_is_lossless_with_a_random_and_a_rigged_drafter(target, block_siz
 
 def test_perfect_drafter_commits_full_blocks(target):
     draft = tiny_draft(target, block_size=8)
-    ref = greedy_reference(target, PROMPTS[0], 40)
+    ref = greedy(target, 40, PROMPTS[0])
     res = dflash.generate(target, RiggedDraft(draft, target.lm_head.weight, ref, p_right=1.0), PROMPTS[0],
                           max_new_tokens=40)
     assert torch.equal(res.output_ids, ref)
@@ -62,7 +57,7 @@ def test_perfect_drafter_commits_full_blocks(target):
 
 def test_max_new_tokens_is_exact(target):
     draft = tiny_draft(target, block_size=8)
-    ref = greedy_reference(target, PROMPTS[0], 30)
+    ref = greedy(target, 30, PROMPTS[0])
     rigged = RiggedDraft(draft, target.lm_head.weight, ref, p_right=1.0)
     for n in (1, 2, 7, 8, 9, 30):
         res = dflash.generate(target, rigged, PROMPTS[0], max_new_tokens=n)
@@ -72,7 +67,7 @@ def test_max_new_tokens_is_exact(target):
 
 def test_stop_token_truncates_right_after_it(target):
     draft = tiny_draft(target, block_size=8)
-    ref = greedy_reference(target, PROMPTS[0], 30)
+    ref = greedy(target, 30, PROMPTS[0])
     new = ref[0, len(PROMPTS[0]) :].tolist()
     stop = new[5]
     cut = new.index(stop) + 1
@@ -107,7 +102,7 @@ def test_statistics_are_filled(target):
 
 def test_spec_generate_drop_in(target):
     draft = tiny_draft(target, block_size=4)
-    ref = greedy_reference(target, PROMPTS[0], 16)
+    ref = greedy(target, 16, PROMPTS[0])
     out = draft.spec_generate(target=target, input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=16,
                               stop_token_ids=None, temperature=0.0)
     assert torch.equal(out, ref)
@@ -116,7 +111,7 @@ def test_spec_generate_drop_in(target):
 def test_sliding_window_target_and_drafter_stay_lossless():
     target = tiny_target("qwen3", layers=6, sliding_window=6)
     draft = tiny_draft(target, block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    ref = greedy_reference(target, PROMPTS[2], 24)
+    ref = greedy(target, 24, PROMPTS[2])
     assert torch.equal(dflash.generate(target, draft, PROMPTS[2], max_new_tokens=24).output_ids, ref)
     rigged = RiggedDraft(draft, target.lm_head.weight, ref, p_right=0.9)
     assert torch.equal(dflash.generate(target, rigged, PROMPTS[2], max_new_tokens=24).output_ids, ref)
@@ -170,7 +165,7 @@ def test_position_acceptance_of_a_generation(target, method):
     kw = dict(method=method, tree_budget=8) if method == "ddtree" else dict(method=method)
     shapes = set()
     for i, prompt in enumerate(PROMPTS):
-        ref = greedy_reference(target, prompt, 40)
+        ref = greedy(target, 40, prompt)
         res = dflash.generate(target, RiggedDraft(draft, target.lm_head.weight, ref, p_right=0.75, seed=i), prompt,
                               max_new_tokens=40, **kw)
         values = res.position_acceptance
@@ -189,7 +184,7 @@ def test_position_acceptance_counts_a_round_cut_short(target, method):
     """A perfect drafter, B = 8, 10 new tokens: the prefill commits 1, round 1 commits 8, round 2's verify
     accepts all 7 drafts but only 1 token may commit; both rounds reached every position."""
     draft = tiny_draft(target, block_size=8)
-    ref = greedy_reference(target, PROMPTS[0], 16)
+    ref = greedy(target, 16, PROMPTS[0])
     kw = dict(method=method, tree_budget=7) if method == "ddtree" else dict(method=method)
     res = dflash.generate(target, RiggedDraft(draft, target.lm_head.weight, ref, p_right=1.0), PROMPTS[0],
                           max_new_tokens=10, **kw)

@@ -15,9 +15,10 @@ import dflash
 from dflash.target import TargetAdapter
 import dflash_kernels
 from dflash.target import ATTENTION_NAME
+from prompts import greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7]
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7]  # this file's own, not prompts.PROMPT
 
 
 @pytest.fixture(autouse=True)
@@ -28,15 +29,10 @@ def triton_ops():
         yield
 
 
-def greedy(target, n):
-    with torch.no_grad():
-        return target.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False)
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_dflash_on_the_kernels_is_lossless(family):
     target = tiny_target(family, layers=4, hidden=32)
-    ref = greedy(target, 12)
+    ref = greedy(target, 12, PROMPT)
     rigged = RiggedDraft(tiny_draft(target, block_size=4, target_layer_ids=[1, 2]), target.lm_head.weight, ref, p_right=0.8)
     with mock.patch.object(dflash_kernels, "gather_concat", wraps=dflash_kernels.gather_concat) as gather:
         res = dflash.generate(target, rigged, PROMPT, max_new_tokens=12)
@@ -47,7 +43,7 @@ def test_dflash_on_the_kernels_is_lossless(family):
 
 def test_ddtree_on_the_kernels_is_lossless_and_uses_tree_attention():
     target = tiny_target("qwen3", layers=4, hidden=32)
-    ref = greedy(target, 10)
+    ref = greedy(target, 10, PROMPT)
     rigged = RiggedDraft(tiny_draft(target, block_size=4, target_layer_ids=[1, 2]), target.lm_head.weight, ref, p_right=0.5,
                          second_right=True)
     calls = []

@@ -12,9 +12,9 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 import dflash
 import dflash_kernels
 from dflash.decoding.generation_config import SamplingSettings, resolve_generation
+from prompts import PROMPT
 from tiny_models import tiny_draft, tiny_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
 METHODS = ["ar", "dflash", "ddtree"]
 
 

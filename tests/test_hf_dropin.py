@@ -12,9 +12,8 @@ import dflash
 import dflash_kernels
 from dflash.decoding import hf as dropin
 from dropin_runs import spy
+from prompts import PROMPT
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from dflash.decoding.output import StageClock
 from host_reads import HostReadCounter
 from tiny_models import tiny_draft, tiny_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11]
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11]  # this file's own, not prompts.PROMPT
 BACKENDS = ["reference", "triton"]
 
 

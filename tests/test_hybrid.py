@@ -38,17 +38,12 @@ import dflash
 import dflash_kernels
 from dflash.target import TargetAdapter, UnsupportedTargetFeature
 from dflash.target.hybrid import HybridKVCache
+from zoo import PROMPT, greedy  # the family prompt; its greedy text under inference mode
 from tiny_models import RiggedDraft, ScheduledDraft, tiny_draft, tiny_hybrid_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12, 8, 1]
 VOCAB = 64
 FAMILIES = ("qwen3_5", "qwen3_next")
 STATE_TOL = dict(atol=2e-5, rtol=1e-4)  # fp32: our passes vs transformers' (SDPA vs masked attention upstream)
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.inference_mode():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 def backend(name):

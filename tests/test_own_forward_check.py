@@ -15,9 +15,8 @@ import dflash
 from dflash.target import TargetAdapter, UnsupportedTargetFeature
 from dflash.target import own_forward_check
 from dflash.target.final_norm import fusable_norm
+from prompts import FAMILY_PROMPT as PROMPT, greedy
 from tiny_models import tiny_family_target, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12, 8, 1]
 
 
 class _LlamaStyle(nn.Module):
@@ -68,8 +67,7 @@ def test_a_renamed_norm_is_fused_and_a_layernorm_runs_as_the_module():
     with torch.no_grad():
         ln.model.norm.weight.normal_(1.0, 0.2)
         ln.model.norm.bias.normal_(0.0, 0.5)
-    with torch.inference_mode():
-        ref = ln.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False)
+    ref = greedy(ln, 10, PROMPT, inference_mode=True)
     with TargetAdapter(ln) as adapter:
         assert not adapter.fuse_norm
     out = dflash.generate(ln, None, PROMPT, method="ar", max_new_tokens=10)

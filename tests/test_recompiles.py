@@ -14,10 +14,11 @@ import torch
 
 import dflash
 import dflash_kernels
+from prompts import greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 from triton_launches import LaunchKeys
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11, 13]
+PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11, 13]  # this file's own, not prompts.PROMPT
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +40,7 @@ def new_keys_after_warmup(target, draft, gen_kwargs, warm_kwargs):
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_rigged_256_tokens_no_new_variant(method):
     target = tiny_target("qwen3", layers=2, hidden=32)
-    with torch.inference_mode():
-        ref = target.generate(torch.tensor([PROMPT]), max_new_tokens=256, do_sample=False)
+    ref = greedy(target, 256, PROMPT, inference_mode=True)
     base = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
     rigged = RiggedDraft(base, target.lm_head.weight, ref, p_right=0.7, second_right=method == "ddtree")
     kw = dict(method=method, max_new_tokens=256, block_size=4)

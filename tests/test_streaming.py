@@ -10,9 +10,9 @@ import dflash
 import dflash_kernels
 from dflash.decoding.output import StageClock
 from host_reads import HostReadCounter
+from prompts import PROMPT, greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
 METHODS = ["ar", "dflash", "ddtree"]
 
 
@@ -26,8 +26,7 @@ def reference_ops():
 def pair():
     target = tiny_target("qwen3", layers=3, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 1])
-    with torch.no_grad():
-        ref = target.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False)
+    ref = greedy(target, 40)
     return target, RiggedDraft(draft, target.lm_head.weight, ref, p_right=0.8), ref
 
 

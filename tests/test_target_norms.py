@@ -13,9 +13,8 @@ import dflash
 from dflash.benchmark.launches import LaunchCounter
 from dflash.target import TargetAdapter
 from dflash.target.norms import norm_patches
+from prompts import SHORT_PROMPT as PROMPT, greedy
 from tiny_models import tiny_draft, tiny_family_target, tiny_target
-
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
 
 
 def _norm_modules(target):
@@ -54,7 +53,6 @@ def test_a_norm_that_is_not_the_formula_keeps_its_forward():
 def test_generation_with_one_op_norms_is_the_models_own(method):
     target = tiny_target("qwen3", layers=3, hidden=32)
     draft = tiny_draft(target, block_size=4, target_layer_ids=[0, 2])
-    with torch.no_grad():
-        want = target.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False)
+    want = greedy(target, 24, PROMPT)
     got = dflash.generate(target, None if method == "ar" else draft, PROMPT, method=method, max_new_tokens=24)
     assert torch.equal(got.output_ids, want)

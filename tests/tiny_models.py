@@ -1,7 +1,10 @@
 """Tiny random targets and drafters built in the tests (no downloads).
 
 fp32 on CPU; eager or SDPA attention. The rigged drafters produce hidden
-states whose lm_head argmax is a chosen token, so acceptance can be steered.
+states whose lm_head argmax is a chosen token, so acceptance can be steered:
+:class:`RiggedDraft` draws right or wrong per round on the host (eager loops
+only); :class:`TableDraft` and :class:`TableDraft2` (DFlash2) read a fixed
+table by position, traceable by compiled rounds.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash import DFlashDraftModel, make_draft_config
+from dflash import DFlash2DraftModel, DFlashDraftModel, make_draft_config
 
 VOCAB = 96
 
@@ -95,6 +98,11 @@ def steer(W: torch.Tensor, ranked, top: float = 8.0, gap: float = 0.7) -> torch.
     return A.T @ torch.linalg.solve(A @ A.T, y)
 
 
+def wrong_tokens(ref: torch.Tensor, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """A token other than ``ref``'s at each position, drawn from ``generator``."""
+    return (ref + 1 + torch.randint(0, vocab - 2, ref.shape, generator=generator)) % vocab
+
+
 class RiggedDraft(DFlashDraftModel):
     """A drafter that proposes a known continuation, right with probability ``p_right``.
 
@@ -127,7 +135,7 @@ class RiggedDraft(DFlashDraftModel):
 
     def steered(self, block_pos, block_embeds):
         ref = self.reference[block_pos.clamp(max=self.reference.numel() - 1)]
-        wrong = (ref + 1 + torch.randint(0, self.W.shape[0] - 2, ref.shape, generator=self.rng)) % self.W.shape[0]
+        wrong = wrong_tokens(ref, self.W.shape[0], self.rng)
         right = torch.rand(ref.shape, generator=self.rng) < self.p_right
         W = self.W.float()
         if self.second_right:
@@ -135,6 +143,65 @@ class RiggedDraft(DFlashDraftModel):
         else:
             h = torch.stack([steer(W, [r] if ok else [w]) for r, w, ok in zip(ref, wrong, right)])
         return h.to(block_embeds.dtype).to(block_embeds.device)
+
+
+def steered_table(lm_head_weight: torch.Tensor, reference: torch.Tensor, p_right: float = 0.7,
+                  second_right: bool = False, seed: int = 0) -> torch.Tensor:
+    """``[len(reference) + 64, H]`` drafter states, row ``q`` steered to ``reference[q]`` where ``right[q]`` (a
+    fixed random pattern of ``p_right``), else to another token (ranked first, the right one second when
+    ``second_right``); past the reference, to token 0."""
+    ref = reference.flatten()
+    V = lm_head_weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    n = ref.numel() + 64
+    ref = torch.cat([ref, torch.zeros(n - ref.numel(), dtype=torch.long)])
+    wrong = wrong_tokens(ref, V, g)
+    right = torch.rand(n, generator=g) < p_right
+    W = lm_head_weight.detach().float()
+    rows = [steer(W, [r] if ok else ([w, r] if second_right else [w])) for r, w, ok in zip(ref, wrong, right)]
+    return torch.stack(rows).to(lm_head_weight.dtype)
+
+
+class _TableRows:
+    """A traceable rigged drafter's pass: the block row at absolute position ``q`` is the table's row ``q``
+    (device ops only, so a compiled round traces it; the same proposals eager and compiled)."""
+
+    def _rows(self, positions):
+        return self.table.index_select(0, positions.clamp(max=self.table.shape[0] - 1))
+
+    def draft_block(self, block_embeds, context_features, context_count, cache, block_size=None):
+        """``[b, B, H]``: sequence ``r``'s block rows at ``length[r] + count[r] + j``."""
+        B = block_embeds.shape[1]
+        positions = (cache.length_t + context_count)[:, None] + cache.rows[:B]
+        cache.advance(context_count)
+        return self._rows(positions.reshape(-1)).view(*positions.shape, -1).to(block_embeds.dtype)
+
+    def ingest_context(self, context_features, cache):
+        cache.commit(context_features.shape[0])
+
+
+class TableDraft(_TableRows, DFlashDraftModel):
+    """A traceable rigged drafter (:func:`steered_table`): acceptance varies round by round, and an eager and a
+    compiled run see the same rounds."""
+
+    def __init__(self, base: DFlashDraftModel, lm_head_weight: torch.Tensor, reference: torch.Tensor,
+                 p_right: float = 0.7, second_right: bool = False, seed: int = 0):
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.register_buffer("table", steered_table(lm_head_weight, reference, p_right, second_right, seed),
+                             persistent=False)
+
+
+class TableDraft2(_TableRows, DFlash2DraftModel):
+    """:class:`TableDraft` over a DFlash2 drafter: the right token ranks first where ``right[q]``, else second
+    behind another token; the drafter's own candidate selector re-scores those candidates."""
+
+    def __init__(self, base: DFlash2DraftModel, lm_head_weight: torch.Tensor, reference: torch.Tensor,
+                 p_right: float = 0.7, seed: int = 0):
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.register_buffer("table", steered_table(lm_head_weight, reference, p_right, True, seed),
+                             persistent=False)
 
 
 # ------------------------------------------------------------------ every family (tests/test_families.py)
@@ -322,7 +389,7 @@ class ScheduledDraft(RiggedDraft):
         good = self.schedule[self.rounds % len(self.schedule)]
         self.rounds += 1
         ref = self.reference[block_pos.clamp(max=self.reference.numel() - 1)]
-        wrong = (ref + 1 + torch.randint(0, self.W.shape[0] - 2, ref.shape, generator=self.rng)) % self.W.shape[0]
+        wrong = wrong_tokens(ref, self.W.shape[0], self.rng)
         W = self.W.float()
         h = torch.stack([steer(W, [r] if j <= good else [w]) for j, (r, w) in enumerate(zip(ref, wrong))])
         return h.to(block_embeds.dtype).to(block_embeds.device)

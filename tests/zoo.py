@@ -29,6 +29,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from prompts import FAMILY_PROMPT, greedy as target_greedy
+
 #: The window of a family whose config has one (12 prompt + 12 new tokens cross it).
 WINDOW = 5
 
@@ -133,7 +135,7 @@ UNBUILDABLE = {
 #: Most parameters a zoo model may have (a config whose size knobs go by names :data:`SMALL` does not know).
 MAX_PARAMS = 5_000_000
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12, 8, 1]
+PROMPT = FAMILY_PROMPT
 NEW_TOKENS = 12
 
 
@@ -216,8 +218,8 @@ def build_tiny(model_type: str, class_name: str, seed: int = 0, **overrides):
 
 
 def greedy(model, n: int = NEW_TOKENS, prompt=PROMPT) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    """A family model's own greedy text: :func:`prompts.greedy` of the family prompt, under inference mode."""
+    return target_greedy(model, n, prompt, inference_mode=True)
 
 
 def run_family(model, n: int = NEW_TOKENS, methods=("ar", "dflash", "ddtree")) -> Tuple[str, str]:

@@ -38,10 +38,10 @@ from dflash.decoding import compiled
 from dflash.decoding.compiled import CompileUnsupported
 from dflash.cache import CacheFullError
 from dflash_kernels import tree_device
+from prompts import SHORT_PROMPT as PROMPT, greedy
 from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
 from tiny_models import tiny_draft, tiny_target
 
-PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
@@ -50,11 +50,6 @@ ROOT = os.path.dirname(TESTS)
 def reference_ops():
     with dflash_kernels.force_backend("reference"):
         yield
-
-
-def greedy(target, n, prompt=PROMPT):
-    with torch.no_grad():
-        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
 
 
 def long_prompt(n, seed=0):
@@ -128,7 +123,7 @@ def test_round_that_could_overflow_is_refused_before_it_runs(reference_ops, monk
 def test_pool_is_a_bounded_lru(reference_ops, monkeypatch):
     monkeypatch.setattr(compiled, "POOL_CAPACITY", 3, raising=False)
     target, draft = pair(block_size=8)
-    ref = greedy(target, 6)
+    ref = greedy(target, 6, PROMPT)
     for block_size in range(2, 9):
         out = dflash.generate(target, draft, PROMPT, method="dflash", max_new_tokens=6, block_size=block_size,
                               compile="static")
@@ -157,7 +152,7 @@ def test_evicted_entry_is_released(reference_ops, trace_only, monkeypatch, mode)
     target = tiny_target("qwen3", layers=2, hidden=32)
     first = tiny_draft(target, block_size=4, layers=2, target_layer_ids=[0, 1])
     other = tiny_draft(target, block_size=4, layers=1, target_layer_ids=[0, 1])  # other drafter cache shapes
-    ref = greedy(target, 8)
+    ref = greedy(target, 8, PROMPT)
     kw = dict(method="ddtree", max_new_tokens=8, tree_budget=4, compile=mode)
     assert torch.equal(dflash.generate(target, first, PROMPT, **kw).output_ids, ref)
     steps = only_entry(target)
@@ -203,7 +198,7 @@ def test_one_cache_storage_serves_smaller_buckets(reference_ops):
 # ---------------------------------------------------------------------------------------------------- tables
 def test_tree_tables_live_as_long_as_their_round(reference_ops):
     target, draft = pair(block_size=4)
-    ref = greedy(target, 12)
+    ref = greedy(target, 12, PROMPT)
     kw = dict(method="ddtree", max_new_tokens=12, tree_budget=6, compile="static")
     assert torch.equal(dflash.generate(target, draft, PROMPT, **kw).output_ids, ref)
     tables = only_entry(target).rnd.tree_tables
@@ -313,7 +308,7 @@ def test_a_target_with_output_capturing_hooks_compiles(reference_ops, trace_only
         before = target(ids, output_hidden_states=True).hidden_states
     kw = dict(method=method, max_new_tokens=10, **(dict(tree_budget=4) if method == "ddtree" else {}))
     out = dflash.generate(target, draft, PROMPT, compile=True, **kw)
-    assert torch.equal(out.output_ids, greedy(target, 10))
+    assert torch.equal(out.output_ids, greedy(target, 10, PROMPT))
     assert dflash.generate(target, draft, PROMPT, compile=True, **kw).acceptance_lengths == out.acceptance_lengths
     with torch.no_grad():  # the hooks are untouched: they capture again in the user's own call
         after = target(ids, output_hidden_states=True).hidden_states
