@@ -40,17 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from dflash.benchmark.arguments import int_list  # noqa: E402
+
 DEFAULT_LENGTHS = [256, 1024, 2048, 4096, 8192]
-
-
-def _ints(text: str):
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 @torch.no_grad()
@@ -82,10 +74,10 @@ def with_window(draft, window: int):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=_ints, default=DEFAULT_LENGTHS, help="prompt lengths in tokens (bytes)")
+    p.add_argument("--lengths", type=int_list, default=DEFAULT_LENGTHS, help="prompt lengths in tokens (bytes)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per length")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--budgets", type=_ints, default=[32], help="DDTree node budgets")
+    p.add_argument("--budgets", type=int_list, default=[32], help="DDTree node budgets")
     p.add_argument("--drafter", default=None, help="a drafter directory (default: the shipped tiny drafter)")
     p.add_argument("--window", type=int, default=None,
                    help="run the drafter with every layer a sliding-window layer of W tokens (same weights)")

@@ -16,11 +16,12 @@ def _budget_list(text: str) -> list:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if "auto" in items:
         rest = ",".join(x for x in items if x != "auto")
-        return (_int_list(rest) if rest else []) + ["auto"]
-    return _int_list(text)
+        return (int_list(rest) if rest else []) + ["auto"]
+    return int_list(text)
 
 
-def _int_list(text: str) -> List[int]:
+def int_list(text: str) -> List[int]:
+    """argparse type: comma-separated ints >= 1 (errors name the text)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_budget_list, default=[4, 16, 64],
                    help="DDTree node budgets (ints, and 'auto': chosen each round)")
     p.add_argument("--temperatures", type=_float_list, default=[0.0, 0.7])
-    p.add_argument("--block-sizes", type=_int_list, default=None, help="drafter block sizes (default: the drafter's)")
+    p.add_argument("--block-sizes", type=int_list, default=None, help="drafter block sizes (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generation per configuration")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text tokens")
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i")
     p.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and the plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--batch-sizes", type=_int_list, default=None,
+    p.add_argument("--batch-sizes", type=int_list, default=None,
                    help="measure padded batches instead (dflash/benchmark/batch.py): e.g. 1,4,16; ours batched, the "
                         "same method row by row, and transformers' generate at each size")
     p.add_argument("--compile", action="store_true",
