@@ -68,6 +68,12 @@ def _ce_grad_kernel(
     The tile is [BLOCK_R, BLOCK_V]; ``row0`` is an offset rather than a
     sliced pointer so that the chunk start never changes the pointer
     alignment the binary was specialized on.
+
+    Overlap: ``logits``, ``lse``, ``target`` and ``scale`` are only read; the one store goes to ``grad``, a
+    buffer of its own (:func:`_cross_entropy_forward` allocates it beside the logits chunk, never a view of
+    an input), and program ``(i, j)`` writes only its own tile, rows ``[i*BLOCK_R, (i+1)*BLOCK_R)`` x columns
+    ``[j*BLOCK_V, (j+1)*BLOCK_V)`` masked to ``N x V``: the tiles are disjoint, so no store meets another
+    program's store or any load.
     """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)

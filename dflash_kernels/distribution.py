@@ -4,15 +4,24 @@ Shared by :mod:`dflash_kernels.sampling` (one draw per row) and :mod:`dflash_ker
 acceptance of a chain): transformers' processing of the logits (temperature ``T``, then top-k, top-p, min-p;
 the math: :mod:`dflash_kernels.reference.sampling`) without ever holding ``[N, V]`` logits.
 
-Half-precision logits (``logit_dtype`` bf16 / fp16) have at most 2**16 distinct values, and a token's
-processed score ``x / T`` depends on its value only, so the kept set follows from a per-row histogram of the
-values (:func:`histogram_support`): pass 1 over vocabulary chunks counts the tokens at each of the 65536
-values (an order-preserving 16-bit key, -0 merged with +0, :func:`value_keys`); the selection
-(:func:`select_support`), exact in integers and the bins' masses ``count * exp(s_b - max)`` (cumulative
-masses in fp64), gives per row a boundary key ``key*`` and a count ``r``: the support is every token above
-``key*`` plus the ``r`` highest ids at ``key*`` (:class:`HistogramSupport`). Later passes recompute each chunk's
-logits and read its support mask, probabilities ``exp(s - top) / mass`` and scores
-(:class:`ProcessedChunks`). fp32 logits (2**32 values) take full-vocabulary row chunks and the reference
+Why a histogram, not a top-K buffer: top-p's kept set is a prefix of the vocabulary in (score desc, id
+desc) order whose length is unbounded (a flat distribution keeps about ``p * V`` tokens), and bf16 ties at the
+k-th value make even top-k's set larger than k. But a 16-bit logit has at most 2**16 distinct values, and the
+processed score ``x / T`` depends on that value only. So for ``logit_dtype`` bf16 / fp16:
+
+1. pass 1 (vocab chunks, :func:`histogram_support`): per row, the count of tokens at each of the 65536
+   values (``counts [R, 65536]`` int32; the 16-bit pattern mapped to an order-preserving key, -0 merged
+   with +0, :func:`value_keys`);
+2. selection (:func:`select_support`), exact in integers and the bins' masses ``count * exp(s_b - max)``
+   (cumulative masses in fp64): top-k = the bins down to the one where the cumulative count reaches k (ties
+   all kept); top-p = per bin the number of tokens whose preceding mass is ``< p`` (ties at the cut: the
+   highest ids, see the reference); min-p = bins with ``P_b >= min_p * P_max``. The result per row is a
+   boundary value ``key*`` and a count ``r``: the support is every token above ``key*`` plus the ``r``
+   highest ids at ``key*`` (:class:`HistogramSupport`; the rank of a tied token is a running per-row count
+   over the chunks).
+
+Later passes recompute each chunk's logits and read its support mask, probabilities ``exp(s - top) / mass``
+and scores (:class:`ProcessedChunks`). fp32 logits (2**32 values) take full-vocabulary row chunks and the reference
 warpers (the dense path). :func:`sample_processed_plan` sizes the chunks: one ``[R, Vc]`` logits chunk with
 ``R * Vc <= chunk_elements`` (default :data:`DEFAULT_CHUNK_ELEMENTS`), ``R <= HISTOGRAM_ROWS``.
 

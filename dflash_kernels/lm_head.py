@@ -66,7 +66,6 @@ vocab chunk bounds, row offsets, seeds: :data:`DO_NOT_SPECIALIZE`) are
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -75,8 +74,8 @@ import triton.language as tl
 
 from ._dispatch import get_backend, resolve_backend, tracing, triton_interpreting
 from .reference import lm_head as _reference
-from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_targets, check_temperature,
-                                head_inputs, resolve_logit_dtype, rms_norm, seed_from)
+from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_temperature, head_inputs,
+                                resolve_logit_dtype, seed_from)
 # float32 tanh from exp (a few ulps; the interpreter has no tanh): the final-logit softcap
 from .tree_attention import tanh_f32
 

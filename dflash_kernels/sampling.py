@@ -10,39 +10,26 @@ chunks (``weight[v0:v1]``, fp32 accumulation, rounded to ``logit_dtype``,
 optional softcap before the rounding), so a chunk's logits are bit-equal to
 those :func:`dflash_kernels.lm_head_argmax` compares.
 
-The histogram, the support and the noise are :mod:`dflash_kernels.distribution`'s (shared with
-:mod:`dflash_kernels.rejection`). Why a histogram, not a top-K buffer. Top-p's kept set is a prefix of the
-vocabulary in (score desc, id desc) order whose length is unbounded (a flat
-distribution keeps about ``p * V`` tokens), and bf16 ties at the k-th value
-make even top-k's set larger than k. But a 16-bit logit has at most 2**16
-distinct values, and the processed score ``x / T`` depends on that value
-only. So for ``logit_dtype`` bf16 / fp16 (every half-precision model):
+For ``logit_dtype`` bf16 / fp16 (every half-precision model) the support of the processed distribution
+comes from a per-row histogram of the 16-bit logit values (:mod:`dflash_kernels.distribution`, shared with
+:mod:`dflash_kernels.rejection`: pass 1 counts, then an exact selection gives per row a boundary key ``key*``
+and a tie count ``r``), then:
 
-1. pass 1 (vocab chunks): per row, the count of tokens at each of the 65536
-   values (``counts [R, 65536]`` int32; the 16-bit pattern mapped to an
-   order-preserving key, -0 merged with +0);
-2. selection, exact in integers and the bins' masses ``count * exp(s_b - max)``
-   (cumulative masses in fp64): top-k = the bins down to the one where the
-   cumulative count reaches k (ties all kept); top-p = per bin the number of
-   tokens whose preceding mass is ``< p`` (ties at the cut: the highest ids,
-   see the reference); min-p = bins with ``P_b >= min_p * P_max``. The result
-   per row is a boundary value ``key*`` and a count ``r``: the support is every
-   token above ``key*`` plus the ``r`` highest ids at ``key*``;
-3. pass 2 (vocab chunks, logits recomputed): Gumbel-max restricted to the
-   support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
-   the call's generator (``seed`` seeds a private one): an exact draw from
-   ``softmax(s)`` over the support. With a device seed tensor
-   (``seed=`` an int64 tensor ``[1]``) ``G`` is instead the counter-based
-   noise :func:`dflash_kernels.lm_head.gumbel_noise_block` of (seed value, output row, vocab
-   id), generated on the device by a Triton launch that reads the seed from
-   memory: the same noise as the reference's, so both backends draw the same
-   token from bit-equal logits. The rank of a tied token at ``key*`` is a
-   running per-row count over the chunks (fixed shapes).
+Pass 2 (vocab chunks, logits recomputed): Gumbel-max restricted to the
+support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
+the call's generator (``seed`` seeds a private one): an exact draw from
+``softmax(s)`` over the support. With a device seed tensor
+(``seed=`` an int64 tensor ``[1]``) ``G`` is instead the counter-based
+noise :func:`dflash_kernels.lm_head.gumbel_noise_block` of (seed value, output row, vocab
+id), generated on the device by a Triton launch that reads the seed from
+memory: the same noise as the reference's, so both backends draw the same
+token from bit-equal logits. The rank of a tied token at ``key*`` is a
+running per-row count over the chunks (fixed shapes).
 
 Memory: one ``[R, Vc]`` logits chunk (``R * Vc <= chunk_elements``, default
-:data:`DEFAULT_CHUNK_ELEMENTS`, plus the same of noise in pass 2) and the
+:data:`dflash_kernels.distribution.DEFAULT_CHUNK_ELEMENTS`, plus the same of noise in pass 2) and the
 ``[R, 65536]`` histogram with its selection temporaries (about 2 MiB per row),
-R <= :data:`HISTOGRAM_ROWS` rows at a time: independent of V and of k / p.
+R <= :data:`dflash_kernels.distribution.HISTOGRAM_ROWS` rows at a time: independent of V and of k / p.
 Cost: two passes over the lm_head weight.
 
 fp32 logits (``logit_dtype=torch.float32``; fp32 models) have 2**32 values:
@@ -67,7 +54,7 @@ from typing import Optional
 import torch
 
 from ._dispatch import resolve_backend, tracing
-from .distribution import (DEFAULT_CHUNK_ELEMENTS, bin_scores, head_logits, histogram_support, noise_source,
+from .distribution import (bin_scores, head_logits, histogram_support, noise_source,
                            sample_processed_plan, value_keys)
 from .reference import sampling as _reference
 from .reference.lm_head import HeadInputs, check_seed_tensor, check_temperature, head_inputs, resolve_logit_dtype
@@ -128,7 +115,7 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     on both backends. ``check_bounds=False`` reads nothing on the host. The reference
     backend runs the reference (dense logits, ``torch.multinomial``); the
     Triton backend the chunked method of the module docstring.
-    ``chunk_elements`` bounds one logits chunk (default :data:`DEFAULT_CHUNK_ELEMENTS`).
+    ``chunk_elements`` bounds one logits chunk (default :data:`dflash_kernels.distribution.DEFAULT_CHUNK_ELEMENTS`).
     ``backend``: 'triton' or 'reference' to fix the backend (a compiled round
     does), None: :func:`dflash_kernels.get_backend`.
     """

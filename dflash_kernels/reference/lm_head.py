@@ -54,7 +54,6 @@ import numbers
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .gather import check_rows
 
