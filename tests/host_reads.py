@@ -21,10 +21,14 @@ code makes on a GPU:
 
 from __future__ import annotations
 
+import contextlib
 import traceback
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from dflash.decoding.output import StageClock
 
 _VALUE_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "equal",
                 "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"}
@@ -71,3 +75,60 @@ class HostReadCounter(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             self._depth -= 1
+
+
+def reads_per_round(fn, round_end: str):
+    """Run ``fn`` under the counter; the reads made between consecutive ends of rounds (and the reads list)."""
+    counter = HostReadCounter()
+    marks = []
+    real_mark = StageClock.mark
+
+    def mark(self, stage):
+        real_mark(self, stage)
+        if stage == round_end:
+            marks.append(counter.count)
+
+    with mock.patch.object(StageClock, "mark", mark), counter:
+        fn()
+    per_round = [b - a for a, b in zip(marks, marks[1:])]
+    worst = max(range(len(per_round)), key=per_round.__getitem__) if per_round else 0
+    worst_reads = [(name, where[-3:]) for name, where in counter.reads[marks[worst]:marks[worst + 1]]] if per_round else []
+    return per_round, worst_reads, marks
+
+
+def _check_index(index):
+    for i in index if isinstance(index, tuple) else (index,):
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            raise AssertionError("boolean-mask indexing (a data-dependent shape)")
+
+
+class _NoBoolIndex(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+            _check_index(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Make every way of reading a tensor value on the host raise."""
+
+    def forbid(name):
+        def raiser(*args, **kwargs):
+            raise AssertionError(f"host read of a tensor value: {name}")
+
+        return raiser
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+                 "nonzero_static", "masked_select", "unique", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, forbid(name), raising=False)
+    monkeypatch.setattr(torch, "nonzero", forbid("torch.nonzero"))
+    monkeypatch.setattr(torch, "masked_select", forbid("torch.masked_select"))
+    # indexing is watched through a TorchFunctionMode, not by patching torch.Tensor.__getitem__: setting and
+    # deleting __getitem__ on the class leaves CPython's generic sequence slot behind, after which
+    # torch.as_tensor([0-d tensor]) takes tensors for sequences (and fails) for the rest of the process
+    try:
+        with _NoBoolIndex():
+            yield
+    finally:
+        monkeypatch.undo()

@@ -273,7 +273,7 @@ def test_sampled_auto_runs(reference_ops):
 
 
 def test_one_host_read_per_round_under_auto(reference_ops):
-    from test_host_reads import reads_per_round
+    from host_reads import reads_per_round
     target, draft = pair()
     result = {}
 

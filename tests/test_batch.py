@@ -142,7 +142,7 @@ def test_shipped_pair_batch_commits_ragged_rounds(reference_ops):
 
 
 def test_one_host_read_per_round_at_batch_4(reference_ops):
-    from test_host_reads import reads_per_round
+    from host_reads import reads_per_round
 
     target, draft = pair()
     ids, mask = padded(PROMPTS + [[4, 4]])
@@ -266,7 +266,7 @@ def test_hybrid_traced_batch_masks_stopped_rows(reference_ops):
 
 
 def test_hybrid_one_host_read_per_round_at_batch_3(reference_ops):
-    from test_host_reads import reads_per_round
+    from host_reads import reads_per_round
 
     target, draft = hybrid_pair()
     ids, mask = padded(PROMPTS)

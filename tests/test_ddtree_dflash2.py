@@ -21,7 +21,7 @@ from dflash.decoding import compiled
 from dflash.drafter.config import make_draft_config
 from dflash_kernels import reference as ref
 from prompts import PROMPT, greedy
-from test_host_reads import reads_per_round
+from host_reads import reads_per_round
 from tiny_models import TableDraft2, tiny_target
 
 @pytest.fixture(autouse=True)

@@ -143,7 +143,7 @@ def test_sampled_selector_rounds(target, draft):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_one_host_read_per_round(target, draft, temperature):
-    from test_host_reads import reads_per_round
+    from host_reads import reads_per_round
 
     result = {}
 

@@ -283,7 +283,7 @@ def test_sampling_with_a_final_softcap_matches_the_softcapped_distribution(backe
 
 
 def _reads_per_round(fn):
-    from test_host_reads import reads_per_round
+    from host_reads import reads_per_round
 
     return reads_per_round(fn, "commit")
 

@@ -10,38 +10,17 @@ round redesign read 6 (DFlash) and 13 (DDTree) times per round with stage
 timing on.
 """
 
-from unittest import mock
 
 import pytest
 import torch
 
 import dflash
 import dflash_kernels
-from dflash.decoding.output import StageClock
-from host_reads import HostReadCounter
+from host_reads import HostReadCounter, reads_per_round
 from tiny_models import tiny_draft, tiny_target
 
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 11]  # this file's own, not prompts.PROMPT
 BACKENDS = ["reference", "triton"]
-
-
-def reads_per_round(fn, round_end: str):
-    """Run ``fn`` under the counter; the reads made between consecutive ends of rounds (and the reads list)."""
-    counter = HostReadCounter()
-    marks = []
-    real_mark = StageClock.mark
-
-    def mark(self, stage):
-        real_mark(self, stage)
-        if stage == round_end:
-            marks.append(counter.count)
-
-    with mock.patch.object(StageClock, "mark", mark), counter:
-        fn()
-    per_round = [b - a for a, b in zip(marks, marks[1:])]
-    worst = max(range(len(per_round)), key=per_round.__getitem__) if per_round else 0
-    worst_reads = [(name, where[-3:]) for name, where in counter.reads[marks[worst]:marks[worst + 1]]] if per_round else []
-    return per_round, worst_reads, marks
 
 
 def _backend(name):

@@ -407,7 +407,7 @@ def test_sliding_window_drafter_layers_on_a_hybrid_target(target):
 def test_qwen3_next_moe_runs_one_host_read_per_round():
     """Qwen3-Next loaded with transformers' eager experts (a host read per MoE layer) runs grouped experts while
     the adapter is open; its shared expert and router read nothing: one host read per round."""
-    from test_host_reads import reads_per_round
+    from host_reads import reads_per_round
 
     target = tiny_hybrid_target("qwen3_next", vocab=VOCAB, experts="eager")
     ref = greedy(target, 12)

@@ -17,7 +17,7 @@ import torch
 import dflash_kernels as dk
 from dflash_kernels.reference import rejection as ref
 from dflash_kernels.reference.sampling import processed_probs
-from test_sampling import chi_square_pvalue
+from sampling_stats import chi_square_pvalue
 
 BACKENDS = dk.available_backends(torch.device("cpu"))
 FILTERS = [{}, dict(top_k=9, top_p=0.85, min_p=0.02)]

@@ -15,31 +15,15 @@
 
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 import dflash_kernels
 from dflash_kernels import force_backend, lm_head_sample_processed
 from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
 from dflash_kernels.distribution import sample_processed_plan
+from sampling_stats import chi_square_pvalue, hf_probs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def hf_probs(logits, T, top_k=None, top_p=None, min_p=None):
-    """transformers' processed distribution: the warpers generate() builds, in its order, then softmax."""
-    warpers = LogitsProcessorList()
-    if T != 1.0:
-        warpers.append(TemperatureLogitsWarper(float(T)))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-    if top_p is not None and top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-    if min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=min_p, min_tokens_to_keep=1))
-    scores = warpers(torch.zeros(logits.shape[0], 1, dtype=torch.long), logits.float().clone())
-    return torch.softmax(scores, dim=-1)
 
 
 def tied_logits(rows, vocab, seed, step=0.25, scale=2.0):
@@ -97,25 +81,6 @@ def test_nucleus_ties_keep_the_highest_ids():
 
 
 # ------------------------------------------------------------------ chi-square
-
-
-def chi_square_pvalue(samples, probs):
-    """Pearson chi-square p-value of ``samples`` against ``probs`` (cells with expectation < 5 pooled)."""
-    n = samples.numel()
-    counts = torch.bincount(samples.cpu(), minlength=probs.numel()).double()
-    expected = probs.double().cpu() * n
-    assert counts[expected == 0].sum() == 0, f"samples outside the support: {(counts * (expected == 0)).nonzero()}"
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    if obs.numel() < 2:
-        return 1.0
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
 def sample_inputs(V=40, H=16, seed=11, dtype=torch.bfloat16):

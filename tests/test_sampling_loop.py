@@ -18,7 +18,7 @@ import torch
 import dflash
 import dflash_kernels
 from dflash.tiny.pair import load_default_pair
-from test_sampling import chi_square_pvalue, hf_probs
+from sampling_stats import chi_square_pvalue, hf_probs
 
 SETTINGS = [(0.8, 10, 0.9, None), (1.2, None, 0.8, 0.05), (0.7, 5, None, None)]
 RUNS = 2000

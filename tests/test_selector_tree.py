@@ -14,7 +14,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
-from test_tree_device import no_host_reads
+from host_reads import no_host_reads
 
 
 def selector_inputs(D, k, gen, V=40, r=6):

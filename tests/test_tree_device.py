@@ -13,7 +13,6 @@
   ``tolist``, ``__bool__``, ``nonzero``, boolean-mask indexing, ... raise.
 """
 
-import contextlib
 import math
 import random
 
@@ -22,6 +21,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
+from host_reads import no_host_reads
 from dflash_kernels.tree_device import TreeTables, _candidate_pairs, _depth_layout, tree_tables
 
 
@@ -455,44 +455,6 @@ def test_walk_errors_are_clear():
 # ----------------------------------------------------------------------------
 # No host reads
 # ----------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def no_host_reads(monkeypatch):
-    """Make every way of reading a tensor value on the host raise."""
-
-    def forbid(name):
-        def raiser(*args, **kwargs):
-            raise AssertionError(f"host read of a tensor value: {name}")
-
-        return raiser
-
-    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-                 "nonzero_static", "masked_select", "unique", "cpu"):
-        monkeypatch.setattr(torch.Tensor, name, forbid(name), raising=False)
-    monkeypatch.setattr(torch, "nonzero", forbid("torch.nonzero"))
-    monkeypatch.setattr(torch, "masked_select", forbid("torch.masked_select"))
-    # indexing is watched through a TorchFunctionMode, not by patching torch.Tensor.__getitem__: setting and
-    # deleting __getitem__ on the class leaves CPython's generic sequence slot behind, after which
-    # torch.as_tensor([0-d tensor]) takes tensors for sequences (and fails) for the rest of the process
-    try:
-        with _NoBoolIndex():
-            yield
-    finally:
-        monkeypatch.undo()
-
-
-def _check_index(index):
-    for i in index if isinstance(index, tuple) else (index,):
-        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-            raise AssertionError("boolean-mask indexing (a data-dependent shape)")
-
-
-class _NoBoolIndex(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
-            _check_index(args[1])
-        return func(*args, **(kwargs or {}))
-
 
 def test_the_host_read_guard_catches_reads(monkeypatch):
     x = torch.arange(4)
