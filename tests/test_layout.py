@@ -95,11 +95,42 @@ def test_no_import_cycle():
 
 def test_public_api_still_works():
     import dflash
-    from dflash.decoding import ddtree_generate  # noqa: F401
-    from dflash.drafter.model import DFlashDraftModel as Network
+    import dflash.decoding
+    from dflash.decoding.compat import ddtree_generate, spec_generate
+    from dflash.drafter import model as drafter_model
 
-    assert callable(dflash.generate) and callable(dflash.DFlashDraftModel.spec_generate)
-    # the method is defined by the decoding layer's class, not attached to the drafter network from above
-    assert issubclass(dflash.DFlashDraftModel, Network) and not hasattr(Network, "spec_generate")
-    assert dflash.DFlashDraftModel.__module__ == "dflash.decoding.drafter"
+    assert callable(dflash.generate) and callable(dflash.apply) and callable(dflash.stream) and callable(ddtree_generate)
+    # one drafter class: the network itself carries the reference-compatible method, no subclass patched from above
+    assert dflash.DFlashDraftModel is drafter_model.DFlashDraftModel
+    assert dflash.DFlash2DraftModel is drafter_model.DFlash2DraftModel
+    assert issubclass(dflash.DFlash2DraftModel, dflash.DFlashDraftModel)
+    assert not hasattr(dflash.DFlashDraftModel, "dflash2_class")
+    assert callable(dflash.DFlashDraftModel.spec_generate)
+    # its one seam to the loops above: the compat module, named, resolved when called
+    assert drafter_model.generation_module().spec_generate is spec_generate
     assert dflash.GenerationResult.__module__ == "dflash.decoding.result"
+
+
+USER_API = {"DFlash2DraftModel", "DFlashDraftModel", "DraftConfigError", "GenerationResult", "SamplingSettings",
+            "TargetAdapter", "TargetStructureError", "UnsupportedGeneration", "apply", "default_target_layer_ids",
+            "generate", "make_draft_config", "stream", "unapply", "warmup"}
+DECODING_API = {"GenerationResult", "SamplingSettings", "UnsupportedGeneration", "apply", "check_pair", "generate",
+                "is_applied", "stream", "unapply", "warmup"}
+#: once public, now internal (their modules' own names) or in dflash.decoding.compat
+REMOVED = {"Round", "LoopOptions", "GenerationPlan", "DropIn", "TokenStream", "METHODS", "resolve_generation",
+           "ar_generate", "dflash_generate", "ddtree_generate", "ddtree_generate_result", "spec_generate",
+           "prepare_generation", "run_generation", "generate_rounds", "DFlashDraftModel", "DFlash2DraftModel"}
+
+
+def test_public_surface_is_minimal():
+    import dflash
+    import dflash.decoding
+
+    assert set(dflash.__all__) == USER_API
+    assert set(dflash.decoding.__all__) == DECODING_API
+    assert not REMOVED & set(dflash.decoding.__all__)
+    for name in REMOVED:
+        assert not hasattr(dflash.decoding, name), f"dflash.decoding.{name} is still exported"
+    for package in (dflash, dflash.decoding):
+        for name in package.__all__:
+            assert hasattr(package, name), f"{package.__name__}.__all__ names a missing {name}"
