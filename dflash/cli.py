@@ -18,6 +18,8 @@ import os
 import sys
 from typing import List, Optional
 
+from .decoding.options import DEFAULTS, METHODS
+
 # command -> (module, one-line help); each module has main(argv) -> int
 DELEGATED = {
     "bench": ("dflash.benchmark.run", "end-to-end benchmark: methods, budgets, temperatures, peers, plots"),
@@ -26,7 +28,7 @@ DELEGATED = {
     "convert": ("dflash.drafter.convert", "convert a drafter checkpoint between the z-lab, transformers and speculators formats"),
 }
 
-METHOD_CHOICES = ("ar", "dflash", "ddtree")
+METHOD_CHOICES = METHODS
 
 
 class UsageError(Exception):
@@ -224,7 +226,7 @@ def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--draft", help="local DFlash drafter directory (default: the embedded tiny pair)")
     p.add_argument("--drafter", choices=["dflash", "dflash2"], default=None,
                    help="which embedded tiny drafter pairs with the tiny target (default: dflash)")
-    p.add_argument("--method", choices=METHOD_CHOICES, default="dflash")
+    p.add_argument("--method", choices=METHOD_CHOICES, default=DEFAULTS.method)
     if generate:
         p.add_argument("--prompt", default=None, help="the prompt (default: --prompt-file, else stdin)")
         p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
@@ -235,7 +237,7 @@ def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--max-new-tokens", type=_int_at_least(1, "--max-new-tokens must be >= 1"), default=256)
     p.add_argument("--temperature", type=_float_at_least(0.0, "--temperature must be >= 0 (0 = greedy)"),
                    default=None if generate else 0.0)
-    p.add_argument("--tree-budget", type=_tree_budget, default=None,
+    p.add_argument("--tree-budget", type=_tree_budget, default=DEFAULTS.tree_budget,
                    help="DDTree draft nodes per round, or 'auto' (chosen each round from measured costs)")
     p.add_argument("--threads", type=_int_at_least(1, "--threads must be >= 1"), default=1,
                    help="torch CPU threads (default 1: small models decode fastest single-threaded)")
