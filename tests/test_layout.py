@@ -122,6 +122,30 @@ REMOVED = {"Round", "LoopOptions", "GenerationPlan", "DropIn", "TokenStream", "M
            "prepare_generation", "run_generation", "generate_rounds", "DFlashDraftModel", "DFlash2DraftModel"}
 
 
+#: each subpackage's __all__: what its users outside the package import from it
+SUBPACKAGE_API = {
+    "dflash.cache": {"CacheFullError", "KVBuffer"},
+    "dflash.drafter": {"DFlash2DraftModel", "DFlashDraftModel", "DraftConfigError", "default_target_layer_ids",
+                       "make_draft_config"},
+    "dflash.target": {"ATTENTION_NAME", "PREFILL_CHUNK", "TargetAdapter", "TargetKVCache", "TargetStructureError",
+                      "UnsupportedTargetFeature", "decoder_parts"},
+    "dflash.decoding": DECODING_API,
+    "dflash.tiny": {"load_tiny_drafter", "load_tiny_target", "load_tiny_tokenizer"},
+    "dflash.training": set(),
+    "dflash.benchmark": set(),
+}
+
+
+@pytest.mark.parametrize("package", sorted(SUBPACKAGE_API))
+def test_subpackage_exports(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert set(module.__all__) == SUBPACKAGE_API[package]
+    for name in module.__all__:
+        assert hasattr(module, name), f"{package}.__all__ names a missing {name}"
+
+
 def test_public_surface_is_minimal():
     import dflash
     import dflash.decoding
