@@ -11,7 +11,7 @@ target, applied once as a user would:
 
 * ``plain``: transformers' own ``target.generate()``;
 * ``eager``: ``dflash.apply(target, draft, method="ddtree")`` (DDTree, ``tree_budget="auto"``, eager rounds);
-* ``compiled``: ``dflash.apply(target, draft, compile=True)`` (inductor, its C++ wrapper on the CPU).
+* ``compiled``: ``dflash.apply(target, draft, method="ddtree", compile=True)`` (inductor, its C++ wrapper on the CPU).
 
 Every call runs every row, in an order that rotates by one row per call (a slow phase of the machine falls on
 all of them). Nothing is warmed up: a drop-in row pays its set-up where it falls (the auto budget's cost
