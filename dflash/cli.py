@@ -18,7 +18,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .decoding.options import DEFAULTS, METHODS
+from .decoding.options import ACCEPTANCE_RULES, DEFAULTS, METHODS
 
 # command -> (module, one-line help); each module has main(argv) -> int
 DELEGATED = {
@@ -252,20 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with a target and a drafter (streamed)")
     _add_pair_args(gen, generate=True)
     gen.add_argument("--block-size", type=_int_at_least(2, "--block-size must be >= 2 (anchor + at least one "
-                                                           "draft)"), default=None)
+                                                           "draft)"), default=DEFAULTS.block_size)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                      help="sample (default: the target's generation_config; --temperature > 0 alone samples)")
     gen.add_argument("--top-k", type=_int_at_least(0, "--top-k must be >= 0 (0 = off)"), default=None)
     gen.add_argument("--top-p", type=_float_at_least(0.0, "--top-p must be in [0, 1]"), default=None)
     gen.add_argument("--min-p", type=_float_at_least(0.0, "--min-p must be in [0, 1]"), default=None)
-    gen.add_argument("--acceptance", choices=["rejection", "match"], default=None,
+    gen.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=DEFAULTS.acceptance,
                      help="how a sampled DFlash chain accepts drafts: rejection (default: drafts sampled from the "
                           "drafter, kept with probability min(1, p/q)) or match (argmax drafts kept while they "
                           "equal the target's sample); ddtree walks its tree (match only)")
     gen.add_argument("--draft-window", type=_int_at_least(1, "--draft-window must be an int >= 1 (the drafter "
                                                             "attends only to the last W context rows before its "
-                                                            "block); leave it out for no window"), default=None,
+                                                            "block); leave it out for no window"), default=DEFAULTS.draft_window,
                      metavar="W", help="the drafter attends only to the last W context rows before its block "
                                        "(dflash / ddtree; the output is unchanged, only acceptance; default: off)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

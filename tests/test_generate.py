@@ -218,7 +218,8 @@ def test_every_entry_point_reads_the_one_defaults():
     for name in ("tree_budget", "block_size", "mask_token_id", "stage_timing", "acceptance", "draft_window"):
         assert loop[name] == table[name], name
     args = build_parser().parse_args(["generate", "--prompt", "x"])
-    assert args.method == DEFAULTS.method and args.tree_budget == DEFAULTS.tree_budget
+    for name in ("method", "tree_budget", "block_size", "acceptance", "draft_window", "compile"):
+        assert getattr(args, name) == table[name], name
 
 
 def test_apply_and_generate_run_the_same_default_rounds(target):
