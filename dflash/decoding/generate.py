@@ -67,9 +67,9 @@ def generate(target, draft=None, input_ids=None, *, method: str = DEFAULTS.metho
              compile=DEFAULTS.compile, max_cache_len=DEFAULTS.max_cache_len, **kwargs) -> GenerationResult:
     """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``; returns a :class:`GenerationResult`.
 
-    Every option left unset takes :data:`~dflash.decoding.options.DEFAULTS` (the same for
-    :func:`dflash.apply` and :func:`dflash.stream`): ``method="dflash"``, ``tree_budget`` ``2 * (B - 1)``,
-    ``stage_timing=True``, ``compile=False``, ``max_cache_len="auto"``, the drafter's block size and mask id.
+    Every option left unset takes its default from :data:`~dflash.decoding.options.DEFAULTS`, the same for
+    :func:`dflash.apply` and :func:`dflash.stream` (:class:`~dflash.decoding.options.GenerationDefaults`
+    says what each is and why).
 
     ``target``: a HF causal LM (Qwen3, Llama, ...), also as a user holds it: a peft ``PeftModel``, a
     ``torch.compile``-d model, a torchao / bitsandbytes quantized model (``result.head_path`` says how its
