@@ -10,8 +10,8 @@ answer and a new "user line" (``--line-len`` bytes of other held-out code), so t
 target, applied once as a user would:
 
 * ``plain``: transformers' own ``target.generate()``;
-* ``eager``: ``dflash.apply(target, draft)`` (DDTree, ``tree_budget="auto"``, eager rounds);
-* ``compiled``: ``dflash.apply(target, draft, compile=True)`` (inductor, its C++ wrapper on the CPU).
+* ``eager``: ``dflash.apply(target, draft, method="ddtree")`` (DDTree, ``tree_budget="auto"``, eager rounds);
+* ``compiled``: ``dflash.apply(target, draft, method="ddtree", compile=True)`` (inductor, its C++ wrapper on the CPU).
 
 Every call runs every row, in an order that rotates by one row per call (a slow phase of the machine falls on
 all of them). Nothing is warmed up: a drop-in row pays its set-up where it falls (the auto budget's cost
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         target.model.layers[0].register_forward_hook(_eager_pass_hook(passes[row]))
         if row != "plain":
             extra = dict(compile=True, max_cache_len=args.max_cache_len) if row == "compiled" else {}
-            handles[row] = dflash.apply(target, draft, tree_budget=args.tree_budget, **extra)
+            handles[row] = dflash.apply(target, draft, method="ddtree", tree_budget=args.tree_budget, **extra)
         targets[row] = target
     first, lines = chat_turns(args.calls, args.first_prompt_len, args.line_len)
     log = {row: [] for row in rows}

@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
         p.error(f"--window must be >= 1 (tokens of context the drafter sees), got {args.window}")
 
     import dflash_kernels
-    from dflash.decoding.drafter import DFlashDraftModel
+    from dflash.drafter.model import DFlashDraftModel
     from dflash.tiny.corpus import heldout_prompts
     from dflash.tiny.pair import DRAFT_DIR, load_default_pair
     from dflash.training.evaluation import measure_tau

@@ -18,6 +18,8 @@ import os
 import sys
 from typing import List, Optional
 
+from .decoding.options import ACCEPTANCE_RULES, DEFAULTS, METHODS
+
 # command -> (module, one-line help); each module has main(argv) -> int
 DELEGATED = {
     "bench": ("dflash.benchmark.run", "end-to-end benchmark: methods, budgets, temperatures, peers, plots"),
@@ -26,7 +28,7 @@ DELEGATED = {
     "convert": ("dflash.drafter.convert", "convert a drafter checkpoint between the z-lab, transformers and speculators formats"),
 }
 
-METHOD_CHOICES = ("ar", "dflash", "ddtree")
+METHOD_CHOICES = METHODS
 
 
 class UsageError(Exception):
@@ -224,7 +226,7 @@ def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--draft", help="local DFlash drafter directory (default: the embedded tiny pair)")
     p.add_argument("--drafter", choices=["dflash", "dflash2"], default=None,
                    help="which embedded tiny drafter pairs with the tiny target (default: dflash)")
-    p.add_argument("--method", choices=METHOD_CHOICES, default="dflash")
+    p.add_argument("--method", choices=METHOD_CHOICES, default=DEFAULTS.method)
     if generate:
         p.add_argument("--prompt", default=None, help="the prompt (default: --prompt-file, else stdin)")
         p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
@@ -235,7 +237,7 @@ def _add_pair_args(p: argparse.ArgumentParser, generate: bool = False) -> None:
     p.add_argument("--max-new-tokens", type=_int_at_least(1, "--max-new-tokens must be >= 1"), default=256)
     p.add_argument("--temperature", type=_float_at_least(0.0, "--temperature must be >= 0 (0 = greedy)"),
                    default=None if generate else 0.0)
-    p.add_argument("--tree-budget", type=_tree_budget, default=None,
+    p.add_argument("--tree-budget", type=_tree_budget, default=DEFAULTS.tree_budget,
                    help="DDTree draft nodes per round, or 'auto' (chosen each round from measured costs)")
     p.add_argument("--threads", type=_int_at_least(1, "--threads must be >= 1"), default=1,
                    help="torch CPU threads (default 1: small models decode fastest single-threaded)")
@@ -250,20 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with a target and a drafter (streamed)")
     _add_pair_args(gen, generate=True)
     gen.add_argument("--block-size", type=_int_at_least(2, "--block-size must be >= 2 (anchor + at least one "
-                                                           "draft)"), default=None)
+                                                           "draft)"), default=DEFAULTS.block_size)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                      help="sample (default: the target's generation_config; --temperature > 0 alone samples)")
     gen.add_argument("--top-k", type=_int_at_least(0, "--top-k must be >= 0 (0 = off)"), default=None)
     gen.add_argument("--top-p", type=_float_at_least(0.0, "--top-p must be in [0, 1]"), default=None)
     gen.add_argument("--min-p", type=_float_at_least(0.0, "--min-p must be in [0, 1]"), default=None)
-    gen.add_argument("--acceptance", choices=["rejection", "match"], default=None,
+    gen.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=DEFAULTS.acceptance,
                      help="how a sampled DFlash chain accepts drafts: rejection (default: drafts sampled from the "
                           "drafter, kept with probability min(1, p/q)) or match (argmax drafts kept while they "
                           "equal the target's sample); ddtree walks its tree (match only)")
     gen.add_argument("--draft-window", type=_int_at_least(1, "--draft-window must be an int >= 1 (the drafter "
                                                             "attends only to the last W context rows before its "
-                                                            "block); leave it out for no window"), default=None,
+                                                            "block); leave it out for no window"), default=DEFAULTS.draft_window,
                      metavar="W", help="the drafter attends only to the last W context rows before its block "
                                        "(dflash / ddtree; the output is unchanged, only acceptance; default: off)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

@@ -334,10 +334,10 @@ def test_hybrid_target_auto_is_lossless(reference_ops):
         assert torch.equal(out.output_ids, ref), mode
 
 
-def test_dropin_defaults_to_auto(reference_ops):
+def test_dropin_takes_auto(reference_ops):
     target, draft = pair()
     ref = greedy(target, 12, PROMPT)
-    state = dflash.apply(target, draft)
+    state = dflash.apply(target, draft, method="ddtree", tree_budget="auto")
     try:
         assert state.loop_kwargs["tree_budget"] == AUTO_BUDGETS
         with torch.no_grad():

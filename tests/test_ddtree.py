@@ -5,7 +5,7 @@ import torch
 
 import dflash
 import dflash_kernels
-from dflash.decoding import ddtree_generate
+from dflash.decoding.compat import ddtree_generate
 from prompts import PROMPT, greedy
 from tiny_models import RiggedDraft, tiny_draft, tiny_target
 

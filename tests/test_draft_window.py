@@ -25,6 +25,7 @@ from dflash import DFlashDraftModel, make_draft_config
 from dflash.drafter.cache import DraftKVCache
 from dflash.decoding.generation_config import UnsupportedGeneration
 from dflash.decoding import compiled
+from dflash.decoding.options import LoopOptions
 from prompts import greedy
 from tiny_models import tiny_dflash2_draft, tiny_draft, tiny_target
 
@@ -226,8 +227,8 @@ def test_ar_refuses_the_window(pair):
         dflash.generate(target, None, PROMPT, method="ar", max_new_tokens=4, draft_window=8)
     with pytest.raises(ValueError, match="draft_window applies to the drafter .* method 'ar' drafts nothing"):
         dflash.apply(target, draft, method="ar", draft_window=8)
-    with pytest.raises(ValueError, match="method 'ar' drafts nothing"):
-        dflash.decoding.entry.ar_generate(target, PROMPT, max_new_tokens=4, draft_window=8)
+    with pytest.raises(ValueError, match="method 'ar' drafts nothing"):  # the loop's own check of its options
+        LoopOptions(max_new_tokens=4, draft_window=8).resolve("ar", None, target.config.vocab_size)
 
 
 def test_dropin_passes_the_window(pair):

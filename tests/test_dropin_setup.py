@@ -1,4 +1,4 @@
-"""The drop-in's set-up is paid once: ``dflash.apply(target, draft)`` with its default ``tree_budget="auto"``
+"""The drop-in's set-up is paid once: ``dflash.apply(target, draft, method="ddtree", tree_budget="auto")``
 measures the budget's costs on the first call and reuses them at every later prompt length and at every batch
 size of the same batch-size bucket, so a later call runs its prefill and its rounds and no other target pass;
 ``dflash.apply(..., compile=True)`` runs compiled rounds with the eager rounds' tokens, its set-up reported on
@@ -84,7 +84,7 @@ def test_auto_budget_set_up_once_across_prompt_lengths(reference_ops, monkeypatc
     besides its prefill and its rounds, and reports no set-up."""
     target, draft = pair()
     passes = Passes(target, monkeypatch)
-    handle = dflash.apply(target, draft)  # tree_budget="auto", eager
+    handle = dflash.apply(target, draft, method="ddtree", tree_budget="auto")  # eager
     try:
         seen = []
         for n in (100, 100, 300, 700, 1200):
@@ -107,7 +107,7 @@ def test_auto_budget_set_up_once_per_batch_bucket(reference_ops, monkeypatch):
     bucket) measures once, then not again."""
     target, draft = pair()
     passes = Passes(target, monkeypatch)
-    handle = dflash.apply(target, draft)
+    handle = dflash.apply(target, draft, method="ddtree", tree_budget="auto")
     try:
         def run(lengths, seed):
             ids, mask = left_padded([prompt(n, seed + i) for i, n in enumerate(lengths)])
@@ -142,7 +142,7 @@ def test_costs_measured_once_for_compiled_rounds_too(reference_ops, monkeypatch)
 
     monkeypatch.setattr(compiled.RoundSteps, "measure_costs", counted)
     target, draft = pair()
-    handle = dflash.apply(target, draft, tree_budget=[2, 5], compile=True)
+    handle = dflash.apply(target, draft, method="ddtree", tree_budget=[2, 5], compile=True)
     try:
         for n in (20, 300):
             ids = torch.tensor([prompt(n)])
@@ -174,7 +174,7 @@ class Compiles:
 
 def growing_chat(target, draft, lengths, **apply_kw):
     """Greedy drop-in calls at the prompt ``lengths``, each checked against the eager ``dflash.generate``."""
-    handle = dflash.apply(target, draft, tree_budget=4, compile=True, **apply_kw)
+    handle = dflash.apply(target, draft, method="ddtree", tree_budget=4, compile=True, **apply_kw)
     try:
         for n in lengths:
             ids = torch.tensor([prompt(n, seed=n)])
@@ -253,10 +253,10 @@ def test_apply_compile_equals_eager(reference_ops):
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     with torch.no_grad():
         ref = target.generate(**kw)
-        with dflash.apply(target, draft, tree_budget=4) as handle:
+        with dflash.apply(target, draft, method="ddtree", tree_budget=4) as handle:
             eager = target.generate(**kw)
         assert handle.compile is False and handle.last_result.compile_time == 0
-        with dflash.apply(target, draft, tree_budget=4, compile=True) as handle:
+        with dflash.apply(target, draft, method="ddtree", tree_budget=4, compile=True) as handle:
             fast = target.generate(**kw)
             first = handle.last_setup_seconds
             again = target.generate(**kw)

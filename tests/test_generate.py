@@ -195,3 +195,41 @@ def test_position_acceptance_counts_a_round_cut_short(target, method):
 def test_ar_results_have_no_position_acceptance(target):
     res = dflash.generate(target, None, PROMPTS[0], method="ar", max_new_tokens=5)
     assert res.block_size == 1 and res.position_acceptance == [] and res.summary()["position_acceptance"] == []
+
+
+def test_every_entry_point_reads_the_one_defaults():
+    """generate, apply, stream, warmup, the loop's options and the CLI take each option's default from one
+    table, DEFAULTS: no entry point restates a value of its own."""
+    import dataclasses
+    import inspect
+
+    from dflash.cli import build_parser
+    from dflash.decoding.options import DEFAULTS, LoopOptions
+
+    table = dataclasses.asdict(DEFAULTS)
+    for fn in (dflash.generate, dflash.apply, dflash.stream, dflash.warmup):
+        params = inspect.signature(fn).parameters
+        for name, value in table.items():
+            if name in params and not (fn is dflash.apply and name == "method"):
+                assert params[name].default == value, (fn.__name__, name)
+    # apply's method None: the default method with a drafter (only assistant_model calls without one)
+    assert inspect.signature(dflash.apply).parameters["method"].default is None
+    loop = {f.name: f.default for f in dataclasses.fields(LoopOptions)}
+    for name in ("tree_budget", "block_size", "mask_token_id", "stage_timing", "acceptance", "draft_window"):
+        assert loop[name] == table[name], name
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    for name in ("method", "tree_budget", "block_size", "acceptance", "draft_window", "compile"):
+        assert getattr(args, name) == table[name], name
+
+
+def test_apply_and_generate_run_the_same_default_rounds(target):
+    """With no method, the drop-in runs what generate runs: the same method, budget and stage timing."""
+    draft = tiny_draft(target, block_size=4)
+    ref = dflash.generate(target, draft, PROMPTS[0], max_new_tokens=12, do_sample=False)
+    with dflash.apply(target, draft) as handle:
+        out = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False)
+    ours = handle.last_result
+    assert torch.equal(out, ref.output_ids)
+    assert (ours.method, ours.block_size, ours.acceptance_lengths) == (ref.method, ref.block_size,
+                                                                      ref.acceptance_lengths)
+    assert ours.draft_time > 0 and ref.draft_time > 0  # both timed their stages

@@ -54,7 +54,7 @@ def test_apply_round_trip_is_equal_at_t0(pair, monkeypatch, method):
 def test_apply_sampling_is_reproducible_with_a_seed(pair, monkeypatch):
     target, draft = pair
     calls = spy(monkeypatch)
-    dflash.apply(target, draft)
+    dflash.apply(target, draft, method="ddtree", tree_budget="auto")
     kw = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=0)
     torch.manual_seed(7)
     a = target.generate(**inputs(), **kw)
@@ -71,7 +71,7 @@ def test_unapply_restores_the_exact_original(pair):
     target, draft = pair
     before = target.generate
     assert "generate" not in target.__dict__
-    handle = dflash.apply(target, draft)
+    handle = dflash.apply(target, draft, method="ddtree")
     assert target.generate != before and dflash.decoding.is_applied(target)
     dflash.apply(target, draft, method="dflash")  # applying again replaces the settings
     dflash.unapply(target)
@@ -162,7 +162,7 @@ def test_streamer_through_the_drop_in(pair):
         def end(self):
             events.append("end")
 
-    with dflash.apply(target, draft, tree_budget=6):
+    with dflash.apply(target, draft, method="ddtree", tree_budget=6):
         out = target.generate(**inputs(), max_new_tokens=15, streamer=Rec())
     assert events[0] == PROMPT and events[-1] == "end" and events.count("end") == 1
     assert sum(events[1:-1], []) == out[0, len(PROMPT):].tolist()
@@ -176,7 +176,7 @@ def test_apply_checks_the_pair_and_the_method(pair):
     with pytest.raises(ValueError, match="unknown method 'beam'"):
         dflash.apply(target, None, method="beam")
     with pytest.raises(ValueError, match="tree_budget must be an int >= 1"):
-        dflash.apply(target, pair[1], tree_budget=0)
+        dflash.apply(target, pair[1], method="ddtree", tree_budget=0)
     assert "generate" not in target.__dict__
 
 

@@ -95,11 +95,66 @@ def test_no_import_cycle():
 
 def test_public_api_still_works():
     import dflash
-    from dflash.decoding import ddtree_generate  # noqa: F401
-    from dflash.drafter.model import DFlashDraftModel as Network
+    import dflash.decoding
+    from dflash.decoding.compat import ddtree_generate, spec_generate
+    from dflash.drafter import model as drafter_model
 
-    assert callable(dflash.generate) and callable(dflash.DFlashDraftModel.spec_generate)
-    # the method is defined by the decoding layer's class, not attached to the drafter network from above
-    assert issubclass(dflash.DFlashDraftModel, Network) and not hasattr(Network, "spec_generate")
-    assert dflash.DFlashDraftModel.__module__ == "dflash.decoding.drafter"
+    assert callable(dflash.generate) and callable(dflash.apply) and callable(dflash.stream) and callable(ddtree_generate)
+    # one drafter class: the network itself carries the reference-compatible method, no subclass patched from above
+    assert dflash.DFlashDraftModel is drafter_model.DFlashDraftModel
+    assert dflash.DFlash2DraftModel is drafter_model.DFlash2DraftModel
+    assert issubclass(dflash.DFlash2DraftModel, dflash.DFlashDraftModel)
+    assert not hasattr(dflash.DFlashDraftModel, "dflash2_class")
+    assert callable(dflash.DFlashDraftModel.spec_generate)
+    # its one seam to the loops above: the compat module, named, resolved when called
+    assert drafter_model.generation_module().spec_generate is spec_generate
     assert dflash.GenerationResult.__module__ == "dflash.decoding.result"
+
+
+USER_API = {"DFlash2DraftModel", "DFlashDraftModel", "DraftConfigError", "GenerationResult", "SamplingSettings",
+            "TargetAdapter", "TargetStructureError", "UnsupportedGeneration", "apply", "default_target_layer_ids",
+            "generate", "make_draft_config", "stream", "unapply", "warmup"}
+DECODING_API = {"GenerationResult", "SamplingSettings", "UnsupportedGeneration", "apply", "check_pair", "generate",
+                "is_applied", "stream", "unapply", "warmup"}
+#: once public, now internal (their modules' own names) or in dflash.decoding.compat
+REMOVED = {"Round", "LoopOptions", "GenerationPlan", "DropIn", "TokenStream", "METHODS", "resolve_generation",
+           "ar_generate", "dflash_generate", "ddtree_generate", "ddtree_generate_result", "spec_generate",
+           "prepare_generation", "run_generation", "generate_rounds", "DFlashDraftModel", "DFlash2DraftModel"}
+
+
+#: each subpackage's __all__: what its users outside the package import from it
+SUBPACKAGE_API = {
+    "dflash.cache": {"CacheFullError", "KVBuffer"},
+    "dflash.drafter": {"DFlash2DraftModel", "DFlashDraftModel", "DraftConfigError", "default_target_layer_ids",
+                       "make_draft_config"},
+    "dflash.target": {"ATTENTION_NAME", "PREFILL_CHUNK", "TargetAdapter", "TargetKVCache", "TargetStructureError",
+                      "UnsupportedTargetFeature", "decoder_parts"},
+    "dflash.decoding": DECODING_API,
+    "dflash.tiny": {"load_tiny_drafter", "load_tiny_target", "load_tiny_tokenizer"},
+    "dflash.training": set(),
+    "dflash.benchmark": set(),
+}
+
+
+@pytest.mark.parametrize("package", sorted(SUBPACKAGE_API))
+def test_subpackage_exports(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert set(module.__all__) == SUBPACKAGE_API[package]
+    for name in module.__all__:
+        assert hasattr(module, name), f"{package}.__all__ names a missing {name}"
+
+
+def test_public_surface_is_minimal():
+    import dflash
+    import dflash.decoding
+
+    assert set(dflash.__all__) == USER_API
+    assert set(dflash.decoding.__all__) == DECODING_API
+    assert not REMOVED & set(dflash.decoding.__all__)
+    for name in REMOVED:
+        assert not hasattr(dflash.decoding, name), f"dflash.decoding.{name} is still exported"
+    for package in (dflash, dflash.decoding):
+        for name in package.__all__:
+            assert hasattr(package, name), f"{package.__name__}.__all__ names a missing {name}"

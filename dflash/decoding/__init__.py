@@ -1,19 +1,19 @@
-"""The decoding layer: the one round (draft + verify over device state), the host loop, its entry points;
-the generate-keyword resolution, streaming, warm-up, the transformers drop-in, and the public drafter
-class (the network plus ``spec_generate``)."""
+"""The decoding layer: the one round (draft + verify over device state), the host loop, and the entry points.
 
-from .entry import ar_generate, ddtree_generate, ddtree_generate_result, dflash_generate
-from .drafter import DFlash2DraftModel, DFlashDraftModel
-from .generate import METHODS, generate, prepare_generation, run_generation
-from .generation_config import GenerationPlan, SamplingSettings, UnsupportedGeneration, resolve_generation
-from .hf import DropIn, apply, is_applied, unapply
-from .options import LoopOptions, check_pair
+Its users outside the layer need: :func:`generate`, :func:`apply` / :func:`unapply` / :func:`is_applied`
+(the transformers drop-in), :func:`stream`, :func:`warmup`, the :class:`GenerationResult` they return,
+:class:`SamplingSettings`, :class:`UnsupportedGeneration` and :func:`check_pair` (a drafter against its
+target, for training). The reference-compatible calls (``spec_generate``, drafter-first
+``ddtree_generate``) are in :mod:`dflash.decoding.compat`; everything else is imported from its module.
+"""
+
+from .generate import generate
+from .generation_config import SamplingSettings, UnsupportedGeneration
+from .hf import apply, is_applied, unapply
+from .options import check_pair
 from .result import GenerationResult
-from .round import Round
-from .streaming import TokenStream, stream
+from .streaming import stream
 from .warmup import warmup
 
-__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DropIn", "GenerationPlan", "GenerationResult", "LoopOptions", "METHODS", "Round",
-           "SamplingSettings", "TokenStream", "UnsupportedGeneration", "apply", "ar_generate", "check_pair",
-           "ddtree_generate", "ddtree_generate_result", "dflash_generate", "generate", "is_applied",
-           "prepare_generation", "resolve_generation", "run_generation", "stream", "unapply", "warmup"]
+__all__ = ["GenerationResult", "SamplingSettings", "UnsupportedGeneration", "apply", "check_pair", "generate",
+           "is_applied", "stream", "unapply", "warmup"]

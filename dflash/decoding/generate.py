@@ -10,8 +10,10 @@ from __future__ import annotations
 from .compiled import check_max_cache_len
 from .generation_config import GenerationPlan, UnsupportedGeneration, resolve_generation
 from .loop import generate_rounds
-from .options import METHODS, LoopOptions, check_draft_window
+from .options import DEFAULTS, METHODS, LoopOptions, check_draft_window
 from .result import GenerationResult
+
+__all__ = ["generate"]
 
 # loop keywords each method takes besides the common ones
 _METHOD_KEYWORDS = {
@@ -22,7 +24,7 @@ _METHOD_KEYWORDS = {
 }
 
 
-def prepare_generation(target, draft, input_ids, *, method: str = "dflash", generation_config=None,
+def prepare_generation(target, draft, input_ids, *, method: str = DEFAULTS.method, generation_config=None,
                        **kwargs) -> GenerationPlan:
     """Check the method and resolve the keywords into a :class:`GenerationPlan`, before any model runs.
 
@@ -43,8 +45,8 @@ def prepare_generation(target, draft, input_ids, *, method: str = "dflash", gene
     return plan
 
 
-def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: str = "dflash",
-                   compile=False, max_cache_len=None) -> GenerationResult:
+def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: str = DEFAULTS.method,
+                   compile=DEFAULTS.compile, max_cache_len=DEFAULTS.max_cache_len) -> GenerationResult:
     """Run ``method``'s loop with a resolved plan (see :func:`prepare_generation`).
 
     ``compile``: False (the round's steps called eagerly: the default), True
@@ -61,9 +63,13 @@ def run_generation(target, draft, input_ids, plan: GenerationPlan, *, method: st
                            max_cache_len=check_max_cache_len(max_cache_len))
 
 
-def generate(target, draft=None, input_ids=None, *, method: str = "dflash", generation_config=None,
-             compile=False, max_cache_len=None, **kwargs) -> GenerationResult:
+def generate(target, draft=None, input_ids=None, *, method: str = DEFAULTS.method, generation_config=None,
+             compile=DEFAULTS.compile, max_cache_len=DEFAULTS.max_cache_len, **kwargs) -> GenerationResult:
     """Generate with ``method`` in ``"ar"``, ``"dflash"``, ``"ddtree"``; returns a :class:`GenerationResult`.
+
+    Every option left unset takes its default from :data:`~dflash.decoding.options.DEFAULTS`, the same for
+    :func:`dflash.apply` and :func:`dflash.stream` (:class:`~dflash.decoding.options.GenerationDefaults`
+    says what each is and why).
 
     ``target``: a HF causal LM (Qwen3, Llama, ...), also as a user holds it: a peft ``PeftModel``, a
     ``torch.compile``-d model, a torchao / bitsandbytes quantized model (``result.head_path`` says how its
@@ -86,7 +92,7 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``eos_token_id`` (int or
     list: stop right after one), ``pad_token_id``, ``stopping_criteria``,
     ``streamer``; plus our own ``stop_token_ids``, ``seed`` (reproducible
-    samples), ``block_size``, ``tree_budget`` (an int, or ``"auto"``: chosen
+    samples), ``block_size``, ``tree_budget`` (an int, default ``2 * (B - 1)``, or ``"auto"``: chosen
     each round among 4 to 64 nodes from this device's measured costs and the
     acceptance seen), ``mask_token_id``,
     ``return_trees``, ``stage_timing``, ``acceptance`` (how a sampled DFlash
@@ -113,8 +119,9 @@ def generate(target, draft=None, input_ids=None, *, method: str = "dflash", gene
     by every later call with the same settings whose prompt + new tokens fit
     their caches; a new round's caches hold the next power of two of rows
     (at least 256) for both sides, or with ``max_cache_len=N`` the rows of
-    ``N`` tokens if more (``"auto"``: on CUDA the target's
-    ``max_position_embeddings``, capped by a quarter of the free memory), so
+    ``N`` tokens if more (``"auto"``, the default: on CUDA the target's
+    ``max_position_embeddings``, capped by a quarter of the free memory;
+    None: nothing reserved beyond the call's rows), so
     a growing sequence of calls compiles once. Eager rounds ignore it.
     Targets that cannot be traced raise
     :class:`~dflash.decoding.compiled.CompileUnsupported`.

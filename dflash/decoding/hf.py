@@ -1,6 +1,6 @@
 """The transformers drop-in: ``dflash.apply(target, draft)`` makes ``target.generate(...)`` speculative.
 
-After ``dflash.apply(target, draft, method="ddtree", tree_budget=64)`` an
+After ``dflash.apply(target, draft)`` (or ``dflash.apply(target, draft, method="ddtree", tree_budget=64)``) an
 unchanged ``target.generate(**inputs, max_new_tokens=..., do_sample=...,
 streamer=..., return_dict_in_generate=...)`` runs our loop, with the keywords
 resolved exactly as transformers resolves them
@@ -17,8 +17,8 @@ the cache are None: requests for them fall back, below).
   with a warning the first time each reason occurs on that target: never a
   wrong answer.
 - **assistant_model**: ``target.generate(assistant_model=draft)`` with our
-  :class:`~dflash.drafter.model.DFlashDraftModel` runs our loop (method
-  ``dflash``, or the method given to ``apply``); any other assistant model goes
+  :class:`~dflash.drafter.model.DFlashDraftModel` runs our loop (the default method, ``dflash``, or the
+  drafting method given to ``apply``); any other assistant model goes
   to transformers' assisted generation. This needs ``apply`` (``draft`` may be
   None then: calls without an assistant go to transformers).
 - **Sampling seeds**: drawn from torch's global generator, so
@@ -36,7 +36,7 @@ the cache are None: requests for them fall back, below).
   compiles once.
 - **Set-up**: what a call spends before its clock starts (compiling and
   capturing a round for new settings or for a call its caches cannot hold, and with
-  ``tree_budget="auto"`` measuring the budgets' costs, once per target, drafter,
+  ``method="ddtree", tree_budget="auto"`` measuring the budgets' costs, once per target, drafter,
   dtypes, device, sampling mode and batch-size bucket, reused at every prompt
   length: :func:`~dflash.decoding.bucket_costs.costs_key`) is never in the call's
   tokens/s. The handle reports it: ``handle.last_setup_seconds`` (the last call
@@ -75,7 +75,7 @@ from ..target.wrappers import unwrap_target
 from .compiled import check_max_cache_len
 from .generate import METHODS, prepare_generation, run_generation
 from .generation_config import UnsupportedGeneration
-from .options import check_acceptance, check_draft_window, check_pair, check_tree_budget
+from .options import DEFAULTS, check_acceptance, check_draft_window, check_pair, check_tree_budget
 
 _STATE = "_dflash_dropin"
 
@@ -134,15 +134,18 @@ def is_applied(target) -> bool:
     return isinstance(target.__dict__.get(_STATE), DropIn)
 
 
-def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto", block_size=None,
-          mask_token_id=None, stage_timing: bool = False, acceptance: Optional[str] = None,
-          compile=False, max_cache_len="auto", draft_window: Optional[int] = None) -> DropIn:
+def apply(target, draft=None, *, method: Optional[str] = None, tree_budget=DEFAULTS.tree_budget,
+          block_size=DEFAULTS.block_size, mask_token_id=DEFAULTS.mask_token_id,
+          stage_timing: bool = DEFAULTS.stage_timing, acceptance: Optional[str] = DEFAULTS.acceptance,
+          compile=DEFAULTS.compile, max_cache_len=DEFAULTS.max_cache_len,
+          draft_window: Optional[int] = DEFAULTS.draft_window) -> DropIn:
     """Make ``target.generate(...)`` run our loop (see the module docstring); returns a :class:`DropIn`.
 
-    ``method``: ``"ddtree"`` (default with a drafter), ``"dflash"`` or ``"ar"``
-    (our plain decoding); with neither a drafter nor a method only
-    ``assistant_model=<DFlashDraftModel>`` calls run our loop;
-    ``tree_budget`` (ddtree; ``"auto"`` by default: chosen each round from
+    Every default is :data:`~dflash.decoding.options.DEFAULTS`'s, as for :func:`dflash.generate`.
+    ``method``: None (with a drafter the default method, ``"dflash"``; with neither a drafter nor a method
+    only ``assistant_model=<DFlashDraftModel>`` calls run our loop), ``"dflash"``, ``"ddtree"`` or
+    ``"ar"`` (our plain decoding);
+    ``tree_budget`` (ddtree; default ``2 * (B - 1)``; ``"auto"``: chosen each round from
     this device's measured costs, :mod:`dflash.decoding.budget_policy`), ``block_size``, ``mask_token_id``, ``acceptance``
     (sampled DFlash chains: ``"rejection"``, the default, or ``"match"``;
     ``"rejection"`` with ddtree is refused here), ``draft_window`` (None: off;
@@ -172,7 +175,7 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
     check_max_cache_len(max_cache_len)
     if draft is not None and not isinstance(draft, DFlashDraftModel):
         raise TypeError(f"draft must be a DFlashDraftModel, got {type(draft).__name__}")
-    chosen = method or ("ddtree" if draft is not None else None)  # None: only assistant_model calls are ours
+    chosen = method or (DEFAULTS.method if draft is not None else None)  # None: only assistant_model calls are ours
     if chosen != "ar" and draft is None and method is not None:
         raise ValueError(f"method {chosen!r} needs a drafter: apply(target, draft, ...)")
     if draft is not None:
@@ -181,8 +184,8 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
             check_pair(adapter, draft)
         finally:
             adapter.close()
-    check_acceptance(acceptance, chosen or "dflash")  # assistant_model calls run DFlash chains
-    check_draft_window(draft_window, chosen or "dflash")
+    check_acceptance(acceptance, chosen or DEFAULTS.method)  # assistant_model calls run the default method
+    check_draft_window(draft_window, chosen or DEFAULTS.method)
     loop_kwargs = dict(stage_timing=stage_timing)
     if draft_window is not None:
         loop_kwargs["draft_window"] = draft_window
@@ -191,7 +194,8 @@ def apply(target, draft=None, *, method: Optional[str] = None, tree_budget="auto
     if block_size is not None:
         loop_kwargs["block_size"] = block_size
     if chosen == "ddtree":
-        loop_kwargs["tree_budget"] = check_tree_budget(tree_budget)
+        if tree_budget is not None:  # None: the loop's default, 2 * (B - 1)
+            loop_kwargs["tree_budget"] = check_tree_budget(tree_budget)
         if mask_token_id is not None:
             loop_kwargs["mask_token_id"] = mask_token_id
     unapply(target)  # applying again replaces the settings: the original generate comes back first
@@ -241,7 +245,7 @@ def _dropin_generate(state: DropIn, original, args, kwargs):
         if not isinstance(assistant, DFlashDraftModel):
             return original(*args, **kwargs)  # transformers' assisted generation
         draft = assistant
-        method = state.method if state.method_given and state.method != "ar" else "dflash"
+        method = state.method if state.method_given and state.method != "ar" else DEFAULTS.method
         if state.draft is not assistant:
             adapter = TargetAdapter(target, draft.target_layer_ids)
             try:

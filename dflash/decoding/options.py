@@ -1,6 +1,8 @@
-"""What one generation is asked to do (:class:`LoopOptions`) and the checks of its inputs.
+"""What one generation is asked to do (:class:`LoopOptions`), the one table of defaults, and the input checks.
 
-Every loop entry point takes its settings as one :class:`LoopOptions`;
+:data:`DEFAULTS` holds every generation option's default; :func:`dflash.generate`, :func:`dflash.apply`,
+:func:`dflash.stream`, :func:`dflash.warmup`, the CLI and :class:`LoopOptions` read it, and none restates a
+value of its own. Every loop takes its settings as one :class:`LoopOptions`;
 :meth:`LoopOptions.resolve` checks them against the target and drafter once,
 before anything runs, with errors that name the setting and what is allowed.
 """
@@ -15,8 +17,8 @@ import torch
 from ..drafter.config import DraftConfigError, validate_target_layer_ids
 from .generation_config import SamplingSettings
 
-__all__ = ["ACCEPTANCE_RULES", "AUTO_BUDGETS", "LoopOptions", "METHODS", "RoundShape", "check_acceptance",
-           "check_draft_window", "check_pair", "check_tree_budget", "prepare_prompts"]
+__all__ = ["ACCEPTANCE_RULES", "AUTO_BUDGETS", "DEFAULTS", "GenerationDefaults", "LoopOptions", "METHODS", "RoundShape", "check_acceptance",
+           "check_draft_window", "check_pair", "check_tree_budget", "default_tree_budget", "prepare_prompts"]
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -29,14 +31,60 @@ ACCEPTANCE_RULES = ("rejection", "match")
 AUTO_BUDGETS = (4, 8, 16, 32, 64)
 
 
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The default of every generation option, the same for every entry point (:data:`DEFAULTS`).
+
+    * ``method="dflash"``: one chain of ``B - 1`` drafts per round, the rounds every DFlash drafter is
+      trained for. Its cost per round is the same on every device, nothing is measured before the first
+      round, and a seeded sampled run draws the same tokens on any machine. ``"ddtree"`` (a tree of drafts
+      per round) is the faster choice on GPUs where a wider verify is almost free, and is opt-in; ``"ar"``
+      is the baseline. With no drafter, ``generate`` / ``stream`` refuse the default method (it needs one)
+      and ``apply`` serves only ``assistant_model=`` calls.
+    * ``tree_budget=None``: ``2 * (B - 1)`` draft nodes per DDTree round (:func:`default_tree_budget`), a
+      fixed tree, so the tokens of a seeded run never depend on timings; ``"auto"`` chooses the budget each
+      round from this device's measured costs (:mod:`dflash.decoding.budget_policy`), at a set-up cost.
+    * ``block_size=None``, ``mask_token_id=None``: the drafter's own.
+    * ``stage_timing=True``: per-stage times in the result. It costs no speed: a stage mark reads the wall
+      clock on the CPU and records a CUDA event on CUDA (nothing waits); the one synchronize comes after the
+      last round (:class:`dflash.decoding.output.StageClock`).
+    * ``acceptance=None``: ``"rejection"`` for a sampled DFlash chain, ``"match"`` otherwise
+      (:func:`check_acceptance`).
+    * ``draft_window=None``: the drafter attends to every committed context row.
+    * ``compile=False``: eager rounds (no set-up); ``True`` compiles them (CUDA graphs on CUDA).
+    * ``max_cache_len="auto"``: what a new compiled round reserves: on CUDA the target's
+      ``max_position_embeddings`` (capped by a quarter of the free memory), so a growing sequence of calls
+      compiles once; nothing beyond the call's own rows on the CPU. Eager rounds ignore it.
+    """
+
+    method: str = "dflash"
+    tree_budget: object = None
+    block_size: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    stage_timing: bool = True
+    acceptance: Optional[str] = None
+    draft_window: Optional[int] = None
+    compile: object = False
+    max_cache_len: object = "auto"
+
+
+#: every generation option's default (:class:`GenerationDefaults`)
+DEFAULTS = GenerationDefaults()
+
+
+def default_tree_budget(block_size: int) -> int:
+    """The DDTree budget of ``tree_budget=None``: ``2 * (B - 1)`` draft nodes, twice a chain's ``B - 1``."""
+    return 2 * (int(block_size) - 1)
+
+
 @dataclass
 class LoopOptions:
     """The settings of one generation (``sampling`` wins over ``temperature`` when given).
 
     ``stopping_criteria(input_ids [1, n], None)`` is asked after every
     committed token; ``streamer`` gets ``put(prompt [1, T])`` first, then each
-    round's committed tokens, then ``end()``. ``block_size`` / ``mask_token_id``
-    default to the drafter's, ``tree_budget`` to ``2 * (B - 1)`` (``"auto"`` or a
+    round's committed tokens, then ``end()``. Defaults are :data:`DEFAULTS`'s:
+    ``block_size`` / ``mask_token_id`` the drafter's, ``tree_budget`` ``2 * (B - 1)`` (``"auto"`` or a
     sequence of ints: the budget is chosen each round among those buckets,
     :mod:`dflash.decoding.budget_policy`);
     ``return_trees`` keeps each DDTree round's tree in ``result.trees``;
@@ -58,18 +106,18 @@ class LoopOptions:
     stopping_criteria: Optional[Callable] = None
     streamer: object = None
     seed: Optional[int] = None
-    block_size: Optional[int] = None
-    tree_budget: object = None
-    mask_token_id: Optional[int] = None
+    block_size: Optional[int] = DEFAULTS.block_size
+    tree_budget: object = DEFAULTS.tree_budget
+    mask_token_id: Optional[int] = DEFAULTS.mask_token_id
     return_trees: bool = False
-    stage_timing: bool = True
-    acceptance: Optional[str] = None
+    stage_timing: bool = DEFAULTS.stage_timing
+    acceptance: Optional[str] = DEFAULTS.acceptance
     attention_mask: object = None
     pad_token_id: Optional[int] = None
     #: rows per prefill pass (``generation_config.prefill_chunk_size``, as transformers chunks its prefill); None:
     #: the whole prompt in one pass
     prefill_chunk_size: Optional[int] = None
-    draft_window: Optional[int] = None
+    draft_window: Optional[int] = DEFAULTS.draft_window
     #: the resolved stop ids (set by :meth:`resolve`)
     stop_ids: set = field(default_factory=set, repr=False)
 
@@ -111,7 +159,7 @@ class LoopOptions:
             raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {vocab_size})")
         budget, buckets = 0, ()
         if method == "ddtree":
-            budget = check_tree_budget(2 * (B - 1) if self.tree_budget is None else self.tree_budget)
+            budget = check_tree_budget(default_tree_budget(B) if self.tree_budget is None else self.tree_budget)
             if not isinstance(budget, int):
                 buckets = budget
                 budget = buckets[-1]

@@ -24,6 +24,8 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from .options import DEFAULTS
+
 _END = object()
 
 
@@ -143,8 +145,9 @@ def _accepts_skip(tokenizer) -> bool:
     return "skip_special_tokens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def stream(target, draft=None, input_ids=None, *, method: str = "dflash", tokenizer=None,
-           skip_special_tokens: bool = True, compile=False, **kwargs) -> TokenStream:
+def stream(target, draft=None, input_ids=None, *, method: str = DEFAULTS.method, tokenizer=None,
+           skip_special_tokens: bool = True, compile=DEFAULTS.compile, max_cache_len=DEFAULTS.max_cache_len,
+           **kwargs) -> TokenStream:
     """Generate like :func:`dflash.generate`, yielding each round's new tokens as the round commits them.
 
     Yields lists of token ids (one list per round; the first holds the token
@@ -152,8 +155,9 @@ def stream(target, draft=None, input_ids=None, *, method: str = "dflash", tokeni
     continuation each round, holding back an incomplete character). Settings
     are resolved and checked before the iterator is returned (bad keywords
     raise here); ``.result`` holds the :class:`GenerationResult` afterwards.
-    ``streamer=`` is not accepted (this is the streamer). ``compile``: as
-    :func:`dflash.generate` (the compiled rounds stream the same way).
+    ``streamer=`` is not accepted (this is the streamer). ``compile``, ``max_cache_len`` and every default
+    (:data:`~dflash.decoding.options.DEFAULTS`): as :func:`dflash.generate` (compiled rounds stream the
+    same way).
     """
     from .generate import prepare_generation, run_generation
 
@@ -163,6 +167,7 @@ def stream(target, draft=None, input_ids=None, *, method: str = "dflash", tokeni
 
     def run(streamer):
         plan.streamer = streamer
-        return run_generation(target, draft, input_ids, plan, method=method, compile=compile)
+        return run_generation(target, draft, input_ids, plan, method=method, compile=compile,
+                              max_cache_len=max_cache_len)
 
     return TokenStream(run, tokenizer=tokenizer, skip_special_tokens=skip_special_tokens)

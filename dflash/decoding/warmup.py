@@ -48,7 +48,7 @@ from ..target import adapter as _adapter_module
 from ..target.attention import KERNEL_MAX_HEAD_DIM
 from ..target.families import config_value
 from .generate import generate
-from .options import check_tree_budget
+from .options import DEFAULTS, check_tree_budget, default_tree_budget
 from .round import tree_branching
 
 
@@ -142,7 +142,7 @@ def tree_rows(block_size: int, tree_budget: int, vocab: int, draft=None) -> int:
 def verify_tree_rows(block_size: int, tree_budget, vocab: int, draft=None) -> List[int]:
     """The token counts of every DDTree verify pass of these settings: one (:func:`tree_rows`), or, for a budget
     chosen per round (``"auto"`` or a list), one per bucket, whose trees branch as the largest's."""
-    budget = check_tree_budget(tree_budget if tree_budget is not None else 2 * (block_size - 1))
+    budget = check_tree_budget(tree_budget if tree_budget is not None else default_tree_budget(block_size))
     if isinstance(budget, int):
         return [tree_rows(block_size, budget, vocab, draft)]
     k = tree_branching(draft, budget[-1], vocab)
@@ -150,9 +150,9 @@ def verify_tree_rows(block_size: int, tree_budget, vocab: int, draft=None) -> Li
 
 
 @torch.inference_mode()
-def warmup(target, draft=None, *, method: str = "dflash", block_size: Optional[int] = None,
-           tree_budget=None, temperature: float = 0.0, max_prompt_len: int = 2048,
-           draft_window: Optional[int] = None) -> None:
+def warmup(target, draft=None, *, method: str = DEFAULTS.method, block_size: Optional[int] = DEFAULTS.block_size,
+           tree_budget=DEFAULTS.tree_budget, temperature: float = 0.0, max_prompt_len: int = 2048,
+           draft_window: Optional[int] = DEFAULTS.draft_window) -> None:
     """Launch every kernel variant ``generate(target, draft, method=..., ...)`` with these settings uses.
 
     ``draft_window``: the generations' drafter window (a window is a variant of the drafter's attention).

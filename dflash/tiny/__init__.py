@@ -4,6 +4,6 @@ target pretraining (:mod:`.pretrain`), loaders of the shipped weights (:mod:`.mo
 ``from dflash.tiny import load_tiny_target, load_tiny_tokenizer, load_tiny_drafter`` loads them offline.
 """
 
-from .models import TINY_DRAFTER_DIR, TINY_TARGET_DIR, load_tiny_drafter, load_tiny_target, load_tiny_tokenizer
+from .models import load_tiny_drafter, load_tiny_target, load_tiny_tokenizer
 
-__all__ = ["TINY_TARGET_DIR", "TINY_DRAFTER_DIR", "load_tiny_target", "load_tiny_tokenizer", "load_tiny_drafter"]
+__all__ = ["load_tiny_drafter", "load_tiny_target", "load_tiny_tokenizer"]

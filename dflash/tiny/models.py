@@ -60,7 +60,7 @@ def load_tiny_drafter(dtype: torch.dtype = torch.float32, device: str | torch.de
     ``dflash/assets/tiny/drafter/train_log.json`` holds the command and its
     measured tau. ``dtype`` is the compute dtype (the file stores bf16).
     """
-    from ..decoding.drafter import DFlashDraftModel
+    from ..drafter.model import DFlashDraftModel
 
     directory = Path(path) if path is not None else TINY_DRAFTER_DIR
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():

@@ -19,7 +19,7 @@ from typing import Tuple
 
 import torch
 
-from ..decoding.drafter import DFlashDraftModel
+from ..drafter.model import DFlashDraftModel
 from .tokenizer import ByteTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "tiny"

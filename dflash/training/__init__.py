@@ -5,3 +5,5 @@
 :mod:`.evaluation` (tau), :mod:`.checkpointing` (gradient checkpointing), :mod:`.distributed` (torchrun,
 DDP, FSDP2, reductions), :mod:`.state` (safetensors + JSON training state), :mod:`.loop` (the trainer),
 :mod:`.train` (``python -m dflash train``)."""
+
+__all__: list = []  # nothing re-exported: each job is reached through its own module
