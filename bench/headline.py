@@ -76,11 +76,14 @@ ready for the README's "On an H200 / H100" section.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -315,6 +318,8 @@ def measure(row: Row, device, clock: Clock, dry_run: bool) -> dict:
     if res is not None and row.method != "ar":
         rounds = max(len(res.acceptance_lengths), 1)
         out.update(tau=sum(res.acceptance_lengths) / rounds, rounds=len(res.acceptance_lengths))
+        if res.tree_sizes:
+            out["tree_sizes_mode"] = collections.Counter(res.tree_sizes).most_common(1)[0][0]
         if res.draft_time or res.verify_time:
             out["draft_verify_s_per_round"] = (res.draft_time + res.verify_time) / rounds
     elif row.method == "ar":
@@ -333,46 +338,53 @@ def reference_sources(ref_src: str) -> dict:
             "ddtree": ddtree if (ddtree / "ddtree.py").is_file() else None}
 
 
-def reference_rows(sources: dict, setup: dict, clock: Clock, device) -> list:
-    """The reference rows of one (prompt, tau): each in a ``bench/headline_refs.py`` process of its own."""
+def reference_rows(sources: dict, setup: dict, clock: Clock, workdir: Path) -> list:
+    """The reference rows of one (prompt, tau): each in a ``bench/headline_refs.py`` process of its own.
+
+    ``setup``: what headline_refs.py reads (its docstring); written to ``workdir``."""
     rows = []
     for impl, src in sources.items():
-        name = REF_IMPLS[impl]
-        method = "dflash" if impl == "zlab" else "ddtree"
-        out = dict(row=name, method=method, kind="reference")
+        out = dict(row=REF_IMPLS[impl], method="dflash" if impl == "zlab" else "ddtree", kind="reference")
+        rows.append(out)
         if src is None:
             out["state"] = "not carried"
-            rows.append(out)
             continue
         budget = clock.row_budget()
         if budget < clock.min_row_s:
             out["state"] = f"skipped (no time: {max(budget, 0):.0f} s left)"
-            rows.append(out)
             continue
-        import json
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="headline_ref_") as tmp:
-            spec = Path(tmp) / "setup.pt"
-            torch.save(setup, spec)
-            result = Path(tmp) / "result.json"
-            cmd = [sys.executable, str(HERE / "headline_refs.py"), impl, "--src", str(Path(src).resolve()),
-                   "--setup", str(spec), "--out", str(result)]
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            try:
-                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=budget)
-            except subprocess.TimeoutExpired:
-                out["state"] = f"skipped (over its {budget:.0f} s guard)"
-                rows.append(out)
-                continue
-            if proc.returncode != 0 or not result.is_file():
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-                out["state"] = f"failed (exit {proc.returncode}): {tail[0][:200]}"
-                rows.append(out)
-                continue
-            out.update(json.loads(result.read_text()))
-        rows.append(out)
+        spec, result = workdir / "setup.pt", workdir / f"{impl}.json"
+        result.unlink(missing_ok=True)
+        torch.save(setup, spec)
+        cmd = [sys.executable, str(HERE / "headline_refs.py"), impl, "--src", str(Path(src).resolve()),
+               "--setup", str(spec), "--out", str(result)]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        try:
+            proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
+                                  timeout=None if budget == float("inf") else budget)
+        except subprocess.TimeoutExpired:
+            out["state"] = f"skipped (over its {budget:.0f} s guard)"
+            continue
+        if proc.returncode != 0 or not result.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+            out["state"] = f"failed (exit {proc.returncode}): {tail[0][:200]}"
+            continue
+        out.update(json.loads(result.read_text()))
     return rows
+
+
+def reference_setup(target, draft, prompt, reference_text, n, tree_budget, args, device, workdir: Path) -> dict:
+    """What headline_refs.py needs for one (prompt, tau); the drafter is saved in z-lab's format once."""
+    drafter = workdir / "drafter_zlab"
+    if not drafter.is_dir():
+        draft.save_pretrained(drafter, format="zlab")
+    with torch.no_grad():
+        checksum = float(sum(p.detach().double().sum() for p in (
+            target.lm_head.weight, target.model.layers[0].mlp.up_proj.weight,
+            target.model.layers[-1].self_attn.o_proj.weight)))
+    return dict(shape=TINY if args.tiny else QWEN3_8B, layers=args.layers, dtype=args.dtype, device=str(device),
+                prompt=prompt.cpu(), new_tokens=n, table=draft.table.cpu(), drafter=str(drafter),
+                tree_budget=tree_budget, checksum=checksum, reference=reference_text.cpu())
 
 
 # ------------------------------------------------------------------ the greedy check and the limit
@@ -474,57 +486,64 @@ def main(argv=None) -> int:
         report["weights_gib"] = torch.cuda.memory_allocated(device) / GIB
     failed = []
     gen = torch.Generator().manual_seed(0)
-    for plen in args.prompt_lens:
-        prompt = torch.randint(0, shape["vocab_size"], (plen,), generator=gen).to(device)
-        n = args.new_tokens
-        ar_rows = [hf_row("transformers AR, eager", target, prompt, n, static=False)]
-        if args.compiled:
-            ar_rows.append(hf_row("transformers AR, static cache + torch.compile", target, prompt, n, static=True))
-        ar_rows.append(ours_row("ours ar, eager", target, None, prompt, "ar", n, compile=False))
-        if args.compiled:
-            ar_rows.append(ours_row("ours ar, compiled", target, None, prompt, "ar", n, compile=True))
-        ar_results = []
-        for row in ar_rows:
-            ar_results.append(measure(row, device, clock, args.dry_run))
-            write_json(path, report)
-        greedy = ar_results[0].get("tokens")
-        if greedy is None:
-            report["groups"].append(dict(prompt_len=plen, tau=None, rows=ar_results,
-                                         note="the transformers AR eager row did not finish: no greedy text"))
-            write_json(path, report)
-            continue
-        t_ar = next((r["ar_step_s"] for r in ar_results if "ar_step_s" in r), None)
-        for r in ar_results:
-            greedy_check(target, prompt, greedy, r)
-        add_limits(ar_results, t_ar)
-        report["groups"].append(dict(prompt_len=plen, tau=None, ar_step_s=t_ar, rows=ar_results))
-        write_json(path, report)
-        reference = torch.cat([prompt, torch.tensor(greedy, device=device)])
-        draft = build_drafter(target, shape, args.layers, args.draft_layers, args.block, dtype, device)
-        for tau in args.taus:
-            p = p_for_tau(tau, args.block)
-            draft.steer(reference, p)
-            group = dict(prompt_len=plen, tau=tau, p_right=p, ar_step_s=t_ar, rows=[])
-            report["groups"].append(group)
-            rows = [ours_row("ours dflash, eager", target, draft, prompt, "dflash", n, compile=False),
-                    ours_row("ours ddtree (auto), eager", target, draft, prompt, "ddtree", n, compile=False),
-                    dropin_row("drop-in (apply + generate), eager", target, draft, prompt, n, compile=False)]
+    with tempfile.TemporaryDirectory(prefix="headline_") as tmp:
+        for plen in args.prompt_lens:
+            workdir = Path(tmp) / f"prompt{plen}"
+            workdir.mkdir()
+            prompt = torch.randint(0, shape["vocab_size"], (plen,), generator=gen).to(device)
+            n = args.new_tokens
+            ar_rows = [hf_row("transformers AR, eager", target, prompt, n, static=False)]
             if args.compiled:
-                rows += [ours_row("ours dflash, compiled", target, draft, prompt, "dflash", n, compile=True),
-                         ours_row("ours ddtree (auto), compiled", target, draft, prompt, "ddtree", n, compile=True),
-                         dropin_row("drop-in (apply + generate), compiled", target, draft, prompt, n, compile=True)]
-            for row in rows:
-                group["rows"].append(measure(row, device, clock, args.dry_run))
+                ar_rows.append(hf_row("transformers AR, static cache + torch.compile", target, prompt, n, static=True))
+            ar_rows.append(ours_row("ours ar, eager", target, None, prompt, "ar", n, compile=False))
+            if args.compiled:
+                ar_rows.append(ours_row("ours ar, compiled", target, None, prompt, "ar", n, compile=True))
+            ar_results = []
+            for row in ar_rows:
+                ar_results.append(measure(row, device, clock, args.dry_run))
                 write_json(path, report)
-            setup = dict(shape=shape, layers=args.layers, draft_layers=args.draft_layers, block=args.block,
-                         dtype=args.dtype, device=str(device), prompt=prompt.cpu(), reference=reference.cpu(),
-                         p_right=p, new_tokens=n)
-            group["rows"] += reference_rows(sources, setup, clock, device)
-            for r in group["rows"]:
+            greedy = ar_results[0].get("tokens")
+            if greedy is None:
+                report["groups"].append(dict(prompt_len=plen, tau=None, rows=ar_results,
+                                             note="the transformers AR eager row did not finish: no greedy text"))
+                write_json(path, report)
+                continue
+            t_ar = next((r["ar_step_s"] for r in ar_results if "ar_step_s" in r), None)
+            for r in ar_results:
                 greedy_check(target, prompt, greedy, r)
-            group["draft_verify_s_per_round"] = add_limits(group["rows"], t_ar)
+            add_limits(ar_results, t_ar)
+            report["groups"].append(dict(prompt_len=plen, tau=None, ar_step_s=t_ar, rows=ar_results))
             write_json(path, report)
-        del draft
+            reference = torch.cat([prompt, torch.tensor(greedy, device=device)])
+            draft = build_drafter(target, shape, args.layers, args.draft_layers, args.block, dtype, device)
+            for tau in args.taus:
+                p = p_for_tau(tau, args.block)
+                draft.steer(reference, p)
+                group = dict(prompt_len=plen, tau=tau, p_right=p, ar_step_s=t_ar, rows=[])
+                report["groups"].append(group)
+                rows = [ours_row("ours dflash, eager", target, draft, prompt, "dflash", n, compile=False),
+                        ours_row("ours ddtree (auto), eager", target, draft, prompt, "ddtree", n, compile=False),
+                        dropin_row("drop-in (apply + generate), eager", target, draft, prompt, n, compile=False)]
+                if args.compiled:
+                    rows += [ours_row("ours dflash, compiled", target, draft, prompt, "dflash", n, compile=True),
+                             ours_row("ours ddtree (auto), compiled", target, draft, prompt, "ddtree", n, compile=True),
+                             dropin_row("drop-in (apply + generate), compiled", target, draft, prompt, n, compile=True)]
+                for row in rows:
+                    group["rows"].append(measure(row, device, clock, args.dry_run))
+                    write_json(path, report)
+                if any(sources.values()):  # the DDTree reference's fixed budget: the one our auto chose most
+                    sizes = collections.Counter(r.get("tree_sizes_mode") for r in group["rows"]
+                                                if r["row"] == "ours ddtree (auto), eager")
+                    budget = next((b for b, _ in sizes.most_common() if b), 32)
+                    setup = reference_setup(target, draft, prompt, reference, n, budget, args, device, workdir)
+                    group["rows"] += reference_rows(sources, setup, clock, workdir)
+                else:
+                    group["rows"] += reference_rows(sources, {}, clock, workdir)
+                for r in group["rows"]:
+                    greedy_check(target, prompt, greedy, r)
+                group["draft_verify_s_per_round"] = add_limits(group["rows"], t_ar)
+                write_json(path, report)
+            del draft
     for group in report["groups"]:
         for r in group["rows"]:
             if r.get("greedy") == "differs":
