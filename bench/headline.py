@@ -1,8 +1,9 @@
 """The headline table: tokens/s of every way to decode a Qwen3-8B-shaped target, and how close each comes to its limit.
 
-Run on a GPU machine: ``python bench/headline.py --full`` (the whole table, a lease of its own: about 8
-minutes on an H100), or as ``bench/gpu_check.sh``'s ``headline`` step (the scaled-down default below). On a CPU
-(tests): ``python bench/headline.py --dry-run`` (tiny fp32 shapes: a check of the script, not of speed).
+Run on a GPU machine as ``bench/gpu_check.sh``'s ``headline`` step (the scaled-down default below), or
+``python bench/headline.py --full --prompt-lens 512`` (then ``4096``) for the whole table, each on a lease of its
+own. On a CPU (tests): ``python bench/headline.py --dry-run`` (tiny fp32 shapes: a check of the script, not of
+speed).
 
 **Pair.** The target is a ``Qwen3ForCausalLM`` with random weights built on the device
 (``gpu_round_latency.build_target``) at Qwen3-8B shapes: 36 layers, hidden 4096, 32 query / 8 KV heads of
@@ -15,7 +16,7 @@ wrong token first and the right one a close second), precomputed once per prompt
 greedy text and read by index (no host read, nothing to trace but an ``index_select``). A chain of ``B - 1``
 drafts whose positions are each right with probability ``p`` commits on average
 ``tau(p) = 1 + p + p^2 + ... + p^(B-1)`` tokens per round; ``p`` is solved from each asked ``--taus`` value
-(3, 6, 9: ``p`` = 0.672, 0.852, 0.917 at ``B = 16``). A tree also catches the right second choices, so
+(3, 6, 9: ``p`` = 0.667, 0.844, 0.916 at ``B = 16``). A tree also catches the right second choices, so
 ``ddtree``'s measured tau is higher than the chain's at the same ``p``. In bf16 a verify of 16 rows may
 round a near-tie of the random target's flat logits differently from a 1-token decode step: the output
 then leaves the greedy text (reported below with its margin, never hidden) and the steered drafter, still
@@ -30,10 +31,12 @@ steered to the greedy text, stops being accepted from there.
   ``compile=True`` (torch.compile + CUDA graphs, compiled in an untimed warm-up call);
 * the drop-in: ``with dflash.apply(target, draft, compile=...): target.generate(...)`` (DDTree, auto
   budget), eager and compiled;
-* z-lab's ``dflash_generate`` and the DDTree reference's ``ddtree_generate``, run by
-  ``bench/headline_refs.py`` in a process of their own from the carried sources ``--ref-src``/zlab
-  (z-lab's ``dflash/`` package folder) and ``--ref-src``/ddtree (a checkout of the DDTree code), on the same
-  target and steered drafter: present when carried, else the row reads "not carried" (never a failure).
+* z-lab's ``dflash_generate`` and the DDTree reference's ``ddtree_generate`` (its fixed budget: the one our
+  auto budget chose most often at that tau), run by ``bench/headline_refs.py`` (one process per reference and
+  prompt length, every tau in it) from the carried sources ``--ref-src``/zlab (z-lab's ``dflash/`` package
+  folder) and ``--ref-src``/ddtree (a checkout of the DDTree code), on the same target (rebuilt from its seed)
+  and our drafter's weights in z-lab's format, steered to the same states: present when carried, else the row
+  reads "not carried"; a reference that fails reads "failed: ..." (never a failed step).
 
 The AR rows do not depend on ``p``: they run once per prompt length; the speculative rows once per tau.
 Every row first runs once untimed (a short eager call: Triton's first launches, the auto budget's cost
@@ -62,12 +65,16 @@ runs under a ``SIGALRM`` guard of the time left (and at most ``--row-timeout-s``
 stopped and reported as "skipped (over its N s guard)", the step carries on and passes. The JSON is
 rewritten after every row.
 
-**Default vs full.** The GPU check's budget (540 s for every step) leaves this step 30 s, in which the
-36-layer target's build, its first Triton launches and about five rows fit: the default is one prompt of
-512 tokens, 64 new tokens, tau 6, the eager rows (transformers AR, ours ar / dflash / ddtree, the drop-in)
-and the references when carried. ``--full`` (``GPU_CHECK_HEADLINE=full`` in the GPU check, run alone:
-``GPU_CHECK_STEPS=headline``, about 530 s granted) is the whole table: prompts of 512 and 4096 tokens, 256
-new tokens, tau 3, 6 and 9, every row eager and compiled.
+**Default vs full.** The GPU check's 540 s were all planned before this step; it takes 25 s from the steps
+with the most room over their measured times and runs on what probe, build and kernels leave too (about 35 s
+in all). That fits the 36-layer target's build, the first Triton launches and the eager rows of one small
+case, so the default is one prompt of 512 tokens, 64 new tokens, tau 6, the eager rows (transformers AR, ours
+ar / dflash / ddtree, the drop-in) and the references when carried; a row that does not fit is skipped by its
+guard. ``--full`` is the whole table: prompts of 512 and 4096 tokens, 256 new tokens, tau 3, 6 and 9, every
+row eager and compiled (each compiled row's first call compiles: tens of seconds at 36 layers). It does not
+fit one 540 s run: run it one prompt length at a time, each alone (``GPU_CHECK_STEPS=headline
+GPU_CHECK_HEADLINE_ARGS="--full --prompt-lens 512"``: about 530 s granted), the guards skipping what still
+does not fit.
 
 Output: ``--json`` (else ``$OUT/headline.json``) and ``--markdown`` (else ``$OUT/headline.md``): the table
 ready for the README's "On an H200 / H100" section.
@@ -92,8 +99,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_auto_budget import SteeredDraft  # noqa: E402
-from gpu_common import add_dry_run, apply_dry_run, cuda_name, default_json, fail_without_cuda, skipped, write_json  # noqa: E402
+from gpu_common import (add_dry_run, apply_dry_run, cuda_name, default_json, fail_without_cuda, skipped,  # noqa: E402
+                        write_json)
 from gpu_round_latency import QWEN3_8B, TINY, build_target  # noqa: E402
+from headline_refs import checksum  # noqa: E402
 
 import dflash  # noqa: E402
 from dflash.benchmark.arguments import int_list  # noqa: E402
@@ -338,20 +347,25 @@ def reference_sources(ref_src: str) -> dict:
             "ddtree": ddtree if (ddtree / "ddtree.py").is_file() else None}
 
 
-def reference_rows(sources: dict, setup: dict, clock: Clock, workdir: Path) -> list:
-    """The reference rows of one (prompt, tau): each in a ``bench/headline_refs.py`` process of its own.
-
-    ``setup``: what headline_refs.py reads (its docstring); written to ``workdir``."""
-    rows = []
+def reference_rows(sources: dict, setup: dict, clock: Clock, workdir: Path) -> dict:
+    """impl -> its rows, one per tau of ``setup["taus"]``: each implementation in one ``bench/headline_refs.py``
+    process (its imports and its target's build paid once per prompt length), which rewrites its results after
+    every tau; a process stopped by the guard keeps the taus it finished. ``setup``: what headline_refs.py reads
+    (its docstring), written to ``workdir``."""
+    taus = setup["taus"]
+    out = {}
     for impl, src in sources.items():
-        out = dict(row=REF_IMPLS[impl], method="dflash" if impl == "zlab" else "ddtree", kind="reference")
-        rows.append(out)
+        rows = [dict(row=REF_IMPLS[impl], method="dflash" if impl == "zlab" else "ddtree", kind="reference")
+                for _ in taus]
+        out[impl] = rows
         if src is None:
-            out["state"] = "not carried"
+            for r in rows:
+                r["state"] = "not carried"
             continue
         budget = clock.row_budget()
         if budget < clock.min_row_s:
-            out["state"] = f"skipped (no time: {max(budget, 0):.0f} s left)"
+            for r in rows:
+                r["state"] = f"skipped (no time: {max(budget, 0):.0f} s left)"
             continue
         spec, result = workdir / "setup.pt", workdir / f"{impl}.json"
         result.unlink(missing_ok=True)
@@ -359,32 +373,33 @@ def reference_rows(sources: dict, setup: dict, clock: Clock, workdir: Path) -> l
         cmd = [sys.executable, str(HERE / "headline_refs.py"), impl, "--src", str(Path(src).resolve()),
                "--setup", str(spec), "--out", str(result)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        why = None
         try:
             proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
                                   timeout=None if budget == float("inf") else budget)
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+                why = f"failed (exit {proc.returncode}): {tail[0][:200]}"
         except subprocess.TimeoutExpired:
-            out["state"] = f"skipped (over its {budget:.0f} s guard)"
-            continue
-        if proc.returncode != 0 or not result.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-            out["state"] = f"failed (exit {proc.returncode}): {tail[0][:200]}"
-            continue
-        out.update(json.loads(result.read_text()))
-    return rows
+            why = f"skipped (over its {budget:.0f} s guard)"
+        done = json.loads(result.read_text()) if result.is_file() else []
+        for r, res in zip(rows, done + [None] * (len(rows) - len(done))):
+            if res is not None:
+                r.update(res)
+            else:
+                r["state"] = why or "failed: no result"
+    return out
 
 
-def reference_setup(target, draft, prompt, reference_text, n, tree_budget, args, device, workdir: Path) -> dict:
-    """What headline_refs.py needs for one (prompt, tau); the drafter is saved in z-lab's format once."""
+def reference_setup(target, draft, prompt, reference_text, n, tables, tree_budgets, taus, args, device,
+                    workdir: Path) -> dict:
+    """What headline_refs.py needs for one prompt (every tau's steered table); the drafter in z-lab's format."""
     drafter = workdir / "drafter_zlab"
     if not drafter.is_dir():
         draft.save_pretrained(drafter, format="zlab")
-    with torch.no_grad():
-        checksum = float(sum(p.detach().double().sum() for p in (
-            target.lm_head.weight, target.model.layers[0].mlp.up_proj.weight,
-            target.model.layers[-1].self_attn.o_proj.weight)))
     return dict(shape=TINY if args.tiny else QWEN3_8B, layers=args.layers, dtype=args.dtype, device=str(device),
-                prompt=prompt.cpu(), new_tokens=n, table=draft.table.cpu(), drafter=str(drafter),
-                tree_budget=tree_budget, checksum=checksum, reference=reference_text.cpu())
+                prompt=prompt.cpu(), new_tokens=n, tables=tables, drafter=str(drafter), taus=taus,
+                tree_budgets=tree_budgets, checksum=checksum(target), reference=reference_text.cpu())
 
 
 # ------------------------------------------------------------------ the greedy check and the limit
@@ -516,6 +531,7 @@ def main(argv=None) -> int:
             write_json(path, report)
             reference = torch.cat([prompt, torch.tensor(greedy, device=device)])
             draft = build_drafter(target, shape, args.layers, args.draft_layers, args.block, dtype, device)
+            tables, tree_budgets = [], []
             for tau in args.taus:
                 p = p_for_tau(tau, args.block)
                 draft.steer(reference, p)
@@ -531,18 +547,22 @@ def main(argv=None) -> int:
                 for row in rows:
                     group["rows"].append(measure(row, device, clock, args.dry_run))
                     write_json(path, report)
-                if any(sources.values()):  # the DDTree reference's fixed budget: the one our auto chose most
-                    sizes = collections.Counter(r.get("tree_sizes_mode") for r in group["rows"]
-                                                if r["row"] == "ours ddtree (auto), eager")
-                    budget = next((b for b, _ in sizes.most_common() if b), 32)
-                    setup = reference_setup(target, draft, prompt, reference, n, budget, args, device, workdir)
-                    group["rows"] += reference_rows(sources, setup, clock, workdir)
-                else:
-                    group["rows"] += reference_rows(sources, {}, clock, workdir)
+                if any(sources.values()):
+                    tables.append(draft.table.cpu().clone())
+                    # the DDTree reference's fixed budget: the one our auto chose most often
+                    sizes = [r.get("tree_sizes_mode") for r in group["rows"] if r["row"] == "ours ddtree (auto), eager"]
+                    tree_budgets.append(next((b for b in sizes if b), 32))
+            groups = [g for g in report["groups"] if g["prompt_len"] == plen and g["tau"] is not None]
+            setup = (reference_setup(target, draft, prompt, reference, n, tables, tree_budgets, args.taus, args,
+                                     device, workdir) if any(sources.values()) else dict(taus=args.taus))
+            for impl, rows in reference_rows(sources, setup, clock, workdir).items():
+                for group, r in zip(groups, rows):
+                    group["rows"].append(r)
+            for group in groups:
                 for r in group["rows"]:
                     greedy_check(target, prompt, greedy, r)
                 group["draft_verify_s_per_round"] = add_limits(group["rows"], t_ar)
-                write_json(path, report)
+            write_json(path, report)
             del draft
     for group in report["groups"]:
         for r in group["rows"]:
@@ -600,7 +620,8 @@ def render(report: dict) -> str:
                 greedy = (f"**differs** at new token {d['new_token']}: margin {_num(d['logit_margin'], '.3g')}, "
                           f"top-2 gap {_num(d['top2_gap'], '.3g')}")
             lines.append(f"| {group['prompt_len']} | {tau_asked} | {r['row']} | {r['tokens_per_s']:.1f} | {vs} | "
-                         f"{_num(r.get('tau'), '.2f')} | {limit} | {of} | {_num(r.get('peak_gib'), '.2f')} | {greedy} |")
+                         f"{_num(r.get('tau'), '.2f')} | {limit} | {of} | {_num(r.get('peak_gib'), '.2f')} | "
+                         f"{greedy} |")
     lines += ["", "limit: tau / (draft + verify seconds per round of our eager row of the same method), x AR: "
               "tau * t_AR / t_round; of limit: tokens/s over the limit at the row's own tau; peak: "
               "torch.cuda.max_memory_allocated over the timed call, weights included"]

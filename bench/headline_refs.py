@@ -9,16 +9,17 @@ transformers only) and ``reference_worker.py`` (the DDTree code's stand-ins) by 
     python bench/headline_refs.py ddtree --src runs/refsrc/ddtree --setup setup.pt --out result.json
 
 ``setup.pt`` (``torch.save`` of a dict): ``shape``, ``layers``, ``dtype``, ``device``, ``prompt [P]``,
-``new_tokens``, ``table [R, H]`` (the steered block states by position, bench/headline.py's
-``CostedSteeredDraft.table``), ``drafter`` (our drafter converted to z-lab's format, a directory),
-``tree_budget`` (the DDTree reference's fixed budget) and ``checksum`` (of the target's weights). The target is
+``new_tokens``, ``taus``, per tau ``tables [R, H]`` (the steered block states by position, bench/headline.py's
+``CostedSteeredDraft.table``) and ``tree_budgets`` (the DDTree reference's fixed budget), ``drafter`` (our
+drafter in z-lab's format, a directory) and ``checksum`` (of the target's weights). The target is
 rebuilt here with ``build_target``'s seed (the same weights on the same device: the checksum must match, else
 exit 3); the reference's drafter is loaded from ``drafter`` and its forward wrapped: its real output
 ``[b, T, H]`` is computed (its cost is paid), then its last ``T`` rows are replaced by ``table[position_ids]``
 (``+ 0 * output``), the states our steered drafter gives at the same positions, so both loops see the same
-drafts. One untimed warm-up call, then one timed call (synchronized ``perf_counter``, CUDA peak memory reset
-before it). ``result.json``: ``tokens``, ``new_tokens``, ``wall_s``, ``tokens_per_s``, ``tau``, ``rounds``,
-``peak_gib``, ``peak_above_start_gib``, ``source``.
+drafts. Per tau: one untimed warm-up call, then one timed call (synchronized ``perf_counter``, CUDA peak memory
+reset before it). ``result.json``, rewritten after each tau: a list, per tau done, of ``tokens``,
+``new_tokens``, ``wall_s``, ``tokens_per_s``, ``tau``, ``rounds``, ``peak_gib``, ``peak_above_start_gib``,
+``source``, ``tree_budget``.
 """
 
 from __future__ import annotations
@@ -41,16 +42,19 @@ def load(name: str):
 
 
 def checksum(model) -> float:
-    """Sum of a few weights in fp64: the same build gives the same number."""
+    """Sum of a few of the target's weights in fp64: the same build on the same device gives the same number
+    (bench/headline.py sends it, this process checks it)."""
     import torch
 
     with torch.no_grad():
-        return float(sum(p.detach().double().sum() for p in (model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight,
-                                                          model.model.layers[-1].self_attn.o_proj.weight)))
+        weights = (model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight,
+                   model.model.layers[-1].self_attn.o_proj.weight)
+        return float(sum(p.detach().double().sum() for p in weights))
 
 
-def steer(draft, table):
-    """Wrap ``draft.forward``: its output's last rows become ``table[position_ids]`` (module docstring)."""
+def steer(draft, steered: dict):
+    """Wrap ``draft.forward``: its output's last rows become ``steered["table"][position_ids]`` (module
+    docstring)."""
     real_forward = draft.forward
 
     def forward(*args, **kwargs):
@@ -59,7 +63,7 @@ def steer(draft, table):
         if positions is None or not hasattr(out, "shape") or out.dim() != 3:
             raise TypeError("the reference drafter's forward was not called as expected (position_ids=..., "
                             f"returning [b, T, H]); got {type(out).__name__}")
-        T = out.shape[1]
+        T, table = out.shape[1], steered["table"]
         rows = positions[:, -T:].clamp(max=table.shape[0] - 1)
         return table[rows].to(out.dtype) + out * 0
 
@@ -101,36 +105,43 @@ def main(argv=None) -> int:
         print("the rebuilt target's weights differ from bench/headline.py's", file=sys.stderr)
         return 3
     draft = DFlashDraftModel.from_pretrained(setup["drafter"], dtype=dtype, attn_implementation="sdpa")
-    draft = steer(draft.to(device).eval(), setup["table"].to(device))
+    steered = {"table": None}
+    draft = steer(draft.to(device).eval(), steered)
     prompt = setup["prompt"].to(device)[None]
     n = setup["new_tokens"]
+    results = []
+    for table, tree_budget in zip(setup["tables"], setup["tree_budgets"]):
+        steered["table"] = table.to(device)
 
-    def call():
-        if args.impl == "zlab":
-            return module.dflash_generate(draft, target, prompt, n, None, temperature=0.0, return_stats=True)
-        return module.ddtree_generate(draft, target, prompt, mask_token_id=draft.mask_token_id, max_new_tokens=n,
-                                      block_size=draft.block_size, stop_token_ids=None, temperature=0.0,
-                                      tree_budget=int(setup["tree_budget"]))
+        def call():
+            if args.impl == "zlab":
+                return module.dflash_generate(draft, target, prompt, n, None, temperature=0.0, return_stats=True)
+            return module.ddtree_generate(draft, target, prompt, mask_token_id=draft.mask_token_id,
+                                          max_new_tokens=n, block_size=draft.block_size, stop_token_ids=None,
+                                          temperature=0.0, tree_budget=int(tree_budget))
 
-    call()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    t0 = time.perf_counter()
-    res = call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    wall = time.perf_counter() - t0
-    tokens = res.output_ids[0, prompt.shape[1]:].tolist()[:n]
-    rounds = [int(a) for a in res.acceptance_lengths]
-    out = dict(state="ok", tokens=tokens, new_tokens=len(tokens), wall_s=wall, tokens_per_s=len(tokens) / wall,
-               tau=sum(rounds) / max(len(rounds), 1), rounds=len(rounds), source=src, peak_gib=None,
-               peak_above_start_gib=None, tree_budget=int(setup["tree_budget"]) if args.impl == "ddtree" else None)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        out.update(peak_gib=peak / 2 ** 30, peak_above_start_gib=(peak - base) / 2 ** 30)
-    Path(args.out).write_text(json.dumps(out))
+        call()  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        res = call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        tokens = res.output_ids[0, prompt.shape[1]:].tolist()[:n]
+        rounds = [int(a) for a in res.acceptance_lengths]
+        out = dict(state="ok", tokens=tokens, new_tokens=len(tokens), wall_s=wall, tokens_per_s=len(tokens) / wall,
+                   tau=sum(rounds) / max(len(rounds), 1), rounds=len(rounds), source=src, peak_gib=None,
+                   peak_above_start_gib=None, tree_budget=int(tree_budget) if args.impl == "ddtree" else None)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            out.update(peak_gib=peak / 2 ** 30, peak_above_start_gib=(peak - base) / 2 ** 30)
+        results.append(out)
+        tmp = Path(f"{args.out}.tmp")
+        tmp.write_text(json.dumps(results))
+        tmp.replace(args.out)  # a process stopped later keeps the taus it finished
     return 0
 
 
