@@ -165,6 +165,24 @@ def test_greedy_mismatch_is_reported_with_its_margin(headline, tmp_path, monkeyp
     assert rows_of(report)["ours ddtree (auto), eager"]["greedy"] == "equal"
 
 
+def test_a_row_that_raises_is_reported_and_fails_the_run(headline, tmp_path, monkeypatch):
+    """One of our rows raising: its state names the error, the rows after it still run, the exit status is 1."""
+    real = headline.dropin_row
+
+    def raising(*args, **kwargs):
+        row = real(*args, **kwargs)
+        row.warm = lambda: (_ for _ in ()).throw(RuntimeError("simulated drop-in failure"))
+        return row
+
+    monkeypatch.setattr(headline, "dropin_row", raising)
+    rc, report, md = run(headline, tmp_path, "--ref-src", str(tmp_path / "nothing"))
+    assert rc == 1
+    rows = rows_of(report)
+    assert rows["drop-in (apply + generate), eager"]["state"] == "failed: RuntimeError: simulated drop-in failure"
+    assert rows["ours ddtree (auto), eager"]["state"] == "ok" and rows["DDTree reference"]["state"] == "not carried"
+    assert "| drop-in (apply + generate), eager | failed: RuntimeError: simulated drop-in failure |" in md
+
+
 def test_tau_is_steered_by_the_chain_formula(headline):
     for block, tau in [(16, 3.0), (16, 6.0), (16, 9.0), (8, 6.0)]:
         p = headline.p_for_tau(tau, block)
