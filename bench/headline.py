@@ -61,7 +61,7 @@ margin between the two tokens and the top-2 gap. A difference fails the run in f
 it is reported (its row says where and with what margin) and the run still passes.
 
 **Time.** ``--deadline-s`` (default ``$GPU_CHECK_GRANTED_S``, what ``gpu_check.sh`` grants the step, less 5 s
-to write the report): a row that would start with less than ``--min-row-s`` left is skipped, and each row
+to write the report; counted from the script's start, its imports included): a row that would start with less than ``--min-row-s`` left is skipped, and each row
 runs under a ``SIGALRM`` guard of the time left (and at most ``--row-timeout-s``): a row past it is
 stopped and reported as "skipped (over its N s guard)", the step carries on and passes. The JSON is
 rewritten after every row.
@@ -96,7 +96,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+STARTED = time.monotonic()  # run as a script, the deadline counts from here: the imports below take seconds
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_auto_budget import SteeredDraft  # noqa: E402
@@ -181,13 +183,8 @@ def build_drafter(target, shape: dict, layers: int, draft_layers: int, block: in
         target_layer_ids=dflash.default_target_layer_ids(layers, draft_layers), head_dim=shape["head_dim"],
         max_position_embeddings=32768)
     torch.manual_seed(1)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            draft = CostedSteeredDraft(cfg, target.lm_head.weight, torch.zeros(1, dtype=torch.int64), 1.0)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):  # built in fp32 on the device, then cast (as gpu_auto_budget's drafter)
+        draft = CostedSteeredDraft(cfg, target.lm_head.weight, torch.zeros(1, dtype=torch.int64), 1.0)
     return draft.to(device=device, dtype=dtype).eval()
 
 
@@ -285,10 +282,11 @@ def hf_row(name, target, prompt, n, static):
 
 
 class Clock:
-    """The step's deadline (monotonic seconds) and the per-row cap."""
+    """The run's deadline (``deadline_s`` after ``started``, default now) and the per-row cap."""
 
-    def __init__(self, deadline_s, row_cap_s, min_row_s):
-        self.end = None if deadline_s is None else time.monotonic() + deadline_s
+    def __init__(self, deadline_s, row_cap_s, min_row_s, started=None):
+        start = time.monotonic() if started is None else started
+        self.end = None if deadline_s is None else start + deadline_s
         self.row_cap_s, self.min_row_s = row_cap_s, min_row_s
 
     def row_budget(self):
@@ -475,14 +473,16 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
+def main(argv=None, started=None) -> int:
+    """``started``: the ``time.monotonic()`` the deadline counts from (the script passes its start, imports
+    included); default: this call."""
     args = parse_args(argv)
     device = torch.device(args.device)
     if fail_without_cuda(torch, device, PROG):
         return 2
     if args.dry_run:
         skipped(PROG, "the CUDA peak-memory column", "CUDA only (reads n/a)")
-    clock = Clock(args.deadline_s, args.row_timeout_s, args.min_row_s)
+    clock = Clock(args.deadline_s, args.row_timeout_s, args.min_row_s, started)
     shape = TINY if args.tiny else QWEN3_8B
     dtype = getattr(torch, args.dtype)
     path = default_json(args.json, "headline.json")
@@ -637,4 +637,4 @@ def render(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

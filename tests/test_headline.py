@@ -197,6 +197,10 @@ def test_rows_past_the_time_guard_are_skipped_not_failed(headline, tmp_path):
     assert rc == 0 and report["complete"]
     states = {r["row"]: r["state"] for g in report["groups"] for r in g["rows"]}
     assert states["transformers AR, eager"].startswith("skipped (no time")
+    late = headline.Clock(5.0, None, 1.0, started=time.monotonic() - 10)  # the script's imports count too
+    assert late.row_budget() < 0
+    assert headline.measure(headline.Row("late", "ar", "eager", run=lambda: ([], None)), torch.device("cpu"), late,
+                            dry_run=True)["state"] == "skipped (no time: 0 s left)"
     clock = headline.Clock(None, 0.2, 0.05)
     slow = headline.Row("slow", "ar", "eager", run=lambda: time.sleep(5) or ([], None))
     t0 = time.perf_counter()
