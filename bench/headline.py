@@ -183,7 +183,7 @@ def build_drafter(target, shape: dict, layers: int, draft_layers: int, block: in
         target_layer_ids=dflash.default_target_layer_ids(layers, draft_layers), head_dim=shape["head_dim"],
         max_position_embeddings=32768)
     torch.manual_seed(1)
-    with torch.device(device):  # built in fp32 on the device, then cast (as gpu_auto_budget's drafter)
+    with torch.device(device):  # fp32 on the device (a billion parameters: slow to draw on a CPU), then cast
         draft = CostedSteeredDraft(cfg, target.lm_head.weight, torch.zeros(1, dtype=torch.int64), 1.0)
     return draft.to(device=device, dtype=dtype).eval()
 
