@@ -24,8 +24,8 @@
 #             acceptance allows, peak memory, greedy tokens against transformers'. The default is scaled down to
 #             its limit (one 512-token prompt, 64 new tokens, tau 6, eager rows; a row that does not fit is
 #             skipped); GPU_CHECK_HEADLINE_ARGS adds arguments: "--full" is the whole table (prompts 512 and
-#             4096, 256 new tokens, tau 3 / 6 / 9, compiled rows too), for a lease of its own
-#             (GPU_CHECK_STEPS=headline); "--full --prompt-lens 4096" one prompt length of it
+#             4096, 256 new tokens, tau 3 / 6 / 9, compiled rows too), one prompt length per run on a lease
+#             of its own (GPU_CHECK_STEPS=headline GPU_CHECK_HEADLINE_ARGS="--full --prompt-lens 512", then 4096)
 #   tests:    the kernel tests listed in bench/gpu_tests.txt (tests whose tensors go to CUDA), with
 #             DFLASH_TEST_REAL_TRITON=1: Triton compiled for the GPU, no interpreter
 #   syncs:    bench/gpu_round_syncs.py: host reads and synchronizing CUDA calls per round of ar / dflash /
