@@ -18,6 +18,14 @@
 #   kernels:  bench/gpu_kernel_check.py: every op at Qwen3-8B shapes against its reference (exact, or
 #             within bf16 tolerance), plus gather's fraction of copy bandwidth, the fused lm_head ops
 #             against the bare GEMM, tree attention against dense-mask SDPA
+#   headline: bench/headline.py: the headline table at Qwen3-8B shapes (36 layers, bf16, a 5-layer drafter steered
+#             to a chosen tau): tokens/s of transformers' AR, ours ar / dflash / ddtree, the drop-in and the carried
+#             references (GPU_CHECK_REF_SRC; "not carried" otherwise, never a failure), each against the limit its
+#             acceptance allows, peak memory, greedy tokens against transformers'. The default is scaled down to
+#             its limit (one 512-token prompt, 64 new tokens, tau 6, eager rows; a row that does not fit is
+#             skipped); GPU_CHECK_HEADLINE_ARGS adds arguments: "--full" is the whole table (prompts 512 and
+#             4096, 256 new tokens, tau 3 / 6 / 9, compiled rows too), one prompt length per run on a lease
+#             of its own (GPU_CHECK_STEPS=headline GPU_CHECK_HEADLINE_ARGS="--full --prompt-lens 512", then 4096)
 #   tests:    the kernel tests listed in bench/gpu_tests.txt (tests whose tensors go to CUDA), with
 #             DFLASH_TEST_REAL_TRITON=1: Triton compiled for the GPU, no interpreter
 #   syncs:    bench/gpu_round_syncs.py: host reads and synchronizing CUDA calls per round of ar / dflash /
@@ -93,19 +101,22 @@ MIN_STEP_S=10  # a step granted less than this is not started ("no time")
 # families 34-40 (before gpt-oss's fp32 rerun), stress 11, e2e 22, auto 39 (bf16, 96 tokens), micro 104
 # (before its vocabulary-sized weights were drawn on the device instead of the host); refloops (opt-in) not yet
 # run on a GPU: 150 s covers 6 implementations x 8 prompts x (1 + 3 repeats) of 128 tokens on the tiny pair,
-# a counted pass of each eager one and two compiles
+# a counted pass of each eager one and two compiles; headline (not yet run on a GPU) got its 25 s from the steps with
+# the most room over their measured times (long 60 -> 50, families 50 -> 45, stress 15 -> 12, round, kernels and
+# hybrid 2 s each, tests 1 s), and runs on what probe, build and kernels leave too (about 10 s)
 PLAN=(
     probe:10
     build:55
-    kernels:35
-    tests:70
+    kernels:33
+    headline:25
+    tests:69
     syncs:30
-    round:25
-    long:60
+    round:23
+    long:50
     compiled:75
-    hybrid:30
-    families:50
-    stress:15
+    hybrid:28
+    families:45
+    stress:12
     e2e:20
     auto:30
     batch:30
@@ -154,7 +165,7 @@ if [ "$DRY_RUN" = 1 ]; then
 else
     MICRO_JSON=micro.json
 fi
-JSON_OF=([probe]="" [build]=build.json [kernels]=gpu_kernel_check.json [tests]=gpu_tests.json
+JSON_OF=([probe]="" [build]=build.json [kernels]=gpu_kernel_check.json [headline]=headline.json [tests]=gpu_tests.json
          [syncs]=gpu_round_syncs.json [round]=gpu_round_latency.json [long]=long_prompts.json [compiled]=gpu_compiled_round.json
          [hybrid]=gpu_hybrid_check.json [families]=gpu_family_check.json [stress]=gpu_compaction_stress.json
          [e2e]=e2e/results.json [auto]=gpu_auto_budget.json [batch]=gpu_batch_crossover.json [refloops]=reference_loops.json
@@ -291,7 +302,9 @@ step() {  # name command...: run it within its time, log it, record it
     fi
     echo "== [$name] $shown (limit ${granted}s, planned ${limit}s)"
     local t0=$SECONDS rc
-    timeout --kill-after="$grace" "$((granted - grace))" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+    # GPU_CHECK_GRANTED_S: the seconds the command has (a script may fit its work into them)
+    GPU_CHECK_GRANTED_S=$((granted - grace)) timeout --kill-after="$grace" "$((granted - grace))" "$@" 2>&1 \
+        | tee "$OUT_DIR/$name.log"
     rc=${PIPESTATUS[0]}
     SECS[$name]=$((SECONDS - t0))
     if [ "$rc" -eq 0 ]; then
@@ -375,6 +388,13 @@ fi
 
 # ---------------------------------------------------------------- kernels: every op vs reference, real shapes
 step kernels "$PY" bench/gpu_kernel_check.py --model qwen3-8b --json "$OUT_DIR/gpu_kernel_check.json" "${DRY[@]}"
+
+# ---------------------------------------------------------------- headline: the README's table, real shapes
+# (in a dry run: tiny shapes on the CPU, the compiled rows named as skipped; GPU_CHECK_HEADLINE_ARGS: word-split)
+# shellcheck disable=SC2206
+HEADLINE_ARGS=(${GPU_CHECK_HEADLINE_ARGS:-})
+step headline "$PY" bench/headline.py --ref-src "$REF_SRC" --json "$OUT_DIR/headline.json" \
+    --markdown "$OUT_DIR/headline.md" "${HEADLINE_ARGS[@]}" "${DRY[@]}"
 
 # ---------------------------------------------------------------- tests: kernel tests, compiled Triton
 # the listed ids are selected by pytest --only-listed (tests/sharding.py): strict in the dry run (an id this

@@ -111,7 +111,7 @@ def run_with_fake_gpu(tmp_path, failing="no-such-step", budget=None, steps=None)
     return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-STEPS = ["build", "kernels", "tests", "syncs", "round", "long", "compiled", "hybrid", "families", "stress", "e2e", "auto",
+STEPS = ["build", "kernels", "headline", "tests", "syncs", "round", "long", "compiled", "hybrid", "families", "stress", "e2e", "auto",
          "batch", "micro"]
 #: steps that run only when GPU_CHECK_STEPS names them, and where they sit in the plan (before micro)
 OPT_IN = ["refloops"]
@@ -190,6 +190,42 @@ def test_an_opt_in_step_runs_when_named(tmp_path):
     assert ("fake python: bench/reference_loops.py --device cuda --zlab-src runs/refsrc/zlab --ddtree-src "
             "runs/refsrc/ddtree --repeats 3 --require-references --json") in result.stdout
     assert set(summary_states(result.stdout).values()) == {"not selected"}
+
+
+def test_headline_runs_right_after_the_kernels_and_alone(tmp_path):
+    """headline comes right after kernels (a short lease still gets it), runs alone with GPU_CHECK_STEPS=headline
+    (its plan: probe + headline; the extension only checked to import), learns the seconds it has from
+    GPU_CHECK_GRANTED_S, looks for the references under GPU_CHECK_REF_SRC, and takes GPU_CHECK_HEADLINE_ARGS."""
+    names = [name for name, _ in script_plan()[1]]
+    assert names.index("headline") == names.index("kernels") + 1
+    text = SCRIPT.read_text()
+    assert text.index("step headline ") > text.index("step kernels ") and text.index("step headline ") < text.index(
+        "step tests ")
+    fake_bin = tmp_path / "bin"
+    result = run_with_fake_gpu(tmp_path, steps="headline")
+    assert result.returncode == 0, result.stderr
+    plan = dict(script_plan()[1])
+    assert f"planned device time: {plan['probe'] + plan['headline']} s" in result.stdout
+    assert ("fake python: bench/headline.py --ref-src runs/refsrc --json " + str(tmp_path / "out" / "headline.json")
+            + " --markdown " + str(tmp_path / "out" / "headline.md")) in result.stdout
+    states = summary_states(result.stdout)
+    assert states["headline"] == "ok" and {s for s, st in states.items() if st == "not selected"} == set(STEPS) - {
+        "headline"}
+    assert "build not selected: checking that the extension imports" in result.stdout
+    # the full table through GPU_CHECK_HEADLINE_ARGS, and the granted seconds in the environment
+    (fake_bin / "python").write_text(FAKE_PYTHON.replace('echo "fake python: $*"',
+                                                         'echo "fake python: $* (granted ${GPU_CHECK_GRANTED_S:-none})"')
+                                     % "no-such-step")
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PATH") and not k.startswith("GPU_CHECK_")}
+    env.update(PATH=os.pathsep.join([str(fake_bin)] + system_path_without_nvidia_smi()),
+               PYTHON=str(fake_bin / "python"), OUT=str(tmp_path / "out2"), GPU_CHECK_STEPS="headline",
+               GPU_CHECK_HEADLINE_ARGS="--full --prompt-lens 4096", GPU_CHECK_REF_SRC="/refs")
+    full = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert full.returncode == 0, full.stderr
+    line = next(x for x in full.stdout.splitlines() if "bench/headline.py" in x and x.startswith("fake python"))
+    assert "--ref-src /refs " in line and line.split(" (granted ")[0].endswith("--full --prompt-lens 4096")
+    granted = int(line.split(" (granted ")[1].rstrip(")"))
+    assert 500 <= granted <= 535  # alone, it gets what the budget leaves after the probe, less the 5 s grace
 
 
 def test_step_runner_refuses_an_unknown_step(tmp_path):
