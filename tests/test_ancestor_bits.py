@@ -80,7 +80,7 @@ def test_bits_of_a_built_tree():
     gen = torch.Generator().manual_seed(0)
     lp = (-3 * torch.rand(15, 8, generator=gen)).sort(dim=1, descending=True).values
     ids = torch.arange(15 * 8).view(15, 8)
-    _, depths, parents = dk.build_tree(lp, ids, 200)
+    _, depths, parents, _ = dk.build_tree(lp, ids, 200)
     parents = parents.to(DEVICE)
     bits = ancestor_bits_triton(parents)
     assert torch.equal(bits, ref.ancestor_bits(parents))

@@ -12,13 +12,12 @@ pops them, so ``parents[i] < i`` for every ``i >= 1`` and ``parents[0] == -1``.
 from __future__ import annotations
 
 import heapq
-import math
 from typing import List, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["build_tree", "build_trees_", "build_tree_sorted", "walk_tree", "ancestor_bits", "ancestor_bits_doubling"]
+__all__ = ["build_tree", "build_tree_sorted", "walk_tree", "ancestor_bits", "ancestor_bits_doubling"]
 
 
 def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,32 +86,10 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
     return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
 
 
-def build_trees_(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, tokens: torch.Tensor,
-                 depths: torch.Tensor, parents: torch.Tensor, masses=None, mass_nodes=(), mass_scale: float = 1.0):
-    """:func:`build_tree` per row of ``[b, D, K]`` inputs, into ``tokens [b, N]``, ``depths [b, N]``, ``parents
-    [b, N + 1]``; with ``masses [b, V]``: ``floor(mass_scale * sum of exp(path score) over the first
-    mass_nodes[v] nodes)``, a node's path score the float64 sum of its own and its ancestors' log-probs."""
-    for r in range(top_logprobs.shape[0]):
-        tok, dep, par = build_tree(top_logprobs[r], top_ids[r], budget)
-        tokens[r].copy_(tok)
-        depths[r].copy_(dep)
-        parents[r].copy_(par)
-        if masses is None:
-            continue
-        rows, ids = top_logprobs[r].double().tolist(), top_ids[r].tolist()
-        score, prefix = [0.0], [0.0]
-        for i in range(1, tok.numel() + 1):
-            d = int(dep[i - 1])
-            score.append(score[int(par[i])] + rows[d - 1][ids[d - 1].index(int(tok[i - 1]))])
-            prefix.append(prefix[-1] + math.exp(score[i]))
-        for v, n in enumerate(mass_nodes):
-            masses[r, v] = int(math.floor(mass_scale * prefix[n]))
-
-
 def build_tree_sorted(
     top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, max_nodes: int = 200_000
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The device build's tree (:func:`dflash_kernels.build_tree_device`), by enumerating the whole tree.
+    """The device build's tree (:func:`dflash_kernels.build_tree` with ``on_device=True``), by enumerating the whole tree.
 
     Args and returns as :func:`build_tree`; ``N = min(budget, sum_d K**d)``.
     Only for small trees: the full tree (``sum_d K**d`` nodes) must not exceed
