@@ -378,14 +378,14 @@ lm_head_cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup_co
 
 @torch.library.custom_op(f"{_NS}::ancestor_bits", mutates_args=())
 def ancestor_bits(parents: Tensor, check: bool = True) -> Tensor:
-    """:func:`dflash_kernels.ancestor_bits`: int32 ``[N+1, ceil((N+1)/32)]`` on parents' device."""
+    """:func:`dflash_kernels.ancestor_bits`: int32 ``[(b,) N+1, ceil((N+1)/32)]`` on parents' device."""
     return _tree.ancestor_bits(parents, check=check)
 
 
 @ancestor_bits.register_fake
 def _ancestor_bits_fake(parents, check=True):
-    n = parents.shape[0]
-    return parents.new_empty(n, (n + 31) // 32, dtype=torch.int32)
+    n = parents.shape[-1]
+    return parents.new_empty(*parents.shape, (n + 31) // 32, dtype=torch.int32)
 
 
 @torch.library.custom_op(f"{_NS}::tree_positions", mutates_args=())
@@ -492,14 +492,16 @@ def _build_tree_device_tables_fake(top_logprobs, top_ids, budget, slots, ranks, 
 @torch.library.custom_op(f"{_NS}::walk_tree_device", mutates_args=())
 def walk_tree_device(parents: Tensor, token_ids: Tensor, target_choice: Tensor, max_depth: int,
                      bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.walk_tree_device`: ``(path [D+1], path_len [1], committed [D+1])`` int64."""
+    """:func:`dflash_kernels.walk_tree_device`: ``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])``
+    int64."""
     return _tree_device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
 
 
 @walk_tree_device.register_fake
 def _walk_tree_device_fake(parents, token_ids, target_choice, max_depth, bits=None):
-    new = lambda size: parents.new_empty(size, dtype=torch.int64)  # noqa: E731
-    return new(max_depth + 1), new(1), new(max_depth + 1)
+    lead = tuple(parents.shape[:-1])
+    new = lambda *size: parents.new_empty(*size, dtype=torch.int64)  # noqa: E731
+    return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)
 
 
 # --------------------------------------------------------------------------- attention

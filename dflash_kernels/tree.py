@@ -166,16 +166,27 @@ def ancestor_bits_config(n_nodes: int) -> dict:
 
 @triton.jit
 def _ancestor_bits_kernel(parents_ptr, bits_ptr, n_nodes, n_words, BLOCK_R: tl.constexpr):
-    """One program: word ``w`` (nodes 32w..32w+31) of rows ``BLOCK_R * pid .. + BLOCK_R``.
+    """One program: word ``w`` (nodes 32w..32w+31) of rows ``BLOCK_R * pid .. + BLOCK_R`` of tree ``pid(2)``.
 
     Each lane starts at its row and climbs the parent chain, setting the bit
     of every visited node that falls in this word. Indices only decrease on the
     way up, so the loop ends once every lane is below the word's first node
     (at once for the words right of the diagonal). A parent that is not
     smaller than its child ends the chain, so malformed input cannot hang.
+
+    The batch is grid dim 2: tree ``t`` reads only its own parents row
+    (``parents + t * n_nodes + [0, n_nodes)``) and writes only its own bits
+    (``bits + t * n_nodes * n_words + row * n_words + word``, one element per
+    (tree, row, word), i.e. per program and lane). No program reads what
+    another writes: the parents are only loaded, the bits only stored, and
+    they are different tensors (the launcher allocates the bits), so the
+    programs of one launch need no ordering among themselves.
     """
     row_block = tl.program_id(0)
     word = tl.program_id(1)
+    tree = tl.program_id(2).to(tl.int64)
+    parents_ptr += tree * n_nodes
+    bits_ptr += tree * n_nodes * n_words
     rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_nodes
     first = word * 32
@@ -194,38 +205,45 @@ def _ancestor_bits_kernel(parents_ptr, bits_ptr, n_nodes, n_words, BLOCK_R: tl.c
 def _check_parents(parents: torch.Tensor) -> None:
     if not isinstance(parents, torch.Tensor):
         raise TypeError(f"ancestor_bits: parents must be a torch.Tensor, got {type(parents).__name__}")
-    if parents.dim() != 1 or parents.numel() < 1:
-        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
+    if parents.dim() not in (1, 2) or parents.shape[-1] < 1:
+        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] or 2-D [b, N+1] with N+1 >= 1, got shape "
+                         f"{tuple(parents.shape)}")
     if parents.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"ancestor_bits: parents must be int64 or int32, got {parents.dtype}")
-    if parents.numel() >= 2**31:
-        raise ValueError(f"ancestor_bits: at most 2**31 - 1 nodes, got {parents.numel()}")
+    if parents.shape[-1] >= 2**31:
+        raise ValueError(f"ancestor_bits: at most 2**31 - 1 nodes, got {parents.shape[-1]}")
+    if parents.dim() == 2 and parents.shape[0] >= 2**16:
+        raise ValueError(f"ancestor_bits: at most 65535 trees in a batch, got {parents.shape[0]}")
 
 
 def ancestor_bits_triton(parents: torch.Tensor) -> torch.Tensor:
     """Triton launcher of :func:`ancestor_bits` (no check of parent values: no host sync)."""
     _check_parents(parents)
-    n_nodes = parents.numel()
+    n_nodes = parents.shape[-1]
     n_words = triton.cdiv(n_nodes, 32)
+    batch = parents.shape[0] if parents.dim() == 2 else 1
     parents = parents.contiguous()
-    bits = torch.empty(n_nodes, n_words, dtype=torch.int32, device=parents.device)
+    bits = torch.empty(*parents.shape, n_words, dtype=torch.int32, device=parents.device)
+    if batch == 0:
+        return bits
     cfg = ancestor_bits_config(n_nodes)
-    grid = (triton.cdiv(n_nodes, cfg["BLOCK_R"]), n_words)
+    grid = (triton.cdiv(n_nodes, cfg["BLOCK_R"]), n_words, batch)
     _ancestor_bits_kernel[grid](parents, bits, n_nodes, n_words, BLOCK_R=cfg["BLOCK_R"], num_warps=cfg["num_warps"])
     return bits
 
 
 def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optional[str] = None) -> torch.Tensor:
-    """Packed ancestor-or-self bitmask of a tree.
+    """Packed ancestor-or-self bitmask of a tree, or of each tree of a batch.
 
     Args:
-        parents: ``[N+1]`` int64/int32 on any device; ``parents[0] == -1`` and
-            ``parents[i] in [0, i)``.
+        parents: ``[N+1]`` (one tree) or ``[b, N+1]`` (``b`` trees) int64/int32 on any device;
+            ``parents[.., 0] == -1`` and ``parents[.., i] in [0, i)``.
 
     Returns:
-        ``[N+1, ceil((N+1)/32)]`` int32 on ``parents.device``; bit ``j % 32`` of
-        word ``j // 32`` in row ``i`` is set iff node ``j`` is ``i`` or one of
-        its ancestors (the root always is). Values of ``parents`` are checked
+        ``[(b,) N+1, ceil((N+1)/32)]`` int32 on ``parents.device``; bit ``j % 32`` of
+        word ``j // 32`` in row ``i`` (of tree ``r``) is set iff node ``j`` is ``i`` or one of
+        its ancestors (the root always is). A batch is one launch (the trees are the kernel's grid dim 2).
+        Values of ``parents`` are checked
         only on the reference path with ``check=True`` (checking reads them on
         the host); ``check=False`` (trees the decode loop built itself) runs
         the reference as fixed-shape tensor ops with no host read.
@@ -267,8 +285,9 @@ def build_selector_tree_device(
 def walk_tree_device(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor, max_depth: int,
                      bits: Optional[torch.Tensor] = None, *,
                      backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(path [D+1], path_len [1], committed [D+1])`` int64: the accepted path of a verified tree, on the inputs'
-    device, fixed shapes, no host sync (:func:`dflash_kernels.tree_device.walk_tree_device`).
+    """``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])`` int64: the accepted path of a verified tree,
+    or of each tree of a batch (``parents [b, N+1]``), on the inputs' device, fixed shapes, no host sync
+    (:func:`dflash_kernels.tree_device.walk_tree_device`).
 
     ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
     :func:`dflash_kernels.get_backend`.

@@ -407,19 +407,24 @@ def _check_walk(parents, token_ids, target_choice, max_depth, bits) -> int:
             raise ValueError(f"{fn}: {name} must be int64 or int32, got {t.dtype}")
         if t.device != parents.device:
             raise ValueError(f"{fn}: {name} is on {t.device}, parents on {parents.device}: all must share a device")
-    if parents.dim() != 1 or parents.numel() < 1:
-        raise ValueError(f"{fn}: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
-    n_nodes = parents.numel()
-    if token_ids.shape != (n_nodes - 1,):
-        raise ValueError(f"{fn}: token_ids must be 1-D [N] = [{n_nodes - 1}], got shape {tuple(token_ids.shape)}")
-    if target_choice.shape != (n_nodes,):
-        raise ValueError(f"{fn}: target_choice must be 1-D [N+1] = [{n_nodes}], got shape {tuple(target_choice.shape)}")
+    if parents.dim() not in (1, 2) or parents.shape[-1] < 1:
+        raise ValueError(f"{fn}: parents must be 1-D [N+1] or 2-D [b, N+1] with N+1 >= 1, got shape "
+                         f"{tuple(parents.shape)}")
+    lead, n_nodes = tuple(parents.shape[:-1]), parents.shape[-1]
+    dims = "2-D [b, N]" if lead else "1-D [N]"
+    if tuple(token_ids.shape) != (*lead, n_nodes - 1):
+        raise ValueError(f"{fn}: token_ids must be {dims} = {[*lead, n_nodes - 1]}, got shape {tuple(token_ids.shape)}")
+    if tuple(target_choice.shape) != (*lead, n_nodes):
+        raise ValueError(f"{fn}: target_choice must be {dims[:3]} {[*lead, n_nodes]} (parents' shape), got shape "
+                         f"{tuple(target_choice.shape)}")
     _check_int("max_depth", fn, max_depth)
     if bits is not None:
         words = (n_nodes + 31) // 32
-        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or bits.shape != (n_nodes, words):
+        want = (*lead, n_nodes, words)
+        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or tuple(bits.shape) != want:
             got = f"{tuple(bits.shape)} {bits.dtype}" if isinstance(bits, torch.Tensor) else type(bits).__name__
-            raise ValueError(f"{fn}: bits must be the int32 [N+1, ceil((N+1)/32)] = [{n_nodes}, {words}] of ancestor_bits, got {got}")
+            raise ValueError(f"{fn}: bits must be the int32 [.., N+1, ceil((N+1)/32)] = {list(want)} of "
+                             f"ancestor_bits, got {got}")
         if bits.device != parents.device:
             raise ValueError(f"{fn}: bits is on {bits.device}, parents on {parents.device}")
     return n_nodes
@@ -432,24 +437,27 @@ def walk_tree_device(
     max_depth: int,
     bits: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Accepted path of a verified tree, on the inputs' device, fixed shapes, no host sync.
+    """Accepted path of a verified tree, or of each tree of a batch, on the inputs' device, fixed shapes, no host
+    sync.
 
     Args:
-        parents: ``[N+1]`` int64/int32, ``parents[0] == -1``, ``parents[i] in [0, i)``.
-        token_ids: ``[N]`` int64/int32, token of nodes ``1..N``.
-        target_choice: ``[N+1]`` int64/int32, the target's token after each node.
-        max_depth: the tree's depth bound ``D`` (every node's depth ``<= D``).
-        bits: optional ``[N+1, ceil((N+1)/32)]`` int32 from ``ancestor_bits(parents)``
+        parents: ``[N+1]`` (one tree) or ``[b, N+1]`` (``b`` trees) int64/int32, ``parents[.., 0] == -1``,
+            ``parents[.., i] in [0, i)``.
+        token_ids: ``[(b,) N]`` int64/int32, token of nodes ``1..N``.
+        target_choice: ``[(b,) N+1]`` int64/int32, the target's token after each node.
+        max_depth: the trees' depth bound ``D`` (every node's depth ``<= D``).
+        bits: optional ``[(b,) N+1, ceil((N+1)/32)]`` int32 from ``ancestor_bits(parents)``
             (the verification's attention mask already needs it).
 
     Returns:
-        ``(path [D+1] int64, path_len [1] int64, committed [D+1] int64)`` on the
+        ``(path [(b,) D+1] int64, path_len [1] (one tree) or [b] int64, committed [(b,) D+1] int64)`` on the
         inputs' device. ``path[:path_len]`` = the accepted nodes from the root
         (0) in depth order; entries past ``path_len`` repeat the last path
         node. ``committed[:path_len]`` = the round's committed tokens: the
         tokens of path nodes ``1..`` and then the bonus ``target_choice[last
         path node]`` at ``committed[path_len - 1]``; entries past it are 0.
-        Same path and bonus as the C++ ``walk_tree``.
+        Same path and bonus as the C++ ``walk_tree``. A batch is every row's walk at once (each op along the
+        nodes' dim): row ``r`` is bit for bit the walk of tree ``r`` alone.
 
     Node ``i >= 1`` matches iff ``token_ids[i - 1] == target_choice[parents[i]]``;
     should several children of one node match (siblings sharing a token,
@@ -472,40 +480,48 @@ def walk_tree_device(
     target choice, i.e. the next path node's token, still a valid commit.
     """
     n_nodes = _check_walk(parents, token_ids, target_choice, max_depth, bits)
-    device = parents.device
+    batched = parents.dim() == 2
+    if not batched:
+        parents, token_ids, target_choice = parents[None], token_ids[None], target_choice[None]
+        bits = None if bits is None else bits[None]
+    b = parents.shape[0]
+    long = dict(dtype=torch.int64, device=parents.device)
     par = parents.to(torch.int64).clamp(min=0)  # the root points at itself
     choice = target_choice.to(torch.int64)
-    idx = torch.arange(n_nodes, dtype=torch.int64, device=device)
-    tok = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), token_ids.to(torch.int64)])
+    idx = torch.arange(n_nodes, **long)
+    tok = torch.cat([torch.full((b, 1), -1, **long), token_ids.to(torch.int64)], 1)
     is_root = idx == 0
-    match = (tok == choice[par]) | is_root  # the root always matches (no ``match[0] = True``: a host upload)
+    match = (tok == choice.gather(1, par)) | is_root  # the root always matches (no ``match[0] = True``: a host upload)
     # Only the lowest-numbered matching child of each node counts.
-    first = torch.full((n_nodes,), n_nodes, dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, par[1:], torch.where(match[1:], idx[1:], n_nodes), reduce="amin")
-    match = (match & (first[par] == idx)) | is_root
+    first = torch.full((b, n_nodes), n_nodes, **long)
+    first.scatter_reduce_(1, par[:, 1:], torch.where(match[:, 1:], idx[1:], n_nodes), reduce="amin")
+    match = (match & (first.gather(1, par) == idx)) | is_root
 
     if bits is not None:
-        words = bits.shape[1]
-        padded = torch.zeros(words * 32, dtype=torch.int64, device=device)
-        padded[:n_nodes] = match.to(torch.int64)
-        shifts = torch.arange(32, dtype=torch.int64, device=device)
-        match_words = (padded.view(words, 32) << shifts).sum(dim=1)  # in [0, 2**32)
-        on_path = ((bits.to(torch.int64) & ~match_words) & 0xFFFFFFFF).eq(0).all(dim=1)
+        words = bits.shape[-1]
+        padded = torch.zeros(b, words * 32, **long)
+        padded[:, :n_nodes] = match.to(torch.int64)
+        shifts = torch.arange(32, **long)
+        match_words = (padded.view(b, words, 32) << shifts).sum(dim=2)  # [b, W], in [0, 2**32)
+        on_path = ((bits.to(torch.int64) & ~match_words[:, None, :]) & 0xFFFFFFFF).eq(0).all(dim=2)
     else:
         on_path, anc = match, par
         for _ in range(max(0, (max_depth - 1).bit_length())):
-            on_path = on_path & on_path[anc]
-            anc = anc[anc]
+            on_path = on_path & on_path.gather(1, anc)
+            anc = anc.gather(1, anc)
 
     width = max_depth + 1
     keys = torch.where(on_path, idx, n_nodes)
     if n_nodes < width:
-        keys = torch.cat([keys, torch.full((width - n_nodes,), n_nodes, dtype=torch.int64, device=device)])
-    ordered = torch.sort(keys).values[:width]
-    path_len = on_path.sum(dim=0, keepdim=True).clamp(max=width).to(torch.int64)
-    last = ordered.gather(0, path_len - 1)
-    slot = torch.arange(width, dtype=torch.int64, device=device)
+        keys = torch.cat([keys, torch.full((b, width - n_nodes), n_nodes, **long)], 1)
+    ordered = torch.sort(keys, dim=1).values[:, :width]
+    path_len = on_path.sum(dim=1, keepdim=True).clamp(max=width).to(torch.int64)  # [b, 1]
+    last = ordered.gather(1, path_len - 1)
+    slot = torch.arange(width, **long)
     path = torch.where(slot < path_len, ordered, last)
-    following = torch.cat([path[1:], last])  # path[j + 1]; only read where j + 1 < path_len
-    committed = torch.where(slot < path_len - 1, tok[following], torch.where(slot == path_len - 1, choice[last], 0))
-    return path, path_len, committed
+    following = torch.cat([path[:, 1:], last], 1)  # path[j + 1]; only read where j + 1 < path_len
+    committed = torch.where(slot < path_len - 1, tok.gather(1, following),
+                            torch.where(slot == path_len - 1, choice.gather(1, last), 0))
+    if batched:
+        return path, path_len[:, 0], committed
+    return path[0], path_len[0], committed[0]

@@ -436,6 +436,31 @@ def test_walk_with_the_triton_ancestor_bits():
         walk_both(parents, tokens, choice, 15, dk.ancestor_bits(parents))
 
 
+def test_a_batch_of_walks_is_each_walk_alone():
+    """walk_tree_device over ``[b, N+1]`` trees (one call, as a round walks its batch): row ``r`` is bit for bit the
+    walk of tree ``r`` alone (the C++ walk's path), with the batch's ancestor bits and without; ``path_len [b]``.
+    The trees are prefixes of larger ones (strided views, as a round verifies a bucket's prefix)."""
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    for budget, n in ((64, 64), (64, 20), (8, 8)):
+        rounds = [random_round(rng, gen, 7, 4, budget, agree=0.9) for _ in range(3)]
+        parents = torch.stack([r[0] for r in rounds])[:, : n + 1]
+        tokens = torch.stack([r[1] for r in rounds])[:, :n]
+        choice = torch.stack([r[2] for r in rounds])[:, : n + 1]
+        for bits in (None, dk.ancestor_bits(parents)):
+            path, path_len, committed = dk.walk_tree_device(parents, tokens, choice, 7, bits)
+            assert path.shape == committed.shape == (3, 8) and path_len.shape == (3,)
+            for r in range(3):
+                alone = dk.walk_tree_device(parents[r], tokens[r], choice[r], 7,
+                                            None if bits is None else bits[r])
+                assert torch.equal(path[r], alone[0]) and torch.equal(path_len[r : r + 1], alone[1])
+                assert torch.equal(committed[r], alone[2])
+                walk_both(parents[r], tokens[r], choice[r], 7)
+    with pytest.raises(ValueError, match=r"token_ids must be 2-D \[b, N\]"):
+        dk.walk_tree_device(parents, tokens[0], choice, 7)
+    with pytest.raises(ValueError, match="bits must be"):
+        dk.walk_tree_device(parents, tokens, choice, 7, dk.ancestor_bits(parents[0]))
+
 def test_walk_int32_inputs():
     parents, tokens = hand_tree()
     choice = torch.tensor([11, 20, 30, 40, 0, 7, 0])

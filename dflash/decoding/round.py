@@ -663,17 +663,17 @@ class Round:
         tokens, depths, parents = self.tokens[:, :n], self.depths[:, :n], self.parents[:, : n + 1]
         ids = torch.cat([self.last[:, None], tokens], 1)  # [b, n + 1]
         positions = length[:, None] + torch.cat([depths.new_zeros(self.b, 1), depths], 1)  # the root at depth 0
-        bits = torch.stack([dflash_kernels.ancestor_bits(parents[r], check=False, backend=self.backend)
-                            for r in range(self.b)])  # [b, n + 1, W]
+        bits = dflash_kernels.ancestor_bits(parents, check=False, backend=self.backend)  # [b, n + 1, W]
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
         choices = self.choose(hidden)  # [b, n + 1]
-        walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) if self.host_tree else
-                 dflash_kernels.walk_tree_device(parents[r], tokens[r], choices[r], self.D, bits[r],
-                                                 backend=self.backend)
-                 for r in range(self.b)]
-        path = torch.stack([w[0] for w in walks])  # [b, D + 1]
-        path_len = torch.cat([w[1] for w in walks])  # [b]
-        committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
+        if self.host_tree:
+            walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) for r in range(self.b)]
+            path = torch.stack([w[0] for w in walks])  # [b, D + 1]
+            path_len = torch.cat([w[1] for w in walks])  # [b]
+            committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
+        else:
+            path, path_len, committed = dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits,
+                                                                        backend=self.backend)
         kept = path_len * self.alive  # a stopped sequence keeps nothing
         self.path.copy_(path)
         self.cache.compact_advance(path, kept)
