@@ -17,7 +17,8 @@ Run: ``python -m pytest bench/bench_tree.py --benchmark-columns=mean,stddev,roun
   slower than the C++ heap there); on a GPU the inputs stay on the GPU and
   each round is timed with a synchronize.
 * ``walk_tree_device``: the sync-free walk of a 1024-node tree, with the
-  ancestor bitmask given and without it (pointer doubling).
+  ancestor bitmask given and without it (the walk builds it first, by pointer
+  doubling).
 * ``ancestor_bits``: the Triton kernel against the NumPy row-copy loop of the
   reference. On a CPU-only machine only the reference runs: the Triton
   interpreter executes kernels program by program in Python and is a

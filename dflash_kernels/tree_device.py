@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .reference.selector_tree import check_lattice
+from .reference.tree import ancestor_bits_doubling
 
 __all__: list = []  # exported by dflash_kernels.tree: tree_size, build_selector_tree_device, walk_tree_device;
 # build_tree_device is the device backend of dflash_kernels.build_tree (on_device=True)
@@ -447,7 +448,7 @@ def walk_tree_device(
         target_choice: ``[(b,) N+1]`` int64/int32, the target's token after each node.
         max_depth: the trees' depth bound ``D`` (every node's depth ``<= D``).
         bits: optional ``[(b,) N+1, ceil((N+1)/32)]`` int32 from ``ancestor_bits(parents)``
-            (the verification's attention mask already needs it).
+            (the verification's attention mask already needs it); built here when omitted.
 
     Returns:
         ``(path [(b,) D+1] int64, path_len [1] (one tree) or [b] int64, committed [(b,) D+1] int64)`` on the
@@ -464,16 +465,13 @@ def walk_tree_device(
     which ``build_tree`` never produces), only the lowest-numbered counts, as
     in the C++ walk. A node is on the path iff it and all its ancestors match
     (the root always does), so the path is a chain and, since parents precede
-    children, its nodes in increasing index order are in depth order. Two ways
-    to test "all ancestors match":
-
-    * with ``bits``: pack the match vector into 32-bit words and test
-      ``(bits[i] & ~match_words) == 0`` over the row's words: one elementwise
-      pass over ``[N+1, W]`` plus a row reduction, free when the mask exists;
-    * without: pointer doubling, ``ok &= ok[anc]; anc = anc[anc]`` for
-      ``ceil(log2(D))`` rounds (4 at ``D = 15``): each round doubles the
-      number of ancestors checked, ``O(N log D)`` work and no ``[N+1, W]``
-      bitmask to build (cheaper than ``D`` rounds of parent propagation).
+    children, its nodes in increasing index order are in depth order. "All
+    ancestors match" is one test over the ancestor bitmask: pack the match
+    vector into 32-bit words and test ``(bits[i] & ~match_words) == 0`` over
+    the row's words, one elementwise pass over ``[N+1, W]`` plus a row
+    reduction, free when the mask exists (a round's verify built it for the
+    attention); without ``bits`` the mask is built here first, by the
+    fixed-shape pointer doubling of :func:`dflash_kernels.reference.ancestor_bits_doubling`.
 
     A path longer than ``D + 1`` nodes (a node deeper than ``max_depth``) is cut
     to its first ``D + 1`` nodes; the bonus is then the last kept node's
@@ -497,18 +495,14 @@ def walk_tree_device(
     first.scatter_reduce_(1, par[:, 1:], torch.where(match[:, 1:], idx[1:], n_nodes), reduce="amin")
     match = (match & (first.gather(1, par) == idx)) | is_root
 
-    if bits is not None:
-        words = bits.shape[-1]
-        padded = torch.zeros(b, words * 32, **long)
-        padded[:, :n_nodes] = match.to(torch.int64)
-        shifts = torch.arange(32, **long)
-        match_words = (padded.view(b, words, 32) << shifts).sum(dim=2)  # [b, W], in [0, 2**32)
-        on_path = ((bits.to(torch.int64) & ~match_words[:, None, :]) & 0xFFFFFFFF).eq(0).all(dim=2)
-    else:
-        on_path, anc = match, par
-        for _ in range(max(0, (max_depth - 1).bit_length())):
-            on_path = on_path & on_path.gather(1, anc)
-            anc = anc.gather(1, anc)
+    if bits is None:
+        bits = ancestor_bits_doubling(parents)
+    words = bits.shape[-1]
+    padded = torch.zeros(b, words * 32, **long)
+    padded[:, :n_nodes] = match.to(torch.int64)
+    shifts = torch.arange(32, **long)
+    match_words = (padded.view(b, words, 32) << shifts).sum(dim=2)  # [b, W], in [0, 2**32)
+    on_path = ((bits.to(torch.int64) & ~match_words[:, None, :]) & 0xFFFFFFFF).eq(0).all(dim=2)
 
     width = max_depth + 1
     keys = torch.where(on_path, idx, n_nodes)
