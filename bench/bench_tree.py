@@ -7,17 +7,18 @@ Run: ``python -m pytest bench/bench_tree.py --benchmark-columns=mean,stddev,roun
   records the reference's median time over its own in
   ``extra_info["python_over_cpp"]``; the session end prints the ratios. The
   C++ time is end to end: the Python call, the input handling and the three
-  output tensors included.
-* ``build_trees_``: a round's trees of budget 64 with their path masses at
-  buckets 4..64, batch 1 and 4: the batched C++ call into the round's state
-  against the per-row build, copies and mass ops it replaced.
-* ``build_tree_device``: the fixed-shape, sync-free build (torch ops on the
+  output tensors (and the scores) included.
+* ``build_tree`` of a batch: a round's trees of budget 64 with their path
+  masses at buckets 4..64, batch 1 and 4: one C++ call for the batch against
+  a build per row.
+* ``build_tree(on_device=True)``: the fixed-shape, sync-free build (torch ops on the
   inputs' device) at budgets 64 / 1024 with K = 32, and at 1024 with the full
   K = 1024 draft. On a CPU these are CPU torch timings (many small ops: far
   slower than the C++ heap there); on a GPU the inputs stay on the GPU and
   each round is timed with a synchronize.
 * ``walk_tree_device``: the sync-free walk of a 1024-node tree, with the
-  ancestor bitmask given and without it (pointer doubling).
+  ancestor bitmask given and without it (the walk builds it first, by pointer
+  doubling).
 * ``ancestor_bits``: the Triton kernel against the NumPy row-copy loop of the
   reference. On a CPU-only machine only the reference runs: the Triton
   interpreter executes kernels program by program in Python and is a
@@ -36,7 +37,12 @@ import pytest  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
 from dflash_kernels import reference as ref  # noqa: E402
-from dflash_kernels.tree import ancestor_bits_triton, build_tree_device, tree_size, walk_tree_device  # noqa: E402
+from dflash_kernels.tree import ancestor_bits_triton, build_tree, tree_size, walk_tree_device  # noqa: E402
+
+
+def build_tree_device(*args):
+    """The device backend of the one build."""
+    return build_tree(*args, on_device=True)
 
 CUDA = torch.cuda.is_available()
 BUDGETS = [16, 64, 256, 512, 1024]
@@ -65,8 +71,8 @@ def test_build_tree(benchmark, impl, budget):
     build = dk.build_tree if impl == "cpp" else ref.build_tree
     benchmark.group = f"build_tree budget={budget}"
     benchmark.extra_info.update(budget=budget, depth=DEPTH, k=ids.shape[1])
-    tokens, _, _ = benchmark(build, logprobs, ids, budget)
-    assert tokens.numel() == budget
+    out = benchmark(build, logprobs, ids, budget)
+    assert out[0].numel() == budget
     _BUILD_MEANS[(impl, budget)] = _median(benchmark)
     python, cpp = _BUILD_MEANS.get(("python", budget)), _BUILD_MEANS.get(("cpp", budget))
     if impl == "cpp" and python and cpp:
@@ -75,44 +81,33 @@ def test_build_tree(benchmark, impl, budget):
             assert python / cpp >= 30, f"C++ build_tree is only {python / cpp:.1f}x the Python heap at budget 512"
 
 
-@pytest.mark.parametrize("budget", [64])
-@pytest.mark.parametrize("scored", [False, True])
-def test_build_tree_scores(benchmark, scored, budget):
-    """The C++ build with each node's path score (what a budget chosen per round sums) against without."""
-    logprobs, ids = draft_inputs(budget)
-    build = dk.build_tree_scores if scored else dk.build_tree
-    benchmark.group = f"build_tree scores budget={budget}"
-    out = benchmark(build, logprobs, ids, budget)
-    assert out[0].numel() == budget and len(out) == (4 if scored else 3)
-
-
-def _round_build_per_row(logprobs, ids, budget, tokens, depths, parents, masses, nodes):
-    """What a CPU round did per sequence before build_trees_: build_tree_scores, three copies into the state,
-    then the masses by exp / cumsum / index_select and a copy (a budget chosen per round)."""
+def _round_build_per_row(logprobs, ids, budget, nodes):
+    """A round's trees and path masses built one sequence at a time: a build per row, then the masses."""
     last = torch.tensor(nodes) - 1
-    for r in range(logprobs.shape[0]):
-        *tree, scores = dk.build_tree_scores(logprobs[r], ids[r], budget)
-        for state, t in zip((tokens, depths, parents), tree):
-            state[r].copy_(t)
-        masses[r].copy_((torch.cumsum(scores.exp(), 0).index_select(0, last) * (1 << 24)).long())
+    trees = [dk.build_tree(logprobs[r], ids[r], budget) for r in range(logprobs.shape[0])]
+    scores = torch.stack([t[3] for t in trees])
+    return (torch.cumsum(scores.exp(), 1).index_select(1, last) * (1 << 24)).long()
+
+
+def _round_build_batched(logprobs, ids, budget, nodes):
+    """The same with one build of the batch (what a CPU round runs)."""
+    last = torch.tensor(nodes) - 1
+    scores = dk.build_tree(logprobs, ids, budget)[3]
+    return (torch.cumsum(scores.exp(), 1).index_select(1, last) * (1 << 24)).long()
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("impl", ["per_row", "batched"])
-def test_build_trees_(benchmark, impl, batch):
-    """A round's trees with their path masses at buckets 4..64 (budget 64, D = 15, K = 64): build_trees_ (one C++
-    call into the state) against the per-row build, copies and mass ops it replaced."""
+def test_build_tree_batch(benchmark, impl, batch):
+    """A round's trees with their path masses at buckets 4..64 (budget 64, D = 15, K = 64): one C++ build of the
+    batch against a build per row."""
     budget, nodes = 64, [4, 8, 16, 32, 64]
     pairs = [draft_inputs(budget, seed=r, k=budget) for r in range(batch)]
     logprobs, ids = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-    out = [torch.zeros(batch, budget, dtype=torch.long), torch.zeros(batch, budget, dtype=torch.long),
-           torch.zeros(batch, budget + 1, dtype=torch.long), torch.zeros(batch, len(nodes), dtype=torch.long)]
     benchmark.group = f"round tree build with masses, batch {batch}"
-    if impl == "batched":
-        benchmark(dk.build_trees_, logprobs, ids, budget, *out, nodes, float(1 << 24))
-    else:
-        benchmark(_round_build_per_row, logprobs, ids, budget, *out, nodes)
-    assert torch.equal(out[0][-1], dk.build_tree(logprobs[-1], ids[-1], budget)[0])
+    fn = _round_build_batched if impl == "batched" else _round_build_per_row
+    masses = benchmark(fn, logprobs, ids, budget, nodes)
+    assert torch.equal(masses, _round_build_per_row(logprobs, ids, budget, nodes))
 
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -152,7 +147,7 @@ def test_build_tree_device(benchmark, one_cpu_thread, budget, k):
 @pytest.mark.parametrize("with_bits", [False, True])
 def test_walk_tree_device(benchmark, one_cpu_thread, with_bits):
     logprobs, ids = draft_inputs(1024, k=32)
-    tokens, _, parents = build_tree_device(logprobs.to(DEVICE), ids.to(DEVICE), 1024)
+    tokens, _, parents, _ = build_tree_device(logprobs.to(DEVICE), ids.to(DEVICE), 1024)
     # The target agrees with one child (the largest token) at every inner node: a full-depth path.
     choice = torch.full((parents.numel(),), -1, dtype=torch.int64, device=DEVICE)
     choice.scatter_reduce_(0, parents[1:].flip(0), tokens.flip(0), reduce="amax", include_self=False)

@@ -109,7 +109,7 @@ def ddtree_tree_stats(budget=64, depth=BLOCK - 1, k=8, seed=0, sharpness=3.0):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(depth, 256, generator=gen) * sharpness
     top = torch.log_softmax(logits, -1).topk(k, dim=-1)
-    _, _, parents = dk.build_tree(top.values, top.indices, budget)
+    _, _, parents, _ = dk.build_tree(top.values, top.indices, budget)
     par = parents.tolist()
     sources = {p for i, p in enumerate(par) if p >= 0 and p != i - 1}
     reloads = sum(1 for i, p in enumerate(par) if i > 0 and p != i - 1)

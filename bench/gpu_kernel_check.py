@@ -375,7 +375,7 @@ def check_tree(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dict, 
     built = dk.build_tree(logprobs, ids, s.budget)
     want = ref.build_tree(logprobs, ids, s.budget)
     check.add(f"build_tree budget={s.budget}", all(torch.equal(a, b) for a, b in zip(built, want)))
-    tokens, depths, parents = built
+    tokens, depths, parents = built[:3]
     choices = torch.cat([tokens[:4], torch.randint(0, s.vocab, (s.budget + 1 - 4,), generator=gen)])
     got_walk, want_walk = dk.walk_tree(parents, tokens, choices), ref.walk_tree(parents, tokens, choices)
     check.add("walk_tree", torch.equal(got_walk[0], want_walk[0]) and int(got_walk[1]) == int(want_walk[1]))

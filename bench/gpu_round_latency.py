@@ -158,7 +158,7 @@ def make_scenarios(block: int, budgets, vocab: int, prefix: int):
     for budget in budgets:
         logits = torch.randn(block - 1, vocab, generator=gen) * 3
         logprobs, ids = torch.log_softmax(logits, -1).topk(min(budget, vocab), dim=-1)
-        tokens, depths, parents = dk.build_tree(logprobs, ids, budget)
+        tokens, depths, parents, _ = dk.build_tree(logprobs, ids, budget)
         out.append(Scenario(f"ddtree budget {budget}", tokens, depths, parents, deepest_path(parents), prefix,
                             chain=False))
     return out

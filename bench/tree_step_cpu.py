@@ -6,7 +6,7 @@ Usage: ``python bench/tree_step_cpu.py [--prompts 8] [--max-new-tokens 128] [--b
 On the CPU with the reference backend an eager DDTree round builds its tree
 with :func:`dflash_kernels.build_tree` and walks it with
 :func:`dflash_kernels.walk_tree` (C++ on host tensors); a traced round uses
-the tensor ops (:func:`dflash_kernels.build_tree_device`,
+the tensor ops (:func:`dflash_kernels.build_tree` with ``on_device=True``,
 :func:`dflash_kernels.walk_tree_device`). This runs the tiny pair's eager
 DDTree both ways, interleaved prompt by prompt, and prints tokens/s of each,
 the ratio, and whether the tokens are the same (they must be: the same tree

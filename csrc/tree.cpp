@@ -4,7 +4,7 @@
 // host commits. The Python reference of both is
 // dflash_kernels/reference/tree.py; the two must agree bit for bit.
 //
-// build_tree(top_logprobs [D, K] float, top_ids [D, K] int64/int32, budget)
+// build_tree(top_logprobs [(b,) D, K] float, top_ids [(b,) D, K] int64/int32, budget)
 //   Row d of the inputs is depth d + 1, sorted best first. A max-priority
 //   queue holds candidate nodes keyed by the sum of log-probs along their path
 //   from the root. It starts with (depth 1, rank 0, parent root). Each pop
@@ -27,8 +27,9 @@
 //   "parent asc" is the device build's "parent's slot asc".
 //   The node count n = min(budget, sum_{d=1..D} K^d) is known up front (the
 //   queue only runs empty once the whole tree is popped), so the loop writes
-//   straight into the preallocated outputs. build_tree_scored also returns
-//   each node's score (its path sum, double), non-increasing in node order. Inputs are read in place
+//   straight into the preallocated outputs, with each node's score (its path
+//   sum, double), non-increasing in node order. [b, D, K] inputs build b
+//   trees, one loop per row, into [b, ...] outputs. Inputs are read in place
 //   (float32/float64, int64/int32, any strides), with no conversion copies.
 //   Queue entries are 128-bit integer keys (score, then ~depth, ~parent), so
 //   each heap comparison is one unsigned compare (see make_key below).
@@ -39,7 +40,6 @@
 //   children share a token). Returns the visited nodes and the bonus token
 //   target_choice[last].
 #include <ATen/EmptyTensor.h>
-#include <ATen/MemoryOverlap.h>
 #include <torch/extension.h>
 
 #include <cmath>
@@ -214,22 +214,22 @@ void build_tree_dispatch_ids(const torch::Tensor& lp, const torch::Tensor& ids, 
   }
 }
 
-// The checked host view of a build's inputs: top_logprobs [depth, K] (dims 2, one tree) or [b, depth, K]
-// (dims 3, a batch), floating point, and top_ids of the same shape, int64 or int32. They are read in place
-// (any strides, float32 / float64 directly); GPU tensors are copied to the host first, other float types
-// become float64 (exact: every float type converts to double without rounding).
+// The checked host view of a build's inputs: top_logprobs [depth, K] (one tree) or [b, depth, K] (a batch),
+// floating point, and top_ids of the same shape, int64 or int32. They are read in place (any strides, float32
+// / float64 directly); GPU tensors are copied to the host first, other float types become float64 (exact:
+// every float type converts to double without rounding).
 std::pair<torch::Tensor, torch::Tensor> host_build_inputs(const torch::Tensor& top_logprobs_in,
-                                                          const torch::Tensor& top_ids_in, int64_t budget,
-                                                          int64_t dims, const char* op) {
-  TORCH_CHECK(top_logprobs_in.dim() == dims, op, ": top_logprobs must be ", dims, "-D ",
-              dims == 2 ? "[depth, K]" : "[b, depth, K]", ", got shape ", top_logprobs_in.sizes());
-  TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(), op, ": top_ids must have the shape of top_logprobs ",
+                                                          const torch::Tensor& top_ids_in, int64_t budget) {
+  TORCH_CHECK(top_logprobs_in.dim() == 2 || top_logprobs_in.dim() == 3,
+              "build_tree: top_logprobs must be 2-D [depth, K] or 3-D [b, depth, K], got shape ",
+              top_logprobs_in.sizes());
+  TORCH_CHECK(top_ids_in.sizes() == top_logprobs_in.sizes(), "build_tree: top_ids must have the shape of top_logprobs ",
               top_logprobs_in.sizes(), ", got ", top_ids_in.sizes());
-  TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()), op, ": top_logprobs must be floating point, got ",
-              top_logprobs_in.scalar_type());
-  TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32, op,
-              ": top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
-  TORCH_CHECK(budget >= 0, op, ": budget must be >= 0, got ", budget);
+  TORCH_CHECK(at::isFloatingType(top_logprobs_in.scalar_type()),
+              "build_tree: top_logprobs must be floating point, got ", top_logprobs_in.scalar_type());
+  TORCH_CHECK(top_ids_in.scalar_type() == torch::kInt64 || top_ids_in.scalar_type() == torch::kInt32,
+              "build_tree: top_ids must be int64 or int32, got ", top_ids_in.scalar_type());
+  TORCH_CHECK(budget >= 0, "build_tree: budget must be >= 0, got ", budget);
   const bool lp_native = top_logprobs_in.scalar_type() == torch::kFloat32 ||
                          top_logprobs_in.scalar_type() == torch::kFloat64;
   torch::Tensor lp = top_logprobs_in.device().is_cpu() ? top_logprobs_in : top_logprobs_in.cpu();
@@ -240,138 +240,48 @@ std::pair<torch::Tensor, torch::Tensor> host_build_inputs(const torch::Tensor& t
 
 // The node count of a tree of `budget` nodes over depth x K inputs, checked to fit the uint32 node indices,
 // depths and ranks of the heap loop.
-int64_t checked_tree_nodes(int64_t max_depth, int64_t k, int64_t budget, const char* op) {
+int64_t checked_tree_nodes(int64_t max_depth, int64_t k, int64_t budget) {
   constexpr int64_t kMaxNodes = int64_t{1} << 30;
   const int64_t n = full_tree_nodes(max_depth, k, budget < kMaxNodes ? budget : kMaxNodes);
-  TORCH_CHECK(n < kMaxNodes, op, ": the tree would have ", n, " or more nodes; at most ", kMaxNodes - 1,
+  TORCH_CHECK(n < kMaxNodes, "build_tree: the tree would have ", n, " or more nodes; at most ", kMaxNodes - 1,
               " are supported");
-  TORCH_CHECK(k < kMaxNodes && max_depth < kMaxNodes, op, ": D and K must be below ", kMaxNodes, ", got ", max_depth,
-              " and ", k);
+  TORCH_CHECK(k < kMaxNodes && max_depth < kMaxNodes, "build_tree: D and K must be below ", kMaxNodes, ", got ",
+              max_depth, " and ", k);
   return n;
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_impl(
-    const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget, bool with_scores) {
-  const auto inputs = host_build_inputs(top_logprobs_in, top_ids_in, budget, 2, "build_tree");
-  const torch::Tensor& lp = inputs.first;
-  const torch::Tensor& ids = inputs.second;
-  const int64_t n = checked_tree_nodes(lp.size(0), lp.size(1), budget, "build_tree");
-
-  // The outputs, allocated without the dispatcher (plain CPU int64 tensors).
-  torch::Tensor out_tokens = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
-  torch::Tensor out_depths = at::detail::empty_cpu({n}, torch::kInt64, false, c10::nullopt);
-  torch::Tensor out_parents = at::detail::empty_cpu({n + 1}, torch::kInt64, false, c10::nullopt);
-  torch::Tensor out_scores = at::detail::empty_cpu({with_scores ? n : 0}, torch::kFloat64, false, c10::nullopt);
-  int64_t* tokens = out_tokens.data_ptr<int64_t>();
-  int64_t* depths = out_depths.data_ptr<int64_t>();
-  int64_t* parents = out_parents.data_ptr<int64_t>();
-  double* scores = with_scores ? out_scores.data_ptr<double>() : nullptr;
-  if (lp.scalar_type() == torch::kFloat32) {
-    build_tree_dispatch_ids<float>(lp, ids, n, tokens, depths, parents, scores);
-  } else {
-    build_tree_dispatch_ids<double>(lp, ids, n, tokens, depths, parents, scores);
-  }
-  return {std::move(out_tokens), std::move(out_depths), std::move(out_parents), std::move(out_scores)};
-}
-
-// build_trees_: the trees of a batch, written into the caller's buffers (a round's state), and optionally
-// each tree's path masses: masses[r, v] = floor(mass_scale * sum_{i < mass_nodes[v]} exp(score_i)), the
-// drafter's expected accepted drafts over the tree's first mass_nodes[v] nodes, in fixed point. One call
-// for the batch: no per-sequence Python loop, no temporary tensors, no copies.
-void build_trees_cpu(const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget,
-                     torch::Tensor& tokens, torch::Tensor& depths, torch::Tensor& parents,
-                     const c10::optional<torch::Tensor>& masses_opt, const std::vector<int64_t>& mass_nodes,
-                     double mass_scale) {
-  const auto inputs = host_build_inputs(top_logprobs_in, top_ids_in, budget, 3, "build_trees_");
-  const torch::Tensor& lp = inputs.first;
-  const torch::Tensor& ids = inputs.second;
-  const int64_t b = lp.size(0), max_depth = lp.size(1), k = lp.size(2);
-  const int64_t n = checked_tree_nodes(max_depth, k, budget, "build_trees_");
-  // The outputs: int64 CPU tensors with the batch in front and unit stride along the nodes (a round's state
-  // rows, or views of their first rows); written in place. Overlap: one host thread writes them, tree r
-  // into elements [r * stride(0), r * stride(0) + width) of each output only, so the rows of one output are
-  // disjoint when stride(0) >= width (checked: a broadcast or too-narrow row stride is refused). The inputs
-  // are only read. Outputs sharing memory with each other or with the inputs are refused where ATen can
-  // tell (the same tensor, or dense views of one storage that overlap).
-  auto check_out = [&](const torch::Tensor& t, const char* name, int64_t width) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64, "build_trees_: ", name,
-                " must be an int64 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == b && t.size(1) == width, "build_trees_: ", name, " must be [", b, ", ",
-                width, "] (the batch, then the ", width, " slots of a tree of ", n, " nodes), got ", t.sizes());
-    TORCH_CHECK(width <= 1 || t.stride(1) == 1, "build_trees_: ", name, " must be contiguous along its last dim");
-    TORCH_CHECK(b <= 1 || t.stride(0) >= width, "build_trees_: ", name, "'s rows overlap (row stride ", t.stride(0),
-                " < ", width, " elements per row)");
-    at::assert_no_overlap(t, lp);
-    at::assert_no_overlap(t, ids);
+// build_tree: the trees of [depth, K] inputs (one) or [b, depth, K] (a batch, one heap loop per row, no Python
+// loop): (tokens [.., N], depths [.., N], parents [.., N + 1]) int64 and scores [.., N] float64, each node's
+// path sum of log-probs (the key the heap popped it by), all plain CPU tensors allocated without the
+// dispatcher.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(
+    const torch::Tensor& top_logprobs_in, const torch::Tensor& top_ids_in, int64_t budget) {
+  const auto inputs = host_build_inputs(top_logprobs_in, top_ids_in, budget);
+  const bool batched = inputs.first.dim() == 3;
+  const torch::Tensor lp = batched ? inputs.first : inputs.first.unsqueeze(0);
+  const torch::Tensor ids = batched ? inputs.second : inputs.second.unsqueeze(0);
+  const int64_t b = lp.size(0);
+  const int64_t n = checked_tree_nodes(lp.size(1), lp.size(2), budget);
+  auto empty = [&](int64_t width, c10::ScalarType dtype) {
+    std::vector<int64_t> size{width};
+    if (batched) size.insert(size.begin(), b);
+    return at::detail::empty_cpu(size, dtype, false, c10::nullopt);
   };
-  check_out(tokens, "tokens", n);
-  check_out(depths, "depths", n);
-  check_out(parents, "parents", n + 1);
-  at::assert_no_overlap(tokens, depths);
-  at::assert_no_overlap(tokens, parents);
-  at::assert_no_overlap(depths, parents);
-  int64_t* mass_out = nullptr;
-  int64_t mass_s0 = 0, mass_s1 = 0;
-  const int64_t v_count = static_cast<int64_t>(mass_nodes.size());
-  if (masses_opt.has_value()) {
-    const torch::Tensor& masses = *masses_opt;
-    TORCH_CHECK(masses.device().is_cpu() && masses.scalar_type() == torch::kInt64,
-                "build_trees_: masses must be an int64 CPU tensor, got ", masses.scalar_type(), " on ",
-                masses.device());
-    TORCH_CHECK(masses.dim() == 2 && masses.size(0) == b && masses.size(1) == v_count, "build_trees_: masses must be [",
-                b, ", ", v_count, "] (one per mass_nodes entry), got ", masses.sizes());
-    for (int64_t v = 0; v < v_count; ++v) {
-      TORCH_CHECK(mass_nodes[v] >= 1 && mass_nodes[v] <= n, "build_trees_: mass_nodes must lie in [1, ", n,
-                  "] (the tree's nodes), got ", mass_nodes[v], " at index ", v);
-    }
-    TORCH_CHECK(mass_scale > 0, "build_trees_: mass_scale must be positive, got ", mass_scale);
-    at::assert_no_internal_overlap(masses);  // any strides: a broadcast view is refused
-    for (const torch::Tensor* other : std::initializer_list<const torch::Tensor*>{&tokens, &depths, &parents, &lp,
-                                                                                   &ids}) {
-      at::assert_no_overlap(masses, *other);
-    }
-    mass_out = masses.data_ptr<int64_t>();
-    mass_s0 = masses.stride(0);
-    mass_s1 = masses.stride(1);
-  } else {
-    TORCH_CHECK(v_count == 0, "build_trees_: mass_nodes given without masses to write");
-  }
-  std::unique_ptr<double[]> scores(mass_out != nullptr ? new double[n > 0 ? n : 1] : nullptr);
-  std::vector<double> prefix(mass_out != nullptr ? static_cast<size_t>(n) + 1 : 0, 0.0);  // prefix[i]: first i nodes
-  int64_t* tok = tokens.data_ptr<int64_t>();
-  int64_t* dep = depths.data_ptr<int64_t>();
-  int64_t* par = parents.data_ptr<int64_t>();
+  torch::Tensor out_tokens = empty(n, torch::kInt64), out_depths = empty(n, torch::kInt64);
+  torch::Tensor out_parents = empty(n + 1, torch::kInt64), out_scores = empty(n, torch::kFloat64);
+  int64_t* tok = out_tokens.data_ptr<int64_t>();
+  int64_t* dep = out_depths.data_ptr<int64_t>();
+  int64_t* par = out_parents.data_ptr<int64_t>();
+  double* sco = out_scores.data_ptr<double>();
   for (int64_t r = 0; r < b; ++r) {
     const torch::Tensor lp_r = lp.select(0, r), ids_r = ids.select(0, r);
     if (lp.scalar_type() == torch::kFloat32) {
-      build_tree_dispatch_ids<float>(lp_r, ids_r, n, tok + r * tokens.stride(0), dep + r * depths.stride(0),
-                                     par + r * parents.stride(0), scores.get());
+      build_tree_dispatch_ids<float>(lp_r, ids_r, n, tok + r * n, dep + r * n, par + r * (n + 1), sco + r * n);
     } else {
-      build_tree_dispatch_ids<double>(lp_r, ids_r, n, tok + r * tokens.stride(0), dep + r * depths.stride(0),
-                                      par + r * parents.stride(0), scores.get());
-    }
-    if (mass_out == nullptr) continue;
-    // Prefix sums of the nodes' path probabilities, read at each requested node count (any order).
-    double total = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      total += std::exp(scores[i]);
-      prefix[i + 1] = total;
-    }
-    for (int64_t v = 0; v < v_count; ++v) {
-      mass_out[r * mass_s0 + v * mass_s1] = static_cast<int64_t>(std::floor(mass_scale * prefix[mass_nodes[v]]));
+      build_tree_dispatch_ids<double>(lp_r, ids_r, n, tok + r * n, dep + r * n, par + r * (n + 1), sco + r * n);
     }
   }
-}
-
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> build_tree_cpu(const torch::Tensor& top_logprobs,
-                                                                       const torch::Tensor& top_ids, int64_t budget) {
-  auto out = build_tree_impl(top_logprobs, top_ids, budget, false);
-  return {std::move(std::get<0>(out)), std::move(std::get<1>(out)), std::move(std::get<2>(out))};
-}
-
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tree_scored_cpu(
-    const torch::Tensor& top_logprobs, const torch::Tensor& top_ids, int64_t budget) {
-  return build_tree_impl(top_logprobs, top_ids, budget, true);
+  return {std::move(out_tokens), std::move(out_depths), std::move(out_parents), std::move(out_scores)};
 }
 
 std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in, const torch::Tensor& token_ids_in,
@@ -432,15 +342,8 @@ std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in
 
 void register_tree_ops(pybind11::module_& m) {
   m.def("build_tree", &build_tree_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"), pybind11::arg("budget"),
-        "Best-first DDTree build on CPU tensors: returns (token_ids [N], depths [N], parents [N+1]) as int64");
-  m.def("build_tree_scored", &build_tree_scored_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"),
-        pybind11::arg("budget"),
-        "build_tree, and each node's score (its path sum of log-probs) as a float64 [N] tensor");
-  m.def("build_trees_", &build_trees_cpu, pybind11::arg("top_logprobs"), pybind11::arg("top_ids"),
-        pybind11::arg("budget"), pybind11::arg("tokens"), pybind11::arg("depths"), pybind11::arg("parents"),
-        pybind11::arg("masses"), pybind11::arg("mass_nodes"), pybind11::arg("mass_scale"),
-        "build_tree for a batch [b, D, K], written into tokens [b, N], depths [b, N], parents [b, N+1], and "
-        "optionally each tree's fixed-point path masses at the given node counts into masses [b, V] (int64)");
+        "Best-first DDTree build of [D, K] or [b, D, K] inputs on the host: returns (token_ids [.., N], depths [.., N], "
+        "parents [.., N+1]) int64 and scores [.., N] float64 (each node's path sum of log-probs)");
   m.def("walk_tree", &walk_tree_cpu, pybind11::arg("parents"), pybind11::arg("token_ids"),
         pybind11::arg("target_choice"),
         "Walk of a verified DDTree on CPU tensors: returns (accepted node indices [A] int64, bonus token)");

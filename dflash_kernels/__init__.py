@@ -22,8 +22,9 @@ Public ops (each family's module defines ``__all__``):
   cross-entropy: :mod:`.cross_entropy`
 * rejection sampling of a drafted chain (the lossless acceptance of sampled
   drafts, dense or sparse draft distribution): :mod:`.rejection`
-* DDTree: tree build and walk (C++; on the device: ``build_tree_device`` /
-  ``walk_tree_device``), ancestor bitmask, tree attention and its torch
+* DDTree: the tree build (``build_tree``: C++ on the host, or on the device
+  with ``on_device=True``; one tree or a batch, with the nodes' path scores)
+  and walk (C++; on the device: ``walk_tree_device``), ancestor bitmask, tree attention and its torch
   visibility / masked-attention path, KV compaction and the cache row write
   (``kv_write_``, C++): :mod:`.tree`, :mod:`.tree_attention`, :mod:`.kv_compaction`
 * hybrid targets' Gated-DeltaNet layers: tree scan, path replay, tree conv,

@@ -378,14 +378,14 @@ lm_head_cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup_co
 
 @torch.library.custom_op(f"{_NS}::ancestor_bits", mutates_args=())
 def ancestor_bits(parents: Tensor, check: bool = True) -> Tensor:
-    """:func:`dflash_kernels.ancestor_bits`: int32 ``[N+1, ceil((N+1)/32)]`` on parents' device."""
+    """:func:`dflash_kernels.ancestor_bits`: int32 ``[(b,) N+1, ceil((N+1)/32)]`` on parents' device."""
     return _tree.ancestor_bits(parents, check=check)
 
 
 @ancestor_bits.register_fake
 def _ancestor_bits_fake(parents, check=True):
-    n = parents.shape[0]
-    return parents.new_empty(n, (n + 31) // 32, dtype=torch.int32)
+    n = parents.shape[-1]
+    return parents.new_empty(*parents.shape, (n + 31) // 32, dtype=torch.int32)
 
 
 @torch.library.custom_op(f"{_NS}::tree_positions", mutates_args=())
@@ -400,24 +400,31 @@ def _tree_positions_fake(depths, start):
 
 
 def _static_tree_size(top_logprobs: Tensor, budget) -> int:
-    """``tree_size(D, K, budget)`` from the draft's shape (concrete ints: a symbolic one is specialized)."""
-    depth, k = top_logprobs.shape
+    """``tree_size(D, K, budget)`` from the draft's shape ``[(b,) D, K]`` (concrete ints: a symbolic one is
+    specialized)."""
+    depth, k = top_logprobs.shape[-2:]
     return _tree_device.tree_size(int(depth), int(k), int(budget))
 
 
+def _tree_fake(lead, n: int, device, score_dtype):
+    """The outputs of a tree build: ``(token_ids [.., N], depths [.., N], parents [.., N+1])`` int64 and ``scores
+    [.., N]``, ``lead`` the batch dims."""
+    new = lambda size, dtype=torch.int64: torch.empty(*lead, size, dtype=dtype, device=device)  # noqa: E731
+    return new(n), new(n), new(n + 1), new(n, score_dtype)
+
+
 @torch.library.custom_op(f"{_NS}::build_tree", mutates_args=())
-def build_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.build_tree` (C++ heap, host op): ``(token_ids [N], depths [N], parents [N+1])``
-    int64 on the CPU. ``N = tree_size(D, K, budget)``: the heap pushes a node's next sibling and first child
-    at every pop, so it empties only after the whole ``D``-level tree was popped; the fake is static."""
+def build_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.build_tree` on the host (C++ heap): ``(token_ids [.., N], depths [.., N], parents
+    [.., N+1])`` int64 and ``scores [.., N]`` float64 on the CPU. ``N = tree_size(D, K, budget)``: the heap pushes
+    a node's next sibling and first child at every pop, so it empties only after the whole ``D``-level tree was
+    popped; the fake is static."""
     return _tree.build_tree(top_logprobs, top_ids, budget)
 
 
 @build_tree.register_fake
 def _build_tree_fake(top_logprobs, top_ids, budget):
-    n = _static_tree_size(top_logprobs, budget)
-    new = lambda size: torch.empty(size, dtype=torch.int64, device="cpu")  # noqa: E731
-    return new(n), new(n), new(n + 1)
+    return _tree_fake(top_logprobs.shape[:-2], _static_tree_size(top_logprobs, budget), "cpu", torch.float64)
 
 
 @torch.library.custom_op(f"{_NS}::walk_tree", mutates_args=())
@@ -436,39 +443,40 @@ def _walk_tree_fake(parents, token_ids, target_choice):
 
 
 @torch.library.custom_op(f"{_NS}::build_tree_device", mutates_args=())
-def build_tree_device(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.build_tree_device`: ``(token_ids [N], depths [N], parents [N+1])`` int64 on
-    the inputs' device, ``N = tree_size(D, K, budget)``."""
+def build_tree_device(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.build_tree` on the device (``on_device=True``): ``(token_ids [.., N], depths [.., N],
+    parents [.., N+1])`` int64 and ``scores [.., N]`` float32 on the inputs' device, ``N = tree_size(D, K,
+    budget)``."""
     return _tree_device.build_tree_device(top_logprobs, top_ids, budget)
 
 
 @build_tree_device.register_fake
 def _build_tree_device_fake(top_logprobs, top_ids, budget):
     n = _static_tree_size(top_logprobs, budget)
-    new = lambda size: top_logprobs.new_empty(size, dtype=torch.int64)  # noqa: E731
-    return new(n), new(n), new(n + 1)
+    return _tree_fake(top_logprobs.shape[:-2], n, top_logprobs.device, torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::build_selector_tree_device", mutates_args=())
-def build_selector_tree_device(child_logprobs: Tensor, candidates: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.build_selector_tree_device`: ``(token_ids [N], depths [N], parents [N+1])`` int64 on
-    the inputs' device, ``N = tree_size(D, k, budget)`` for ``candidates [D, k]``."""
+def build_selector_tree_device(child_logprobs: Tensor, candidates: Tensor,
+                               budget: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.build_selector_tree_device`: ``(token_ids [.., N], depths [.., N], parents [.., N+1])``
+    int64 and ``scores [.., N]`` float32 on the inputs' device, ``N = tree_size(D, k, budget)`` for candidates
+    ``[(b,) D, k]``."""
     return _tree_device.build_selector_tree_device(child_logprobs, candidates, budget)
 
 
 @build_selector_tree_device.register_fake
 def _build_selector_tree_device_fake(child_logprobs, candidates, budget):
     n = _static_tree_size(candidates, budget)
-    new = lambda size: candidates.new_empty(size, dtype=torch.int64)  # noqa: E731
-    return new(n), new(n), new(n + 1)
+    return _tree_fake(candidates.shape[:-2], n, candidates.device, torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::build_tree_device.tables", mutates_args=())
 def build_tree_device_tables(top_logprobs: Tensor, top_ids: Tensor, budget: int, slots: Tensor, ranks: Tensor,
-                             depth_of: Tensor, parent_base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.build_tree_device` over index tables the caller holds (the tensors of a
+                             depth_of: Tensor, parent_base: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.build_tree` on the device over index tables the caller holds (the tensors of a
     :class:`~dflash_kernels.tree_device.TreeTables`; its host ints follow from the shapes and ``budget``)."""
-    D, K = top_logprobs.shape
+    D, K = top_logprobs.shape[-2:]
     n = _tree_device.tree_size(D, K, budget)
     prefix, kept = _tree_device._host_layout(n, K, D)
     tables = _tree_device.TreeTables(n, K, D, prefix, kept, slots, ranks, depth_of, parent_base)
@@ -478,21 +486,22 @@ def build_tree_device_tables(top_logprobs: Tensor, top_ids: Tensor, budget: int,
 @build_tree_device_tables.register_fake
 def _build_tree_device_tables_fake(top_logprobs, top_ids, budget, slots, ranks, depth_of, parent_base):
     n = _static_tree_size(top_logprobs, budget)
-    new = lambda size: top_logprobs.new_empty(size, dtype=torch.int64)  # noqa: E731
-    return new(n), new(n), new(n + 1)
+    return _tree_fake(top_logprobs.shape[:-2], n, top_logprobs.device, torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::walk_tree_device", mutates_args=())
 def walk_tree_device(parents: Tensor, token_ids: Tensor, target_choice: Tensor, max_depth: int,
                      bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.walk_tree_device`: ``(path [D+1], path_len [1], committed [D+1])`` int64."""
+    """:func:`dflash_kernels.walk_tree_device`: ``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])``
+    int64."""
     return _tree_device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
 
 
 @walk_tree_device.register_fake
 def _walk_tree_device_fake(parents, token_ids, target_choice, max_depth, bits=None):
-    new = lambda size: parents.new_empty(size, dtype=torch.int64)  # noqa: E731
-    return new(max_depth + 1), new(1), new(max_depth + 1)
+    lead = tuple(parents.shape[:-1])
+    new = lambda *size: parents.new_empty(*size, dtype=torch.int64)  # noqa: E731
+    return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)
 
 
 # --------------------------------------------------------------------------- attention

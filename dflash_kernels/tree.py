@@ -5,19 +5,23 @@ nodes 1..N are drafted tokens numbered in best-first pop order, so a parent
 always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
 ``token_ids[i - 1]`` and ``depths[i - 1]`` describe node ``i``.
 
-* :func:`build_tree` and :func:`walk_tree` run in C++ on the host
-  (``dflash_kernels._C``); GPU inputs are copied to the CPU first (one small
-  device-to-host copy, which synchronizes), and the results are CPU tensors.
-  The pure-Python spec is :mod:`dflash_kernels.reference.tree`.
+* :func:`build_tree` is the one tree build: one tree ``[D, K]`` or a batch
+  ``[b, D, K]``, the tokens, depths, parents and each node's path score; on
+  the host (the C++ heap of ``dflash_kernels._C``; GPU inputs are copied to
+  the CPU first, one device-to-host copy, which synchronizes; CPU results)
+  or, ``on_device=True``, on the inputs' device with fixed shapes and no host
+  sync (:mod:`dflash_kernels.tree_device`). Both give the same trees, bit for
+  bit, exact score ties included (one tie rule: ``(score desc, depth asc,
+  parent asc, rank asc)``). The pure-Python spec is
+  :mod:`dflash_kernels.reference.tree`.
+* :func:`walk_tree` runs in C++ on the host.
 * :func:`ancestor_bits` builds the packed ancestor-or-self bitmask on the
   parents' device with a Triton kernel (the interpreter on CPU when
   ``TRITON_INTERPRET=1``), else with the NumPy reference.
 * :func:`tree_positions` gives the position ids of ``[root, nodes...]``.
-* :func:`build_tree_device` / :func:`walk_tree_device` (from
-  :mod:`dflash_kernels.tree_device`) do the build and the walk with torch ops
-  on the inputs' device, fixed shapes (:func:`tree_size` gives ``N``) and no
-  host sync: the same trees as the C++ ops, bit for bit, exact score ties
-  included (one tie rule: ``(score desc, depth asc, parent asc, rank asc)``).
+* :func:`walk_tree_device` (from :mod:`dflash_kernels.tree_device`) does the
+  walk with torch ops on the inputs' device, fixed shapes (:func:`tree_size`
+  gives ``N``) and no host sync: the C++ walk's path.
 * :func:`selector_child_logprobs` / :func:`build_selector_tree_device`: the
   tree over a DFlash2 candidate selector, whose children are scored given
   their parent's token (:mod:`dflash_kernels.reference.selector_tree`); the
@@ -26,7 +30,7 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -41,39 +45,46 @@ from .tree_device import TreeTables, tree_size
 
 __all__ = [
     "build_tree",
-    "build_tree_scores",
-    "build_trees_",
     "walk_tree",
     "ancestor_bits",
     "tree_positions",
     "tree_size",
-    "build_tree_device",
     "build_selector_tree_device",
     "selector_child_logprobs",
     "walk_tree_device",
 ]
 
 
-def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Best-first draft tree under a node budget (C++).
+def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, *, on_device: bool = False,
+               tables: Optional[TreeTables] = None,
+               backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best-first draft tree(s) under a node budget: the one tree build, on the host or on the device.
 
     Args:
-        top_logprobs: ``[D, K]`` float; row ``d`` holds the log-probs of the
-            top-K drafted tokens at depth ``d + 1``, sorted best first.
-        top_ids: ``[D, K]`` int64 (or int32) token ids matching ``top_logprobs``.
+        top_logprobs: ``[D, K]`` (one tree) or ``[b, D, K]`` (``b`` trees) float; row ``d`` holds the log-probs
+            of the top-K drafted tokens at depth ``d + 1``, sorted best first, all ``<= 0``.
+        top_ids: int64 (or int32) token ids of the same shape matching ``top_logprobs``.
         budget: the most nodes to add, root not counted (``>= 0``).
+        on_device: False: the C++ heap on the host (``dflash_kernels._C``): inputs on a GPU are copied to the
+            CPU first (a sync; CPU inputs are read in place, any strides, float32/float64 without a conversion
+            copy), the outputs are CPU tensors, the scores float64. True: the fixed-shape sort build of
+            :func:`dflash_kernels.tree_device.build_tree_device` on the inputs' device, no host read (a
+            compiled round's), the scores float32.
+        tables: on the device, the build's :class:`~dflash_kernels.tree_device.TreeTables`, held by the caller
+            (a compiled round holds them as long as its graphs, which read their addresses); made per call
+            when omitted.
+        backend: on the device, 'triton' or 'reference' to fix the backend (a compiled round does), None:
+            :func:`dflash_kernels.get_backend`.
 
     Returns:
-        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)``, all on
-        the CPU, ``N <= budget``. Scores are float64 path sums of log-probs; the
-        queue pops the highest score, ties in the order (depth asc, parent
-        asc, rank asc), every tree build's tie rule (see
-        :func:`dflash_kernels.reference.build_tree` for the algorithm).
-        Inputs on a GPU are copied to the CPU first (inside the C++ op, which
-        reads CPU inputs in place: any strides, float32/float64 without a
-        conversion copy). This wrapper only type-checks: the work is the C++
-        heap loop. For a build on the device with no host sync see
-        :func:`build_tree_device`.
+        ``(token_ids [.., N] int64, depths [.., N] int64, parents [.., N+1] int64, scores [.., N])``, ``..`` the
+        batch if any, ``N = tree_size(D, K, budget)``; ``scores[.., i]`` is node ``i + 1``'s path score, the sum
+        of the log-probs from the root to it (float64 sums, ``score(parent) + logprob``; the key the build
+        ranks nodes by: non-increasing in node order). ``exp(scores)`` is the drafter's probability that a
+        walk accepts the node. Nodes come in the order ``(score desc, depth asc, parent asc, rank asc)`` on
+        both backends, so they build the same trees bit for bit, exact ties included
+        (:func:`dflash_kernels.reference.build_tree` for the heap, ``build_tree_sorted`` for the rule spelled
+        out).
     """
     if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
         raise TypeError(f"build_tree: budget must be an int, got {type(budget).__name__}")
@@ -81,50 +92,16 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
         raise TypeError(f"build_tree: top_logprobs must be a torch.Tensor, got {type(top_logprobs).__name__}")
     if type(top_ids) is not torch.Tensor and not isinstance(top_ids, torch.Tensor):
         raise TypeError(f"build_tree: top_ids must be a torch.Tensor, got {type(top_ids).__name__}")
-    return _C.build_tree(top_logprobs, top_ids, budget)
-
-
-def build_tree_scores(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int):
-    """:func:`build_tree` and each node's score (C++): ``(token_ids [N], depths [N], parents [N+1], scores [N]
-    float64)``, ``scores[i]`` the sum of the log-probs along node ``i + 1``'s path from the root (the key the
-    best-first queue popped it by: non-increasing in node order). The drafter's probability that a walk
-    accepts the node is ``exp(scores[i])``; a DDTree round with a budget chosen per round sums these."""
-    if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
-        raise TypeError(f"build_tree_scores: budget must be an int, got {type(budget).__name__}")
-    for name, t in (("top_logprobs", top_logprobs), ("top_ids", top_ids)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"build_tree_scores: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return _C.build_tree_scored(top_logprobs, top_ids, budget)
-
-
-def build_trees_(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, tokens: torch.Tensor,
-                 depths: torch.Tensor, parents: torch.Tensor, masses: Optional[torch.Tensor] = None,
-                 mass_nodes: Sequence[int] = (), mass_scale: float = 1.0) -> None:
-    """:func:`build_tree` for a batch, written in place (C++): one call for the ``b`` trees of a round.
-
-    Args:
-        top_logprobs / top_ids: ``[b, D, K]``, row ``r`` as :func:`build_tree`'s inputs.
-        budget: the most nodes per tree; every tree has ``N = min(budget, sum_d K**d)`` nodes.
-        tokens / depths: ``[b, N]`` int64 CPU; parents: ``[b, N + 1]`` int64 CPU (each contiguous along its
-            last dim; any row stride): tree ``r``'s :func:`build_tree` outputs go to row ``r``.
-        masses: ``[b, V]`` int64 CPU, or None; with it, ``masses[r, v] = floor(mass_scale * sum_{i < n_v}
-            exp(score_i))``, ``n_v = mass_nodes[v]`` in ``[1, N]`` and ``score_i`` node ``i + 1``'s path sum of
-            log-probs (:func:`build_tree_scores`): the drafter's expected accepted drafts of the tree's first
-            ``n_v`` nodes, in fixed point (``mass_scale`` a power of two keeps it exact to its last bit).
-
-    The same trees, bit for bit, as :func:`build_tree` row by row; no temporaries, no copies, no Python loop
-    over the batch. Inputs on a GPU are copied to the host first (a sync), as :func:`build_tree`'s are.
-    """
-    if type(budget) is not int and (not isinstance(budget, int) or isinstance(budget, bool)):
-        raise TypeError(f"build_trees_: budget must be an int, got {type(budget).__name__}")
-    for name, t in (("top_logprobs", top_logprobs), ("top_ids", top_ids), ("tokens", tokens), ("depths", depths),
-                    ("parents", parents)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"build_trees_: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if masses is not None and not isinstance(masses, torch.Tensor):
-        raise TypeError(f"build_trees_: masses must be a torch.Tensor or None, got {type(masses).__name__}")
-    _C.build_trees_(top_logprobs, top_ids, budget, tokens, depths, parents, masses, [int(n) for n in mass_nodes],
-                    float(mass_scale))
+    if not on_device:
+        if tables is not None:
+            raise ValueError("build_tree: tables are the device build's (on_device=True)")
+        return _C.build_tree(top_logprobs, top_ids, budget)
+    if tracing() and resolve_backend(backend, top_logprobs.device) == "triton":
+        if tables is None:
+            return torch.ops.dflash.build_tree_device.default(top_logprobs, top_ids, budget)
+        return torch.ops.dflash.build_tree_device.tables(top_logprobs, top_ids, budget, tables.slots, tables.ranks,
+                                                         tables.depth_of, tables.parent_base)
+    return _device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
 
 
 def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -189,16 +166,27 @@ def ancestor_bits_config(n_nodes: int) -> dict:
 
 @triton.jit
 def _ancestor_bits_kernel(parents_ptr, bits_ptr, n_nodes, n_words, BLOCK_R: tl.constexpr):
-    """One program: word ``w`` (nodes 32w..32w+31) of rows ``BLOCK_R * pid .. + BLOCK_R``.
+    """One program: word ``w`` (nodes 32w..32w+31) of rows ``BLOCK_R * pid .. + BLOCK_R`` of tree ``pid(2)``.
 
     Each lane starts at its row and climbs the parent chain, setting the bit
     of every visited node that falls in this word. Indices only decrease on the
     way up, so the loop ends once every lane is below the word's first node
     (at once for the words right of the diagonal). A parent that is not
     smaller than its child ends the chain, so malformed input cannot hang.
+
+    The batch is grid dim 2: tree ``t`` reads only its own parents row
+    (``parents + t * n_nodes + [0, n_nodes)``) and writes only its own bits
+    (``bits + t * n_nodes * n_words + row * n_words + word``, one element per
+    (tree, row, word), i.e. per program and lane). No program reads what
+    another writes: the parents are only loaded, the bits only stored, and
+    they are different tensors (the launcher allocates the bits), so the
+    programs of one launch need no ordering among themselves.
     """
     row_block = tl.program_id(0)
     word = tl.program_id(1)
+    tree = tl.program_id(2).to(tl.int64)
+    parents_ptr += tree * n_nodes
+    bits_ptr += tree * n_nodes * n_words
     rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_nodes
     first = word * 32
@@ -217,38 +205,45 @@ def _ancestor_bits_kernel(parents_ptr, bits_ptr, n_nodes, n_words, BLOCK_R: tl.c
 def _check_parents(parents: torch.Tensor) -> None:
     if not isinstance(parents, torch.Tensor):
         raise TypeError(f"ancestor_bits: parents must be a torch.Tensor, got {type(parents).__name__}")
-    if parents.dim() != 1 or parents.numel() < 1:
-        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
+    if parents.dim() not in (1, 2) or parents.shape[-1] < 1:
+        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] or 2-D [b, N+1] with N+1 >= 1, got shape "
+                         f"{tuple(parents.shape)}")
     if parents.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"ancestor_bits: parents must be int64 or int32, got {parents.dtype}")
-    if parents.numel() >= 2**31:
-        raise ValueError(f"ancestor_bits: at most 2**31 - 1 nodes, got {parents.numel()}")
+    if parents.shape[-1] >= 2**31:
+        raise ValueError(f"ancestor_bits: at most 2**31 - 1 nodes, got {parents.shape[-1]}")
+    if parents.dim() == 2 and parents.shape[0] >= 2**16:
+        raise ValueError(f"ancestor_bits: at most 65535 trees in a batch, got {parents.shape[0]}")
 
 
 def ancestor_bits_triton(parents: torch.Tensor) -> torch.Tensor:
     """Triton launcher of :func:`ancestor_bits` (no check of parent values: no host sync)."""
     _check_parents(parents)
-    n_nodes = parents.numel()
+    n_nodes = parents.shape[-1]
     n_words = triton.cdiv(n_nodes, 32)
+    batch = parents.shape[0] if parents.dim() == 2 else 1
     parents = parents.contiguous()
-    bits = torch.empty(n_nodes, n_words, dtype=torch.int32, device=parents.device)
+    bits = torch.empty(*parents.shape, n_words, dtype=torch.int32, device=parents.device)
+    if batch == 0:
+        return bits
     cfg = ancestor_bits_config(n_nodes)
-    grid = (triton.cdiv(n_nodes, cfg["BLOCK_R"]), n_words)
+    grid = (triton.cdiv(n_nodes, cfg["BLOCK_R"]), n_words, batch)
     _ancestor_bits_kernel[grid](parents, bits, n_nodes, n_words, BLOCK_R=cfg["BLOCK_R"], num_warps=cfg["num_warps"])
     return bits
 
 
 def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optional[str] = None) -> torch.Tensor:
-    """Packed ancestor-or-self bitmask of a tree.
+    """Packed ancestor-or-self bitmask of a tree, or of each tree of a batch.
 
     Args:
-        parents: ``[N+1]`` int64/int32 on any device; ``parents[0] == -1`` and
-            ``parents[i] in [0, i)``.
+        parents: ``[N+1]`` (one tree) or ``[b, N+1]`` (``b`` trees) int64/int32 on any device;
+            ``parents[.., 0] == -1`` and ``parents[.., i] in [0, i)``.
 
     Returns:
-        ``[N+1, ceil((N+1)/32)]`` int32 on ``parents.device``; bit ``j % 32`` of
-        word ``j // 32`` in row ``i`` is set iff node ``j`` is ``i`` or one of
-        its ancestors (the root always is). Values of ``parents`` are checked
+        ``[(b,) N+1, ceil((N+1)/32)]`` int32 on ``parents.device``; bit ``j % 32`` of
+        word ``j // 32`` in row ``i`` (of tree ``r``) is set iff node ``j`` is ``i`` or one of
+        its ancestors (the root always is). A batch is one launch (the trees are the kernel's grid dim 2).
+        Values of ``parents`` are checked
         only on the reference path with ``check=True`` (checking reads them on
         the host); ``check=False`` (trees the decode loop built itself) runs
         the reference as fixed-shape tensor ops with no host read.
@@ -270,30 +265,13 @@ def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optiona
 # into a few loops, which opaque ops would keep apart); on the Triton backend each is one custom-op node.
 
 
-def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, *,
-                      tables: Optional[TreeTables] = None,
-                      backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(token_ids [N], depths [N], parents [N+1])`` int64 on the inputs' device, ``N = tree_size(D, K, budget)``:
-    :func:`dflash_kernels.tree_device.build_tree_device` (the algorithm and the arguments).
-
-    ``tables``: the build's :class:`~dflash_kernels.tree_device.TreeTables`, held by the caller (a compiled
-    round holds them as long as its graphs, which read their addresses); made per call when omitted.
-    ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
-    :func:`dflash_kernels.get_backend`.
-    """
-    if tracing() and resolve_backend(backend, top_logprobs.device) == "triton":
-        if tables is None:
-            return torch.ops.dflash.build_tree_device.default(top_logprobs, top_ids, budget)
-        return torch.ops.dflash.build_tree_device.tables(top_logprobs, top_ids, budget, tables.slots, tables.ranks,
-                                                         tables.depth_of, tables.parent_base)
-    return _device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
-
-
-def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.Tensor, budget: int, *,
-                               backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(token_ids [N], depths [N], parents [N+1])`` int64 on the inputs' device, ``N = tree_size(D, k, budget)``:
-    the best-first tree over a DFlash2 selector's child log-probs ``[D, k, k]``
-    (:func:`selector_child_logprobs`) and candidates ``[D, k]``
+def build_selector_tree_device(
+        child_logprobs: torch.Tensor, candidates: torch.Tensor, budget: int, *,
+        backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_ids [.., N], depths [.., N], parents [.., N+1])`` int64 and ``scores [.., N]`` float32 (each node's
+    path score, as :func:`build_tree`'s) on the inputs' device, ``N = tree_size(D, k, budget)``: the best-first
+    tree over a DFlash2 selector's child log-probs ``[(b,) D, k, k]`` (:func:`selector_child_logprobs`) and
+    candidates ``[(b,) D, k]``
     (:func:`dflash_kernels.tree_device.build_selector_tree_device`: the algorithm and the arguments).
 
     ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
@@ -307,8 +285,9 @@ def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.T
 def walk_tree_device(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor, max_depth: int,
                      bits: Optional[torch.Tensor] = None, *,
                      backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(path [D+1], path_len [1], committed [D+1])`` int64: the accepted path of a verified tree, on the inputs'
-    device, fixed shapes, no host sync (:func:`dflash_kernels.tree_device.walk_tree_device`).
+    """``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])`` int64: the accepted path of a verified tree,
+    or of each tree of a batch (``parents [b, N+1]``), on the inputs' device, fixed shapes, no host sync
+    (:func:`dflash_kernels.tree_device.walk_tree_device`).
 
     ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
     :func:`dflash_kernels.get_backend`.

@@ -15,7 +15,8 @@ are drafted tokens with ``parents[i] < i``; ``token_ids[i - 1]`` and
 ``depths[i - 1]`` describe node ``i``.
 
 The public names are exported through :mod:`dflash_kernels.tree` (its
-``__all__``), hence the empty ``__all__`` here.
+``__all__``; the build as the device backend of its one ``build_tree``),
+hence the empty ``__all__`` here.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .reference.selector_tree import check_lattice
+from .reference.tree import ancestor_bits_doubling
 
-__all__: list = []  # exported by dflash_kernels.tree: tree_size, build_tree_device, build_selector_tree_device,
-# walk_tree_device
+__all__: list = []  # exported by dflash_kernels.tree: tree_size, build_selector_tree_device, walk_tree_device;
+# build_tree_device is the device backend of dflash_kernels.build_tree (on_device=True)
 # (TreeTables / tree_tables: the build's index tables, for callers that hold them; see build_tree_device)
 
 
@@ -168,9 +170,9 @@ def _depth_layout(n: int, k: int, max_depth: int, device: torch.device) -> Tuple
 def _check_draft(top_logprobs, top_ids, fn: str) -> None:
     if not isinstance(top_logprobs, torch.Tensor) or not isinstance(top_ids, torch.Tensor):
         raise TypeError(f"{fn}: top_logprobs and top_ids must be torch.Tensor")
-    if top_logprobs.dim() != 2 or top_ids.shape != top_logprobs.shape:
+    if top_logprobs.dim() not in (2, 3) or top_ids.shape != top_logprobs.shape:
         raise ValueError(
-            f"{fn}: top_logprobs must be 2-D [D, K] and top_ids the same shape, got "
+            f"{fn}: top_logprobs must be 2-D [D, K] or 3-D [b, D, K] and top_ids the same shape, got "
             f"{tuple(top_logprobs.shape)} and {tuple(top_ids.shape)}"
         )
     if not top_logprobs.dtype.is_floating_point:
@@ -181,17 +183,24 @@ def _check_draft(top_logprobs, top_ids, fn: str) -> None:
         raise ValueError(f"{fn}: top_logprobs and top_ids must be on one device, got {top_logprobs.device} and {top_ids.device}")
 
 
+def _empty_tree(lead: Tuple[int, ...], device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree of no nodes: ``(token_ids [.., 0], depths [.., 0], parents [.., 1] = -1, scores [.., 0] fp32)``."""
+    empty = torch.zeros(*lead, 0, dtype=torch.int64, device=device)
+    return (empty, empty.clone(), torch.full((*lead, 1), -1, dtype=torch.int64, device=device),
+            torch.zeros(*lead, 0, dtype=torch.float32, device=device))
+
+
 def build_tree_device(
     top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, tables: Optional[TreeTables] = None
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Best-first DDTree of ``N = tree_size(D, K, budget)`` nodes, built on the inputs' device.
 
     Args:
-        top_logprobs: ``[D, K]`` float (any float dtype); row ``d`` holds the
-            log-probs of depth ``d + 1``'s top-K tokens, sorted best first,
-            all ``<= 0`` (``-inf`` allowed).
-        top_ids: ``[D, K]`` int64/int32 token ids matching ``top_logprobs``,
-            distinct within a row; same device.
+        top_logprobs: ``[D, K]`` (one tree) or ``[b, D, K]`` (``b`` trees) float (any float dtype); row ``d``
+            holds the log-probs of depth ``d + 1``'s top-K tokens, sorted best first, all ``<= 0`` (``-inf``
+            allowed).
+        top_ids: int64/int32 token ids of the same shape matching ``top_logprobs``, distinct within a row;
+            same device.
         budget: the most nodes (root not counted), ``>= 0``.
         tables: the build's index tables, :func:`tree_tables` of ``(D, K,
             budget)`` on the inputs' device (checked against the shapes);
@@ -199,13 +208,16 @@ def build_tree_device(
             CUDA graph passes tables it keeps alive as long as the graph.
 
     Returns:
-        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)`` on the
-        inputs' device, the layout of the C++ ``build_tree``; no host sync.
+        ``(token_ids [.., N] int64, depths [.., N] int64, parents [.., N+1] int64, scores [.., N] float32)`` on
+        the inputs' device (``..`` the batch, if any), the layout of the C++ ``build_tree``; no host sync.
+        ``scores[.., i]`` is node ``i + 1``'s path score (below), rounded to fp32: non-increasing in node
+        order, ``exp(scores)`` the drafter's probability that the walk accepts the node.
 
     Scores are float64 path sums, computed as ``score(parent) +
     top_logprobs[d, rank]`` exactly like the C++ heap. Since scores never rise
     along a path or along sibling ranks, the heap's first ``N`` pops are the
-    ``N`` highest-scoring nodes; this builds them directly:
+    ``N`` highest-scoring nodes; this builds them directly, every row of a
+    batch at once (each sort along the last dim):
 
     1. Per depth ``d = 1..D``: candidates = (the kept nodes of depth ``d - 1``,
        by slot; the root alone at depth 0) x (ranks ``0..K-1``), restricted to
@@ -235,12 +247,14 @@ def build_tree_device(
     """
     _check_draft(top_logprobs, top_ids, "build_tree_device")
     _check_int("budget", "build_tree_device", budget)
-    max_depth, k = top_logprobs.shape
+    batched = top_logprobs.dim() == 3
+    if not batched:
+        top_logprobs, top_ids = top_logprobs[None], top_ids[None]
+    b, max_depth, k = top_logprobs.shape
     device = top_logprobs.device
     n = tree_size(max_depth, k, budget)
     if n == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, empty.clone(), torch.full((1,), -1, dtype=torch.int64, device=device)
+        return _empty_tree((b,) if batched else (), device)
 
     if tables is None:
         tables = _tables(n, k, max_depth, device)
@@ -251,39 +265,43 @@ def build_tree_device(
             f"build_tree_device: tables are for N={tables.n}, K={tables.k}, D={tables.depth} on "
             f"{tables.slots.device}; this build has N={n}, K={k}, D={max_depth} on {device}")
 
+    long = dict(dtype=torch.int64, device=device)
     lp = top_logprobs.detach().to(torch.float64)
     slots_all, ranks_all, prefix = tables.slots, tables.ranks, tables.prefix
     kept, depth_of, parent_base = tables.kept, tables.depth_of, tables.parent_base
-    # Log-prob of every candidate pair's rank, all depths at once: [D, C].
-    lp_pairs = lp[:, ranks_all[: prefix[kept[-2] if max_depth > 1 else 1]]]
+    # Log-prob of every candidate pair's rank, all depths at once: [b, D, C].
+    lp_pairs = lp[:, :, ranks_all[: prefix[kept[-2] if max_depth > 1 else 1]]]
 
     scores, picks = [], []
-    prev_score = torch.zeros(1, dtype=torch.float64, device=device)  # the root
+    prev_score = torch.zeros(b, 1, dtype=torch.float64, device=device)  # the root
     prev_kept = 1
     for d in range(max_depth):
         c = prefix[prev_kept]
-        cand = prev_score[slots_all[:c]] + lp_pairs[d, :c]
-        pick = torch.sort(cand, descending=True, stable=True).indices[: kept[d]]  # pair index per slot
-        prev_score = cand[pick]
+        cand = prev_score[:, slots_all[:c]] + lp_pairs[:, d, :c]  # [b, c]
+        pick = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, : kept[d]]  # pair index per slot
+        prev_score = cand.gather(1, pick)
         scores.append(prev_score)
         picks.append(pick)
         prev_kept = kept[d]
 
     total = depth_of.numel()
-    sel = torch.sort(torch.cat(scores), descending=True, stable=True).indices[:n]
-    node_of = torch.full((total,), n, dtype=torch.int64, device=device)
-    node_of.scatter_(0, sel, torch.arange(1, n + 1, dtype=torch.int64, device=device))
-    sel_pair = torch.cat(picks)[sel]
+    all_scores = torch.cat(scores, 1)  # [b, total]
+    sel = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :n]  # [b, N]
+    node_index = torch.arange(1, n + 1, **long)
+    node_of = torch.full((b, total), n, **long)
+    node_of.scatter_(1, sel, node_index.expand(b, n))
+    sel_pair = torch.cat(picks, 1).gather(1, sel)
     sel_depth = depth_of[sel]
     # Flat index (over all kept nodes) of the parent: its slot + the start of
     # the previous depth's kept list (meaningless at depth 1: the root).
     parent_flat = slots_all[sel_pair] + parent_base[sel_depth]
-    node_index = torch.arange(1, n + 1, dtype=torch.int64, device=device)
-    parent_node = torch.where(sel_depth > 1, node_of[parent_flat.clamp(0, total - 1)], 0)
+    parent_node = torch.where(sel_depth > 1, node_of.gather(1, parent_flat.clamp(0, total - 1)), 0)
     parent_node = torch.minimum(parent_node, node_index - 1)  # a no-op on valid input
-    parents = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), parent_node])
-    token_ids = top_ids.to(torch.int64)[sel_depth - 1, ranks_all[sel_pair]]
-    return token_ids, sel_depth, parents
+    parents = torch.cat([torch.full((b, 1), -1, **long), parent_node], 1)
+    token_ids = top_ids.to(torch.int64).reshape(b, max_depth * k).gather(1, (sel_depth - 1) * k + ranks_all[sel_pair])
+    node_scores = all_scores.gather(1, sel).to(torch.float32)
+    out = (token_ids, sel_depth, parents, node_scores)
+    return out if batched else tuple(t[0] for t in out)
 
 
 def _selector_kept(n: int, k: int, max_depth: int) -> Tuple[int, ...]:
@@ -296,24 +314,26 @@ def _selector_kept(n: int, k: int, max_depth: int) -> Tuple[int, ...]:
 
 
 def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.Tensor,
-                               budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Best-first tree over a DFlash2 selector's lattice, ``N = tree_size(D, k, budget)`` nodes, on the inputs'
     device, fixed shapes, no host sync.
 
     Args:
-        child_logprobs: ``[D, k, k]`` float: ``child_logprobs[d, i, j]`` = log-prob of candidate ``j`` of
-            depth ``d + 1`` after candidate ``i`` of depth ``d`` (the root's row is ``[0, 0]``), all
-            ``<= 0``: :func:`dflash_kernels.reference.selector_child_logprobs`.
-        candidates: ``[D, k]`` int64/int32 token ids of each depth's candidates; same device.
+        child_logprobs: ``[D, k, k]`` (one tree) or ``[b, D, k, k]`` (``b`` trees) float:
+            ``child_logprobs[.., d, i, j]`` = log-prob of candidate ``j`` of depth ``d + 1`` after candidate
+            ``i`` of depth ``d`` (the root's row is ``[0, 0]``), all ``<= 0``:
+            :func:`dflash_kernels.reference.selector_child_logprobs`.
+        candidates: ``[(b,) D, k]`` int64/int32 token ids of each depth's candidates; same device.
         budget: the most nodes (root not counted), ``>= 0``.
 
     Returns:
-        ``(token_ids [N] int64, depths [N] int64, parents [N+1] int64)``, the layout of
-        :func:`build_tree_device`, so the verify, the walk and the compaction are unchanged.
+        ``(token_ids [.., N] int64, depths [.., N] int64, parents [.., N+1] int64, scores [.., N] float32)``,
+        the layout of :func:`build_tree_device` (``scores`` each node's float64 path sum rounded to fp32), so
+        the verify, the walk and the compaction are unchanged.
 
     The tree of :func:`dflash_kernels.reference.build_selector_tree` (its heap) without a heap. A node's
     children have their own row of log-probs, not sorted, so unlike :func:`build_tree_device` no candidate
-    pair is dominated by position; per depth ``d = 1..D``:
+    pair is dominated by position; per depth ``d = 1..D`` (every row of a batch at once):
 
     1. candidates = (depth ``d - 1``'s kept nodes, by slot; the root alone at depth 0) x (``j = 0..k-1``),
        laid out by slot then ``j``: ``score = score(slot) + child_logprobs[d - 1, cand(slot), j]``
@@ -333,25 +353,29 @@ def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.T
     fn = "build_selector_tree_device"
     max_depth, k = check_lattice(child_logprobs, candidates, fn)
     _check_int("budget", fn, budget)
+    batched = candidates.dim() == 3
+    if not batched:
+        child_logprobs, candidates = child_logprobs[None], candidates[None]
+    b = candidates.shape[0]
     device = child_logprobs.device
     long = dict(dtype=torch.int64, device=device)
     n = tree_size(max_depth, k, budget)
     if n == 0:
-        empty = torch.zeros(0, **long)
-        return empty, empty.clone(), torch.full((1,), -1, **long)
+        return _empty_tree((b,) if batched else (), device)
 
     lp = child_logprobs.detach().to(torch.float64)
     kept = _selector_kept(n, k, max_depth)
     # Flat list of every kept node: the root at 0, then depth 1's slots, depth 2's, ...; `start` is the flat
     # index of the previous depth's slot 0.
     scores, parent_flat, cand, depth_of = [], [], [], []
-    prev_score = torch.zeros(1, dtype=torch.float64, device=device)
-    prev_cand = torch.zeros(1, **long)
+    prev_score = torch.zeros(b, 1, dtype=torch.float64, device=device)
+    prev_cand = torch.zeros(b, 1, **long)
     start = 0
     for d in range(max_depth):
-        flat = (prev_score[:, None] + lp[d][prev_cand]).reshape(-1)  # [m * k]: slot-major, then j
-        pick = torch.sort(flat, descending=True, stable=True).indices[: kept[d]]
-        prev_score, prev_cand = flat[pick], pick % k
+        rows = lp[:, d].gather(1, prev_cand[:, :, None].expand(-1, -1, k))  # [b, m, k]: the parents' rows
+        flat = (prev_score[:, :, None] + rows).reshape(b, -1)  # [b, m * k]: slot-major, then j
+        pick = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, : kept[d]]
+        prev_score, prev_cand = flat.gather(1, pick), pick % k
         scores.append(prev_score)
         parent_flat.append(torch.div(pick, k, rounding_mode="floor") + start)
         cand.append(prev_cand)
@@ -359,16 +383,20 @@ def build_selector_tree_device(child_logprobs: torch.Tensor, candidates: torch.T
         start = 1 + sum(kept[:d])
 
     total = 1 + sum(kept)
-    sel = torch.sort(torch.cat(scores), descending=True, stable=True).indices[:n] + 1  # flat index (root = 0)
-    node_of = torch.zeros(total, **long)
-    node_of.scatter_(0, sel, torch.arange(1, n + 1, **long))
-    zero = torch.zeros(1, **long)
-    parent_node = node_of[torch.cat([zero] + parent_flat)[sel]]
+    all_scores = torch.cat(scores, 1)  # [b, total - 1]
+    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :n]
+    sel = order + 1  # flat index (root = 0)
+    node_of = torch.zeros(b, total, **long)
+    node_of.scatter_(1, sel, torch.arange(1, n + 1, **long).expand(b, n))
+    zero = torch.zeros(b, 1, **long)
+    parent_node = node_of.gather(1, torch.cat([zero] + parent_flat, 1).gather(1, sel))
     parent_node = torch.minimum(parent_node, torch.arange(n, **long))  # a no-op on valid input
-    depths = torch.cat([zero] + depth_of)[sel]
-    token_ids = candidates.to(torch.int64)[depths - 1, torch.cat([zero] + cand)[sel]]
-    parents = torch.cat([torch.full((1,), -1, **long), parent_node])
-    return token_ids, depths, parents
+    depths = torch.cat([zero[0]] + depth_of)[sel]
+    slot = torch.cat([zero] + cand, 1).gather(1, sel)
+    token_ids = candidates.to(torch.int64).reshape(b, max_depth * k).gather(1, (depths - 1) * k + slot)
+    parents = torch.cat([torch.full((b, 1), -1, **long), parent_node], 1)
+    out = (token_ids, depths, parents, all_scores.gather(1, order).to(torch.float32))
+    return out if batched else tuple(t[0] for t in out)
 
 
 def _check_walk(parents, token_ids, target_choice, max_depth, bits) -> int:
@@ -380,19 +408,24 @@ def _check_walk(parents, token_ids, target_choice, max_depth, bits) -> int:
             raise ValueError(f"{fn}: {name} must be int64 or int32, got {t.dtype}")
         if t.device != parents.device:
             raise ValueError(f"{fn}: {name} is on {t.device}, parents on {parents.device}: all must share a device")
-    if parents.dim() != 1 or parents.numel() < 1:
-        raise ValueError(f"{fn}: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
-    n_nodes = parents.numel()
-    if token_ids.shape != (n_nodes - 1,):
-        raise ValueError(f"{fn}: token_ids must be 1-D [N] = [{n_nodes - 1}], got shape {tuple(token_ids.shape)}")
-    if target_choice.shape != (n_nodes,):
-        raise ValueError(f"{fn}: target_choice must be 1-D [N+1] = [{n_nodes}], got shape {tuple(target_choice.shape)}")
+    if parents.dim() not in (1, 2) or parents.shape[-1] < 1:
+        raise ValueError(f"{fn}: parents must be 1-D [N+1] or 2-D [b, N+1] with N+1 >= 1, got shape "
+                         f"{tuple(parents.shape)}")
+    lead, n_nodes = tuple(parents.shape[:-1]), parents.shape[-1]
+    dims = "2-D [b, N]" if lead else "1-D [N]"
+    if tuple(token_ids.shape) != (*lead, n_nodes - 1):
+        raise ValueError(f"{fn}: token_ids must be {dims} = {[*lead, n_nodes - 1]}, got shape {tuple(token_ids.shape)}")
+    if tuple(target_choice.shape) != (*lead, n_nodes):
+        raise ValueError(f"{fn}: target_choice must be {dims[:3]} {[*lead, n_nodes]} (parents' shape), got shape "
+                         f"{tuple(target_choice.shape)}")
     _check_int("max_depth", fn, max_depth)
     if bits is not None:
         words = (n_nodes + 31) // 32
-        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or bits.shape != (n_nodes, words):
+        want = (*lead, n_nodes, words)
+        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int32 or tuple(bits.shape) != want:
             got = f"{tuple(bits.shape)} {bits.dtype}" if isinstance(bits, torch.Tensor) else type(bits).__name__
-            raise ValueError(f"{fn}: bits must be the int32 [N+1, ceil((N+1)/32)] = [{n_nodes}, {words}] of ancestor_bits, got {got}")
+            raise ValueError(f"{fn}: bits must be the int32 [.., N+1, ceil((N+1)/32)] = {list(want)} of "
+                             f"ancestor_bits, got {got}")
         if bits.device != parents.device:
             raise ValueError(f"{fn}: bits is on {bits.device}, parents on {parents.device}")
     return n_nodes
@@ -405,80 +438,84 @@ def walk_tree_device(
     max_depth: int,
     bits: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Accepted path of a verified tree, on the inputs' device, fixed shapes, no host sync.
+    """Accepted path of a verified tree, or of each tree of a batch, on the inputs' device, fixed shapes, no host
+    sync.
 
     Args:
-        parents: ``[N+1]`` int64/int32, ``parents[0] == -1``, ``parents[i] in [0, i)``.
-        token_ids: ``[N]`` int64/int32, token of nodes ``1..N``.
-        target_choice: ``[N+1]`` int64/int32, the target's token after each node.
-        max_depth: the tree's depth bound ``D`` (every node's depth ``<= D``).
-        bits: optional ``[N+1, ceil((N+1)/32)]`` int32 from ``ancestor_bits(parents)``
-            (the verification's attention mask already needs it).
+        parents: ``[N+1]`` (one tree) or ``[b, N+1]`` (``b`` trees) int64/int32, ``parents[.., 0] == -1``,
+            ``parents[.., i] in [0, i)``.
+        token_ids: ``[(b,) N]`` int64/int32, token of nodes ``1..N``.
+        target_choice: ``[(b,) N+1]`` int64/int32, the target's token after each node.
+        max_depth: the trees' depth bound ``D`` (every node's depth ``<= D``).
+        bits: optional ``[(b,) N+1, ceil((N+1)/32)]`` int32 from ``ancestor_bits(parents)``
+            (the verification's attention mask already needs it); built here when omitted.
 
     Returns:
-        ``(path [D+1] int64, path_len [1] int64, committed [D+1] int64)`` on the
+        ``(path [(b,) D+1] int64, path_len [1] (one tree) or [b] int64, committed [(b,) D+1] int64)`` on the
         inputs' device. ``path[:path_len]`` = the accepted nodes from the root
         (0) in depth order; entries past ``path_len`` repeat the last path
         node. ``committed[:path_len]`` = the round's committed tokens: the
         tokens of path nodes ``1..`` and then the bonus ``target_choice[last
         path node]`` at ``committed[path_len - 1]``; entries past it are 0.
-        Same path and bonus as the C++ ``walk_tree``.
+        Same path and bonus as the C++ ``walk_tree``. A batch is every row's walk at once (each op along the
+        nodes' dim): row ``r`` is bit for bit the walk of tree ``r`` alone.
 
     Node ``i >= 1`` matches iff ``token_ids[i - 1] == target_choice[parents[i]]``;
     should several children of one node match (siblings sharing a token,
     which ``build_tree`` never produces), only the lowest-numbered counts, as
     in the C++ walk. A node is on the path iff it and all its ancestors match
     (the root always does), so the path is a chain and, since parents precede
-    children, its nodes in increasing index order are in depth order. Two ways
-    to test "all ancestors match":
-
-    * with ``bits``: pack the match vector into 32-bit words and test
-      ``(bits[i] & ~match_words) == 0`` over the row's words: one elementwise
-      pass over ``[N+1, W]`` plus a row reduction, free when the mask exists;
-    * without: pointer doubling, ``ok &= ok[anc]; anc = anc[anc]`` for
-      ``ceil(log2(D))`` rounds (4 at ``D = 15``): each round doubles the
-      number of ancestors checked, ``O(N log D)`` work and no ``[N+1, W]``
-      bitmask to build (cheaper than ``D`` rounds of parent propagation).
+    children, its nodes in increasing index order are in depth order. "All
+    ancestors match" is one test over the ancestor bitmask: pack the match
+    vector into 32-bit words and test ``(bits[i] & ~match_words) == 0`` over
+    the row's words, one elementwise pass over ``[N+1, W]`` plus a row
+    reduction, free when the mask exists (a round's verify built it for the
+    attention); without ``bits`` the mask is built here first, by the
+    fixed-shape pointer doubling of :func:`dflash_kernels.reference.ancestor_bits_doubling`.
 
     A path longer than ``D + 1`` nodes (a node deeper than ``max_depth``) is cut
     to its first ``D + 1`` nodes; the bonus is then the last kept node's
     target choice, i.e. the next path node's token, still a valid commit.
     """
     n_nodes = _check_walk(parents, token_ids, target_choice, max_depth, bits)
-    device = parents.device
+    batched = parents.dim() == 2
+    if not batched:
+        parents, token_ids, target_choice = parents[None], token_ids[None], target_choice[None]
+        bits = None if bits is None else bits[None]
+    b = parents.shape[0]
+    long = dict(dtype=torch.int64, device=parents.device)
     par = parents.to(torch.int64).clamp(min=0)  # the root points at itself
     choice = target_choice.to(torch.int64)
-    idx = torch.arange(n_nodes, dtype=torch.int64, device=device)
-    tok = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), token_ids.to(torch.int64)])
+    idx = torch.arange(n_nodes, **long)
+    tok = torch.cat([torch.full((b, 1), -1, **long), token_ids.to(torch.int64)], 1)
     is_root = idx == 0
-    match = (tok == choice[par]) | is_root  # the root always matches (no ``match[0] = True``: a host upload)
+    match = (tok == choice.gather(1, par)) | is_root  # the root always matches (no ``match[0] = True``: a host upload)
     # Only the lowest-numbered matching child of each node counts.
-    first = torch.full((n_nodes,), n_nodes, dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, par[1:], torch.where(match[1:], idx[1:], n_nodes), reduce="amin")
-    match = (match & (first[par] == idx)) | is_root
+    first = torch.full((b, n_nodes), n_nodes, **long)
+    first.scatter_reduce_(1, par[:, 1:], torch.where(match[:, 1:], idx[1:], n_nodes), reduce="amin")
+    match = (match & (first.gather(1, par) == idx)) | is_root
 
-    if bits is not None:
-        words = bits.shape[1]
-        padded = torch.zeros(words * 32, dtype=torch.int64, device=device)
-        padded[:n_nodes] = match.to(torch.int64)
-        shifts = torch.arange(32, dtype=torch.int64, device=device)
-        match_words = (padded.view(words, 32) << shifts).sum(dim=1)  # in [0, 2**32)
-        on_path = ((bits.to(torch.int64) & ~match_words) & 0xFFFFFFFF).eq(0).all(dim=1)
-    else:
-        on_path, anc = match, par
-        for _ in range(max(0, (max_depth - 1).bit_length())):
-            on_path = on_path & on_path[anc]
-            anc = anc[anc]
+    if bits is None:
+        bits = ancestor_bits_doubling(parents)
+    words = bits.shape[-1]
+    padded = torch.zeros(b, words * 32, **long)
+    padded[:, :n_nodes] = match.to(torch.int64)
+    shifts = torch.arange(32, **long)
+    match_words = (padded.view(b, words, 32) << shifts).sum(dim=2)  # [b, W], in [0, 2**32)
+    on_path = ((bits.to(torch.int64) & ~match_words[:, None, :]) & 0xFFFFFFFF).eq(0).all(dim=2)
 
     width = max_depth + 1
     keys = torch.where(on_path, idx, n_nodes)
     if n_nodes < width:
-        keys = torch.cat([keys, torch.full((width - n_nodes,), n_nodes, dtype=torch.int64, device=device)])
-    ordered = torch.sort(keys).values[:width]
-    path_len = on_path.sum(dim=0, keepdim=True).clamp(max=width).to(torch.int64)
-    last = ordered.gather(0, path_len - 1)
-    slot = torch.arange(width, dtype=torch.int64, device=device)
+        keys = torch.cat([keys, torch.full((b, width - n_nodes), n_nodes, **long)], 1)
+    ordered = torch.sort(keys, dim=1).values[:, :width]
+    path_len = on_path.sum(dim=1, keepdim=True).clamp(max=width).to(torch.int64)  # [b, 1]
+    last = ordered.gather(1, path_len - 1)
+    slot = torch.arange(width, **long)
     path = torch.where(slot < path_len, ordered, last)
-    following = torch.cat([path[1:], last])  # path[j + 1]; only read where j + 1 < path_len
-    committed = torch.where(slot < path_len - 1, tok[following], torch.where(slot == path_len - 1, choice[last], 0))
-    return path, path_len, committed
+    following = torch.cat([path[:, 1:], last], 1)  # path[j + 1]; only read where j + 1 < path_len
+    committed = torch.where(slot < path_len - 1, tok.gather(1, following),
+                            torch.where(slot == path_len - 1, choice.gather(1, last), 0))
+    if batched:
+        return path, path_len[:, 0], committed
+    return path[0], path_len[0], committed[0]

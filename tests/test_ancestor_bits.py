@@ -80,7 +80,7 @@ def test_bits_of_a_built_tree():
     gen = torch.Generator().manual_seed(0)
     lp = (-3 * torch.rand(15, 8, generator=gen)).sort(dim=1, descending=True).values
     ids = torch.arange(15 * 8).view(15, 8)
-    _, depths, parents = dk.build_tree(lp, ids, 200)
+    _, depths, parents, _ = dk.build_tree(lp, ids, 200)
     parents = parents.to(DEVICE)
     bits = ancestor_bits_triton(parents)
     assert torch.equal(bits, ref.ancestor_bits(parents))
@@ -91,6 +91,23 @@ def test_bits_of_a_built_tree():
     assert per_row.tolist() == [1] + (depths + 1).tolist()
 
 
+@pytest.mark.parametrize("n_nodes", [1, 33, 100])
+def test_a_batch_is_each_tree_alone(n_nodes):
+    """``[b, N+1]`` parents: one launch (the trees on grid dim 2), each tree's bits those of the tree alone; the
+    references (row-copy loop, pointer doubling) take the batch too; int32 parents and a strided view of a batch
+    (as a round's prefix of its trees)."""
+    rng = random.Random(n_nodes + 7)
+    trees = torch.stack([random_parents(n_nodes, rng, shape) for shape in ("random", "chain", "star", "deep")])
+    want = torch.stack([bits_by_definition(p) for p in trees])
+    assert torch.equal(ancestor_bits_triton(trees).cpu(), want)
+    assert torch.equal(ancestor_bits_triton(trees.int()).cpu(), want)
+    assert torch.equal(ancestor_bits_triton(torch.cat([trees, trees], 1)[:, :n_nodes]).cpu(), want)
+    assert torch.equal(ref.ancestor_bits(trees).cpu(), want)
+    assert torch.equal(ref.ancestor_bits_doubling(trees).cpu(), want)
+    with dk.force_backend("reference"):
+        assert torch.equal(dk.ancestor_bits(trees, check=False).cpu(), want)
+    assert ancestor_bits_triton(trees[:0]).shape == (0, n_nodes, (n_nodes + 31) // 32)
+
 def test_int32_parents():
     parents = random_parents(40, random.Random(1))
     assert torch.equal(ancestor_bits_triton(parents.int()), ref.ancestor_bits(parents))
@@ -98,7 +115,7 @@ def test_int32_parents():
 
 def test_errors_are_clear():
     with pytest.raises(ValueError, match="1-D"):
-        dk.ancestor_bits(torch.zeros(2, 2, dtype=torch.int64))
+        dk.ancestor_bits(torch.zeros(2, 2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="1-D"):
         dk.ancestor_bits(torch.zeros(0, dtype=torch.int64))
     with pytest.raises(ValueError, match="int64 or int32"):

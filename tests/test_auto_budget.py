@@ -135,7 +135,7 @@ def _reference_masses(rnd, own_logprob):
     return [sum(math.exp(score[i]) for i in range(1, n + 1)) for n in rnd.bucket_nodes]
 
 
-@pytest.mark.parametrize("host_tree", [True, False])  # the C++ build's scores; the device build's pointer jumping
+@pytest.mark.parametrize("host_tree", [True, False])  # the C++ build's float64 scores; the device build's fp32
 @torch.inference_mode()
 def test_path_masses_are_the_path_probabilities(reference_ops, host_tree):
     target, draft = pair(block_size=7)  # D = 6: pointer jumping's last round covers depths 5-6 only partly
@@ -158,24 +158,26 @@ def test_path_masses_are_the_path_probabilities(reference_ops, host_tree):
 
 @torch.inference_mode()
 def test_path_masses_sum_every_ancestor_of_deep_trees(reference_ops):
-    """The pointer jumping over random trees as deep as the block allows (D = 6, 7 and 15)."""
+    """The masses over trees as deep as the block allows (D = 6, 7 and 15), from the scores of either build (the
+    host's float64, the device's fp32): every node's path sums all its ancestors' log-probs."""
     target, draft = pair()
     gen = torch.Generator().manual_seed(0)
     for block in (7, 8, 16):
         adapter, rnd = _round(target, tiny_draft(target, block_size=block, target_layer_ids=[0, 1]), [3, 9, 30])
-        parents, depths = [-1], [0]
-        for i in range(1, rnd.N + 1):  # the first D nodes a chain, then each under a random earlier one
-            p = i - 1 if i <= rnd.D else int(torch.randint(0, i, (1,), generator=gen))
-            while depths[p] >= rnd.D:
-                p = parents[p]
-            parents.append(p)
-            depths.append(depths[p] + 1)
-        assert max(depths) == rnd.D, block
-        rnd.parents.copy_(torch.tensor([parents]))
-        own = -torch.rand(rnd.N, generator=gen)
-        rnd._path_mass(own[None])
-        want = _reference_masses(rnd, lambda i: float(own[i - 1]))
-        assert _masses(rnd) == pytest.approx(want, rel=1e-5), block
+        D, K = rnd.D, rnd.K
+        lp = torch.cat([-0.001 * torch.rand(D, 1, generator=gen),  # rank 0 near certain: a path D deep first
+                        -1 - 3 * torch.rand(D, K - 1, generator=gen)], 1).sort(dim=1, descending=True).values
+        ids = torch.stack([torch.randperm(1000, generator=gen)[:K] for _ in range(D)])
+        for on_device in (False, True):
+            rnd._take_trees(dflash_kernels.build_tree(lp[None], ids[None], rnd.budget, on_device=on_device))
+            assert int(rnd.depths.max()) == D, block
+            tokens, depths = rnd.tokens[0].tolist(), rnd.depths[0].tolist()
+
+            def own(i):
+                d = depths[i - 1]
+                return float(lp[d - 1, ids[d - 1].tolist().index(tokens[i - 1])])
+
+            assert _masses(rnd) == pytest.approx(_reference_masses(rnd, own), rel=1e-5), (block, on_device)
         adapter.close()
 
 

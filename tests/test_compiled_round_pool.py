@@ -215,7 +215,7 @@ def test_tree_tables_live_as_long_as_their_round(reference_ops):
     g = torch.Generator().manual_seed(0)
     for budget in range(1, 70):
         lp = torch.randn(3, 4, generator=g).sort(dim=1, descending=True).values.log_softmax(1)
-        dflash_kernels.build_tree_device(lp, torch.arange(12).view(3, 4), budget)
+        dflash_kernels.build_tree(lp, torch.arange(12).view(3, 4), budget, on_device=True)
     gc.collect()
     alive = [r() for r in refs]
     assert all(t is not None for t in alive)

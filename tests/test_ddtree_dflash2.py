@@ -81,7 +81,7 @@ def spy_selector_tree():
 
 
 def first_path(tree):
-    tokens, _, parents = tree
+    tokens, _, parents = tree[:3]
     path, node = [], 0
     while True:
         children = [i for i in range(1, parents.numel()) if parents[i] == node]
@@ -103,7 +103,8 @@ def test_greedy_is_lossless_and_the_tree_is_the_selectors(target, block_size, to
     assert len(calls) == res.num_rounds and res.tree_sizes == [n] * res.num_rounds
     assert len(inputs) == res.num_rounds
     for args, (child, candidates, b, tree), record in zip(inputs, calls, res.trees):
-        assert child.shape == (block_size - 1, top_k, top_k) and b == budget
+        assert child.shape == (1, block_size - 1, top_k, top_k) and b == budget  # a batch of one sequence
+        child, candidates, tree = child[0], candidates[0], [t[0] for t in tree]
         want = ref.build_selector_tree(child, candidates, budget)
         assert all(torch.equal(x, y) for x, y in zip(tree, want))
         assert torch.equal(record["tokens"], tree[0]) and torch.equal(record["parents"], tree[2])

@@ -185,7 +185,7 @@ def test_ddtree_parents_from_the_tree_builder(backend):
     """The parents array DDTree verifies ([root, nodes...], parents[0] = -1) is the op's input as it is."""
     gen = torch.Generator().manual_seed(0)
     logprobs = torch.log_softmax(torch.randn(6, 3, generator=gen), -1).sort(-1, descending=True).values
-    _, _, parents = dk.build_tree(logprobs, torch.arange(18).reshape(6, 3), 20)
+    _, _, parents, _ = dk.build_tree(logprobs, torch.arange(18).reshape(6, 3), 20)
     n = parents.numel()
     q, k, v, g, beta, state = inputs(n, hk=2, group=2, dk_=16, dv=24, seed=2)
     parents = parents.to(DEVICE)

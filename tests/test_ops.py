@@ -29,7 +29,7 @@ def _draft(depth=3, k=4, seed=0):
 def _tree_inputs():
     """A device-built tree and a target choice that accepts a path of two nodes below the root."""
     logprobs, ids = _draft()
-    token_ids, depths, parents = dk.build_tree_device(logprobs, ids, 9)
+    token_ids, depths, parents, _ = dk.build_tree(logprobs, ids, 9, on_device=True)
     choice = torch.full((parents.numel(),), 49, dtype=torch.int64)
     first = 1  # node 1 is the best depth-1 child; accept it, then its best child if any
     choice[0] = token_ids[first - 1]
@@ -183,7 +183,8 @@ def cases():
         ("tree_positions", OPS.tree_positions, (depths, 10), {}, dk.tree_positions),
         ("build_tree", OPS.build_tree, (logprobs, ids, 9), {}, dk.build_tree),
         ("walk_tree", OPS.walk_tree, (parents, token_ids, choice), {}, walk_public),
-        ("build_tree_device", OPS.build_tree_device, (logprobs, ids, 9), {}, dk.build_tree_device),
+        ("build_tree_device", OPS.build_tree_device, (logprobs, ids, 9), {},
+         lambda *a: dk.build_tree(*a, on_device=True)),
         ("walk_tree_device", OPS.walk_tree_device, (parents, token_ids, choice, 3), {},
          dk.walk_tree_device),
         ("walk_tree_device_bits", OPS.walk_tree_device, (parents, token_ids, choice, 3, tree_bits), {},
@@ -375,7 +376,7 @@ def test_build_tree_size_is_static():
     for depth, k, budget in ((3, 4, 9), (2, 2, 50), (4, 1, 3), (1, 3, 0), (3, 3, 39)):
         logprobs, ids = _draft(depth, k, seed=depth * 10 + k)
         logprobs[:, 1:] = float("-inf")
-        token_ids, depths, parents = OPS.build_tree(logprobs, ids, budget)
+        token_ids, depths, parents, _ = OPS.build_tree(logprobs, ids, budget)
         n = dk.tree_size(depth, k, budget)
         assert token_ids.shape == (n,) and depths.shape == (n,) and parents.shape == (n + 1,)
 
@@ -478,7 +479,7 @@ def _rejection_step(hidden, weight, norm_weight, proposals, q_hidden, q_ids, q_p
 
 
 def _tree_step(logprobs, ids, choice):
-    token_ids, depths, parents = OPS.build_tree_device(logprobs, ids, 9)
+    token_ids, depths, parents, _ = OPS.build_tree_device(logprobs, ids, 9)
     bits = OPS.ancestor_bits(parents, False)
     path, path_len, committed = OPS.walk_tree_device(parents, token_ids, choice, logprobs.shape[0], bits)
     return path, path_len, committed, OPS.tree_positions(depths, 7)

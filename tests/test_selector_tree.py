@@ -25,12 +25,13 @@ def selector_inputs(D, k, gen, V=40, r=6):
 
 
 def same(a, b):
-    return all(x.dtype == y.dtype == torch.int64 and torch.equal(x, y) for x, y in zip(a, b))
+    """The same tree: token_ids, depths and parents."""
+    return all(x.dtype == y.dtype == torch.int64 and torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
 
 
 def lattice_scores(L, candidates, tree):
     """Float64 path scores of nodes 0..N recomputed from the outputs, and each node's candidate slot."""
-    tokens, depths, parents = tree
+    tokens, depths, parents = tree[:3]
     score, slot = [0.0], [0]
     for i in range(1, parents.numel()):
         d, p = int(depths[i - 1]), int(parents[i])
@@ -97,7 +98,7 @@ def test_the_tree_is_best_first(D, k, budget):
     inputs = selector_inputs(D, k, gen)
     L = dk.selector_child_logprobs(*inputs)
     tree = dk.build_selector_tree_device(L, inputs[1], budget)
-    tokens, depths, parents = tree
+    tokens, depths, parents = tree[:3]
     n = tokens.numel()
     assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, n + 1))
     assert all(depths[i - 1] == (1 if parents[i] == 0 else depths[parents[i] - 1] + 1) for i in range(1, n + 1))
@@ -112,7 +113,7 @@ def test_first_path_is_the_greedy_chain(budget):
     gen = torch.Generator().manual_seed(budget)
     inputs = selector_inputs(5, 3, gen)
     chain = ref.select_chain(*inputs)[0]
-    tokens, depths, parents = dk.build_selector_tree_device(dk.selector_child_logprobs(*inputs), inputs[1], budget)
+    tokens, depths, parents, _ = dk.build_selector_tree_device(dk.selector_child_logprobs(*inputs), inputs[1], budget)
     path, node = [], 0
     while True:  # follow the lowest-numbered child
         children = [i for i in range(1, parents.numel()) if parents[i] == node]
@@ -129,10 +130,28 @@ def test_first_path_is_the_greedy_chain(budget):
 def test_k1_is_the_chain():
     gen = torch.Generator().manual_seed(3)
     inputs = selector_inputs(6, 1, gen)
-    tokens, depths, parents = dk.build_selector_tree_device(dk.selector_child_logprobs(*inputs), inputs[1], 10)
+    tokens, depths, parents, _ = dk.build_selector_tree_device(dk.selector_child_logprobs(*inputs), inputs[1], 10)
     assert tokens.tolist() == inputs[1][:, 0].tolist()
     assert depths.tolist() == list(range(1, 7)) and parents.tolist() == list(range(-1, 6))
 
+
+def test_scores_and_a_batch():
+    """The build's scores are each node's float64 path sum (recomputed parent by parent) rounded to fp32; a batch
+    ``[b, D, k, k]`` builds each row's tree and scores bit for bit as that row alone."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [selector_inputs(4, 3, gen) for _ in range(3)]
+    L = torch.stack([dk.selector_child_logprobs(*x) for x in rows])
+    cand = torch.stack([x[1] for x in rows])
+    batch = dk.build_selector_tree_device(L, cand, 30)
+    assert [tuple(t.shape) for t in batch] == [(3, 30), (3, 30), (3, 31), (3, 30)] and batch[3].dtype == torch.float32
+    for r in range(3):
+        one = dk.build_selector_tree_device(L[r], cand[r], 30)
+        assert same([t[r] for t in batch], one) and torch.equal(batch[3][r], one[3])
+        assert same(one, ref.build_selector_tree(L[r], cand[r], 30))
+        score, _ = lattice_scores(L[r], cand[r], one)
+        assert torch.equal(one[3], torch.tensor(score[1:], dtype=torch.float64).float())
+    with pytest.raises(ValueError, match=r"\[b, D, k, k\] = \[3, 4, 3, 3\]"):
+        dk.build_selector_tree_device(L[:, :, :2], cand, 30)
 
 def test_ties_by_hand():
     # depth 1: both root children tie; depth 2: every entry ties. Order (score desc, depth asc, parent's slot
@@ -140,7 +159,7 @@ def test_ties_by_hand():
     L = torch.full((2, 2, 2), -0.6931471805599453, dtype=torch.float64)
     cand = torch.tensor([[10, 11], [20, 21]])
     for build in (ref.build_selector_tree, dk.build_selector_tree_device):
-        tokens, depths, parents = build(L, cand, 6)
+        tokens, depths, parents = build(L, cand, 6)[:3]
         assert tokens.tolist() == [10, 11, 20, 21, 20, 21]
         assert depths.tolist() == [1, 1, 2, 2, 2, 2]
         assert parents.tolist() == [-1, 0, 0, 1, 1, 2, 2]

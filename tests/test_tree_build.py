@@ -48,7 +48,7 @@ def path_scores(lp, ids, tokens, depths, parents):
 
 
 def check_structure(lp, ids, tree, budget):
-    tokens, depths, parents = tree
+    tokens, depths, parents = tree[:3]
     n = tokens.numel()
     assert depths.shape == (n,) and parents.shape == (n + 1,)
     assert n <= budget
@@ -72,7 +72,7 @@ def test_small_example_by_hand():
     lp = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05]]))
     ids = torch.tensor([[10, 11, 12], [20, 21, 22]])
     # Scores: a=10 (.6), child 10->20 (.54), b=11 (.3), 11->20 (.27), c=12 (.1)...
-    tokens, depths, parents = dk.build_tree(lp, ids, 5)
+    tokens, depths, parents, _ = dk.build_tree(lp, ids, 5)
     assert tokens.tolist() == [10, 20, 11, 20, 12]
     assert depths.tolist() == [1, 2, 1, 2, 1]
     assert parents.tolist() == [-1, 0, 1, 0, 3, 0]
@@ -81,20 +81,20 @@ def test_small_example_by_hand():
 def test_budget_zero_gives_empty_tree():
     lp, ids = draft(5, 4, torch.Generator().manual_seed(0))
     for build in (dk.build_tree, ref.build_tree):
-        tokens, depths, parents = build(lp, ids, 0)
+        tokens, depths, parents = build(lp, ids, 0)[:3]
         assert tokens.shape == (0,) and depths.shape == (0,) and parents.tolist() == [-1]
 
 
 def test_budget_one_is_the_top_token():
     lp, ids = draft(5, 4, torch.Generator().manual_seed(1))
-    tokens, depths, parents = dk.build_tree(lp, ids, 1)
+    tokens, depths, parents, _ = dk.build_tree(lp, ids, 1)
     assert tokens.tolist() == [int(ids[0, 0])] and depths.tolist() == [1] and parents.tolist() == [-1, 0]
 
 
 @pytest.mark.parametrize("depth", [1, 4, 15])
 def test_top1_with_budget_depth_is_the_dflash_chain(depth):
     lp, ids = draft(depth, 1, torch.Generator().manual_seed(depth))
-    tokens, depths, parents = dk.build_tree(lp, ids, depth)
+    tokens, depths, parents, _ = dk.build_tree(lp, ids, depth)
     assert tokens.tolist() == ids[:, 0].tolist()
     assert depths.tolist() == list(range(1, depth + 1))
     assert parents.tolist() == [-1] + list(range(depth))
@@ -116,13 +116,13 @@ def test_ties_follow_the_one_rule():
     # before node 1's second: [-1, 0, 0, 1, 2, 1, 3]).
     lp = torch.zeros(3, 2)
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
-    tokens, depths, parents = dk.build_tree(lp, ids, 6)
+    tokens, depths, parents, _ = dk.build_tree(lp, ids, 6)
     assert parents.tolist() == [-1, 0, 0, 1, 1, 2, 2]
     assert tokens.tolist() == [1, 2, 3, 4, 3, 4]
     assert depths.tolist() == [1, 1, 2, 2, 2, 2]
     assert_same_tree((tokens, depths, parents), ref.build_tree(lp, ids, 6))
     assert_same_tree((tokens, depths, parents), ref.build_tree_sorted(lp, ids, 6))
-    assert_same_tree((tokens, depths, parents), dk.build_tree_device(lp, ids, 6))
+    assert_same_tree((tokens, depths, parents), dk.build_tree(lp, ids, 6, on_device=True))
 
 
 def test_random_inputs_match_reference_exactly():
@@ -193,7 +193,7 @@ def test_signed_zeros_and_neg_inf_tie_like_the_reference():
 
 
 def test_outputs_are_separate_tensors():
-    tokens, depths, parents = dk.build_tree(*draft(4, 3, torch.Generator().manual_seed(16)), 10)
+    tokens, depths, parents, _ = dk.build_tree(*draft(4, 3, torch.Generator().manual_seed(16)), 10)
     assert tokens.is_contiguous() and depths.is_contiguous() and parents.is_contiguous()
     assert len({t.untyped_storage().data_ptr() for t in (tokens, depths, parents)}) == 3
     assert tokens._base is None and depths._base is None and parents._base is None
@@ -296,7 +296,7 @@ def test_walk_random_trees_match_reference():
     for _ in range(300):
         depth, k = rng.randint(1, 8), rng.randint(1, 6)
         lp, ids = draft(depth, k, gen)
-        tokens, _, parents = dk.build_tree(lp, ids, rng.randint(0, 60))
+        tokens, _, parents, _ = dk.build_tree(lp, ids, rng.randint(0, 60))
         n = tokens.numel()
         # The target agrees with a random child most of the time.
         choice = torch.randint(0, 50_000, (n + 1,), generator=gen)
@@ -329,121 +329,77 @@ def test_walk_errors_are_clear():
 
 def test_tree_positions():
     lp, ids = draft(4, 3, torch.Generator().manual_seed(8))
-    _, depths, _ = dk.build_tree(lp, ids, 10)
+    _, depths, _, _ = dk.build_tree(lp, ids, 10)
     positions = dk.tree_positions(depths, 100)
     assert positions.dtype == torch.int64 and positions.tolist() == [100] + (100 + depths).tolist()
 
 
-def test_scores_are_each_nodes_path_sum():
-    """build_tree_scores: the same tree as build_tree, and each node's score the float64 sum of the log-probs along
-    its path (recomputed here parent by parent), non-increasing in node order (the pop order)."""
+def _want_scores(lp, ids, tokens, depths, parents):
+    """Each node's float64 path sum of log-probs, recomputed parent by parent from the outputs."""
+    rows = lp.double().tolist()
+    want = [0.0]
+    for i in range(1, tokens.numel() + 1):
+        d, t = int(depths[i - 1]), int(tokens[i - 1])
+        rank = ids[d - 1].tolist().index(t)
+        want.append(want[int(parents[i])] + rows[d - 1][rank])
+    return want[1:]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_scores_are_each_nodes_path_sum(on_device):
+    """build_tree's scores: each node's float64 sum of the log-probs along its path (recomputed here parent by
+    parent; the device's rounded to fp32), non-increasing in node order (the pop order); the same tree on both
+    backends."""
     gen = torch.Generator().manual_seed(7)
     for depth, k, budget in [(1, 3, 2), (7, 8, 64), (15, 32, 200), (4, 2, 30)]:
         lp, ids = draft(depth, k, gen)
-        tokens, depths, parents, scores = dk.build_tree_scores(lp, ids, budget)
-        assert_same_tree((tokens, depths, parents), dk.build_tree(lp, ids, budget))
-        assert scores.dtype == torch.float64 and scores.shape == tokens.shape
-        rows = lp.double().tolist()
-        want = [0.0]
-        for i in range(1, tokens.numel() + 1):
-            d, t = int(depths[i - 1]), int(tokens[i - 1])
-            rank = ids[d - 1].tolist().index(t)
-            want.append(want[int(parents[i])] + rows[d - 1][rank])
-        assert scores.tolist() == want[1:]
+        tokens, depths, parents, scores = dk.build_tree(lp, ids, budget, on_device=on_device)
+        assert_same_tree((tokens, depths, parents), ref.build_tree(lp, ids, budget))
+        want = torch.tensor(_want_scores(lp, ids, tokens, depths, parents), dtype=torch.float64)
+        assert scores.dtype == (torch.float32 if on_device else torch.float64) and scores.shape == tokens.shape
+        assert torch.equal(scores, want.to(scores.dtype))
         assert all(a >= b for a, b in zip(scores.tolist(), scores.tolist()[1:]))
     with pytest.raises(TypeError, match="budget must be an int"):
-        dk.build_tree_scores(lp, ids, 2.0)
+        dk.build_tree(lp, ids, 2.0, on_device=on_device)
 
 
-def _batch_outputs(b, n, v=0, wide=False):
-    """Output buffers for build_trees_; ``wide``: views of the first rows of larger buffers (a round narrowed to
-    its live sequences) with a padded row stride."""
-    def buf(width):
-        whole = torch.full((b + 2, width + (3 if wide else 0)), -7, dtype=torch.int64)
-        return whole[:b, :width] if wide else whole[:b]
-    return buf(n), buf(n), buf(n + 1), (buf(v) if v else None)
-
-
-@pytest.mark.parametrize("impl", [dk.build_trees_, ref.build_trees_], ids=["cpp", "reference"])
-@pytest.mark.parametrize("wide", [False, True])
-def test_build_trees_is_build_tree_row_by_row_with_masses(impl, wide):
-    """build_trees_: each row's tree bit for bit build_tree's, and masses[r, v] = floor(scale * sum of exp(path
-    score) over the first n_v nodes), the path scores recomputed parent by parent here; float32 / float64 and
-    int32 / int64 inputs, ties, -inf entries, odd shapes, a tree smaller than the budget."""
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_a_batch_is_build_tree_row_by_row(on_device):
+    """build_tree of ``[b, D, K]``: row ``r``'s tree and scores bit for bit the build of row ``r`` alone, on both
+    backends; float32 / float64 and int32 / int64 inputs, strided views, ties, -inf entries, odd shapes, a tree
+    smaller than the budget."""
     gen = torch.Generator().manual_seed(11)
-    scale = 1 << 24
     for b, depth, k, budget, ties, neg_inf in [(1, 15, 64, 64, False, False), (3, 7, 8, 30, True, False),
                                                (2, 4, 2, 100, False, True), (4, 1, 5, 3, False, False),
-                                               (2, 3, 3, 39, True, True)]:
+                                               (2, 3, 3, 39, True, True), (2, 3, 3, 0, False, False)]:
         pairs = [draft(depth, k, gen, ties=ties, with_neg_inf=neg_inf) for _ in range(b)]
         lp = torch.stack([p[0] for p in pairs])
         ids = torch.stack([p[1] for p in pairs])
         if b == 3:
             lp, ids = lp.double(), ids.int()
+        if b == 4:  # a strided view of the batch
+            lp, ids = torch.cat([lp, lp], 2)[:, :, :k], torch.cat([ids, ids], 2)[:, :, :k]
         n = dk.tree_size(depth, k, budget)
-        nodes = sorted({1, max(1, n // 3), n})[::-1]  # any order, a repeat allowed
-        tokens, depths, parents, masses = _batch_outputs(b, n, len(nodes), wide)
-        impl(lp, ids, budget, tokens, depths, parents, masses, nodes, float(scale))
+        batch = dk.build_tree(lp, ids, budget, on_device=on_device)
+        assert [tuple(t.shape) for t in batch] == [(b, n), (b, n), (b, n + 1), (b, n)]
         for r in range(b):
-            tree = dk.build_tree(lp[r], ids[r], budget)
-            assert_same_tree((tokens[r], depths[r], parents[r]), tree)
-            scores = path_scores(lp[r], ids[r], *tree)
-            want = [math.floor(scale * math.fsum(math.exp(x) for x in scores[1 : m + 1])) for m in nodes]
-            got = masses[r].tolist()
-            assert all(abs(g - w) <= 1 for g, w in zip(got, want)), (b, depth, k, got, want)  # summation order
-        if wide:  # nothing written outside the views
-            for view, width in ((tokens, n), (parents, n + 1), (masses, len(nodes))):
-                assert int((view._base == -7).sum()) == 2 * (width + 3) + 3 * b
+            one = dk.build_tree(lp[r], ids[r], budget, on_device=on_device)
+            assert_same_tree([t[r] for t in batch[:3]], one)
+            assert_same_tree(one, ref.build_tree(lp[r], ids[r], budget))
+            assert torch.equal(batch[3][r], one[3])
 
 
-def test_build_trees_cpp_masses_equal_the_reference_exactly():
-    """The C++ sums in node order in float64, as the reference does: the same fixed-point masses to the last bit."""
-    gen = torch.Generator().manual_seed(5)
-    pairs = [draft(15, 64, gen) for _ in range(3)]
-    lp, ids = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-    nodes = [4, 8, 16, 32, 64]
-    got, want = _batch_outputs(3, 64, 5), _batch_outputs(3, 64, 5)
-    dk.build_trees_(lp, ids, 64, *got[:3], got[3], nodes, float(1 << 24))
-    ref.build_trees_(lp, ids, 64, *want[:3], want[3], nodes, float(1 << 24))
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-
-
-def test_build_trees_without_masses_and_bad_inputs():
+def test_build_tree_bad_batches():
     gen = torch.Generator().manual_seed(2)
     lp, ids = draft(5, 4, gen)
     lp, ids = lp[None].repeat(2, 1, 1), ids[None].repeat(2, 1, 1)
-    n = dk.tree_size(5, 4, 12)
-    tokens, depths, parents, _ = _batch_outputs(2, n)
-    dk.build_trees_(lp, ids, 12, tokens, depths, parents)
-    assert_same_tree((tokens[1], depths[1], parents[1]), dk.build_tree(lp[1], ids[1], 12))
-    with pytest.raises(RuntimeError, match=r"tokens must be \[2, 12\]"):
-        dk.build_trees_(lp, ids, 12, tokens[:, :11], depths, parents)
-    with pytest.raises(RuntimeError, match=r"parents must be \[2, 13\]"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents[:1])
-    with pytest.raises(RuntimeError, match="int64 CPU tensor"):
-        dk.build_trees_(lp, ids, 12, tokens.int(), depths, parents)
-    with pytest.raises(RuntimeError, match="contiguous along its last dim"):
-        dk.build_trees_(lp, ids, 12, torch.zeros(12, 2, dtype=torch.long).T, depths, parents)
-    with pytest.raises(RuntimeError, match="tokens's rows overlap"):  # a broadcast row: every tree one memory
-        dk.build_trees_(lp, ids, 12, torch.zeros(12, dtype=torch.long).expand(2, 12), depths, parents)
-    with pytest.raises(RuntimeError, match="single memory location"):  # two outputs in one buffer
-        dk.build_trees_(lp, ids, 12, tokens, tokens, parents)
-    with pytest.raises(RuntimeError, match="single memory location"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents, tokens.view(-1)[:4].view(2, 2), [4, 8], 1.0)
-    with pytest.raises(RuntimeError, match="single memory location"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents, torch.zeros(2, dtype=torch.long).expand(2, 2), [4, 8],
-                        1.0)
-    with pytest.raises(RuntimeError, match="3-D"):
-        dk.build_trees_(lp[0], ids[0], 12, tokens, depths, parents)
-    masses = torch.zeros(2, 2, dtype=torch.long)
-    with pytest.raises(RuntimeError, match=r"mass_nodes must lie in \[1, 12\]"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents, masses, [4, 13], 1.0)
-    with pytest.raises(RuntimeError, match=r"masses must be \[2, 3\]"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents, masses, [1, 2, 3], 1.0)
-    with pytest.raises(RuntimeError, match="without masses"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents, None, [4], 1.0)
-    with pytest.raises(TypeError, match="budget must be an int"):
-        dk.build_trees_(lp, ids, 12.0, tokens, depths, parents)
-    with pytest.raises(TypeError, match="masses must be a torch.Tensor or None"):
-        dk.build_trees_(lp, ids, 12, tokens, depths, parents, [0, 0])
+    with pytest.raises(RuntimeError, match=r"3-D \[b, depth, K\]"):
+        dk.build_tree(lp[None], ids[None], 12)
+    with pytest.raises(RuntimeError, match="shape of top_logprobs"):
+        dk.build_tree(lp, ids[:1], 12)
+    with pytest.raises(ValueError, match="2-D \\[D, K\\] or 3-D"):
+        dk.build_tree(lp[None], ids[None], 12, on_device=True)
+    with pytest.raises(ValueError, match="same shape"):
+        dk.build_tree(lp, ids[:1], 12, on_device=True)
+    with pytest.raises(ValueError, match="tables are the device build's"):
+        dk.build_tree(lp, ids, 12, tables=dk.tree_device.tree_tables(5, 4, 12, "cpu"))

@@ -1,6 +1,6 @@
 """DDTree build and walk on the device (fixed shapes, no host sync) against the C++ ops.
 
-* ``build_tree_device`` must equal the C++ heap ``build_tree`` bit for bit
+* ``build_tree(on_device=True)`` must equal the C++ heap ``build_tree`` bit for bit
   when scores are distinct (thousands of random drafts, budgets 1, D, 16, 64,
   257, 1024, K = 1 chains, depth 1, ``-inf`` tails, the full 15 x 1024 draft),
   and on ties follow its documented rule: it equals the brute-force
@@ -42,12 +42,18 @@ def tie_draft(depth, k, gen, levels=(-0.5, -1.0, -1.5, -2.0)):
 
 
 def same(a, b):
-    return all(x.dtype == y.dtype == torch.int64 and torch.equal(x, y) for x, y in zip(a, b))
+    """The same tree: token_ids, depths and parents (the builds' scores are compared where they are tested)."""
+    return all(x.dtype == y.dtype == torch.int64 and torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+
+
+def build_on_device(*args, **kw):
+    """:func:`dflash_kernels.build_tree` on the device backend."""
+    return dk.build_tree(*args, on_device=True, **kw)
 
 
 def node_scores(lp, ids, tree):
     """Float64 path score of nodes 1..N (the C++ arithmetic), from the outputs alone."""
-    tokens, depths, parents = tree
+    tokens, depths, parents = tree[:3]
     lp = lp.double()
     score = [0.0]
     for i in range(1, parents.numel()):
@@ -59,7 +65,7 @@ def node_scores(lp, ids, tree):
 
 def check_best_first(lp, ids, tree, budget):
     """Structure + best-first properties of a tree, independent of any implementation."""
-    tokens, depths, parents = tree
+    tokens, depths, parents = tree[:3]
     n = tokens.numel()
     depth_total, k = lp.shape
     assert n == dk.tree_size(depth_total, k, budget)
@@ -122,14 +128,14 @@ def test_tables_passed_in_give_the_same_tree_and_are_checked(monkeypatch):
     assert isinstance(tables, TreeTables) and (tables.n, tables.k, tables.depth) == (40, 16, 7)
     with no_host_reads(monkeypatch):  # the tables are made with device ops: no host read, no upload
         tree_tables(7, 16, 40, lp.device)
-    assert same(dk.build_tree_device(lp, ids, 40, tables=tables), dk.build_tree_device(lp, ids, 40))
-    assert same(dk.build_tree_device(lp, ids, 40, tables=tables), dk.build_tree(lp, ids, 40))
+    assert same(build_on_device(lp, ids, 40, tables=tables), build_on_device(lp, ids, 40))
+    assert same(build_on_device(lp, ids, 40, tables=tables), dk.build_tree(lp, ids, 40))
     with pytest.raises(ValueError, match="tables are for N=40"):
-        dk.build_tree_device(lp, ids, 41, tables=tables)
+        build_on_device(lp, ids, 41, tables=tables)
     with pytest.raises(ValueError, match="K=16, D=7"):
-        dk.build_tree_device(lp[:6], ids[:6], 40, tables=tables)
+        build_on_device(lp[:6], ids[:6], 40, tables=tables)
     with pytest.raises(TypeError, match="TreeTables"):
-        dk.build_tree_device(lp, ids, 40, tables=tuple(tables))
+        build_on_device(lp, ids, 40, tables=tuple(tables))
 
 
 def test_the_tables_overload_builds_over_the_callers_tables():
@@ -138,7 +144,7 @@ def test_the_tables_overload_builds_over_the_callers_tables():
     tables = tree_tables(5, 8, 12, lp.device)
     want = dk.build_tree(lp, ids, 12)
     for backend in ("reference", "triton"):
-        assert same(dk.build_tree_device(lp, ids, 12, tables=tables, backend=backend), want), backend
+        assert same(build_on_device(lp, ids, 12, tables=tables, backend=backend), want), backend
     args = (lp, ids, 12, tables.slots, tables.ranks, tables.depth_of, tables.parent_base)
     torch.library.opcheck(torch.ops.dflash.build_tree_device.tables, args)
 
@@ -166,7 +172,7 @@ def test_build_matches_cpp_on_random_distinct_drafts():
         lp, ids = distinct_draft(depth, k, gen)
         if rng.random() < 0.3:
             ids = ids.int()
-        ours = dk.build_tree_device(lp, ids, budget)
+        ours = build_on_device(lp, ids, budget)
         assert same(ours, dk.build_tree(lp, ids, budget)), (case, depth, k, budget)
         if case % 200 == 0:
             check_best_first(lp, ids, ours, budget)
@@ -178,7 +184,7 @@ def test_build_matches_cpp_on_the_full_draft(budget):
     gen = torch.Generator().manual_seed(budget)
     logits = torch.randn(15, 8192, generator=gen) * 3
     top = logits.log_softmax(-1).topk(1024, dim=-1)
-    ours = dk.build_tree_device(top.values, top.indices, budget)
+    ours = build_on_device(top.values, top.indices, budget)
     assert ours[0].numel() == budget
     assert same(ours, dk.build_tree(top.values, top.indices, budget))
 
@@ -187,7 +193,7 @@ def test_build_matches_cpp_on_the_full_draft(budget):
 def test_build_of_top1_is_the_chain(depth):
     lp, ids = distinct_draft(depth, 1, torch.Generator().manual_seed(depth))
     for budget in (depth, 1024):
-        tokens, depths, parents = dk.build_tree_device(lp, ids, budget)
+        tokens, depths, parents, _ = build_on_device(lp, ids, budget)
         assert tokens.tolist() == ids[:, 0].tolist()
         assert depths.tolist() == list(range(1, depth + 1)) and parents.tolist() == [-1] + list(range(depth))
 
@@ -195,18 +201,18 @@ def test_build_of_top1_is_the_chain(depth):
 def test_build_of_depth_one_is_the_top_tokens():
     lp, ids = distinct_draft(1, 40, torch.Generator().manual_seed(3))
     for budget in (1, 7, 40, 64):
-        tokens, depths, parents = dk.build_tree_device(lp, ids, budget)
+        tokens, depths, parents, _ = build_on_device(lp, ids, budget)
         m = min(budget, 40)
         assert tokens.tolist() == ids[0, :m].tolist() and depths.tolist() == [1] * m and parents.tolist() == [-1] + [0] * m
 
 
 def test_build_budget_zero_and_exhausted_tree():
     lp, ids = distinct_draft(3, 4, torch.Generator().manual_seed(4))
-    tokens, depths, parents = dk.build_tree_device(lp, ids, 0)
+    tokens, depths, parents, _ = build_on_device(lp, ids, 0)
     assert tokens.shape == (0,) and depths.shape == (0,) and parents.tolist() == [-1]
-    full = dk.build_tree_device(lp, ids, 1000)
+    full = build_on_device(lp, ids, 1000)
     assert full[0].numel() == 4 + 16 + 64 and same(full, dk.build_tree(lp, ids, 1000))
-    empty_k = dk.build_tree_device(torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.int64), 5)
+    empty_k = build_on_device(torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.int64), 5)
     assert empty_k[0].shape == (0,) and empty_k[2].tolist() == [-1]
 
 
@@ -231,7 +237,7 @@ def test_build_with_neg_inf_tails():
             for d in range(depth):
                 lp[d, rng.randint(0, k):] = -math.inf
         budget = rng.choice([1, depth, 16, 64, 257, rng.randint(0, 100)])
-        ours = dk.build_tree_device(lp, ids, budget)
+        ours = build_on_device(lp, ids, budget)
         heap = dk.build_tree(lp, ids, budget)
         f = min(finite_count(lp), budget)
         # The finite-score nodes are distinct: the same nodes, numbered the same.
@@ -254,13 +260,13 @@ def test_tie_rule_by_hand():
     # Depth 1: a=1 (score -1), b=2 (-1); depth 2: a->3, a->4, b->3, b->4 (all -2).
     lp = torch.full((2, 2), -1.0)
     ids = torch.tensor([[1, 2], [3, 4]])
-    tokens, depths, parents = dk.build_tree_device(lp, ids, 5)
+    tokens, depths, parents, _ = build_on_device(lp, ids, 5)
     assert tokens.tolist() == [1, 2, 3, 4, 3] and depths.tolist() == [1, 1, 2, 2, 2]
     assert parents.tolist() == [-1, 0, 0, 1, 1, 2]
     # Zero log-probs: a child ties with its parent, depth asc puts the parent first.
     lp = torch.zeros(3, 2)
     ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
-    tree = dk.build_tree_device(lp, ids, 6)
+    tree = build_on_device(lp, ids, 6)
     assert tree[2].tolist() == [-1, 0, 0, 1, 1, 2, 2]
     assert same(tree, ref.build_tree_sorted(lp, ids, 6))
     check_best_first(lp, ids, tree, 6)
@@ -278,7 +284,7 @@ def test_ties_follow_the_rule_and_stay_best_first():
         levels = rng.choice([(-0.5, -1.0, -1.5, -2.0), (0.0, -1.0), (0.0,), (-1.0, -math.inf)])
         lp, ids = tie_draft(depth, k, gen, levels)
         budget = rng.choice([1, depth, 16, 64, rng.randint(0, 200)])
-        ours = dk.build_tree_device(lp, ids, budget)
+        ours = build_on_device(lp, ids, budget)
         assert same(ours, ref.build_tree_sorted(lp, ids, budget)), case
         score = check_best_first(lp, ids, ours, budget)
         assert same(dk.build_tree(lp, ids, budget), ours), case  # the C++ heap: one tie rule
@@ -300,25 +306,25 @@ def test_build_input_dtypes_and_strides():
     lp, ids = distinct_draft(6, 5, gen)
     want = dk.build_tree(lp, ids, 20)
     for lp_x, ids_x in ((lp.double(), ids), (lp, ids.int()), (lp.t().contiguous().t(), ids.t().contiguous().t())):
-        assert same(dk.build_tree_device(lp_x, ids_x, 20), want)
+        assert same(build_on_device(lp_x, ids_x, 20), want)
     half = lp.bfloat16()
-    assert same(dk.build_tree_device(half, ids, 20), dk.build_tree(half, ids, 20))
+    assert same(build_on_device(half, ids, 20), dk.build_tree(half, ids, 20))
 
 
 def test_build_errors_are_clear():
     lp, ids = distinct_draft(3, 4, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="2-D"):
-        dk.build_tree_device(lp[0], ids[0], 4)
+        build_on_device(lp[0], ids[0], 4)
     with pytest.raises(ValueError, match="same shape"):
-        dk.build_tree_device(lp, ids[:, :2], 4)
+        build_on_device(lp, ids[:, :2], 4)
     with pytest.raises(ValueError, match="budget must be >= 0"):
-        dk.build_tree_device(lp, ids, -1)
+        build_on_device(lp, ids, -1)
     with pytest.raises(ValueError, match="int64 or int32"):
-        dk.build_tree_device(lp, ids.float(), 4)
+        build_on_device(lp, ids.float(), 4)
     with pytest.raises(ValueError, match="floating point"):
-        dk.build_tree_device(ids, ids, 4)
+        build_on_device(ids, ids, 4)
     with pytest.raises(TypeError, match="budget must be an int"):
-        dk.build_tree_device(lp, ids, 4.0)
+        build_on_device(lp, ids, 4.0)
 
 
 # ----------------------------------------------------------------------------
@@ -393,7 +399,7 @@ def test_walk_of_chains():
 
 def random_round(rng, gen, max_depth, k, budget, agree=0.8):
     lp, ids = distinct_draft(max_depth, k, gen)
-    tokens, _, parents = dk.build_tree(lp, ids, budget)
+    tokens, _, parents, _ = dk.build_tree(lp, ids, budget)
     n = tokens.numel()
     choice = torch.randint(0, 50_000, (n + 1,), generator=gen)
     kids = [[] for _ in range(n + 1)]
@@ -429,6 +435,31 @@ def test_walk_with_the_triton_ancestor_bits():
         parents, tokens, choice = random_round(rng, gen, 15, 8, budget, agree=0.9)
         walk_both(parents, tokens, choice, 15, dk.ancestor_bits(parents))
 
+
+def test_a_batch_of_walks_is_each_walk_alone():
+    """walk_tree_device over ``[b, N+1]`` trees (one call, as a round walks its batch): row ``r`` is bit for bit the
+    walk of tree ``r`` alone (the C++ walk's path), with the batch's ancestor bits and without; ``path_len [b]``.
+    The trees are prefixes of larger ones (strided views, as a round verifies a bucket's prefix)."""
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    for budget, n in ((64, 64), (64, 20), (8, 8)):
+        rounds = [random_round(rng, gen, 7, 4, budget, agree=0.9) for _ in range(3)]
+        parents = torch.stack([r[0] for r in rounds])[:, : n + 1]
+        tokens = torch.stack([r[1] for r in rounds])[:, :n]
+        choice = torch.stack([r[2] for r in rounds])[:, : n + 1]
+        for bits in (None, dk.ancestor_bits(parents)):
+            path, path_len, committed = dk.walk_tree_device(parents, tokens, choice, 7, bits)
+            assert path.shape == committed.shape == (3, 8) and path_len.shape == (3,)
+            for r in range(3):
+                alone = dk.walk_tree_device(parents[r], tokens[r], choice[r], 7,
+                                            None if bits is None else bits[r])
+                assert torch.equal(path[r], alone[0]) and torch.equal(path_len[r : r + 1], alone[1])
+                assert torch.equal(committed[r], alone[2])
+                walk_both(parents[r], tokens[r], choice[r], 7)
+    with pytest.raises(ValueError, match=r"token_ids must be 2-D \[b, N\]"):
+        dk.walk_tree_device(parents, tokens[0], choice, 7)
+    with pytest.raises(ValueError, match="bits must be"):
+        dk.walk_tree_device(parents, tokens, choice, 7, dk.ancestor_bits(parents[0]))
 
 def test_walk_int32_inputs():
     parents, tokens = hand_tree()
@@ -468,14 +499,14 @@ def test_the_host_read_guard_catches_reads(monkeypatch):
 def test_build_and_walk_read_no_tensor_values(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     lp, ids = distinct_draft(15, 64, gen)
-    dk.build_tree_device(lp, ids, 256)
+    build_on_device(lp, ids, 256)
     want_tree = dk.build_tree(lp, ids, 256)
     choice = torch.randint(0, 50_000, (257,), generator=gen)
     choice[0] = want_tree[0][0]
     choice[1] = want_tree[0][int((want_tree[2] == 1).int().argmax()) - 1]
     bits = ref.ancestor_bits(want_tree[2])
     with no_host_reads(monkeypatch):
-        tree = dk.build_tree_device(lp, ids, 256)
+        tree = build_on_device(lp, ids, 256)
         walks = [dk.walk_tree_device(tree[2], tree[0], choice, 15, bits=b) for b in (None, bits)]
     assert same(tree, want_tree)
     for path, path_len, _ in walks:
@@ -487,12 +518,12 @@ def test_cuda_round_has_no_sync():
     gen = torch.Generator().manual_seed(2)
     lp, ids = distinct_draft(15, 1024, gen)
     lp_d, ids_d = lp.cuda(), ids.cuda()
-    dk.build_tree_device(lp_d, ids_d, 1024)  # warm-up (allocator, kernels)
+    build_on_device(lp_d, ids_d, 1024)  # warm-up (allocator, kernels)
     choice = torch.randint(0, 50_000, (1025,), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tree = dk.build_tree_device(lp_d, ids_d, 1024)
+        tree = build_on_device(lp_d, ids_d, 1024)
         bits = dk.ancestor_bits(tree[2])
         walk_bits = dk.walk_tree_device(tree[2], tree[0], choice, 15, bits=bits)
         walk_plain = dk.walk_tree_device(tree[2], tree[0], choice, 15)
@@ -516,7 +547,7 @@ def test_build_and_walk_make_no_host_uploads():
     tables = tree_tables(7, 64, 64, torch.device("cpu"))
     choice = torch.randint(0, 50_000, (65,), generator=gen)
     with HostReadCounter() as counter:
-        tree = dk.build_tree_device(lp, ids, 64, tables=tables, backend="reference")
+        tree = build_on_device(lp, ids, 64, tables=tables, backend="reference")
     bits = dk.ancestor_bits(tree[2], backend="reference")  # the reference reads on the host; a GPU's kernel does not
     with HostReadCounter() as walks:
         for b in (None, bits):

@@ -30,7 +30,7 @@ tensor              shape                  meaning
 ``path``            ``[b, D+1]`` int64     DDTree: the accepted paths' rows (padded)
 ``path_mass``       ``[b, V]`` int64       DDTree, budget chosen per round: per sequence and budget bucket ``v``,
                                            the drafts the drafter expects the walk over the bucket's tree to
-                                           accept (the sum of its nodes' path probabilities, :meth:`_path_mass`),
+                                           accept (the sum of its nodes' path probabilities, :meth:`_take_trees`),
                                            in the payload's fixed point (times :data:`MASS_SCALE`, floored)
 ==================  =====================  ===========================================================
 
@@ -271,9 +271,6 @@ class Round:
             if self.auto:
                 self.path_mass = torch.zeros(b, len(self.bucket_nodes), **long)
                 self._bucket_last = torch.tensor(self.bucket_nodes, **long) - 1
-                self._zero = torch.zeros(1, dtype=torch.float32, device=device)
-                #: pointer-jumping rounds that sum a node's ancestors over at most D levels: ceil(log2 D)
-                self._jumps = (self.D - 1).bit_length()
         self._register_batched()
 
     #: state tensors with the batch in front (:meth:`narrow` views their first rows)
@@ -505,42 +502,30 @@ class Round:
         logprobs, ids = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
                                      check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
-        if self.host_tree:  # the b trees in one C++ call, into the state; it knows each node's path score, so
-            # it sums the masses too
-            dflash_kernels.build_trees_(logprobs, ids, self.budget, self.tokens, self.depths, self.parents,
-                                        self.path_mass if self.auto else None,
-                                        self.bucket_nodes if self.auto else (), MASS_SCALE)
-            return
-        for r in range(self.b):  # a tree per sequence (its build is a fixed-shape op sequence: a loop of b)
-            tree = dflash_kernels.build_tree_device(logprobs[r], ids[r], self.budget, tables=self.tree_tables,
-                                                    backend=self.backend)
-            for state, t in zip((self.tokens, self.depths, self.parents), tree):
-                state[r].copy_(t)
-        if self.auto:
-            rows = self.depths - 1  # [b, N]: the drafted row of each node
-            row_ids = ids.gather(1, rows[:, :, None].expand(-1, -1, self.K))  # [b, N, K]
-            rank = (row_ids == self.tokens[:, :, None]).long().argmax(2, keepdim=True)
-            own = logprobs.gather(1, rows[:, :, None].expand(-1, -1, self.K)).gather(2, rank)[:, :, 0]
-            self._path_mass(own)
+        if self.host_tree:  # the b trees in one C++ call (the host is the device there)
+            tree = dflash_kernels.build_tree(logprobs, ids, self.budget)
+        else:
+            tree = dflash_kernels.build_tree(logprobs, ids, self.budget, on_device=True, tables=self.tree_tables,
+                                             backend=self.backend)
+        self._take_trees(tree)
 
-    def _path_mass(self, own: torch.Tensor) -> None:
-        """``path_mass [b, V]`` from each node's own log-prob ``own [b, N]`` (given its parent).
+    def _take_trees(self, tree) -> None:
+        """The batch's trees ``(tokens [b, N], depths [b, N], parents [b, N + 1], scores [b, N])`` of a build into
+        the state, and with a budget chosen per round the path masses from the scores.
 
-        A node's path probability ``pi_i = exp(sum of own log-probs from the root to i)`` is the drafter's
-        probability that the target's choices follow the path to ``i``, i.e. that the walk accepts node ``i``.
-        The walk's accepted drafts are the number of accepted nodes, so their expectation over bucket ``v``'s
-        tree is ``path_mass[r, v] = sum of pi_i over its first N_v nodes`` (a cumulative sum read at each
-        bucket's last node). The path sums by pointer jumping over node ids (the root 0, scored 0 and its own
-        ancestor): ``score += score[anc]; anc = anc[anc]``, ``ceil(log2 D)`` times, so each node has summed its
-        first ``2^j`` ancestors after ``j`` rounds. Fixed shapes, no host read.
+        A node's score is its path log-prob (the sum of its own and its ancestors' log-probs, given their
+        parents: :func:`dflash_kernels.build_tree`), so ``pi_i = exp(score_i)`` is the drafter's probability
+        that the target's choices follow the path to ``i``, i.e. that the walk accepts node ``i``. The walk's
+        accepted drafts are the number of accepted nodes, so their expectation over bucket ``v``'s tree is
+        ``path_mass[r, v] = sum of pi_i over its first N_v nodes``: a cumulative sum read at each bucket's last
+        node, in the payload's fixed point (times :data:`MASS_SCALE`, a power of two: exact, then floored).
+        Fixed shapes, no host read.
         """
-        score = torch.cat([self._zero.expand(self.b, 1), own.float()], 1)  # [b, N + 1] by node id
-        anc = self.parents.clamp(min=0)  # the root is its own ancestor
-        for _ in range(self._jumps):
-            score = score + score.gather(1, anc)
-            anc = anc.gather(1, anc)
-        mass = torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last)  # [b, V] fp32
-        self.path_mass.copy_((mass * MASS_SCALE).long())  # exact scaling (a power of two), then floored
+        for state, t in zip((self.tokens, self.depths, self.parents), tree[:3]):
+            state.copy_(t)
+        if self.auto:
+            mass = torch.cumsum(tree[3].exp(), 1).index_select(1, self._bucket_last)  # [b, V]
+            self.path_mass.copy_((mass * MASS_SCALE).long())
 
     def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
@@ -601,25 +586,12 @@ class Round:
                                          check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         unary, candidates = unary.view(self.b, self.D, self.K), candidates.view(self.b, self.D, self.K)
         projected = selector.hidden_projection(out[:, 1:])
-        owns = []
-        for r in range(self.b):
-            child = dflash_kernels.selector_child_logprobs(unary[r], candidates[r], projected[r],
-                                                           selector.predecessor_codebook.weight,
-                                                           selector.successor_codebook.weight, self.last[r : r + 1])
-            tree = dflash_kernels.build_selector_tree_device(child, candidates[r], self.budget, backend=self.backend)
-            for state, t in zip((self.tokens, self.depths, self.parents), tree):
-                state[r].copy_(t)
-            if self.auto:  # own log-prob = child[d - 1, the parent's candidate slot (0 for the root), own slot]
-                tokens, depths, parents = self.tokens[r], self.depths[r], self.parents[r]
-                rows = depths - 1
-                own_slot = (candidates[r].index_select(0, rows) == tokens[:, None]).long().argmax(1)
-                parent_token = torch.cat([self.last[r : r + 1], tokens]).index_select(0, parents[1:])
-                above = (rows - 1).clamp(min=0)
-                parent_slot = (candidates[r].index_select(0, above) == parent_token[:, None]).long().argmax(1)
-                parent_slot = torch.where(rows > 0, parent_slot, torch.zeros_like(parent_slot))
-                owns.append(child[rows, parent_slot, own_slot])
-        if self.auto:
-            self._path_mass(torch.stack(owns))
+        child = torch.stack([dflash_kernels.selector_child_logprobs(unary[r], candidates[r], projected[r],
+                                                                    selector.predecessor_codebook.weight,
+                                                                    selector.successor_codebook.weight,
+                                                                    self.last[r : r + 1]) for r in range(self.b)])
+        self._take_trees(dflash_kernels.build_selector_tree_device(child, candidates, self.budget,
+                                                                   backend=self.backend))
 
     def _draft_q_form(self) -> str:
         """How this round's drafter gives ``q`` to the rejection rule: ``"dense"`` (its rows through the
@@ -691,17 +663,17 @@ class Round:
         tokens, depths, parents = self.tokens[:, :n], self.depths[:, :n], self.parents[:, : n + 1]
         ids = torch.cat([self.last[:, None], tokens], 1)  # [b, n + 1]
         positions = length[:, None] + torch.cat([depths.new_zeros(self.b, 1), depths], 1)  # the root at depth 0
-        bits = torch.stack([dflash_kernels.ancestor_bits(parents[r], check=False, backend=self.backend)
-                            for r in range(self.b)])  # [b, n + 1, W]
+        bits = dflash_kernels.ancestor_bits(parents, check=False, backend=self.backend)  # [b, n + 1, W]
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
         choices = self.choose(hidden)  # [b, n + 1]
-        walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) if self.host_tree else
-                 dflash_kernels.walk_tree_device(parents[r], tokens[r], choices[r], self.D, bits[r],
-                                                 backend=self.backend)
-                 for r in range(self.b)]
-        path = torch.stack([w[0] for w in walks])  # [b, D + 1]
-        path_len = torch.cat([w[1] for w in walks])  # [b]
-        committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
+        if self.host_tree:
+            walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) for r in range(self.b)]
+            path = torch.stack([w[0] for w in walks])  # [b, D + 1]
+            path_len = torch.cat([w[1] for w in walks])  # [b]
+            committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
+        else:
+            path, path_len, committed = dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits,
+                                                                        backend=self.backend)
         kept = path_len * self.alive  # a stopped sequence keeps nothing
         self.path.copy_(path)
         self.cache.compact_advance(path, kept)

@@ -74,14 +74,18 @@ def selector_child_logprobs(unary: torch.Tensor, candidates: torch.Tensor, proje
 
 
 def check_lattice(child_logprobs: torch.Tensor, candidates: torch.Tensor, fn: str) -> Tuple[int, int]:
+    """``(D, k)`` of a lattice: ``child_logprobs [(b,) D, k, k]`` float and ``candidates [(b,) D, k]`` int on one
+    device (a batch of ``b`` lattices where ``fn`` takes one)."""
     if not isinstance(child_logprobs, torch.Tensor) or not isinstance(candidates, torch.Tensor):
         raise TypeError(f"{fn}: child_logprobs and candidates must be torch.Tensor")
-    if candidates.dim() != 2:
-        raise ValueError(f"{fn}: candidates must be 2-D [D, k], got shape {tuple(candidates.shape)}")
-    D, k = candidates.shape
-    if tuple(child_logprobs.shape) != (D, k, k):
-        raise ValueError(f"{fn}: child_logprobs must be [D, k, k] = [{D}, {k}, {k}] for candidates [{D}, {k}], got "
-                         f"{tuple(child_logprobs.shape)}")
+    if candidates.dim() not in (2, 3):
+        raise ValueError(f"{fn}: candidates must be 2-D [D, k] or 3-D [b, D, k], got shape {tuple(candidates.shape)}")
+    D, k = candidates.shape[-2:]
+    want = (*candidates.shape[:-2], D, k, k)
+    if tuple(child_logprobs.shape) != want:
+        dims = "[b, D, k, k]" if candidates.dim() == 3 else "[D, k, k]"
+        raise ValueError(f"{fn}: child_logprobs must be {dims} = {list(want)} for candidates "
+                         f"{list(candidates.shape)}, got {tuple(child_logprobs.shape)}")
     if not child_logprobs.dtype.is_floating_point:
         raise ValueError(f"{fn}: child_logprobs must be floating point, got {child_logprobs.dtype}")
     if candidates.dtype not in (torch.int64, torch.int32):
@@ -110,6 +114,8 @@ def build_selector_tree(child_logprobs: torch.Tensor, candidates: torch.Tensor,
     sibling chain as in :func:`dflash_kernels.reference.build_tree`.
     """
     D, k = check_lattice(child_logprobs, candidates, "build_selector_tree")
+    if candidates.dim() != 2:
+        raise ValueError(f"build_selector_tree: one lattice only, candidates [D, k]; got {tuple(candidates.shape)}")
     if type(budget) is not int or budget < 0:
         raise ValueError(f"build_selector_tree: budget must be an int >= 0, got {budget!r}")
     lp: List[List[List[float]]] = child_logprobs.detach().to("cpu", torch.float64).tolist()

@@ -12,13 +12,12 @@ pops them, so ``parents[i] < i`` for every ``i >= 1`` and ``parents[0] == -1``.
 from __future__ import annotations
 
 import heapq
-import math
 from typing import List, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["build_tree", "build_trees_", "build_tree_sorted", "walk_tree", "ancestor_bits", "ancestor_bits_doubling"]
+__all__ = ["build_tree", "build_tree_sorted", "walk_tree", "ancestor_bits", "ancestor_bits_doubling"]
 
 
 def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,32 +86,10 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
     return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
 
 
-def build_trees_(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, tokens: torch.Tensor,
-                 depths: torch.Tensor, parents: torch.Tensor, masses=None, mass_nodes=(), mass_scale: float = 1.0):
-    """:func:`build_tree` per row of ``[b, D, K]`` inputs, into ``tokens [b, N]``, ``depths [b, N]``, ``parents
-    [b, N + 1]``; with ``masses [b, V]``: ``floor(mass_scale * sum of exp(path score) over the first
-    mass_nodes[v] nodes)``, a node's path score the float64 sum of its own and its ancestors' log-probs."""
-    for r in range(top_logprobs.shape[0]):
-        tok, dep, par = build_tree(top_logprobs[r], top_ids[r], budget)
-        tokens[r].copy_(tok)
-        depths[r].copy_(dep)
-        parents[r].copy_(par)
-        if masses is None:
-            continue
-        rows, ids = top_logprobs[r].double().tolist(), top_ids[r].tolist()
-        score, prefix = [0.0], [0.0]
-        for i in range(1, tok.numel() + 1):
-            d = int(dep[i - 1])
-            score.append(score[int(par[i])] + rows[d - 1][ids[d - 1].index(int(tok[i - 1]))])
-            prefix.append(prefix[-1] + math.exp(score[i]))
-        for v, n in enumerate(mass_nodes):
-            masses[r, v] = int(math.floor(mass_scale * prefix[n]))
-
-
 def build_tree_sorted(
     top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, max_nodes: int = 200_000
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The device build's tree (:func:`dflash_kernels.build_tree_device`), by enumerating the whole tree.
+    """The device build's tree (:func:`dflash_kernels.build_tree` with ``on_device=True``), by enumerating the whole tree.
 
     Args and returns as :func:`build_tree`; ``N = min(budget, sum_d K**d)``.
     Only for small trees: the full tree (``sum_d K**d`` nodes) must not exceed
@@ -206,27 +183,32 @@ def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
     """Packed ancestor-or-self bitmask, by the row-copy recurrence.
 
     Args:
-        parents: ``[N+1]`` int, ``parents[0] == -1``, ``parents[i] < i``.
+        parents: ``[N+1]`` int (one tree) or ``[b, N+1]`` (``b`` trees), ``parents[.., 0] == -1``,
+            ``parents[.., i] < i``.
 
     Returns:
-        ``[N+1, ceil((N+1)/32)]`` int32 on ``parents.device``: bit ``j % 32``
+        ``[(b,) N+1, ceil((N+1)/32)]`` int32 on ``parents.device``: bit ``j % 32``
         of word ``j // 32`` in row ``i`` is set iff node ``j`` is ``i`` or an
         ancestor of ``i``. Row ``i`` = row ``parents[i]`` | bit ``i``.
 
-    A NumPy loop over rows: readable, and the benchmark baseline of the kernel.
+    A NumPy loop over rows (and trees): readable, and the benchmark baseline of the kernel.
     """
-    if parents.dim() != 1 or parents.numel() < 1:
-        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] with N+1 >= 1, got shape {tuple(parents.shape)}")
+    if parents.dim() not in (1, 2) or parents.shape[-1] < 1:
+        raise ValueError(f"ancestor_bits: parents must be 1-D [N+1] or 2-D [b, N+1] with N+1 >= 1, got shape "
+                         f"{tuple(parents.shape)}")
     par = parents.detach().cpu().numpy()
-    n = par.shape[0]
-    bits = np.zeros((n, (n + 31) // 32), dtype=np.uint32)
-    for i in range(n):
-        if i > 0:
-            if not 0 <= par[i] < i:
-                raise ValueError(f"ancestor_bits: parents[{i}] = {par[i]} must lie in [0, {i})")
-            bits[i] = bits[par[i]]
-        bits[i, i // 32] |= np.uint32(1 << (i % 32))
-    return torch.from_numpy(bits.view(np.int32)).to(parents.device)
+    n = par.shape[-1]
+    trees = par.reshape(-1, n)
+    bits = np.zeros((trees.shape[0], n, (n + 31) // 32), dtype=np.uint32)
+    for t in range(trees.shape[0]):
+        for i in range(n):
+            if i > 0:
+                if not 0 <= trees[t, i] < i:
+                    raise ValueError(f"ancestor_bits: parents[{i}] = {trees[t, i]} must lie in [0, {i})")
+                bits[t, i] = bits[t, trees[t, i]]
+            bits[t, i, i // 32] |= np.uint32(1 << (i % 32))
+    out = torch.from_numpy(bits.view(np.int32)).to(parents.device)
+    return out if parents.dim() == 2 else out[0]
 
 
 def ancestor_bits_doubling(parents: torch.Tensor) -> torch.Tensor:
@@ -236,16 +218,20 @@ def ancestor_bits_doubling(parents: torch.Tensor) -> torch.Tensor:
     root its own); each of ``ceil(log2(N+1))`` rounds ORs in the row
     ``jump`` points at and doubles the jump (``jump = jump[jump]``), so after
     round ``r`` a row holds its ancestors up to ``2**r - 1`` levels up: all of
-    them once ``2**r`` exceeds any depth (depths are at most ``N``).
+    them once ``2**r`` exceeds any depth (depths are at most ``N``). A batch
+    ``[b, N+1]`` runs every tree at once (gathers along the nodes' dim).
     """
-    n = parents.numel()
+    batched = parents.dim() == 2
+    par = parents if batched else parents[None]
+    b, n = par.shape
     words = (n + 31) // 32
     nodes = torch.arange(n, device=parents.device)
-    bits = torch.zeros(n, words, dtype=torch.int64, device=parents.device)
-    bits.scatter_(1, (nodes // 32)[:, None], (1 << (nodes % 32))[:, None])
-    jump = torch.where(nodes == 0, nodes, parents.to(torch.int64).clamp(min=0))
+    bits = torch.zeros(b, n, words, dtype=torch.int64, device=parents.device)
+    bits.scatter_(2, (nodes // 32)[None, :, None].expand(b, n, 1), (1 << (nodes % 32))[None, :, None].expand(b, n, 1))
+    jump = torch.where(nodes == 0, nodes, par.to(torch.int64).clamp(min=0))  # [b, n]
     for _ in range(max(1, n.bit_length())):
-        bits = bits | bits[jump]
-        jump = jump[jump]
+        bits = bits | bits.gather(1, jump[:, :, None].expand(b, n, words))
+        jump = jump.gather(1, jump)
     # int64 words hold 32 bits each: wrap the top bit into int32's sign bit
-    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    out = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return out if batched else out[0]
