@@ -84,7 +84,7 @@ from torch import Tensor
 from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_, dflash::philox_uint32)
 from . import cross_entropy as _ce
 from . import gated_delta as _gd
-from . import gather as _gather
+from . import gather as _gather  # noqa: F401  (registers gather_concat)
 from . import kv_compaction as _kv
 from . import lm_head as _lm
 from . import rejection as _rejection
@@ -106,35 +106,6 @@ _NS = "dflash"
 def _rows(positions: Optional[Tensor], hidden: Tensor):
     """Selected row count: ``positions``' length, else every row of ``hidden``."""
     return hidden.shape[0] if positions is None else positions.shape[0]
-
-
-# --------------------------------------------------------------------------- gather
-
-
-@torch.library.custom_op(f"{_NS}::gather_concat", mutates_args=())
-def gather_concat(layers: List[Tensor], rows: Optional[Tensor] = None, check_bounds: bool = True) -> Tensor:
-    """:func:`dflash_kernels.gather_concat` into a new ``[R, n*H]`` tensor."""
-    return _gather.gather_concat(layers, rows, None, check_bounds=check_bounds)
-
-
-@gather_concat.register_fake
-def _gather_concat_fake(layers, rows=None, check_bounds=True):
-    first = layers[0]
-    n_rows = first.shape[0] if rows is None else rows.shape[0]
-    return first.new_empty(n_rows, len(layers) * first.shape[1])
-
-
-@torch.library.custom_op(f"{_NS}::gather_concat.into", mutates_args={"out"})
-def gather_concat_into(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
-                      check_bounds: bool = True) -> None:
-    """:func:`dflash_kernels.gather_concat` with ``out=``: writes the ``[R, n*H]`` buffer ``out`` (any row
-    stride) in place; returns nothing (the caller holds ``out``)."""
-    _gather.gather_concat(layers, rows, out, check_bounds=check_bounds)
-
-
-@gather_concat_into.register_fake
-def _gather_concat_into_fake(layers, out, rows=None, check_bounds=True):
-    return None
 
 
 # --------------------------------------------------------------------------- lm_head
