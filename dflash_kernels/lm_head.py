@@ -72,7 +72,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import get_backend, resolve_backend, tracing, triton_interpreting
+from torch import Tensor
+
+from ._declare import declare, dispatch
+from ._dispatch import get_backend, triton_interpreting
 from .reference import lm_head as _reference
 from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_temperature, head_inputs,
                                 resolve_logit_dtype, seed_from)
@@ -665,13 +668,34 @@ def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                         check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_logits(hidden, weight, norm_weight, head.positions, eps, False, logit_dtype,
-                                               head.softcap)
-    return _logits_triton(head.detached(), logit_dtype)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps,
+                                                    positions=head.positions, check_bounds=False,
+                                                    logit_dtype=logit_dtype, softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_logits(hidden, weight, norm_weight, head.positions, eps, False,
+                                                       logit_dtype, head.softcap),
+        triton=lambda: _logits_triton(head.detached(), logit_dtype))
+
+
+def _rows(positions: Optional[Tensor], hidden: Tensor):
+    """Selected row count of a fake: ``positions``' length, else every row of ``hidden``."""
+    return hidden.shape[0] if positions is None else positions.shape[0]
+
+
+def _lm_head_logits_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
+                         logit_dtype=torch.float32, softcap=None):
+    dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    return hidden.new_empty(_rows(positions, hidden), weight.shape[0], dtype=dtype)
+
+
+@declare("lm_head_logits", fake=_lm_head_logits_fake)
+def _lm_head_logits_op(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
+                       positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
+                       logit_dtype: Optional[torch.dtype] = torch.float32, softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_logits`: ``[N, V]`` logits in ``logit_dtype`` (None: F.linear's dtype)."""
+    return lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                          check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
 
 
 def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
@@ -696,13 +720,28 @@ def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                         check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_argmax(hidden, weight, norm_weight, head.positions, eps, False, logit_dtype,
-                                               head.softcap)
-    return _argmax_triton(head.detached(), logit_dtype)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps,
+                                                    positions=head.positions, check_bounds=False,
+                                                    logit_dtype=logit_dtype, softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_argmax(hidden, weight, norm_weight, head.positions, eps, False,
+                                                       logit_dtype, head.softcap),
+        triton=lambda: _argmax_triton(head.detached(), logit_dtype))
+
+
+def _lm_head_argmax_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
+                         logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_argmax", fake=_lm_head_argmax_fake)
+def _lm_head_argmax_op(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
+                       positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
+                       logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_argmax`: int64 ``[N]`` greedy tokens."""
+    return lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                          check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
@@ -721,13 +760,28 @@ def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=Non
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     check_k(k, weight.shape[0])
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                       check_bounds=False, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_topk(hidden, weight, k, norm_weight, head.positions, eps, False,
-                                             chunk_elements, head.softcap)
-    return _topk_triton(head.detached(), k, chunk_elements)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps,
+                                                  positions=head.positions, check_bounds=False, softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_topk(hidden, weight, k, norm_weight, head.positions, eps, False,
+                                                     chunk_elements, head.softcap),
+        triton=lambda: _topk_triton(head.detached(), k, chunk_elements))
+
+
+def _lm_head_topk_fake(hidden, weight, k, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
+                       chunk_elements=None, softcap=None):
+    n = _rows(positions, hidden)
+    return (hidden.new_empty(n, k, dtype=torch.float32), hidden.new_empty(n, k, dtype=torch.int64))
+
+
+@declare("lm_head_topk", fake=_lm_head_topk_fake)
+def _lm_head_topk_op(hidden: Tensor, weight: Tensor, k: int, norm_weight: Optional[Tensor] = None,
+                     positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
+                     chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`lm_head_topk`: ``(logprobs fp32 [N, k], ids int64 [N, k])``."""
+    return lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=positions,
+                        check_bounds=check_bounds, chunk_elements=chunk_elements, softcap=softcap)
 
 
 def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
@@ -771,19 +825,57 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if device_seed:
         seed = check_seed_tensor(seed, hidden.device)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                         generator=generator, seed=seed, check_bounds=False, logit_dtype=logit_dtype,
-                                         softcap=head.softcap)
-    if tracing():
+
+    def traced():
         if not device_seed:
             raise TypeError("lm_head_sample under torch.compile takes seed as an int64 tensor [1] on hidden's "
                             f"device (a generator or an int seed draws on the host), got {type(seed).__name__}")
         return torch.ops.dflash.lm_head_sample.tensor(hidden, weight, t, seed, norm_weight, head.positions, eps,
                                                       logit_dtype, head.softcap)
-    if device_seed:
-        return _sample_device_seed_triton(head.detached(), t, seed, logit_dtype)
-    return _sample_triton(head.detached(), t, seed_from(generator, seed), logit_dtype)
+
+    def triton_path():
+        if device_seed:
+            return _sample_device_seed_triton(head.detached(), t, seed, logit_dtype)
+        return _sample_triton(head.detached(), t, seed_from(generator, seed), logit_dtype)
+
+    return dispatch(
+        backend, hidden.device, traced=traced, triton=triton_path,
+        reference=lambda: _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps,
+                                                    positions=head.positions, generator=generator, seed=seed,
+                                                    check_bounds=False, logit_dtype=logit_dtype,
+                                                    softcap=head.softcap))
+
+
+def _lm_head_sample_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
+                         check_bounds=True, logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_sample", fake=_lm_head_sample_fake)
+def _lm_head_sample_op(hidden: Tensor, weight: Tensor, temperature: float, seed: int,
+                       norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
+                       check_bounds: bool = True, logit_dtype: Optional[torch.dtype] = None,
+                       softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_sample` with ``seed=seed``: int64 ``[N]`` draws, equal for equal seeds (a schema has no
+    ``torch.Generator``; the seed is a required int, so the op is deterministic)."""
+    return lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                          seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
+
+
+def _lm_head_sample_tensor_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
+                                logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_sample.tensor", fake=_lm_head_sample_tensor_fake)
+def _lm_head_sample_tensor_op(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
+                              norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                              eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
+                              softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_sample` with ``seed=`` a device tensor (int64 ``[1]``, read in-kernel): int64 ``[N]``
+    draws; ``positions`` are not range-checked (no host read)."""
+    return lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                          seed=seed, check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
 
 
 # --------------------------------------------------------------------------- compile enumeration

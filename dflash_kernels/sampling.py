@@ -53,9 +53,12 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import resolve_backend, tracing
+from torch import Tensor
+
+from ._declare import declare, dispatch
 from .distribution import (bin_scores, head_logits, histogram_support, noise_source,
                            sample_processed_plan, value_keys)
+from .lm_head import _rows
 from .reference import sampling as _reference
 from .reference.lm_head import HeadInputs, check_seed_tensor, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args, processed_scores
@@ -130,22 +133,65 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
         seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
     elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or an int64 tensor [1], got {type(seed).__name__}")
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_sample_processed(
-            hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
-            positions=head.positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=head.softcap,
-            check_bounds=False)
-    if tracing():
+
+    def traced():
         if not device_seed:
             raise TypeError("lm_head_sample_processed under torch.compile takes seed as an int64 tensor [1] on "
                             f"hidden's device (a generator or an int seed draws on the host), got {type(seed).__name__}")
         return torch.ops.dflash.lm_head_sample_processed(hidden, weight, t, top_k, top_p, min_p, seed, norm_weight,
                                                          head.positions, eps, logit_dtype, head.softcap)
-    head = head.detached()
+
+    return dispatch(
+        backend, hidden.device, traced=traced,
+        reference=lambda: _reference.lm_head_sample_processed(
+            hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
+            positions=head.positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=head.softcap,
+            check_bounds=False),
+        triton=lambda: _sample_processed_triton(head.detached(), t, top_k, top_p, min_p, seed, generator,
+                                                logit_dtype, chunk_elements))
+
+
+def _sample_processed_triton(head: HeadInputs, t, top_k, top_p, min_p, seed, generator, logit_dtype,
+                             chunk_elements):
+    """The chunked method of the module docstring (arguments checked, ``head`` detached)."""
+    device_seed = isinstance(seed, torch.Tensor)
+    device = head.hidden.device
     N = head.rows
-    out = torch.empty(N, dtype=torch.int64, device=hidden.device)
+    out = torch.empty(N, dtype=torch.int64, device=device)
     if N == 0:
         return out
+    if seed is not None and not device_seed:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed % (2 ** 63))
+    noise = noise_source(generator, seed if device_seed else None, device)
+    plan = sample_processed_plan(N, head.vocab, logit_dtype, chunk_elements)
+    scores_of_bins = bin_scores(logit_dtype, t, device) if plan["method"] == "histogram" else None
+    for r0 in range(0, N, plan["rows"]):
+        r1 = min(N, r0 + plan["rows"])
+        rows = head.row_chunk(r0, r1)
+        if plan["method"] == "histogram":
+            out[r0:r1] = _histogram_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0, plan, scores_of_bins)
+        else:
+            out[r0:r1] = _dense_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0)
+    return out
+
+
+def _lm_head_sample_processed_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
+                                   positions=None, eps=1e-6, logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_sample_processed", fake=_lm_head_sample_processed_fake)
+def _lm_head_sample_processed_op(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
+                                 top_p: Optional[float], min_p: Optional[float], seed: Tensor,
+                                 norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                                 eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
+                                 softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_sample_processed` with ``seed=`` a device tensor: int64 ``[N]`` draws from the processed
+    distribution (temperature, top-k, top-p, min-p); ``positions`` are not range-checked."""
+    return lm_head_sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                    norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
+                                    logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
     if seed is not None and not device_seed:
         generator = torch.Generator(device=hidden.device)
         generator.manual_seed(seed % (2 ** 63))
