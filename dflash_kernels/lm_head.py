@@ -86,7 +86,6 @@ __all__ = [
     "lm_head_logits",
     "lm_head_argmax",
     "lm_head_topk",
-    "lm_head_sample",
 ]
 
 
@@ -784,9 +783,10 @@ def _lm_head_topk_op(hidden: Tensor, weight: Tensor, k: int, norm_weight: Option
                         check_bounds=check_bounds, chunk_elements=chunk_elements, softcap=softcap)
 
 
-def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True, logit_dtype=None, softcap=None, backend=None) -> torch.Tensor:
-    """int64 ``[N]``: one token per row drawn from ``softmax(logits / temperature)``.
+def sample_gumbel(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
+                  seed=None, check_bounds=True, logit_dtype=None, softcap=None, backend=None) -> torch.Tensor:
+    """:func:`dflash_kernels.lm_head_sample` without filters: int64 ``[N]``, one token per row drawn from
+    ``softmax(logits / temperature)``, fused into the lm_head GEMM.
 
     ``logits`` are rounded to ``logit_dtype`` first (default None: the dtype
     ``F.linear`` returns, as in :func:`lm_head_argmax`; transformers samples
@@ -856,10 +856,10 @@ def _lm_head_sample_op(hidden: Tensor, weight: Tensor, temperature: float, seed:
                        norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
                        check_bounds: bool = True, logit_dtype: Optional[torch.dtype] = None,
                        softcap: Optional[float] = None) -> Tensor:
-    """:func:`lm_head_sample` with ``seed=seed``: int64 ``[N]`` draws, equal for equal seeds (a schema has no
-    ``torch.Generator``; the seed is a required int, so the op is deterministic)."""
-    return lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
-                          seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
+    """:func:`dflash_kernels.lm_head_sample` (no filter) with ``seed=seed``: int64 ``[N]`` draws, equal for equal
+    seeds (a schema has no ``torch.Generator``; the seed is a required int, so the op is deterministic)."""
+    return sample_gumbel(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                         seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
 
 
 def _lm_head_sample_tensor_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
@@ -872,10 +872,10 @@ def _lm_head_sample_tensor_op(hidden: Tensor, weight: Tensor, temperature: float
                               norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
                               eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
                               softcap: Optional[float] = None) -> Tensor:
-    """:func:`lm_head_sample` with ``seed=`` a device tensor (int64 ``[1]``, read in-kernel): int64 ``[N]``
-    draws; ``positions`` are not range-checked (no host read)."""
-    return lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
-                          seed=seed, check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
+    """:func:`dflash_kernels.lm_head_sample` (no filter) with ``seed=`` a device tensor (int64 ``[1]``, read
+    in-kernel): int64 ``[N]`` draws; ``positions`` are not range-checked (no host read)."""
+    return sample_gumbel(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                         seed=seed, check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
 
 
 # --------------------------------------------------------------------------- compile enumeration

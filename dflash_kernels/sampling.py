@@ -1,4 +1,11 @@
-"""Sampling from transformers' processed distribution (temperature, top-k, top-p, min-p), chunked.
+"""The sampling head :func:`lm_head_sample`: one draw per row, plain or from transformers' processed distribution.
+
+Its route follows the normalized filters (:func:`dflash_kernels.reference.sampling.check_sampling_args`): none
+(``top_k`` None / 0, ``top_p`` None / 1, ``min_p`` None) draws from ``softmax(logits / T)`` with Gumbel noise
+fused into the lm_head GEMM (:func:`dflash_kernels.lm_head.sample_gumbel`, ops ``dflash::lm_head_sample``);
+any filter given (``min_p=0.0`` counts as given: it keeps every token, through this route) draws from the
+processed distribution (temperature, top-k, top-p, min-p), chunked as follows (op
+``dflash::lm_head_sample_processed``).
 
 The math is :mod:`dflash_kernels.reference.sampling` (the warpers exactly as
 transformers applies them, then one draw from the softmax). This module draws
@@ -58,12 +65,12 @@ from torch import Tensor
 from ._declare import declare, dispatch
 from .distribution import (bin_scores, head_logits, histogram_support, noise_source,
                            sample_processed_plan, value_keys)
-from .lm_head import _rows
+from .lm_head import _rows, sample_gumbel
 from .reference import sampling as _reference
 from .reference.lm_head import HeadInputs, check_seed_tensor, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args, processed_scores
 
-__all__ = ["lm_head_sample_processed"]
+__all__ = ["lm_head_sample"]
 
 def _histogram_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, row0, plan, scores_of_bins):
     """Tokens ``[R]`` of one row chunk by the histogram method (module docstring, steps 1-3)."""
@@ -95,10 +102,48 @@ def _dense_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, ro
     return torch.argmax(s + noise(row0, s.shape[0], 0, s.shape[1]), dim=1)
 
 
-def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
-                             eps=1e-6, positions=None, seed=None, generator=None, logit_dtype=None, softcap=None,
-                             check_bounds=True, chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
-    """int64 ``[N]``: one token per row from transformers' processed distribution of the logits.
+def lm_head_sample(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None, eps=1e-6,
+                   positions=None, generator=None, seed=None, check_bounds=True, logit_dtype=None, softcap=None,
+                   chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
+    """int64 ``[N]``: one token per row drawn from the (processed) distribution of the head's logits.
+
+    ``logits = rms_norm(hidden[positions]) @ weight.T`` (fp32 accumulation; ``softcap`` c: ``c * tanh(logits /
+    c)``), rounded to ``logit_dtype`` (default None: the dtype ``F.linear`` returns, as
+    :func:`dflash_kernels.lm_head_argmax`; transformers samples from those rounded logits), then temperature
+    ``T > 0`` (use :func:`dflash_kernels.lm_head_argmax` for greedy) and the filters, then one draw.
+
+    No filter: :func:`dflash_kernels.lm_head.sample_gumbel`, a draw from ``softmax(logits / T)``. A filter
+    (``top_k``, ``top_p``, ``min_p``; ``min_p=0.0`` included): the processed distribution, below.
+    ``seed`` (int) or ``generator`` make a draw reproducible; ``seed`` an int64 tensor ``[1]`` / ``[]`` on
+    hidden's device (a compiled / CUDA-graph step) is read in-kernel: ``token[n] = argmax_j(s[n, j] + G(seed,
+    n, j))``, ``G`` the counter-based Gumbel noise of :func:`dflash_kernels.reference.gumbel_noise`, the same
+    noise on both backends. ``chunk_elements`` bounds one logits chunk of the processed route. ``backend``:
+    'triton' or 'reference' to fix the backend, None: :func:`dflash_kernels.get_backend`.
+    """
+    if not _filtered(top_k, top_p, min_p):
+        return sample_gumbel(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                             generator=generator, seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype,
+                             softcap=softcap, backend=backend)
+    return sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            norm_weight=norm_weight, eps=eps, positions=positions, seed=seed, generator=generator,
+                            logit_dtype=logit_dtype, softcap=softcap, check_bounds=check_bounds,
+                            chunk_elements=chunk_elements, backend=backend)
+
+
+def _filtered(top_k, top_p, min_p) -> bool:
+    """Whether a filter is on once normalized (top-k 0 and top-p 1 are off; any ``min_p`` is on). A bad value
+    routes to the processed path, which reports it after its own earlier checks."""
+    try:
+        return check_sampling_args(top_k, top_p, min_p) != (None, None, None)
+    except (TypeError, ValueError):
+        return True
+
+
+def sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
+                     eps=1e-6, positions=None, seed=None, generator=None, logit_dtype=None, softcap=None,
+                     check_bounds=True, chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
+    """:func:`lm_head_sample` with filters: int64 ``[N]``, one token per row from transformers' processed
+    distribution of the logits.
 
     ``logits = rms_norm(hidden[positions]) @ weight.T`` (fp32 accumulation;
     ``softcap`` c: ``c * tanh(logits / c)``), rounded to ``logit_dtype``
@@ -127,17 +172,17 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
+        raise ValueError("pass either generator or seed to lm_head_sample, not both")
     device_seed = isinstance(seed, torch.Tensor)
     if device_seed:
-        seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
+        seed = check_seed_tensor(seed, hidden.device, "lm_head_sample")
     elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or an int64 tensor [1], got {type(seed).__name__}")
 
     def traced():
         if not device_seed:
-            raise TypeError("lm_head_sample_processed under torch.compile takes seed as an int64 tensor [1] on "
-                            f"hidden's device (a generator or an int seed draws on the host), got {type(seed).__name__}")
+            raise TypeError("lm_head_sample under torch.compile takes seed as an int64 tensor [1] on hidden's "
+                            f"device (a generator or an int seed draws on the host), got {type(seed).__name__}")
         return torch.ops.dflash.lm_head_sample_processed(hidden, weight, t, top_k, top_p, min_p, seed, norm_weight,
                                                          head.positions, eps, logit_dtype, head.softcap)
 
@@ -187,11 +232,12 @@ def _lm_head_sample_processed_op(hidden: Tensor, weight: Tensor, temperature: fl
                                  norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
                                  eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
                                  softcap: Optional[float] = None) -> Tensor:
-    """:func:`lm_head_sample_processed` with ``seed=`` a device tensor: int64 ``[N]`` draws from the processed
-    distribution (temperature, top-k, top-p, min-p); ``positions`` are not range-checked."""
-    return lm_head_sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                    norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
-                                    logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
+    """:func:`sample_processed` with ``seed=`` a device tensor: int64 ``[N]`` draws from the processed
+    distribution (temperature, top-k, top-p, min-p; all off is still this route); ``positions`` are not
+    range-checked."""
+    return sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
+                            logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
     if seed is not None and not device_seed:
         generator = torch.Generator(device=hidden.device)
         generator.manual_seed(seed % (2 ** 63))
