@@ -36,7 +36,7 @@ Pipeline (Triton backend):
      CUDA-graph step): every program loads the seed from
      memory and draws ``G[n, j] = -log(E)``, ``E = -log(1 - e)``, ``e`` from
      Philox-4x32-10 with key = the seed's 64 bits and counter ``(j, n, 0, 0)``
-     (:func:`_philox_gumbel`): the same noise as
+     (:func:`dflash_kernels.noise.philox_gumbel`): the same noise as
      :func:`dflash_kernels.reference.gumbel_noise`, a pure function of
      (seed value, output row, vocab id), one launch for all rows.
    * logits: stores one chunk of fp32 logits, plus per-tile row max and
@@ -76,6 +76,10 @@ from torch import Tensor
 
 from ._declare import declare, dispatch
 from ._dispatch import get_backend, triton_interpreting
+from .noise import DO_NOT_SPECIALIZE as NOISE_DO_NOT_SPECIALIZE
+from .noise import NOISE_BLOCK_C, NOISE_BLOCK_R, NOISE_NUM_WARPS
+from .noise import UNALIGNED_PTRS as NOISE_UNALIGNED_PTRS
+from .noise import _gumbel_noise_kernel, philox_gumbel
 from .reference import lm_head as _reference
 from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_temperature, head_inputs,
                                 resolve_logit_dtype, seed_from)
@@ -155,13 +159,13 @@ DO_NOT_SPECIALIZE = {
     "_norm_rows_kernel": ("N",),
     "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
     "_argmax_kernel": ("N", "seed"),
-    "_gumbel_noise_kernel": ("n_rows", "n_cols", "row0", "col0"),
+    **NOISE_DO_NOT_SPECIALIZE,
 }
 
 
 #: Pointer arguments that may be slices at any offset (a seed inside a bigger state buffer): never specialized
 #: on 16-byte alignment, so a new offset never picks a new binary (they are read by one scalar load).
-UNALIGNED_PTRS = {"_argmax_kernel": ("seed_ptr",), "_gumbel_noise_kernel": ("seed_ptr",)}
+UNALIGNED_PTRS = {"_argmax_kernel": ("seed_ptr",), **NOISE_UNALIGNED_PTRS}
 
 
 def _dot_fp32(dot_dtype: torch.dtype) -> bool:
@@ -184,47 +188,6 @@ def _round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype).to(tl.float32)
-
-@triton.jit
-def _philox_gumbel(seed, rows, cols):
-    """fp32 Gumbel noise ``[R, C]`` of output rows ``rows [R, 1]`` and vocab ids ``cols [1, C]`` (int32).
-
-    ``seed``: an int64 scalar (loaded from memory), the Philox key (low,
-    high 32 bits). Counter ``(col, row, 0, 0)``, 10 rounds (``tl.philox``,
-    the Random123 Philox-4x32), word 0 ``x``; ``e = (fp32(x) + 0.5) *
-    2**-32``; ``E = e (1 + e (1/2 + e (1/3 + e/4)))`` below
-    ``NOISE_SERIES_BELOW``, else ``-log(1 - e)``; ``G = -log(E)``. Bit for bit
-    the integer steps of :func:`dflash_kernels.reference.gumbel_noise`
-    (the logs may differ by an ulp).
-    """
-    c0 = tl.broadcast_to(cols, (rows.shape[0], cols.shape[1]))
-    c1 = tl.broadcast_to(rows, (rows.shape[0], cols.shape[1]))
-    zero = tl.zeros(c0.shape, dtype=tl.int32)
-    x, _, _, _ = tl.philox(seed, c0, c1, zero, zero)
-    e = (x.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-    series = e * (1.0 + e * (0.5 + e * (0.3333333432674408 + e * 0.25)))
-    expo = tl.where(e < 0.03125, series, -tl.log(1.0 - e))  # 0.03125 = NOISE_SERIES_BELOW
-    return -tl.log(expo)
-
-@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_gumbel_noise_kernel"],
-            do_not_specialize_on_alignment=UNALIGNED_PTRS["_gumbel_noise_kernel"])
-def _gumbel_noise_kernel(
-    seed_ptr,  # int64 [1]: the seed, read in-kernel
-    out_ptr, stride_o,  # fp32 [n_rows, n_cols]
-    n_rows, n_cols,
-    row0, col0,  # out[r, c] is the noise of output row row0 + r and vocab id col0 + c
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """``out[r, c] = G(seed, row0 + r, col0 + c)`` (:func:`_philox_gumbel`); one [BLOCK_R, BLOCK_C] tile.
-
-    Loads ``seed_ptr`` (never written) and stores only its own tile of the fresh ``out``.
-    """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    seed = tl.load(seed_ptr)
-    g = _philox_gumbel(seed, (row0 + rows)[:, None], (col0 + cols)[None, :])
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], g, mask=mask)
 
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_norm_rows_kernel"])
 def _norm_rows_kernel(
@@ -369,7 +332,7 @@ def _argmax_kernel(
     GEMM writes its output; no rounding for fp32), then s = logits, or
     logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL (U = tl.rand keyed by ``seed``),
     or with GUMBEL and DEVICE_SEED logits * inv_temperature + G(seed_ptr[0], row, j)
-    (:func:`_philox_gumbel`, the seed loaded once per program before any store).
+    (:func:`dflash_kernels.noise.philox_gumbel`, the seed loaded once per program before any store).
 
     Overlap: the program reads ``a``, ``w`` (and ``seed_ptr``) and writes
     only its own ``(rows, tile)`` entries of the fresh ``pval`` / ``pidx``.
@@ -387,7 +350,7 @@ def _argmax_kernel(
         acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
     if GUMBEL:
         if DEVICE_SEED:
-            acc = acc * inv_temperature + _philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
+            acc = acc * inv_temperature + philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
         else:
             # int32 counters: the launcher keeps N * V < 2**31 per launch.
             counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
@@ -516,41 +479,6 @@ def _seed_placeholder(device: torch.device) -> torch.Tensor:
     if device not in _seed_placeholders:
         _seed_placeholders[device] = torch.zeros(1, dtype=torch.int64, device=device)
     return _seed_placeholders[device]
-
-
-#: Tile of :func:`_gumbel_noise_kernel` (compiled; the interpreter takes wider column tiles).
-NOISE_BLOCK_R = 16
-NOISE_BLOCK_C = 128
-NOISE_NUM_WARPS = 4
-
-
-def gumbel_noise_block(seed: torch.Tensor, row0: int, n_rows: int, col0: int, n_cols: int) -> torch.Tensor:
-    """fp32 ``[n_rows, n_cols]`` Gumbel noise of output rows ``row0 + r`` and vocab ids ``col0 + c``.
-
-    ``seed``: int64 tensor ``[1]`` / ``[]`` (read on the device, never on the
-    host). The values are :func:`dflash_kernels.reference.gumbel_noise`'s:
-    ``reference.gumbel_noise(seed, row0 + arange(n_rows), col0 + arange(n_cols))``
-    (Philox-4x32-10; the integer steps bit for bit, the logs to an ulp). The
-    Triton backend computes them in one launch (:func:`_gumbel_noise_kernel`),
-    the reference backend in int64 tensor ops.
-    """
-    if not isinstance(seed, torch.Tensor):
-        raise TypeError(f"gumbel_noise_block: seed must be an int64 tensor [1], got {type(seed).__name__}")
-    seed = check_seed_tensor(seed, seed.device, "gumbel_noise_block")
-    device = seed.device
-    if get_backend(device) == "reference":
-        return _reference.gumbel_noise(seed, torch.arange(row0, row0 + n_rows, device=device),
-                                       torch.arange(col0, col0 + n_cols, device=device))
-    out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=device)
-    if n_rows == 0 or n_cols == 0:
-        return out
-    block_c = NOISE_BLOCK_C
-    if triton_interpreting():
-        block_c = max(block_c, min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(n_cols)))
-    grid = (triton.cdiv(n_rows, NOISE_BLOCK_R), triton.cdiv(n_cols, block_c))
-    _gumbel_noise_kernel[grid](seed.reshape(1), out, out.stride(0), n_rows, n_cols, row0, col0,
-                               BLOCK_R=NOISE_BLOCK_R, BLOCK_C=block_c, num_warps=NOISE_NUM_WARPS)
-    return out
 
 
 def _kernel_seed(seed: int, chunk: int) -> int:

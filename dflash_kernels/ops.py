@@ -2,9 +2,9 @@
 
 Each kernel module declares its own ops beside its kernels (:func:`dflash_kernels._declare.declare`: the
 schema from the signature, the mutated arguments, the fake, the autograd; the constraints every declaration
-keeps are listed there), so importing this module imports them all. What it holds itself: the fakes of the
-C++ ops (``kv_write_`` is :mod:`dflash_kernels.kv_compaction`'s, ``philox_uint32`` below) and the tree
-structure ops.
+keeps are listed there), so importing this module imports them all; the fakes of the C++ ops sit beside
+their Python faces (``kv_write_``: :mod:`dflash_kernels.kv_compaction`; ``philox_uint32``:
+:mod:`dflash_kernels.noise`). What it holds itself: the tree structure ops.
 
 One op name per public op. Where a public op takes an int or a tensor for a per-round value, the two schemas
 are two overloads of that name (as aten's ``add.Tensor`` / ``add.Scalar``): ``.default`` with the int,
@@ -44,10 +44,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_, dflash::philox_uint32)
 # the modules that declare their ops beside their kernels
 from . import (cross_entropy, dynamic_conv, gated_delta, gather, kv_compaction, lm_head,  # noqa: F401
-               rejection, sampling, selector, tree_attention)
+               noise, rejection, sampling, selector, tree_attention)
 from . import tree as _tree
 from . import tree_device as _tree_device
 
@@ -176,9 +175,3 @@ def walk_tree_device(parents: Tensor, token_ids: Tensor, target_choice: Tensor, 
 def _walk_tree_device_fake(parents, token_ids, target_choice, max_depth, bits=None):
     new = lambda size: parents.new_empty(size, dtype=torch.int64)  # noqa: E731
     return new(max_depth + 1), new(1), new(max_depth + 1)
-
-
-@torch.library.register_fake("dflash::philox_uint32")
-def _philox_uint32_fake(seed, rows, cols):
-    """The C++ op of csrc/philox.cpp: int64 ``[R, C]`` words."""
-    return rows.new_empty((rows.shape[0], cols.shape[0]), dtype=torch.int64)

@@ -21,7 +21,7 @@ host read). Per row group (every row at once unless the budget says otherwise):
    ``q`` (sparse: ``q_probs`` scattered into the chunk), ``p_k(x_k)`` and
    ``q_k(x_k)`` accumulated where ``x_k`` falls in the chunk, and two running
    Gumbel-max draws with the chunk's noise
-   (:func:`dflash_kernels.lm_head.gumbel_noise_block`, keyed by (seed, row,
+   (:func:`dflash_kernels.noise.gumbel_noise_block`, keyed by (seed, row,
    vocab id) like the reference): one from the residual ``max(p - q, 0)``
    (``log`` of it plus the noise) and one from ``p`` (its processed scores
    plus the same noise) for a row whose residual is all zero (``p = q``) and
@@ -47,7 +47,7 @@ from torch import Tensor
 from ._declare import declare, dispatch
 from .distribution import (DEFAULT_CHUNK_ELEMENTS, HALF_DTYPES, HISTOGRAM_ROWS, ProcessedChunks,
                            sample_processed_plan)
-from .lm_head import gumbel_noise_block
+from .noise import gumbel_noise_block
 from .reference import rejection as _reference
 from .reference.lm_head import HeadInputs, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args

@@ -27,7 +27,7 @@ support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
 the call's generator (``seed`` seeds a private one): an exact draw from
 ``softmax(s)`` over the support. With a device seed tensor
 (``seed=`` an int64 tensor ``[1]``) ``G`` is instead the counter-based
-noise :func:`dflash_kernels.lm_head.gumbel_noise_block` of (seed value, output row, vocab
+noise :func:`dflash_kernels.noise.gumbel_noise_block` of (seed value, output row, vocab
 id), generated on the device by a Triton launch that reads the seed from
 memory: the same noise as the reference's, so both backends draw the same
 token from bit-equal logits. The rank of a tied token at ``key*`` is a
@@ -156,7 +156,7 @@ def sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min
     on hidden's device) make it reproducible; neither: the device's default
     generator. ``seed`` an int64 tensor ``[1]`` / ``[]`` on hidden's device:
     ``token[n] = argmax_j(s[n, j] + G(seed, n, j))`` over the processed support
-    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.lm_head.gumbel_noise_block`:
+    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.noise.gumbel_noise_block`:
     a pure function of the seed's value, the output row and the vocab id, made
     on the device (the seed is never read on the host), so a captured graph
     replays new noise when the caller changes the seed tensor; the same noise

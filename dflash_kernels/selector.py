@@ -17,7 +17,7 @@ next position's predecessor. Everything in fp32.
 
 Sampling noise: the uniforms of :func:`dflash_kernels.reference.selector_uniforms`,
 computed in-kernel from the device seed by the same Philox-4x32-10 as the
-lm_head's noise (``tl.philox``, counter ``(j, SELECTOR_ROW0 + s, 0, 0)``): the
+lm_head's noise (:func:`dflash_kernels.noise.philox_uniform`, counter ``(j, SELECTOR_ROW0 + s, 0, 0)``): the
 integers are bit for bit the reference's, so both backends choose the same
 tokens for the same seed, up to fp32 rounding of ``q`` / its running sum at a
 uniform that falls within an ulp of a CDF step.
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from . import reference as _reference
 from ._declare import declare, dispatch
-from .reference.lm_head import check_seed_tensor
+from .noise import check_seed_tensor, philox_uniform
 from .reference.sampling import check_sampling_args
 from .reference.selector import SELECTOR_ROW0, check_selector
 
@@ -88,9 +88,7 @@ def _selector_kernel(
     if SAMPLE:
         seed = tl.load(seed_ptr)
         rows = tl.zeros((BLOCK_D,), dtype=tl.int32) + (_ROW0 + s)
-        zero = tl.zeros((BLOCK_D,), dtype=tl.int32)
-        words, _, _, _ = tl.philox(seed, offs_d, rows, zero, zero)
-        uniforms = (words.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        uniforms = philox_uniform(seed, offs_d, rows)
     s64 = s.to(tl.int64)
     prev = tl.load(anchor_ptr + s64 * stride_as).to(tl.int64)
     for j in range(D):

@@ -33,7 +33,7 @@ from dflash_kernels import available_backends, force_backend
 from dflash_kernels import kv_compaction as kv_module
 from dflash_kernels import lm_head as lm_module
 from dflash_kernels import reference as ref
-from dflash_kernels.lm_head import gumbel_noise_block
+from dflash_kernels.noise import gumbel_noise_block
 from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
 from kernel_stub import KernelStub
