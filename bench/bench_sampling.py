@@ -4,7 +4,7 @@ Run: ``python -m pytest bench/bench_sampling.py --benchmark-columns=median,round
 
 Providers, for ``hidden [N, H]``, lm_head ``[V, H]``:
 
-* ``ours``: :func:`dflash_kernels.lm_head_sample_processed` (Triton backend on a
+* ``ours``: :func:`dflash_kernels.lm_head_sample` with filters (Triton backend on a
   GPU: the chunked histogram method, two passes over the weight, no host sync).
 * ``torch``: what transformers does: ``rms_norm -> F.linear`` (``[N, V]`` logits
   in the model dtype) -> fp32 -> the warpers -> ``softmax`` -> ``multinomial``
@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from bench_gather import peak_extra_bytes  # noqa: E402
-from dflash_kernels import force_backend, lm_head_sample, lm_head_sample_processed  # noqa: E402
+from dflash_kernels import force_backend, lm_head_sample  # noqa: E402
 from dflash_kernels.reference import sampling as ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -65,7 +65,7 @@ def test_sample_processed(benchmark, provider, setting, n):
 
     def ours():
         with force_backend(OURS_BACKEND):
-            out = lm_head_sample_processed(hidden, weight, t, norm_weight=norm, seed=1, check_bounds=False, **kw)
+            out = lm_head_sample(hidden, weight, t, norm_weight=norm, seed=1, check_bounds=False, **kw)
         _sync()
         return out
 

@@ -4,9 +4,9 @@ Run: ``python -m pytest bench/bench_static.py --benchmark-columns=median,rounds`
 
 :func:`dflash_kernels.tree_attention` with a device prefix (a 16-row chain and a 65-node tree
 over a whole 8192-row cache, 4096 committed), :func:`dflash_kernels.lm_head_sample`
-and :func:`dflash_kernels.lm_head_sample_processed` with a device seed (16 rows, top-k 50),
+and :func:`dflash_kernels.lm_head_sample` with filters and a device seed (16 rows, top-k 50),
 :func:`dflash_kernels.compact_kv_` with a device destination (16 accepted rows of every layer),
-:func:`dflash_kernels.lm_head.gumbel_noise_block` (the noise alone), :func:`dflash_kernels.kv_write_`
+:func:`dflash_kernels.noise.gumbel_noise_block` (the noise alone), :func:`dflash_kernels.kv_write_`
 (one layer's 16 rows) and :func:`dflash_kernels.masked_attention` (the reference backend's attention
 over the whole cache). With CUDA: Qwen3-8B
 shapes (32/8 heads, head dim 128, hidden 4096, vocab 151936, 36 layers), bf16,
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dflash_kernels as dk
-from dflash_kernels.lm_head import gumbel_noise_block
+from dflash_kernels.noise import gumbel_noise_block
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -80,7 +80,7 @@ def test_lm_head_sample_device_seed(benchmark, provider):
 def test_lm_head_sample_processed_device_seed(benchmark, provider):
     hidden, weight, seed = _head()
     benchmark.group = "lm_head_sample_processed device seed"
-    run(benchmark, provider, dk.lm_head_sample_processed, hidden, weight, 0.7, seed=seed, top_k=50, top_p=0.9,
+    run(benchmark, provider, dk.lm_head_sample, hidden, weight, 0.7, seed=seed, top_k=50, top_p=0.9,
         check_bounds=False)
 
 

@@ -10,7 +10,7 @@
 // The same integers as the pure-torch reference (dflash_kernels.reference.philox_uint32: int64 tensor ops,
 // ~100 small ops per call) and the Triton kernels' uint32 arithmetic; this loop costs microseconds, so the
 // CPU round's sampler is not bound by op dispatch. Integer arithmetic only: bit-exact by construction.
-// The fake (shape) implementation is registered in dflash_kernels/ops.py.
+// The fake (shape) implementation is registered in dflash_kernels/noise.py, beside the stream's layout.
 #include <torch/extension.h>
 #include <torch/library.h>
 

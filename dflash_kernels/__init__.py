@@ -11,15 +11,16 @@ dst_start=int|Tensor, num_rows=None|Tensor)``; ``compact_kv_`` and
 ``kv_write_`` also take a batch of caches ``[b, L, 2, Hkv, S, D]`` with
 per-row tensors), and an optional ``backend=``
 that fixes the backend. Under ``torch.compile`` the Triton path goes through
-the op's ``torch.library`` registration (:mod:`dflash_kernels.ops`, the one
-module that registers ops).
+the op's ``torch.library`` registration, declared beside its kernel
+(:mod:`dflash_kernels._declare`; :mod:`dflash_kernels.ops` imports them all).
 
 Public ops (each family's module defines ``__all__``):
 
 * gather + concat of captured layers: :mod:`.gather`
-* final RMSNorm + lm_head at selected positions, fused with argmax / top-K /
-  sampling: :mod:`.lm_head`; the training loss over the same GEMM, fused linear
-  cross-entropy: :mod:`.cross_entropy`
+* final RMSNorm + lm_head at selected positions, fused with argmax / top-K:
+  :mod:`.lm_head`; the one sampling head ``lm_head_sample`` (plain, or through
+  top-k / top-p / min-p): :mod:`.sampling`; the training loss over the same
+  GEMM, fused linear cross-entropy: :mod:`.cross_entropy`
 * rejection sampling of a drafted chain (the lossless acceptance of sampled
   drafts, dense or sparse draft distribution): :mod:`.rejection`
 * DDTree: the tree build (``build_tree``: C++ on the host, or on the device

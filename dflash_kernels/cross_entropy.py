@@ -12,7 +12,7 @@ partials), then loss ``= lse - logit[target]`` and ``d loss / d a = (softmax - o
 the forward (:func:`_ce_grad_kernel` writes ``scale * (softmax - onehot)`` in the dot dtype, times ``1 - (z /
 c)^2`` under the final-logit softcap ``c``; then one GEMM), stored, and scaled by ``grad_output`` in backward.
 Differentiable wrt ``hidden`` only (the weights are frozen). Under ``torch.compile`` the op is
-``dflash::lm_head_cross_entropy`` with its own backward op (:mod:`dflash_kernels.ops`).
+``dflash::lm_head_cross_entropy`` with its own backward op (declared below).
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import resolve_backend, tracing, triton_interpreting
+from torch import Tensor
+
+from ._declare import declare, dispatch
+from ._dispatch import triton_interpreting
 from .lm_head import (DEFAULT_CHUNK_ELEMENTS, REAL_DTYPES, REAL_SHAPES, LaunchConfigs, _logits_chunk, _operand_a,
-                      _TRITON_TYPE, dot_dtype_for, gemm_config)
+                      _rows, _TRITON_TYPE, dot_dtype_for, gemm_config, lm_head_logits)
 from .reference import cross_entropy as _reference
 from .reference.lm_head import HeadInputs, check_targets, head_inputs, rms_norm
 
@@ -228,14 +231,131 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     targets, weights = check_targets(targets, weights, head.rows, head.vocab, hidden.device, ignore_index)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_cross_entropy(hidden, weight, targets, weights=weights, norm_weight=norm_weight,
-                                                eps=eps, positions=head.positions, ignore_index=ignore_index,
-                                                check_bounds=False, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_cross_entropy(hidden, weight, targets, weights, norm_weight, head.positions,
-                                                      eps, ignore_index, False, chunk_elements, head.softcap)
-    return _cross_entropy_triton(head, targets.contiguous(), weights, ignore_index, chunk_elements)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_cross_entropy(hidden, weight, targets, weights=weights,
+                                                           norm_weight=norm_weight, eps=eps, positions=head.positions,
+                                                           ignore_index=ignore_index, check_bounds=False,
+                                                           softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_cross_entropy(hidden, weight, targets, weights, norm_weight,
+                                                              head.positions, eps, ignore_index, False,
+                                                              chunk_elements, head.softcap),
+        triton=lambda: _cross_entropy_triton(head, targets.contiguous(), weights, ignore_index, chunk_elements))
+
+
+# --------------------------------------------------------------------------- registration
+#
+# ``dflash::lm_head_cross_entropy``: the forward only (fp32 ``[N]`` losses); its backward is the op
+# ``dflash::lm_head_cross_entropy_backward`` (``register_autograd``): the gradient with respect to ``hidden``
+# through the row gather and the final norm, ``weight`` / ``norm_weight`` / the loss ``weights`` frozen, as
+# the public function's autograd does.
+
+
+def _lm_head_cross_entropy_fake(hidden, weight, targets, weights=None, norm_weight=None, positions=None, eps=1e-6,
+                                ignore_index=-100, check_bounds=True, chunk_elements=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.float32)
+
+
+def _ce_grad_rows(grad_loss, head: HeadInputs, targets, weights, ignore_index, chunk_elements):
+    """``d (sum_r grad_loss_r * loss_r) / d x`` for the selected rows ``x [N, H]`` (``head.hidden``, already
+    gathered: ``head.positions`` is None; before the norm).
+
+    Per row chunk (at most ``chunk_elements`` fp32 logits, the forward's bound): the capped fp32 logits
+    ``z`` from :func:`dflash_kernels.lm_head_logits` (same backend as the forward), ``dz = g * w *
+    (softmax(z) - onehot(t))`` (0 at ``ignore_index``), times ``1 - (z / c)^2`` under the softcap, then
+    ``da = dz @ weight`` in fp32 (the reference's ``a.float() @ weight.float().T``, the weight upcast a few
+    vocab rows at a time). Then back through HF's RMSNorm with its casts, exactly the steps autograd takes
+    through :func:`dflash_kernels.reference.rms_norm`.
+    """
+    x, weight, norm_weight, eps, softcap = head.hidden, head.weight, head.norm_weight, head.eps, head.softcap
+    n, h = x.shape
+    vocab = weight.shape[0]
+    grad_a = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    if n > 0:
+        scale = (targets != ignore_index).float() * grad_loss.float()
+        if weights is not None:
+            scale = scale * weights.detach().float()
+        safe_targets = targets.clamp(0, vocab - 1)
+        rows_per = max(1, min(n, int(chunk_elements or DEFAULT_CHUNK_ELEMENTS) // vocab))
+        vocab_per = max(1, (1 << 24) // max(1, h))
+        for r0 in range(0, n, rows_per):
+            r1 = min(n, r0 + rows_per)
+            z = lm_head_logits(x[r0:r1], weight, norm_weight=norm_weight, eps=eps, check_bounds=False,
+                                   softcap=softcap)
+            dz = torch.softmax(z, dim=-1)
+            dz[torch.arange(r1 - r0, device=x.device), safe_targets[r0:r1]] -= 1.0
+            dz *= scale[r0:r1, None]
+            if softcap is not None:
+                dz *= 1.0 - (z / softcap) ** 2
+            for v0 in range(0, vocab, vocab_per):
+                grad_a[r0:r1] += dz[:, v0:v0 + vocab_per] @ weight[v0:v0 + vocab_per].detach().float()
+    grad_a = grad_a.to(x.dtype)  # the gradient of a.float() in a's dtype (a has x's dtype)
+    if norm_weight is None:
+        return grad_a
+    nw = norm_weight.detach()
+    # a = (nw * normed.to(x.dtype)).to(x.dtype): each cast's gradient is cast back to its input's dtype.
+    grad_normed = (grad_a.to(torch.promote_types(nw.dtype, x.dtype)) * nw).to(x.dtype).float()
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # normed = xf * r, r = (mean(xf^2) + eps)^-1/2:  d/dxf = r * g - xf * r^3 * mean(g * xf)
+    grad_x = r * grad_normed - xf * r.pow(3) * (grad_normed * xf).mean(-1, keepdim=True)
+    return grad_x.to(x.dtype)
+
+
+def _lm_head_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, weights=None, norm_weight=None,
+                                         positions=None, eps=1e-6, ignore_index=-100, chunk_elements=None,
+                                         softcap=None):
+    return hidden.new_empty(hidden.shape)
+
+
+@declare("lm_head_cross_entropy_backward", fake=_lm_head_cross_entropy_backward_fake)
+def _lm_head_cross_entropy_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor,
+                                       weights: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
+                                       positions: Optional[Tensor] = None, eps: float = 1e-6,
+                                       ignore_index: int = -100, chunk_elements: Optional[int] = None,
+                                       softcap: Optional[float] = None) -> Tensor:
+    """Gradient of ``sum(grad_loss * lm_head_cross_entropy(hidden, ...))`` with respect to ``hidden``
+    (``[T, H]``, hidden's dtype): recomputes the logits chunk by chunk (no ``[N, V]`` tensor kept from the
+    forward), so a training step runs the lm_head GEMM three times where the public Triton path runs it
+    twice (it computes the gradient inside the forward). Rows a position selects twice get both gradients."""
+    targets = targets.to(torch.int64)
+    pos = None if positions is None else positions.to(device=hidden.device, dtype=torch.int64)
+    x = hidden.detach() if pos is None else hidden.detach().index_select(0, pos)
+    head = HeadInputs(x, weight.detach(), norm_weight, eps, None, softcap)
+    grad_x = _ce_grad_rows(grad_loss, head, targets, weights, ignore_index, chunk_elements)
+    if pos is None:
+        return grad_x.contiguous()
+    return torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device).index_add_(0, pos, grad_x)
+
+
+def _ce_setup_context(ctx, inputs, output):
+    hidden, weight, targets, weights, norm_weight, positions, eps, ignore_index, _, chunk_elements, softcap = inputs
+    ctx.save_for_backward(hidden, weight, targets, weights, norm_weight, positions)
+    ctx.scalars = (eps, ignore_index, chunk_elements, softcap)
+
+
+def _ce_backward(ctx, grad_loss):
+    hidden, weight, targets, weights, norm_weight, positions = ctx.saved_tensors
+    eps, ignore_index, chunk_elements, softcap = ctx.scalars
+    grad_hidden = None
+    if ctx.needs_input_grad[0]:
+        grad_hidden = torch.ops.dflash.lm_head_cross_entropy_backward(
+            grad_loss, hidden, weight, targets, weights, norm_weight, positions, eps, ignore_index,
+            chunk_elements, softcap)
+    return grad_hidden, None, None, None, None, None, None, None, None, None, None
+
+
+@declare("lm_head_cross_entropy", fake=_lm_head_cross_entropy_fake, autograd=(_ce_backward, _ce_setup_context))
+def _lm_head_cross_entropy_op(hidden: Tensor, weight: Tensor, targets: Tensor, weights: Optional[Tensor] = None,
+                              norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                              eps: float = 1e-6, ignore_index: int = -100, check_bounds: bool = True,
+                              chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
+    """:func:`dflash_kernels.lm_head_cross_entropy`: fp32 ``[N]`` losses (the forward only; the backward is
+    ``dflash::lm_head_cross_entropy_backward``, registered with ``register_autograd``)."""
+    return lm_head_cross_entropy(hidden.detach(), weight.detach(), targets, weights=weights,
+                                 norm_weight=norm_weight, eps=eps, positions=positions,
+                                 ignore_index=ignore_index, check_bounds=check_bounds,
+                                 chunk_elements=chunk_elements, softcap=softcap)
 
 
 # --------------------------------------------------------------------------- compile enumeration

@@ -26,7 +26,7 @@ warpers (the dense path). :func:`sample_processed_plan` sizes the chunks: one ``
 ``R * Vc <= chunk_elements`` (default :data:`DEFAULT_CHUNK_ELEMENTS`), ``R <= HISTOGRAM_ROWS``.
 
 Noise (:func:`noise_source`): Gumbel ``G = -log(-log U)`` from a ``torch.Generator``, or keyed by a device
-seed tensor, :func:`dflash_kernels.lm_head.gumbel_noise_block` (a pure function of the seed's value, the row
+seed tensor, :func:`dflash_kernels.noise.gumbel_noise_block` (a pure function of the seed's value, the row
 and the vocab id, generated on the device).
 
 No host synchronization: every shape follows from N, V and the budget.
@@ -39,7 +39,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .lm_head import gumbel_noise_block, lm_head_logits
+from .lm_head import lm_head_logits
+from .noise import gumbel_noise_block
 from .reference.lm_head import HeadInputs
 from .reference.sampling import processed_scores
 

@@ -21,7 +21,7 @@ element is read from global memory once per tap (the shifted re-reads hit
 L1/L2); no shared memory, no atomics.
 
 Autograd: calls that need gradients go through the custom op
-``torch.ops.dflash.dynamic_conv`` (:mod:`dflash_kernels.ops`), whose backward
+``torch.ops.dflash.dynamic_conv`` (declared below), whose backward
 is :func:`dynamic_conv_backward`: one more launch, a program per block and
 channel tile again (:func:`_dynamic_conv_bwd_kernel`: ``dx`` from the rows ``o`` taps ahead,
 ``ddynamic`` as per-group sums of ``grad * x`` inside the tile, which holds
@@ -34,14 +34,16 @@ run the reference on every backend (the kernels compute in fp32).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from . import reference as _reference
-from ._dispatch import resolve_backend, tracing
+from ._declare import declare, dispatch
+from ._dispatch import get_backend, resolve_backend
 from .reference.dynamic_conv import check_dynamic_conv
 
 __all__ = ["dynamic_conv"]
@@ -260,12 +262,58 @@ def dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
         Differentiable with respect to every tensor argument on both backends.
     """
     check_dynamic_conv(x, dynamic, base, residual)
-    which = resolve_backend(backend, x.device)
-    if which == "reference" or x.dtype == torch.float64:
-        return _reference.dynamic_conv(x, dynamic, base, residual)
-    if tracing() or _needs_grad(x, dynamic, base, residual):
-        return torch.ops.dflash.dynamic_conv(x, dynamic, base, residual)
-    return _launch(x, dynamic, base, residual)
+    reference = lambda: _reference.dynamic_conv(x, dynamic, base, residual)  # noqa: E731
+    op = lambda: torch.ops.dflash.dynamic_conv(x, dynamic, base, residual)  # noqa: E731
+    if x.dtype == torch.float64:  # fp64 runs the reference on every backend (a backend it names is still checked)
+        resolve_backend(backend, x.device)
+        return reference()
+    # a call that needs gradients runs the custom op, whose autograd is the fused backward
+    return dispatch(backend, x.device, reference=reference, traced=op,
+                    triton=lambda: op() if _needs_grad(x, dynamic, base, residual) else _launch(x, dynamic, base,
+                                                                                                 residual))
+
+
+# --------------------------------------------------------------------------- registration
+#
+# ``dflash::dynamic_conv``: a new contiguous ``[nb, B, H]`` in ``x``'s dtype (``dynamic`` read through its
+# strides), on :func:`dflash_kernels.get_backend` of x's device; its backward the op
+# ``dflash::dynamic_conv_backward`` (one Triton launch, or the torch math of
+# :func:`dflash_kernels.reference.dynamic_conv_backward`), so the Triton forward trains.
+
+
+@declare("dynamic_conv_backward",
+         fake=lambda grad, x, dynamic, base: (x.new_empty(x.shape), dynamic.new_empty(dynamic.shape),
+                                              base.new_empty(base.shape)))
+def _dynamic_conv_backward_op(grad: Tensor, x: Tensor, dynamic: Tensor,
+                              base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dynamic_conv_backward`: ``(dx [nb, B, H], ddynamic [nb, B, K, G] (contiguous), dbase [K, H])`` in
+    the inputs' dtypes (one Triton launch where the group size allows)."""
+    dx, dd, db, _ = dynamic_conv_backward(grad, x, dynamic, base, (True, True, True, False),
+                                          backend=get_backend(x.device))
+    return dx, dd, db
+
+
+def _dynamic_conv_setup_context(ctx, inputs, output):
+    x, dynamic, base, residual = inputs
+    ctx.save_for_backward(x, dynamic, base)
+    ctx.has_residual = residual is not None
+
+
+def _dynamic_conv_grad(ctx, grad):
+    x, dynamic, base = ctx.saved_tensors
+    dx, dd, db = torch.ops.dflash.dynamic_conv_backward(grad, x, dynamic, base)
+    needs = ctx.needs_input_grad
+    dres = grad.to(x.dtype) if ctx.has_residual and needs[3] else None
+    return dx if needs[0] else None, dd if needs[1] else None, db if needs[2] else None, dres
+
+
+@declare("dynamic_conv", fake=lambda x, dynamic, base, residual=None: x.new_empty(x.shape),
+         autograd=(_dynamic_conv_grad, _dynamic_conv_setup_context))
+def _dynamic_conv_op(x: Tensor, dynamic: Tensor, base: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+    """:func:`dynamic_conv`: ``residual + conv(x, dynamic, base)`` ``[nb, B, H]`` in x's dtype, on
+    :func:`dflash_kernels.get_backend` of x's device."""
+    return _forward(x.detach(), dynamic.detach(), base.detach(), None if residual is None else residual.detach(),
+                    get_backend(x.device))
 
 
 # --------------------------------------------------------------------------- compile-test enumeration

@@ -115,9 +115,10 @@ from typing import List, Optional
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from . import reference as _reference
-from ._dispatch import get_backend, tracing
+from ._declare import declare, dispatch
 
 __all__ = ["gated_delta_tree", "gated_delta_replay_", "causal_conv_tree", "conv_window_after"]
 
@@ -579,17 +580,34 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                              f"{scratch.dtype} {list(scratch.shape)}")
         if scratch.device != q.device:
             raise ValueError(f"{op}: scratch is on {scratch.device} but q is on {q.device}")
-    if get_backend(q.device) == "triton":
-        if tracing():
-            return torch.ops.dflash.gated_delta_tree(q, k, v, g, beta, state, parents, scratch, scale, qk_l2norm,
-                                                     store_states, False)
+
+    def triton_path():
         if lead:
             return _tree_triton(q, k, v, g, beta, state, parents, scale, qk_l2norm, scratch, store_states)
         one = lambda t: None if t is None else t[None]  # noqa: E731  (one sequence: a batch of 1)
         return _tree_triton(q[None], k[None], v[None], g[None], beta[None], state[None], one(parents), scale,
                             qk_l2norm, one(scratch), store_states)[0]
-    return _reference.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm,
-                                       scratch=scratch)
+
+    return dispatch(
+        None, q.device, triton=triton_path,
+        traced=lambda: torch.ops.dflash.gated_delta_tree(q, k, v, g, beta, state, parents, scratch, scale,
+                                                         qk_l2norm, store_states, False),
+        reference=lambda: _reference.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale,
+                                                      qk_l2norm=qk_l2norm, scratch=scratch))
+
+
+@declare("gated_delta_tree", mutates={"scratch"},
+         fake=lambda q, k, v, g, beta, state, parents, scratch, scale=None, qk_l2norm=True, store_states="all",
+         check=False: v.new_empty(v.shape))
+def _gated_delta_tree_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                         parents: Optional[Tensor], scratch: Optional[Tensor], scale: Optional[float] = None,
+                         qk_l2norm: bool = True, store_states: str = "all", check: bool = False) -> Tensor:
+    """:func:`gated_delta_tree`: ``[N, Hv, Dv]`` outputs in ``v``'s dtype (``scratch`` written).
+
+    ``parents`` and ``scratch`` are required (either may be None): a mutated argument must always be
+    passed, since torch before 2.13 bumps its version counter by position and fails on a defaulted one."""
+    return gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm, scratch=scratch,
+                            store_states=store_states, check=check)
 
 
 # --------------------------------------------------------------------------- gated_delta_replay_
@@ -657,19 +675,30 @@ def gated_delta_replay_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     _require_counts(op, num_rows, q.device, batch)
     if check:
         _check_rows_values(op, rows, num_rows, n)
-    if get_backend(state.device) == "triton":
-        if tracing():
-            torch.ops.dflash.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale, qk_l2norm, False)
-            return None
+
+    def triton_path():
+        s, kk, vv, gg, bb = state, k, v, g, beta
         if len(lead) < 2:  # layers of one sequence, or one layer: a batch of 1 (of 1 layer)
             add = (lambda t: t[None, None]) if not lead else (lambda t: t[:, None])
-            state, k, v, g, beta = (add(t) for t in (state, k, v, g, beta))
-        nb = state.shape[1]
-        _replay_triton(state, k, v, g, beta, rows.expand(nb, -1) if rows.dim() == 1 else rows, num_rows,
-                       qk_l2norm)
-        return None
-    _reference.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale=scale, qk_l2norm=qk_l2norm)
+            s, kk, vv, gg, bb = (add(t) for t in (s, kk, vv, gg, bb))
+        nb = s.shape[1]
+        _replay_triton(s, kk, vv, gg, bb, rows.expand(nb, -1) if rows.dim() == 1 else rows, num_rows, qk_l2norm)
+
+    dispatch(None, state.device, triton=triton_path,
+             traced=lambda: torch.ops.dflash.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale,
+                                                                 qk_l2norm, False),
+             reference=lambda: _reference.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale=scale,
+                                                              qk_l2norm=qk_l2norm))
     return None
+
+
+@declare("gated_delta_replay_", mutates={"state"},
+         fake=lambda state, q, k, v, g, beta, rows, num_rows, scale=None, qk_l2norm=True, check=False: None)
+def _gated_delta_replay_op(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, rows: Tensor,
+                           num_rows: Tensor, scale: Optional[float] = None, qk_l2norm: bool = True,
+                           check: bool = False) -> None:
+    """:func:`gated_delta_replay_`: ``state`` advanced in place through the accepted rows."""
+    gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale=scale, qk_l2norm=qk_l2norm, check=check)
 
 
 # --------------------------------------------------------------------------- convolution
@@ -757,14 +786,26 @@ def causal_conv_tree(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
         _require_index(op, "parents", parents, x.device, [lead + (n,)])
         if check:
             _check_parent_values(op, parents, n)
-    if get_backend(x.device) == "triton":
-        if tracing():
-            return torch.ops.dflash.causal_conv_tree(x, window, weight, parents, bias, activation, False)
+
+    def triton_path():
         if lead:
             return _conv_triton(x, window, weight, parents, bias, activation)
         return _conv_triton(x[None], window[None], weight, None if parents is None else parents[None], bias,
                             activation)[0]
-    return _reference.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation)
+
+    return dispatch(
+        None, x.device, triton=triton_path,
+        traced=lambda: torch.ops.dflash.causal_conv_tree(x, window, weight, parents, bias, activation, False),
+        reference=lambda: _reference.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation))
+
+
+@declare("causal_conv_tree",
+         fake=lambda x, window, weight, parents=None, bias=None, activation="silu", check=False: x.new_empty(x.shape))
+def _causal_conv_tree_op(x: Tensor, window: Tensor, weight: Tensor, parents: Optional[Tensor] = None,
+                         bias: Optional[Tensor] = None, activation: Optional[str] = "silu",
+                         check: bool = False) -> Tensor:
+    """:func:`causal_conv_tree`: ``[N, C]`` in ``x``'s dtype."""
+    return causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation, check=check)
 
 
 def conv_window_after(window: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
@@ -799,6 +840,12 @@ def conv_window_after(window: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
     _require_rows(op, rows, window.device, batch)
     _require_counts(op, num_rows, window.device, batch)
     return _reference.conv_window_after(window, x, rows, num_rows)
+
+
+@declare("conv_window_after", fake=lambda window, x, rows, num_rows: window.new_empty(window.shape))
+def _conv_window_after_op(window: Tensor, x: Tensor, rows: Tensor, num_rows: Tensor) -> Tensor:
+    """:func:`conv_window_after`: a new ``[K-1, C]`` (``[L, K-1, C]``) window."""
+    return conv_window_after(window, x, rows, num_rows)
 
 
 # --------------------------------------------------------------------------- compile-test enumeration

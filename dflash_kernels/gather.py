@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import get_backend, tracing
+from torch import Tensor
+
+from ._declare import declare, dispatch
 from .reference import gather as _reference
 from .reference.gather import RowsLike, check_gather_args
 
@@ -235,14 +237,38 @@ def gather_concat(layers, rows: RowsLike = None, out: Optional[torch.Tensor] = N
         and rows on the Triton backend; the reference otherwise.
     """
     layers, rows, R = check_gather_args(layers, rows, out, check_bounds=check_bounds)
-    if get_backend(layers[0].device) == "reference":
-        return _reference.gather_concat(layers, rows, out, check_bounds=False)
-    if tracing():  # one opaque node (the launcher reads the layers' data pointers on the host)
+
+    def traced():  # one opaque node (the launcher reads the layers' data pointers on the host)
         if out is None:
             return torch.ops.dflash.gather_concat.default(layers, rows, False)
         torch.ops.dflash.gather_concat.into(layers, out, rows, False)
         return out
-    H = layers[0].shape[1]
-    if out is None:
-        out = torch.empty(R, len(layers) * H, dtype=layers[0].dtype, device=layers[0].device)
-    return _gather_concat_triton(layers, rows, out, R)
+
+    def triton_path():
+        H = layers[0].shape[1]
+        buffer = out if out is not None else torch.empty(R, len(layers) * H, dtype=layers[0].dtype,
+                                                         device=layers[0].device)
+        return _gather_concat_triton(layers, rows, buffer, R)
+
+    return dispatch(None, layers[0].device, traced=traced, triton=triton_path,
+                    reference=lambda: _reference.gather_concat(layers, rows, out, check_bounds=False))
+
+
+def _gather_concat_fake(layers, rows=None, check_bounds=True):
+    first = layers[0]
+    n_rows = first.shape[0] if rows is None else rows.shape[0]
+    return first.new_empty(n_rows, len(layers) * first.shape[1])
+
+
+@declare("gather_concat", fake=_gather_concat_fake)
+def _gather_concat_op(layers: List[Tensor], rows: Optional[Tensor] = None, check_bounds: bool = True) -> Tensor:
+    """:func:`gather_concat` into a new ``[R, n*H]`` tensor."""
+    return gather_concat(layers, rows, None, check_bounds=check_bounds)
+
+
+@declare("gather_concat.into", mutates={"out"}, fake=lambda layers, out, rows=None, check_bounds=True: None)
+def _gather_concat_into_op(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
+                           check_bounds: bool = True) -> None:
+    """:func:`gather_concat` with ``out=``: writes the ``[R, n*H]`` buffer ``out`` (any row stride) in place;
+    returns nothing (the caller holds ``out``)."""
+    gather_concat(layers, rows, out, check_bounds=check_bounds)

@@ -121,10 +121,11 @@ from typing import List, Optional
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the C++ op dflash::kv_write_, csrc/kv_write.cpp)
 from . import reference as _reference
-from ._dispatch import resolve_backend, tracing
+from ._declare import declare, dispatch
 from .reference.kv_compaction import check_kv_layout
 
 __all__ = ["compact_kv_", "kv_write_"]
@@ -589,18 +590,39 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start, *,
     Returns:
         ``kv``, compacted. Positions past ``dst_start + n`` keep stale values.
     """
-    if tracing():  # (the op validates when it runs: the layout check reads storage pointers)
+
+    def traced():  # (the op validates when it runs: the layout check reads storage pointers)
         if isinstance(dst_start, torch.Tensor):
             torch.ops.dflash.compact_kv_.tensor(kv, src_positions, dst_start, num_rows)
         else:
             torch.ops.dflash.compact_kv_.default(kv, src_positions, dst_start, num_rows, check)
         return kv
-    _check_metadata(kv, src_positions, dst_start, num_rows)
-    if check:
-        _check_values(kv, src_positions, dst_start, num_rows)
-    if resolve_backend(backend, kv.device) == "triton":
-        return _launch(kv, src_positions, dst_start, num_rows)
-    return _reference.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows)
+
+    def prepare():
+        _check_metadata(kv, src_positions, dst_start, num_rows)
+        if check:
+            _check_values(kv, src_positions, dst_start, num_rows)
+
+    return dispatch(backend, kv.device, opaque=True, prepare=prepare, traced=traced,
+                    triton=lambda: _launch(kv, src_positions, dst_start, num_rows),
+                    reference=lambda: _reference.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows))
+
+
+@declare("compact_kv_", mutates={"kv"}, fake=lambda kv, src_positions, dst_start, num_rows=None, check=True: None)
+def _compact_kv_op(kv: Tensor, src_positions: Tensor, dst_start: int, num_rows: Optional[Tensor] = None,
+                   check: bool = True) -> None:
+    """:func:`compact_kv_`: moves the accepted rows of ``kv`` in place (returns nothing)."""
+    compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
+
+
+@declare("compact_kv_.tensor", mutates={"kv"}, fake=lambda kv, src_positions, dst_start, num_rows=None: None)
+def _compact_kv_tensor_op(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
+                          num_rows: Optional[Tensor] = None) -> None:
+    """:func:`compact_kv_` with ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute ``src_positions``
+    device tensors, read in-kernel, unchecked (no host read); moves the rows in place (returns nothing). Also
+    the batched form: ``kv [b, L, 2, Hkv, Smax, D]``, ``src_positions [b, A]``, ``dst_start [b]``, ``num_rows
+    [b]`` (or None), one launch for every row."""
+    compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=False)
 
 
 def kv_write_(kv: torch.Tensor, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -622,3 +644,10 @@ def kv_write_(kv: torch.Tensor, layer: int, rows: torch.Tensor, key: torch.Tenso
     the graph writes the ``T`` rows and nothing else.
     """
     torch.ops.dflash.kv_write_(kv, layer, rows, key, value)
+
+
+@torch.library.register_fake("dflash::kv_write_")
+def _kv_write_fake(kv, layer, rows, key, value) -> None:
+    """:func:`kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing (either form:
+    ``kv [L, 2, Hkv, S, D]`` or a batch ``[b, L, 2, Hkv, S, D]``)."""
+    return None

@@ -36,7 +36,7 @@ Pipeline (Triton backend):
      CUDA-graph step): every program loads the seed from
      memory and draws ``G[n, j] = -log(E)``, ``E = -log(1 - e)``, ``e`` from
      Philox-4x32-10 with key = the seed's 64 bits and counter ``(j, n, 0, 0)``
-     (:func:`_philox_gumbel`): the same noise as
+     (:func:`dflash_kernels.noise.philox_gumbel`): the same noise as
      :func:`dflash_kernels.reference.gumbel_noise`, a pure function of
      (seed value, output row, vocab id), one launch for all rows.
    * logits: stores one chunk of fp32 logits, plus per-tile row max and
@@ -72,7 +72,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import get_backend, resolve_backend, tracing, triton_interpreting
+from torch import Tensor
+
+from ._declare import declare, dispatch
+from ._dispatch import get_backend, triton_interpreting
+from .noise import DO_NOT_SPECIALIZE as NOISE_DO_NOT_SPECIALIZE
+from .noise import NOISE_BLOCK_C, NOISE_BLOCK_R, NOISE_NUM_WARPS
+from .noise import UNALIGNED_PTRS as NOISE_UNALIGNED_PTRS
+from .noise import _gumbel_noise_kernel, philox_gumbel
 from .reference import lm_head as _reference
 from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_temperature, head_inputs,
                                 resolve_logit_dtype, seed_from)
@@ -83,7 +90,6 @@ __all__ = [
     "lm_head_logits",
     "lm_head_argmax",
     "lm_head_topk",
-    "lm_head_sample",
 ]
 
 
@@ -153,13 +159,13 @@ DO_NOT_SPECIALIZE = {
     "_norm_rows_kernel": ("N",),
     "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
     "_argmax_kernel": ("N", "seed"),
-    "_gumbel_noise_kernel": ("n_rows", "n_cols", "row0", "col0"),
+    **NOISE_DO_NOT_SPECIALIZE,
 }
 
 
 #: Pointer arguments that may be slices at any offset (a seed inside a bigger state buffer): never specialized
 #: on 16-byte alignment, so a new offset never picks a new binary (they are read by one scalar load).
-UNALIGNED_PTRS = {"_argmax_kernel": ("seed_ptr",), "_gumbel_noise_kernel": ("seed_ptr",)}
+UNALIGNED_PTRS = {"_argmax_kernel": ("seed_ptr",), **NOISE_UNALIGNED_PTRS}
 
 
 def _dot_fp32(dot_dtype: torch.dtype) -> bool:
@@ -182,47 +188,6 @@ def _round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype).to(tl.float32)
-
-@triton.jit
-def _philox_gumbel(seed, rows, cols):
-    """fp32 Gumbel noise ``[R, C]`` of output rows ``rows [R, 1]`` and vocab ids ``cols [1, C]`` (int32).
-
-    ``seed``: an int64 scalar (loaded from memory), the Philox key (low,
-    high 32 bits). Counter ``(col, row, 0, 0)``, 10 rounds (``tl.philox``,
-    the Random123 Philox-4x32), word 0 ``x``; ``e = (fp32(x) + 0.5) *
-    2**-32``; ``E = e (1 + e (1/2 + e (1/3 + e/4)))`` below
-    ``NOISE_SERIES_BELOW``, else ``-log(1 - e)``; ``G = -log(E)``. Bit for bit
-    the integer steps of :func:`dflash_kernels.reference.gumbel_noise`
-    (the logs may differ by an ulp).
-    """
-    c0 = tl.broadcast_to(cols, (rows.shape[0], cols.shape[1]))
-    c1 = tl.broadcast_to(rows, (rows.shape[0], cols.shape[1]))
-    zero = tl.zeros(c0.shape, dtype=tl.int32)
-    x, _, _, _ = tl.philox(seed, c0, c1, zero, zero)
-    e = (x.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-    series = e * (1.0 + e * (0.5 + e * (0.3333333432674408 + e * 0.25)))
-    expo = tl.where(e < 0.03125, series, -tl.log(1.0 - e))  # 0.03125 = NOISE_SERIES_BELOW
-    return -tl.log(expo)
-
-@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_gumbel_noise_kernel"],
-            do_not_specialize_on_alignment=UNALIGNED_PTRS["_gumbel_noise_kernel"])
-def _gumbel_noise_kernel(
-    seed_ptr,  # int64 [1]: the seed, read in-kernel
-    out_ptr, stride_o,  # fp32 [n_rows, n_cols]
-    n_rows, n_cols,
-    row0, col0,  # out[r, c] is the noise of output row row0 + r and vocab id col0 + c
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """``out[r, c] = G(seed, row0 + r, col0 + c)`` (:func:`_philox_gumbel`); one [BLOCK_R, BLOCK_C] tile.
-
-    Loads ``seed_ptr`` (never written) and stores only its own tile of the fresh ``out``.
-    """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    seed = tl.load(seed_ptr)
-    g = _philox_gumbel(seed, (row0 + rows)[:, None], (col0 + cols)[None, :])
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], g, mask=mask)
 
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_norm_rows_kernel"])
 def _norm_rows_kernel(
@@ -367,7 +332,7 @@ def _argmax_kernel(
     GEMM writes its output; no rounding for fp32), then s = logits, or
     logits * inv_temperature - log(-log(U[row * V + j])) with GUMBEL (U = tl.rand keyed by ``seed``),
     or with GUMBEL and DEVICE_SEED logits * inv_temperature + G(seed_ptr[0], row, j)
-    (:func:`_philox_gumbel`, the seed loaded once per program before any store).
+    (:func:`dflash_kernels.noise.philox_gumbel`, the seed loaded once per program before any store).
 
     Overlap: the program reads ``a``, ``w`` (and ``seed_ptr``) and writes
     only its own ``(rows, tile)`` entries of the fresh ``pval`` / ``pidx``.
@@ -385,7 +350,7 @@ def _argmax_kernel(
         acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
     if GUMBEL:
         if DEVICE_SEED:
-            acc = acc * inv_temperature + _philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
+            acc = acc * inv_temperature + philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
         else:
             # int32 counters: the launcher keeps N * V < 2**31 per launch.
             counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
@@ -516,41 +481,6 @@ def _seed_placeholder(device: torch.device) -> torch.Tensor:
     return _seed_placeholders[device]
 
 
-#: Tile of :func:`_gumbel_noise_kernel` (compiled; the interpreter takes wider column tiles).
-NOISE_BLOCK_R = 16
-NOISE_BLOCK_C = 128
-NOISE_NUM_WARPS = 4
-
-
-def gumbel_noise_block(seed: torch.Tensor, row0: int, n_rows: int, col0: int, n_cols: int) -> torch.Tensor:
-    """fp32 ``[n_rows, n_cols]`` Gumbel noise of output rows ``row0 + r`` and vocab ids ``col0 + c``.
-
-    ``seed``: int64 tensor ``[1]`` / ``[]`` (read on the device, never on the
-    host). The values are :func:`dflash_kernels.reference.gumbel_noise`'s:
-    ``reference.gumbel_noise(seed, row0 + arange(n_rows), col0 + arange(n_cols))``
-    (Philox-4x32-10; the integer steps bit for bit, the logs to an ulp). The
-    Triton backend computes them in one launch (:func:`_gumbel_noise_kernel`),
-    the reference backend in int64 tensor ops.
-    """
-    if not isinstance(seed, torch.Tensor):
-        raise TypeError(f"gumbel_noise_block: seed must be an int64 tensor [1], got {type(seed).__name__}")
-    seed = check_seed_tensor(seed, seed.device, "gumbel_noise_block")
-    device = seed.device
-    if get_backend(device) == "reference":
-        return _reference.gumbel_noise(seed, torch.arange(row0, row0 + n_rows, device=device),
-                                       torch.arange(col0, col0 + n_cols, device=device))
-    out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=device)
-    if n_rows == 0 or n_cols == 0:
-        return out
-    block_c = NOISE_BLOCK_C
-    if triton_interpreting():
-        block_c = max(block_c, min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(n_cols)))
-    grid = (triton.cdiv(n_rows, NOISE_BLOCK_R), triton.cdiv(n_cols, block_c))
-    _gumbel_noise_kernel[grid](seed.reshape(1), out, out.stride(0), n_rows, n_cols, row0, col0,
-                               BLOCK_R=NOISE_BLOCK_R, BLOCK_C=block_c, num_warps=NOISE_NUM_WARPS)
-    return out
-
-
 def _kernel_seed(seed: int, chunk: int) -> int:
     """Philox key for row chunk ``chunk``: always in [2**61, 2**62) so Triton passes it as int64."""
     return ((seed + chunk * 0x9E3779B97F4A7C15) % _SEED_MOD) | _SEED_MOD
@@ -665,13 +595,34 @@ def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                         check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_logits(hidden, weight, norm_weight, head.positions, eps, False, logit_dtype,
-                                               head.softcap)
-    return _logits_triton(head.detached(), logit_dtype)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps,
+                                                    positions=head.positions, check_bounds=False,
+                                                    logit_dtype=logit_dtype, softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_logits(hidden, weight, norm_weight, head.positions, eps, False,
+                                                       logit_dtype, head.softcap),
+        triton=lambda: _logits_triton(head.detached(), logit_dtype))
+
+
+def _rows(positions: Optional[Tensor], hidden: Tensor):
+    """Selected row count of a fake: ``positions``' length, else every row of ``hidden``."""
+    return hidden.shape[0] if positions is None else positions.shape[0]
+
+
+def _lm_head_logits_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
+                         logit_dtype=torch.float32, softcap=None):
+    dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
+    return hidden.new_empty(_rows(positions, hidden), weight.shape[0], dtype=dtype)
+
+
+@declare("lm_head_logits", fake=_lm_head_logits_fake)
+def _lm_head_logits_op(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
+                       positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
+                       logit_dtype: Optional[torch.dtype] = torch.float32, softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_logits`: ``[N, V]`` logits in ``logit_dtype`` (None: F.linear's dtype)."""
+    return lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                          check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
 
 
 def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
@@ -696,13 +647,28 @@ def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                         check_bounds=False, logit_dtype=logit_dtype, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_argmax(hidden, weight, norm_weight, head.positions, eps, False, logit_dtype,
-                                               head.softcap)
-    return _argmax_triton(head.detached(), logit_dtype)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps,
+                                                    positions=head.positions, check_bounds=False,
+                                                    logit_dtype=logit_dtype, softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_argmax(hidden, weight, norm_weight, head.positions, eps, False,
+                                                       logit_dtype, head.softcap),
+        triton=lambda: _argmax_triton(head.detached(), logit_dtype))
+
+
+def _lm_head_argmax_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
+                         logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_argmax", fake=_lm_head_argmax_fake)
+def _lm_head_argmax_op(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
+                       positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
+                       logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
+    """:func:`lm_head_argmax`: int64 ``[N]`` greedy tokens."""
+    return lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
+                          check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
 
 
 def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=None, check_bounds=True,
@@ -721,18 +687,34 @@ def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=Non
     """
     head = head_inputs(hidden, weight, norm_weight, eps, positions, softcap, check_bounds=check_bounds)
     check_k(k, weight.shape[0])
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                       check_bounds=False, softcap=head.softcap)
-    if tracing():
-        return torch.ops.dflash.lm_head_topk(hidden, weight, k, norm_weight, head.positions, eps, False,
-                                             chunk_elements, head.softcap)
-    return _topk_triton(head.detached(), k, chunk_elements)
+    return dispatch(
+        backend, hidden.device,
+        reference=lambda: _reference.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps,
+                                                  positions=head.positions, check_bounds=False, softcap=head.softcap),
+        traced=lambda: torch.ops.dflash.lm_head_topk(hidden, weight, k, norm_weight, head.positions, eps, False,
+                                                     chunk_elements, head.softcap),
+        triton=lambda: _topk_triton(head.detached(), k, chunk_elements))
 
 
-def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
-                   seed=None, check_bounds=True, logit_dtype=None, softcap=None, backend=None) -> torch.Tensor:
-    """int64 ``[N]``: one token per row drawn from ``softmax(logits / temperature)``.
+def _lm_head_topk_fake(hidden, weight, k, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
+                       chunk_elements=None, softcap=None):
+    n = _rows(positions, hidden)
+    return (hidden.new_empty(n, k, dtype=torch.float32), hidden.new_empty(n, k, dtype=torch.int64))
+
+
+@declare("lm_head_topk", fake=_lm_head_topk_fake)
+def _lm_head_topk_op(hidden: Tensor, weight: Tensor, k: int, norm_weight: Optional[Tensor] = None,
+                     positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
+                     chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`lm_head_topk`: ``(logprobs fp32 [N, k], ids int64 [N, k])``."""
+    return lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=positions,
+                        check_bounds=check_bounds, chunk_elements=chunk_elements, softcap=softcap)
+
+
+def sample_gumbel(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, positions=None, generator=None,
+                  seed=None, check_bounds=True, logit_dtype=None, softcap=None, backend=None) -> torch.Tensor:
+    """:func:`dflash_kernels.lm_head_sample` without filters: int64 ``[N]``, one token per row drawn from
+    ``softmax(logits / temperature)``, fused into the lm_head GEMM.
 
     ``logits`` are rounded to ``logit_dtype`` first (default None: the dtype
     ``F.linear`` returns, as in :func:`lm_head_argmax`; transformers samples
@@ -771,19 +753,57 @@ def lm_head_sample(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, p
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if device_seed:
         seed = check_seed_tensor(seed, hidden.device)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps, positions=head.positions,
-                                         generator=generator, seed=seed, check_bounds=False, logit_dtype=logit_dtype,
-                                         softcap=head.softcap)
-    if tracing():
+
+    def traced():
         if not device_seed:
             raise TypeError("lm_head_sample under torch.compile takes seed as an int64 tensor [1] on hidden's "
                             f"device (a generator or an int seed draws on the host), got {type(seed).__name__}")
         return torch.ops.dflash.lm_head_sample.tensor(hidden, weight, t, seed, norm_weight, head.positions, eps,
                                                       logit_dtype, head.softcap)
-    if device_seed:
-        return _sample_device_seed_triton(head.detached(), t, seed, logit_dtype)
-    return _sample_triton(head.detached(), t, seed_from(generator, seed), logit_dtype)
+
+    def triton_path():
+        if device_seed:
+            return _sample_device_seed_triton(head.detached(), t, seed, logit_dtype)
+        return _sample_triton(head.detached(), t, seed_from(generator, seed), logit_dtype)
+
+    return dispatch(
+        backend, hidden.device, traced=traced, triton=triton_path,
+        reference=lambda: _reference.lm_head_sample(hidden, weight, t, norm_weight=norm_weight, eps=eps,
+                                                    positions=head.positions, generator=generator, seed=seed,
+                                                    check_bounds=False, logit_dtype=logit_dtype,
+                                                    softcap=head.softcap))
+
+
+def _lm_head_sample_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
+                         check_bounds=True, logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_sample", fake=_lm_head_sample_fake)
+def _lm_head_sample_op(hidden: Tensor, weight: Tensor, temperature: float, seed: int,
+                       norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
+                       check_bounds: bool = True, logit_dtype: Optional[torch.dtype] = None,
+                       softcap: Optional[float] = None) -> Tensor:
+    """:func:`dflash_kernels.lm_head_sample` (no filter) with ``seed=seed``: int64 ``[N]`` draws, equal for equal
+    seeds (a schema has no ``torch.Generator``; the seed is a required int, so the op is deterministic)."""
+    return sample_gumbel(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                         seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
+
+
+def _lm_head_sample_tensor_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
+                                logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_sample.tensor", fake=_lm_head_sample_tensor_fake)
+def _lm_head_sample_tensor_op(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
+                              norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                              eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
+                              softcap: Optional[float] = None) -> Tensor:
+    """:func:`dflash_kernels.lm_head_sample` (no filter) with ``seed=`` a device tensor (int64 ``[1]``, read
+    in-kernel): int64 ``[N]`` draws; ``positions`` are not range-checked (no host read)."""
+    return sample_gumbel(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                         seed=seed, check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
 
 
 # --------------------------------------------------------------------------- compile enumeration

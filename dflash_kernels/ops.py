@@ -1,376 +1,58 @@
-"""Every ``torch.library`` registration of the package: ``torch.ops.dflash.<name>``.
+"""Registers every op of the package: ``torch.ops.dflash.<name>``.
 
-The public ops (:mod:`dflash_kernels`) run their Triton launchers directly in
-eager mode; while ``torch.compile`` traces them (on the Triton backend) they
-call the custom op of the same name registered here, whose implementation is
-the public function again (same validation, same backend choice as
-:func:`dflash_kernels.get_backend` makes at run time). For each op this module
-holds what ``torch.compile`` needs to trace a call without looking inside it:
+Each kernel module declares its own ops beside its kernels (:func:`dflash_kernels._declare.declare`: the
+schema from the signature, the mutated arguments, the fake, the autograd; the constraints every declaration
+keeps are listed there), so importing this module imports them all; the fakes of the C++ ops sit beside
+their Python faces (``kv_write_``: :mod:`dflash_kernels.kv_compaction`; ``philox_uint32``:
+:mod:`dflash_kernels.noise`). What it holds itself: the tree structure ops.
 
-* a fake (meta) implementation giving the output shapes, dtypes and devices
-  from the input shapes alone (``register_fake``);
-* the mutated arguments in the schema (``mutates_args``): ``compact_kv_``
-  writes ``kv``, ``gather_concat.into`` writes ``out``,
-  ``gated_delta_replay_`` ``state``, ``gated_delta_tree`` its ``scratch``,
-  the C++ ``kv_write_`` (csrc/kv_write.cpp) ``kv``. The in-place ops return
-  nothing (``-> ()``), the one form of a mutating custom op that every
-  supported torch registers (tagged in-place / ``out=`` ops that return their
-  mutated input, and keyword-only tensor arguments, exist only from torch
-  2.13), so their fakes return None too and callers keep their own reference
-  to the buffer; a mutated argument is never defaulted (torch before 2.13
-  bumps its version counter by position);
-* a backward for ``lm_head_cross_entropy`` (``register_autograd``): the
-  gradient with respect to ``hidden`` through the row gather and the final
-  norm, ``weight`` / ``norm_weight`` / the loss ``weights`` frozen, as the
-  public function's autograd does;
-* a backward for ``dynamic_conv`` (``register_autograd``): the gradients of
-  every tensor input through the op ``dynamic_conv_backward`` (one Triton
-  launch, or the torch math of
-  :func:`dflash_kernels.reference.dynamic_conv_backward`). The public
-  function routes a call that needs gradients through the custom op, so the
-  Triton forward trains.
-
-One op name per public op. Where a public op takes an int or a tensor for a
-per-round value, the two schemas are two overloads of that name (as aten's
-``add.Tensor`` / ``add.Scalar``): ``.default`` with the int, ``.tensor`` with
-an int64 device tensor ``[1]`` read in-kernel (a compiled / CUDA-graph step,
-where no Python value may change from round to round):
+One op name per public op. Where a public op takes an int or a tensor for a per-round value, the two schemas
+are two overloads of that name (as aten's ``add.Tensor`` / ``add.Scalar``): ``.default`` with the int,
+``.tensor`` with an int64 device tensor ``[1]`` read in-kernel (a compiled / CUDA-graph step, where no Python
+value may change from round to round):
 
 * ``tree_attention.tensor``: the committed length (``[b]``: one per batch row), K/V the whole cache views;
 * ``lm_head_sample.tensor``: the seed (the noise a pure function of its value);
-* ``compact_kv_.tensor``: the first destination row (unchecked); also the
-  batched form (a 6-D ``kv [b, ...]`` with per-row ``[b]`` destinations and
-  counts: the schema fixes no shape);
-* ``build_tree_device.tables``: the device build over index tables the round
-  owns (the tensors of a :class:`~dflash_kernels.tree_device.TreeTables`);
+* ``compact_kv_.tensor``: the first destination row (unchecked); also the batched form (a 6-D ``kv [b, ...]``
+  with per-row ``[b]`` destinations and counts: the schema fixes no shape);
+* ``build_tree_device.tables``: the device build over index tables the round owns (the tensors of a
+  :class:`~dflash_kernels.tree_device.TreeTables`);
 * ``gather_concat.into``: ``gather_concat(out=...)``, writing ``out``.
 
-``lm_head_sample_processed`` and ``rejection_sample`` have only the
-tensor-seed schema (an int seed or a generator draws its noise on the host).
+``lm_head_sample_processed`` and ``rejection_sample`` have only the tensor-seed schema (an int seed or a
+generator draws its noise on the host). Mutated arguments: ``compact_kv_`` writes ``kv``,
+``gather_concat.into`` ``out``, ``gated_delta_replay_`` ``state``, ``gated_delta_tree`` its ``scratch``, the
+C++ ``kv_write_`` (csrc/kv_write.cpp) ``kv``. Backwards: ``lm_head_cross_entropy`` (through
+``lm_head_cross_entropy_backward``) and ``dynamic_conv`` (through ``dynamic_conv_backward``).
 
-Why ``custom_op`` and not ``triton_op``: ``triton_op`` traces its Python body
-under ``torch.compile`` with fake tensors, and the launchers read host values
-of their inputs (``gather_concat``'s pointer table of ``data_ptr()`` s, the
-lm_head's vocab chunk loops, the debug checks) and launch kernels directly
-rather than through ``torch.library.wrap_triton``. A ``custom_op`` is opaque
-to the compiler: the graph holds one node per call and the launcher runs at
-run time.
+Differences from the public signatures, where the schema cannot express theirs: ``positions`` / ``rows`` must
+be tensors (not Python lists); the samplers take a seed (no ``torch.Generator`` in a schema); ``walk_tree``
+returns its bonus token as a 0-d int64 CPU tensor instead of a Python int; the mutating ops return nothing.
 
-Schema types: Python ints are ``SymInt``, floats ``float``, optional tensors
-``Tensor?``, ``gather_concat``'s layers ``Tensor[]``, dtypes ``ScalarType``.
-Differences from the public signatures, where the schema cannot express
-theirs: ``positions`` / ``rows`` must be tensors (not Python lists); the
-samplers take a seed (no ``torch.Generator`` in a schema); ``walk_tree``
-returns its bonus token as a 0-d int64 CPU tensor instead of a Python int;
-the mutating ops return nothing.
-
-Output sizes: every op's output shape follows from input shapes and ints,
-including the C++ ``build_tree`` (its heap pops the whole tree before it runs
-dry, so ``N = tree_size(D, K, budget)`` always), except ``walk_tree`` (the C++
-walk's accepted path length is data-dependent): its fake gives the path an
-unbacked size from ``torch.library.get_ctx().new_dynamic_size()``. It is a
-host op (CPU results, a device-to-host copy for GPU inputs), as is
-``build_tree``; the round on the device uses ``build_tree_device`` /
-``walk_tree_device``, whose shapes are static.
+Output sizes: every op's output shape follows from input shapes and ints, including the C++ ``build_tree``
+(its heap pops the whole tree before it runs dry, so ``N = tree_size(D, K, budget)`` always), except
+``walk_tree`` (the C++ walk's accepted path length is data-dependent): its fake gives the path an unbacked size
+from ``torch.library.get_ctx().new_dynamic_size()``. It is a host op (CPU results, a device-to-host copy for GPU
+inputs), as is ``build_tree``; the round on the device uses ``build_tree_device`` / ``walk_tree_device``, whose
+shapes are static.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (the C++ ops: dflash::kv_write_, dflash::philox_uint32)
-from . import cross_entropy as _ce
-from . import gated_delta as _gd
-from . import gather as _gather
-from . import kv_compaction as _kv
-from . import lm_head as _lm
-from . import rejection as _rejection
-from . import sampling as _sampling
+# the modules that declare their ops beside their kernels
+from . import (cross_entropy, dynamic_conv, gated_delta, gather, kv_compaction, lm_head,  # noqa: F401
+               noise, rejection, sampling, selector, tree_attention)
 from . import tree as _tree
 from . import tree_device as _tree_device
-from .dynamic_conv import _forward as _dynamic_conv_forward
-from .dynamic_conv import dynamic_conv_backward as _dynamic_conv_backward
-from .reference.lm_head import HeadInputs, resolve_logit_dtype
-from .selector import select_candidates as _select_candidates
-# (not ``from . import tree_attention``: the package attribute of that name is the function)
-from .tree_attention import tree_attention as _tree_attention
 
 __all__: list = []  # the ops live in torch.ops.dflash
 
 _NS = "dflash"
-
-
-def _rows(positions: Optional[Tensor], hidden: Tensor):
-    """Selected row count: ``positions``' length, else every row of ``hidden``."""
-    return hidden.shape[0] if positions is None else positions.shape[0]
-
-
-# --------------------------------------------------------------------------- gather
-
-
-@torch.library.custom_op(f"{_NS}::gather_concat", mutates_args=())
-def gather_concat(layers: List[Tensor], rows: Optional[Tensor] = None, check_bounds: bool = True) -> Tensor:
-    """:func:`dflash_kernels.gather_concat` into a new ``[R, n*H]`` tensor."""
-    return _gather.gather_concat(layers, rows, None, check_bounds=check_bounds)
-
-
-@gather_concat.register_fake
-def _gather_concat_fake(layers, rows=None, check_bounds=True):
-    first = layers[0]
-    n_rows = first.shape[0] if rows is None else rows.shape[0]
-    return first.new_empty(n_rows, len(layers) * first.shape[1])
-
-
-@torch.library.custom_op(f"{_NS}::gather_concat.into", mutates_args={"out"})
-def gather_concat_into(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
-                      check_bounds: bool = True) -> None:
-    """:func:`dflash_kernels.gather_concat` with ``out=``: writes the ``[R, n*H]`` buffer ``out`` (any row
-    stride) in place; returns nothing (the caller holds ``out``)."""
-    _gather.gather_concat(layers, rows, out, check_bounds=check_bounds)
-
-
-@gather_concat_into.register_fake
-def _gather_concat_into_fake(layers, out, rows=None, check_bounds=True):
-    return None
-
-
-# --------------------------------------------------------------------------- lm_head
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_logits", mutates_args=())
-def lm_head_logits(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
-                   positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
-                   logit_dtype: Optional[torch.dtype] = torch.float32, softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_logits`: ``[N, V]`` logits in ``logit_dtype`` (None: F.linear's dtype)."""
-    return _lm.lm_head_logits(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                              check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
-
-
-@lm_head_logits.register_fake
-def _lm_head_logits_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
-                         logit_dtype=torch.float32, softcap=None):
-    dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    return hidden.new_empty(_rows(positions, hidden), weight.shape[0], dtype=dtype)
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_argmax", mutates_args=())
-def lm_head_argmax(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
-                   positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
-                   logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_argmax`: int64 ``[N]`` greedy tokens."""
-    return _lm.lm_head_argmax(hidden, weight, norm_weight=norm_weight, eps=eps, positions=positions,
-                              check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
-
-
-@lm_head_argmax.register_fake
-def _lm_head_argmax_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
-                         logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_topk", mutates_args=())
-def lm_head_topk(hidden: Tensor, weight: Tensor, k: int, norm_weight: Optional[Tensor] = None,
-                 positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
-                 chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """:func:`dflash_kernels.lm_head_topk`: ``(logprobs fp32 [N, k], ids int64 [N, k])``."""
-    return _lm.lm_head_topk(hidden, weight, k, norm_weight=norm_weight, eps=eps, positions=positions,
-                            check_bounds=check_bounds, chunk_elements=chunk_elements, softcap=softcap)
-
-
-@lm_head_topk.register_fake
-def _lm_head_topk_fake(hidden, weight, k, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
-                       chunk_elements=None, softcap=None):
-    n = _rows(positions, hidden)
-    return (hidden.new_empty(n, k, dtype=torch.float32), hidden.new_empty(n, k, dtype=torch.int64))
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_sample", mutates_args=())
-def lm_head_sample(hidden: Tensor, weight: Tensor, temperature: float, seed: int,
-                   norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
-                   check_bounds: bool = True, logit_dtype: Optional[torch.dtype] = None,
-                   softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_sample` with ``seed=seed``: int64 ``[N]`` draws, equal for equal seeds
-    (a schema has no ``torch.Generator``; the seed is a required int, so the op is deterministic)."""
-    return _lm.lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
-                              seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
-
-
-@lm_head_sample.register_fake
-def _lm_head_sample_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
-                         check_bounds=True, logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_sample.tensor", mutates_args=())
-def lm_head_sample_tensor(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
-                          norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
-                          logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_sample` with ``seed=`` a device tensor (int64 ``[1]``, read in-kernel):
-    int64 ``[N]`` draws; ``positions`` are not range-checked (no host read)."""
-    return _lm.lm_head_sample(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
-                              seed=seed, check_bounds=False, logit_dtype=logit_dtype, softcap=softcap)
-
-
-@lm_head_sample_tensor.register_fake
-def _lm_head_sample_tensor_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
-                                logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_sample_processed", mutates_args=())
-def lm_head_sample_processed(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
-                                    top_p: Optional[float], min_p: Optional[float], seed: Tensor,
-                                    norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
-                                    eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
-                                    softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_sample_processed` with ``seed=`` a device tensor: int64 ``[N]`` draws from
-    the processed distribution (temperature, top-k, top-p, min-p); ``positions`` are not range-checked."""
-    return _sampling.lm_head_sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                              norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
-                                              logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
-
-
-@lm_head_sample_processed.register_fake
-def _lm_head_sample_processed_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
-                                          positions=None, eps=1e-6, logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@torch.library.custom_op(f"{_NS}::rejection_sample", mutates_args=())
-def rejection_sample(hidden: Tensor, weight: Tensor, proposals: Tensor, temperature: float, top_k: Optional[int],
-                     top_p: Optional[float], min_p: Optional[float], seed: Tensor, q_hidden: Optional[Tensor] = None,
-                     q_ids: Optional[Tensor] = None, q_probs: Optional[Tensor] = None,
-                     norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
-                     logit_dtype: Optional[torch.dtype] = None, q_logit_dtype: Optional[torch.dtype] = None,
-                     softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """:func:`dflash_kernels.rejection_sample` (``seed`` a device tensor): ``(choices [D + 1] int64, accepted [1]
-    int64)``; ids are not range-checked."""
-    return _rejection.rejection_sample(hidden, weight, proposals, temperature, q_hidden=q_hidden, q_ids=q_ids,
-                                       q_probs=q_probs, top_k=top_k, top_p=top_p, min_p=min_p,
-                                       norm_weight=norm_weight, eps=eps, softcap=softcap, seed=seed,
-                                       logit_dtype=logit_dtype, q_logit_dtype=q_logit_dtype, check_bounds=False)
-
-
-@rejection_sample.register_fake
-def _rejection_sample_fake(hidden, weight, proposals, temperature, top_k, top_p, min_p, seed, q_hidden=None,
-                           q_ids=None, q_probs=None, norm_weight=None, eps=1e-6, logit_dtype=None,
-                           q_logit_dtype=None, softcap=None):
-    D = proposals.shape[0]
-    return proposals.new_empty(D + 1), proposals.new_empty(1)
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_cross_entropy", mutates_args=())
-def lm_head_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, weights: Optional[Tensor] = None,
-                          norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
-                          eps: float = 1e-6, ignore_index: int = -100, check_bounds: bool = True,
-                          chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
-    """:func:`dflash_kernels.lm_head_cross_entropy`: fp32 ``[N]`` losses (the forward only; the backward is
-    ``dflash::lm_head_cross_entropy_backward``, registered with ``register_autograd``)."""
-    return _ce.lm_head_cross_entropy(hidden.detach(), weight.detach(), targets, weights=weights,
-                                     norm_weight=norm_weight, eps=eps, positions=positions,
-                                     ignore_index=ignore_index, check_bounds=check_bounds,
-                                     chunk_elements=chunk_elements, softcap=softcap)
-
-
-@lm_head_cross_entropy.register_fake
-def _lm_head_cross_entropy_fake(hidden, weight, targets, weights=None, norm_weight=None, positions=None, eps=1e-6,
-                                ignore_index=-100, check_bounds=True, chunk_elements=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.float32)
-
-
-def _ce_grad_rows(grad_loss, head: HeadInputs, targets, weights, ignore_index, chunk_elements):
-    """``d (sum_r grad_loss_r * loss_r) / d x`` for the selected rows ``x [N, H]`` (``head.hidden``, already
-    gathered: ``head.positions`` is None; before the norm).
-
-    Per row chunk (at most ``chunk_elements`` fp32 logits, the forward's bound): the capped fp32 logits
-    ``z`` from :func:`dflash_kernels.lm_head_logits` (same backend as the forward), ``dz = g * w *
-    (softmax(z) - onehot(t))`` (0 at ``ignore_index``), times ``1 - (z / c)^2`` under the softcap, then
-    ``da = dz @ weight`` in fp32 (the reference's ``a.float() @ weight.float().T``, the weight upcast a few
-    vocab rows at a time). Then back through HF's RMSNorm with its casts, exactly the steps autograd takes
-    through :func:`dflash_kernels.reference.rms_norm`.
-    """
-    x, weight, norm_weight, eps, softcap = head.hidden, head.weight, head.norm_weight, head.eps, head.softcap
-    n, h = x.shape
-    vocab = weight.shape[0]
-    grad_a = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    if n > 0:
-        scale = (targets != ignore_index).float() * grad_loss.float()
-        if weights is not None:
-            scale = scale * weights.detach().float()
-        safe_targets = targets.clamp(0, vocab - 1)
-        rows_per = max(1, min(n, int(chunk_elements or _lm.DEFAULT_CHUNK_ELEMENTS) // vocab))
-        vocab_per = max(1, (1 << 24) // max(1, h))
-        for r0 in range(0, n, rows_per):
-            r1 = min(n, r0 + rows_per)
-            z = _lm.lm_head_logits(x[r0:r1], weight, norm_weight=norm_weight, eps=eps, check_bounds=False,
-                                   softcap=softcap)
-            dz = torch.softmax(z, dim=-1)
-            dz[torch.arange(r1 - r0, device=x.device), safe_targets[r0:r1]] -= 1.0
-            dz *= scale[r0:r1, None]
-            if softcap is not None:
-                dz *= 1.0 - (z / softcap) ** 2
-            for v0 in range(0, vocab, vocab_per):
-                grad_a[r0:r1] += dz[:, v0:v0 + vocab_per] @ weight[v0:v0 + vocab_per].detach().float()
-    grad_a = grad_a.to(x.dtype)  # the gradient of a.float() in a's dtype (a has x's dtype)
-    if norm_weight is None:
-        return grad_a
-    nw = norm_weight.detach()
-    # a = (nw * normed.to(x.dtype)).to(x.dtype): each cast's gradient is cast back to its input's dtype.
-    grad_normed = (grad_a.to(torch.promote_types(nw.dtype, x.dtype)) * nw).to(x.dtype).float()
-    xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    # normed = xf * r, r = (mean(xf^2) + eps)^-1/2:  d/dxf = r * g - xf * r^3 * mean(g * xf)
-    grad_x = r * grad_normed - xf * r.pow(3) * (grad_normed * xf).mean(-1, keepdim=True)
-    return grad_x.to(x.dtype)
-
-
-@torch.library.custom_op(f"{_NS}::lm_head_cross_entropy_backward", mutates_args=())
-def lm_head_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor,
-                                   weights: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
-                                   positions: Optional[Tensor] = None, eps: float = 1e-6, ignore_index: int = -100,
-                                   chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
-    """Gradient of ``sum(grad_loss * lm_head_cross_entropy(hidden, ...))`` with respect to ``hidden``
-    (``[T, H]``, hidden's dtype): recomputes the logits chunk by chunk (no ``[N, V]`` tensor kept from the
-    forward), so a training step runs the lm_head GEMM three times where the public Triton path runs it
-    twice (it computes the gradient inside the forward). Rows a position selects twice get both gradients."""
-    targets = targets.to(torch.int64)
-    pos = None if positions is None else positions.to(device=hidden.device, dtype=torch.int64)
-    x = hidden.detach() if pos is None else hidden.detach().index_select(0, pos)
-    head = HeadInputs(x, weight.detach(), norm_weight, eps, None, softcap)
-    grad_x = _ce_grad_rows(grad_loss, head, targets, weights, ignore_index, chunk_elements)
-    if pos is None:
-        return grad_x.contiguous()
-    return torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device).index_add_(0, pos, grad_x)
-
-
-@lm_head_cross_entropy_backward.register_fake
-def _lm_head_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, weights=None, norm_weight=None,
-                                         positions=None, eps=1e-6, ignore_index=-100, chunk_elements=None,
-                                         softcap=None):
-    return hidden.new_empty(hidden.shape)
-
-
-def _ce_setup_context(ctx, inputs, output):
-    hidden, weight, targets, weights, norm_weight, positions, eps, ignore_index, _, chunk_elements, softcap = inputs
-    ctx.save_for_backward(hidden, weight, targets, weights, norm_weight, positions)
-    ctx.scalars = (eps, ignore_index, chunk_elements, softcap)
-
-
-def _ce_backward(ctx, grad_loss):
-    hidden, weight, targets, weights, norm_weight, positions = ctx.saved_tensors
-    eps, ignore_index, chunk_elements, softcap = ctx.scalars
-    grad_hidden = None
-    if ctx.needs_input_grad[0]:
-        grad_hidden = torch.ops.dflash.lm_head_cross_entropy_backward(
-            grad_loss, hidden, weight, targets, weights, norm_weight, positions, eps, ignore_index,
-            chunk_elements, softcap)
-    return grad_hidden, None, None, None, None, None, None, None, None, None, None
-
-
-lm_head_cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup_context)
 
 
 # --------------------------------------------------------------------------- tree structure
@@ -502,220 +184,3 @@ def _walk_tree_device_fake(parents, token_ids, target_choice, max_depth, bits=No
     lead = tuple(parents.shape[:-1])
     new = lambda *size: parents.new_empty(*size, dtype=torch.int64)  # noqa: E731
     return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)
-
-
-# --------------------------------------------------------------------------- attention
-
-
-@torch.library.custom_op(f"{_NS}::tree_attention", mutates_args=())
-def tree_attention(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: int,
-                   scale: Optional[float] = None, positions: Optional[Tensor] = None, window: Optional[int] = None,
-                   softcap: Optional[float] = None, sinks: Optional[Tensor] = None) -> Tensor:
-    """:func:`dflash_kernels.tree_attention`: query-shaped output in the query's dtype (``[Hq, T, D]`` or
-    ``[b, Hq, T, D]`` for a batch of ``b`` rows; K/V any strides, e.g. views of the cache: read, never copied or
-    written)."""
-    return _tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
-                                softcap=softcap, sinks=sinks)
-
-
-@tree_attention.register_fake
-def _tree_attention_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None,
-                         softcap=None, sinks=None):
-    return query.new_empty(query.shape)
-
-
-@torch.library.custom_op(f"{_NS}::tree_attention.tensor", mutates_args=())
-def tree_attention_tensor(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: Tensor,
-                          scale: Optional[float] = None, positions: Optional[Tensor] = None,
-                          window: Optional[int] = None, softcap: Optional[float] = None,
-                          sinks: Optional[Tensor] = None) -> Tensor:
-    """:func:`dflash_kernels.tree_attention` with the committed lengths ``prefix_len`` an int64 device tensor
-    ``[b]`` (``[1]`` / ``[]`` for one row; read in-kernel), K/V the whole cache views ``[b, Hkv, S_max, D]``
-    (or ``[Hkv, S_max, D]``); query-shaped output."""
-    return _tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
-                                  softcap=softcap, sinks=sinks)
-
-
-@tree_attention_tensor.register_fake
-def _tree_attention_tensor_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None,
-                                softcap=None, sinks=None):
-    return query.new_empty(query.shape)
-
-
-# --------------------------------------------------------------------------- KV compaction
-
-
-@torch.library.custom_op(f"{_NS}::compact_kv_", mutates_args={"kv"})
-def compact_kv_(kv: Tensor, src_positions: Tensor, dst_start: int, num_rows: Optional[Tensor] = None,
-                check: bool = True) -> None:
-    """:func:`dflash_kernels.compact_kv_`: moves the accepted rows of ``kv`` in place (returns nothing)."""
-    _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
-
-
-@compact_kv_.register_fake
-def _compact_kv_fake(kv, src_positions, dst_start, num_rows=None, check=True):
-    return None
-
-
-@torch.library.custom_op(f"{_NS}::compact_kv_.tensor", mutates_args={"kv"})
-def compact_kv_tensor(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
-                       num_rows: Optional[Tensor] = None) -> None:
-    """:func:`dflash_kernels.compact_kv_` with ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute
-    ``src_positions`` device tensors, read in-kernel, unchecked (no host read); moves the rows in place
-    (returns nothing). Also the batched form: ``kv [b, L, 2, Hkv, Smax, D]``, ``src_positions [b, A]``,
-    ``dst_start [b]``, ``num_rows [b]`` (or None), one launch for every row."""
-    _kv.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=False)
-
-
-@compact_kv_tensor.register_fake
-def _compact_kv_tensor_fake(kv, src_positions, dst_start, num_rows=None):
-    return None
-
-
-@torch.library.register_fake("dflash::kv_write_")
-def _kv_write_fake(kv, layer, rows, key, value) -> None:
-    """:func:`dflash_kernels.kv_write_` (the C++ op of csrc/kv_write.cpp) writes ``kv`` in place, returns nothing
-    (either form: ``kv [L, 2, Hkv, S, D]`` or a batch ``[b, L, 2, Hkv, S, D]``)."""
-    return None
-
-
-@torch.library.register_fake("dflash::philox_uint32")
-def _philox_uint32_fake(seed, rows, cols):
-    """The C++ op of csrc/philox.cpp: int64 ``[R, C]`` words."""
-    return rows.new_empty((rows.shape[0], cols.shape[0]), dtype=torch.int64)
-
-
-# --------------------------------------------------------------------------- Gated-DeltaNet
-#
-# ``gated_delta_tree``: ``[N, Hv, Dv]`` in ``v``'s dtype; writes ``scratch`` when one is passed
-# (``parents`` and ``scratch`` required positional arguments, None allowed). ``gated_delta_replay_``:
-# advances ``state`` in place. ``causal_conv_tree``: ``[N, C]`` in ``x``'s dtype. ``conv_window_after``:
-# a new ``window``-shaped tensor. The row count of a replay stays on the device: no unbacked sizes.
-
-
-@torch.library.custom_op(f"{_NS}::gated_delta_tree", mutates_args={"scratch"})
-def gated_delta_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                     parents: Optional[Tensor], scratch: Optional[Tensor], scale: Optional[float] = None,
-                     qk_l2norm: bool = True, store_states: str = "all", check: bool = False) -> Tensor:
-    """:func:`dflash_kernels.gated_delta_tree`: ``[N, Hv, Dv]`` outputs in ``v``'s dtype (``scratch`` written).
-
-    ``parents`` and ``scratch`` are required (either may be None): a mutated argument must always be
-    passed, since torch before 2.13 bumps its version counter by position and fails on a defaulted one."""
-    return _gd.gated_delta_tree(q, k, v, g, beta, state, parents, scale=scale, qk_l2norm=qk_l2norm,
-                                scratch=scratch, store_states=store_states, check=check)
-
-
-@gated_delta_tree.register_fake
-def _gated_delta_tree_fake(q, k, v, g, beta, state, parents, scratch, scale=None, qk_l2norm=True,
-                           store_states="all", check=False):
-    return v.new_empty(v.shape)
-
-
-@torch.library.custom_op(f"{_NS}::gated_delta_replay_", mutates_args={"state"})
-def gated_delta_replay_(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, rows: Tensor,
-                        num_rows: Tensor, scale: Optional[float] = None, qk_l2norm: bool = True,
-                        check: bool = False) -> None:
-    """:func:`dflash_kernels.gated_delta_replay_`: ``state`` advanced in place through the accepted rows."""
-    _gd.gated_delta_replay_(state, q, k, v, g, beta, rows, num_rows, scale=scale, qk_l2norm=qk_l2norm, check=check)
-
-
-@gated_delta_replay_.register_fake
-def _gated_delta_replay_fake(state, q, k, v, g, beta, rows, num_rows, scale=None, qk_l2norm=True, check=False):
-    return None
-
-
-@torch.library.custom_op(f"{_NS}::causal_conv_tree", mutates_args=())
-def causal_conv_tree(x: Tensor, window: Tensor, weight: Tensor, parents: Optional[Tensor] = None,
-                     bias: Optional[Tensor] = None, activation: Optional[str] = "silu", check: bool = False) -> Tensor:
-    """:func:`dflash_kernels.causal_conv_tree`: ``[N, C]`` in ``x``'s dtype."""
-    return _gd.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation, check=check)
-
-
-@causal_conv_tree.register_fake
-def _causal_conv_tree_fake(x, window, weight, parents=None, bias=None, activation="silu", check=False):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op(f"{_NS}::conv_window_after", mutates_args=())
-def conv_window_after(window: Tensor, x: Tensor, rows: Tensor, num_rows: Tensor) -> Tensor:
-    """:func:`dflash_kernels.conv_window_after`: a new ``[K-1, C]`` (``[L, K-1, C]``) window."""
-    return _gd.conv_window_after(window, x, rows, num_rows)
-
-
-@conv_window_after.register_fake
-def _conv_window_after_fake(window, x, rows, num_rows):
-    return window.new_empty(window.shape)
-
-
-# --------------------------------------------------------------------------- DFlash2
-#
-# ``dynamic_conv``: a new contiguous ``[nb, B, H]`` in ``x``'s dtype (``dynamic`` read through its strides), with
-# a backward. ``select_candidates``: ``(tokens int64, index int64, q fp32)`` shaped like ``unary`` minus / plus
-# its last dimension; ``seed`` (int64 ``[1]``) is required when ``temperature > 0``; no backward.
-
-
-@torch.library.custom_op(f"{_NS}::dynamic_conv", mutates_args=())
-def dynamic_conv(x: Tensor, dynamic: Tensor, base: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-    """:func:`dflash_kernels.dynamic_conv`: ``residual + conv(x, dynamic, base)`` ``[nb, B, H]`` in x's dtype,
-    on :func:`dflash_kernels.get_backend` of x's device."""
-    from ._dispatch import get_backend
-
-    return _dynamic_conv_forward(x.detach(), dynamic.detach(), base.detach(),
-                                 None if residual is None else residual.detach(), get_backend(x.device))
-
-
-@dynamic_conv.register_fake
-def _dynamic_conv_fake(x, dynamic, base, residual=None):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op(f"{_NS}::dynamic_conv_backward", mutates_args=())
-def dynamic_conv_backward(grad: Tensor, x: Tensor, dynamic: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.dynamic_conv.dynamic_conv_backward`: ``(dx [nb, B, H], ddynamic [nb, B, K, G]
-    (contiguous), dbase [K, H])`` in the inputs' dtypes (one Triton launch where the group size allows)."""
-    from ._dispatch import get_backend
-
-    dx, dd, db, _ = _dynamic_conv_backward(grad, x, dynamic, base, (True, True, True, False),
-                                           backend=get_backend(x.device))
-    return dx, dd, db
-
-
-@dynamic_conv_backward.register_fake
-def _dynamic_conv_backward_fake(grad, x, dynamic, base):
-    return x.new_empty(x.shape), dynamic.new_empty(dynamic.shape), base.new_empty(base.shape)
-
-
-def _dynamic_conv_setup_context(ctx, inputs, output):
-    x, dynamic, base, residual = inputs
-    ctx.save_for_backward(x, dynamic, base)
-    ctx.has_residual = residual is not None
-
-
-def _dynamic_conv_grad(ctx, grad):
-    x, dynamic, base = ctx.saved_tensors
-    dx, dd, db = torch.ops.dflash.dynamic_conv_backward(grad, x, dynamic, base)
-    needs = ctx.needs_input_grad
-    dres = grad.to(x.dtype) if ctx.has_residual and needs[3] else None
-    return dx if needs[0] else None, dd if needs[1] else None, db if needs[2] else None, dres
-
-
-dynamic_conv.register_autograd(_dynamic_conv_grad, setup_context=_dynamic_conv_setup_context)
-
-
-@torch.library.custom_op(f"{_NS}::select_candidates", mutates_args=())
-def select_candidates(unary: Tensor, candidates: Tensor, projected: Tensor, predecessor: Tensor,
-                      successor: Tensor, anchor: Tensor, temperature: float,
-                      seed: Optional[Tensor] = None, top_k: int = 0, top_p: float = 1.0,
-                      min_p: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`dflash_kernels.select_candidates`: ``(tokens [.., D] int64, index [.., D] int64, q [.., D, k]
-    fp32)`` (``top_k`` 0, ``top_p`` 1, ``min_p`` 0: that filter off)."""
-    return _select_candidates(unary, candidates, projected, predecessor, successor, anchor, temperature, seed,
-                              top_k=top_k, top_p=top_p, min_p=min_p)
-
-
-@select_candidates.register_fake
-def _select_candidates_fake(unary, candidates, projected, predecessor, successor, anchor, temperature, seed=None,
-                            top_k=0, top_p=1.0, min_p=0.0):
-    lead = unary.shape[:-1]
-    return (unary.new_empty(lead, dtype=torch.int64), unary.new_empty(lead, dtype=torch.int64),
-            unary.new_empty(unary.shape, dtype=torch.float32))

@@ -21,7 +21,7 @@ host read). Per row group (every row at once unless the budget says otherwise):
    ``q`` (sparse: ``q_probs`` scattered into the chunk), ``p_k(x_k)`` and
    ``q_k(x_k)`` accumulated where ``x_k`` falls in the chunk, and two running
    Gumbel-max draws with the chunk's noise
-   (:func:`dflash_kernels.lm_head.gumbel_noise_block`, keyed by (seed, row,
+   (:func:`dflash_kernels.noise.gumbel_noise_block`, keyed by (seed, row,
    vocab id) like the reference): one from the residual ``max(p - q, 0)``
    (``log`` of it plus the noise) and one from ``p`` (its processed scores
    plus the same noise) for a row whose residual is all zero (``p = q``) and
@@ -42,10 +42,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._dispatch import resolve_backend, tracing
+from torch import Tensor
+
+from ._declare import declare, dispatch
 from .distribution import (DEFAULT_CHUNK_ELEMENTS, HALF_DTYPES, HISTOGRAM_ROWS, ProcessedChunks,
                            sample_processed_plan)
-from .lm_head import gumbel_noise_block
+from .noise import gumbel_noise_block
 from .reference import rejection as _reference
 from .reference.lm_head import HeadInputs, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args
@@ -164,17 +166,42 @@ def rejection_sample(hidden, weight, proposals, temperature, *, q_hidden=None, q
     filters = check_sampling_args(top_k, top_p, min_p)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     q_logit_dtype = None if q_hidden is None else resolve_logit_dtype(q_hidden, weight, q_logit_dtype)
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.rejection_sample(hidden, weight, proposals, t, q_hidden=q_hidden, q_ids=q_ids,
-                                           q_probs=q_probs, top_k=filters[0], top_p=filters[1], min_p=filters[2],
-                                           norm_weight=norm_weight, eps=eps, softcap=head.softcap, seed=seed,
-                                           logit_dtype=logit_dtype, q_logit_dtype=q_logit_dtype, check_bounds=False)
-    if tracing():
-        return torch.ops.dflash.rejection_sample(hidden, weight, proposals, t, filters[0], filters[1], filters[2],
-                                                 seed.reshape(1), q_hidden, q_ids, q_probs, norm_weight, eps,
-                                                 logit_dtype, q_logit_dtype, head.softcap)
-    head = head.detached()
-    q_head = None if q_hidden is None else HeadInputs(q_hidden.detach(), head.weight, None, eps, None, None)
-    q_sparse = None if q_ids is None else (q_ids, q_probs.detach())
-    return _rejection_fast(head, q_head, q_sparse, proposals, t, filters, logit_dtype, q_logit_dtype, seed,
-                           chunk_elements)
+
+    def triton_path():
+        fast = head.detached()
+        q_head = None if q_hidden is None else HeadInputs(q_hidden.detach(), fast.weight, None, eps, None, None)
+        q_sparse = None if q_ids is None else (q_ids, q_probs.detach())
+        return _rejection_fast(fast, q_head, q_sparse, proposals, t, filters, logit_dtype, q_logit_dtype, seed,
+                               chunk_elements)
+
+    return dispatch(
+        backend, hidden.device, triton=triton_path,
+        reference=lambda: _reference.rejection_sample(
+            hidden, weight, proposals, t, q_hidden=q_hidden, q_ids=q_ids, q_probs=q_probs, top_k=filters[0],
+            top_p=filters[1], min_p=filters[2], norm_weight=norm_weight, eps=eps, softcap=head.softcap, seed=seed,
+            logit_dtype=logit_dtype, q_logit_dtype=q_logit_dtype, check_bounds=False),
+        traced=lambda: torch.ops.dflash.rejection_sample(
+            hidden, weight, proposals, t, filters[0], filters[1], filters[2], seed.reshape(1), q_hidden, q_ids,
+            q_probs, norm_weight, eps, logit_dtype, q_logit_dtype, head.softcap))
+
+
+def _rejection_sample_fake(hidden, weight, proposals, temperature, top_k, top_p, min_p, seed, q_hidden=None,
+                           q_ids=None, q_probs=None, norm_weight=None, eps=1e-6, logit_dtype=None,
+                           q_logit_dtype=None, softcap=None):
+    D = proposals.shape[0]
+    return proposals.new_empty(D + 1), proposals.new_empty(1)
+
+
+@declare("rejection_sample", fake=_rejection_sample_fake)
+def _rejection_sample_op(hidden: Tensor, weight: Tensor, proposals: Tensor, temperature: float,
+                         top_k: Optional[int], top_p: Optional[float], min_p: Optional[float], seed: Tensor,
+                         q_hidden: Optional[Tensor] = None, q_ids: Optional[Tensor] = None,
+                         q_probs: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
+                         logit_dtype: Optional[torch.dtype] = None, q_logit_dtype: Optional[torch.dtype] = None,
+                         softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`rejection_sample` (``seed`` a device tensor): ``(choices [D + 1] int64, accepted [1] int64)``; ids
+    are not range-checked."""
+    return rejection_sample(hidden, weight, proposals, temperature, q_hidden=q_hidden, q_ids=q_ids,
+                            q_probs=q_probs, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight,
+                            eps=eps, softcap=softcap, seed=seed, logit_dtype=logit_dtype,
+                            q_logit_dtype=q_logit_dtype, check_bounds=False)

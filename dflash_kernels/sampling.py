@@ -1,4 +1,11 @@
-"""Sampling from transformers' processed distribution (temperature, top-k, top-p, min-p), chunked.
+"""The sampling head :func:`lm_head_sample`: one draw per row, plain or from transformers' processed distribution.
+
+Its route follows the normalized filters (:func:`dflash_kernels.reference.sampling.check_sampling_args`): none
+(``top_k`` None / 0, ``top_p`` None / 1, ``min_p`` None) draws from ``softmax(logits / T)`` with Gumbel noise
+fused into the lm_head GEMM (:func:`dflash_kernels.lm_head.sample_gumbel`, ops ``dflash::lm_head_sample``);
+any filter given (``min_p=0.0`` counts as given: it keeps every token, through this route) draws from the
+processed distribution (temperature, top-k, top-p, min-p), chunked as follows (op
+``dflash::lm_head_sample_processed``).
 
 The math is :mod:`dflash_kernels.reference.sampling` (the warpers exactly as
 transformers applies them, then one draw from the softmax). This module draws
@@ -20,7 +27,7 @@ support, ``argmax(s + G)``, ``G = -log(-log U)``, U from ``torch.rand`` with
 the call's generator (``seed`` seeds a private one): an exact draw from
 ``softmax(s)`` over the support. With a device seed tensor
 (``seed=`` an int64 tensor ``[1]``) ``G`` is instead the counter-based
-noise :func:`dflash_kernels.lm_head.gumbel_noise_block` of (seed value, output row, vocab
+noise :func:`dflash_kernels.noise.gumbel_noise_block` of (seed value, output row, vocab
 id), generated on the device by a Triton launch that reads the seed from
 memory: the same noise as the reference's, so both backends draw the same
 token from bit-equal logits. The rank of a tied token at ``key*`` is a
@@ -53,14 +60,17 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import resolve_backend, tracing
+from torch import Tensor
+
+from ._declare import declare, dispatch
 from .distribution import (bin_scores, head_logits, histogram_support, noise_source,
                            sample_processed_plan, value_keys)
+from .lm_head import _rows, sample_gumbel
 from .reference import sampling as _reference
 from .reference.lm_head import HeadInputs, check_seed_tensor, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args, processed_scores
 
-__all__ = ["lm_head_sample_processed"]
+__all__ = ["lm_head_sample"]
 
 def _histogram_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, row0, plan, scores_of_bins):
     """Tokens ``[R]`` of one row chunk by the histogram method (module docstring, steps 1-3)."""
@@ -92,10 +102,48 @@ def _dense_rows(head: HeadInputs, t, top_k, top_p, min_p, logit_dtype, noise, ro
     return torch.argmax(s + noise(row0, s.shape[0], 0, s.shape[1]), dim=1)
 
 
-def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
-                             eps=1e-6, positions=None, seed=None, generator=None, logit_dtype=None, softcap=None,
-                             check_bounds=True, chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
-    """int64 ``[N]``: one token per row from transformers' processed distribution of the logits.
+def lm_head_sample(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None, eps=1e-6,
+                   positions=None, generator=None, seed=None, check_bounds=True, logit_dtype=None, softcap=None,
+                   chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
+    """int64 ``[N]``: one token per row drawn from the (processed) distribution of the head's logits.
+
+    ``logits = rms_norm(hidden[positions]) @ weight.T`` (fp32 accumulation; ``softcap`` c: ``c * tanh(logits /
+    c)``), rounded to ``logit_dtype`` (default None: the dtype ``F.linear`` returns, as
+    :func:`dflash_kernels.lm_head_argmax`; transformers samples from those rounded logits), then temperature
+    ``T > 0`` (use :func:`dflash_kernels.lm_head_argmax` for greedy) and the filters, then one draw.
+
+    No filter: :func:`dflash_kernels.lm_head.sample_gumbel`, a draw from ``softmax(logits / T)``. A filter
+    (``top_k``, ``top_p``, ``min_p``; ``min_p=0.0`` included): the processed distribution, below.
+    ``seed`` (int) or ``generator`` make a draw reproducible; ``seed`` an int64 tensor ``[1]`` / ``[]`` on
+    hidden's device (a compiled / CUDA-graph step) is read in-kernel: ``token[n] = argmax_j(s[n, j] + G(seed,
+    n, j))``, ``G`` the counter-based Gumbel noise of :func:`dflash_kernels.reference.gumbel_noise`, the same
+    noise on both backends. ``chunk_elements`` bounds one logits chunk of the processed route. ``backend``:
+    'triton' or 'reference' to fix the backend, None: :func:`dflash_kernels.get_backend`.
+    """
+    if not _filtered(top_k, top_p, min_p):
+        return sample_gumbel(hidden, weight, temperature, norm_weight=norm_weight, eps=eps, positions=positions,
+                             generator=generator, seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype,
+                             softcap=softcap, backend=backend)
+    return sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            norm_weight=norm_weight, eps=eps, positions=positions, seed=seed, generator=generator,
+                            logit_dtype=logit_dtype, softcap=softcap, check_bounds=check_bounds,
+                            chunk_elements=chunk_elements, backend=backend)
+
+
+def _filtered(top_k, top_p, min_p) -> bool:
+    """Whether a filter is on once normalized (top-k 0 and top-p 1 are off; any ``min_p`` is on). A bad value
+    routes to the processed path, which reports it after its own earlier checks."""
+    try:
+        return check_sampling_args(top_k, top_p, min_p) != (None, None, None)
+    except (TypeError, ValueError):
+        return True
+
+
+def sample_processed(hidden, weight, temperature, *, top_k=None, top_p=None, min_p=None, norm_weight=None,
+                     eps=1e-6, positions=None, seed=None, generator=None, logit_dtype=None, softcap=None,
+                     check_bounds=True, chunk_elements: Optional[int] = None, backend=None) -> torch.Tensor:
+    """:func:`lm_head_sample` with filters: int64 ``[N]``, one token per row from transformers' processed
+    distribution of the logits.
 
     ``logits = rms_norm(hidden[positions]) @ weight.T`` (fp32 accumulation;
     ``softcap`` c: ``c * tanh(logits / c)``), rounded to ``logit_dtype``
@@ -108,7 +156,7 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     on hidden's device) make it reproducible; neither: the device's default
     generator. ``seed`` an int64 tensor ``[1]`` / ``[]`` on hidden's device:
     ``token[n] = argmax_j(s[n, j] + G(seed, n, j))`` over the processed support
-    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.lm_head.gumbel_noise_block`:
+    (``s`` the processed scores), ``G`` = :func:`dflash_kernels.noise.gumbel_noise_block`:
     a pure function of the seed's value, the output row and the vocab id, made
     on the device (the seed is never read on the host), so a captured graph
     replays new noise when the caller changes the seed tensor; the same noise
@@ -124,28 +172,72 @@ def lm_head_sample_processed(hidden, weight, temperature, *, top_k=None, top_p=N
     top_k, top_p, min_p = check_sampling_args(top_k, top_p, min_p)
     logit_dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
     if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed to lm_head_sample_processed, not both")
+        raise ValueError("pass either generator or seed to lm_head_sample, not both")
     device_seed = isinstance(seed, torch.Tensor)
     if device_seed:
-        seed = check_seed_tensor(seed, hidden.device, "lm_head_sample_processed")
+        seed = check_seed_tensor(seed, hidden.device, "lm_head_sample")
     elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or an int64 tensor [1], got {type(seed).__name__}")
-    if resolve_backend(backend, hidden.device) == "reference":
-        return _reference.lm_head_sample_processed(
-            hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
-            positions=head.positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=head.softcap,
-            check_bounds=False)
-    if tracing():
+
+    def traced():
         if not device_seed:
-            raise TypeError("lm_head_sample_processed under torch.compile takes seed as an int64 tensor [1] on "
-                            f"hidden's device (a generator or an int seed draws on the host), got {type(seed).__name__}")
+            raise TypeError("lm_head_sample under torch.compile takes seed as an int64 tensor [1] on hidden's "
+                            f"device (a generator or an int seed draws on the host), got {type(seed).__name__}")
         return torch.ops.dflash.lm_head_sample_processed(hidden, weight, t, top_k, top_p, min_p, seed, norm_weight,
                                                          head.positions, eps, logit_dtype, head.softcap)
-    head = head.detached()
+
+    return dispatch(
+        backend, hidden.device, traced=traced,
+        reference=lambda: _reference.lm_head_sample_processed(
+            hidden, weight, t, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight, eps=eps,
+            positions=head.positions, seed=seed, generator=generator, logit_dtype=logit_dtype, softcap=head.softcap,
+            check_bounds=False),
+        triton=lambda: _sample_processed_triton(head.detached(), t, top_k, top_p, min_p, seed, generator,
+                                                logit_dtype, chunk_elements))
+
+
+def _sample_processed_triton(head: HeadInputs, t, top_k, top_p, min_p, seed, generator, logit_dtype,
+                             chunk_elements):
+    """The chunked method of the module docstring (arguments checked, ``head`` detached)."""
+    device_seed = isinstance(seed, torch.Tensor)
+    device = head.hidden.device
     N = head.rows
-    out = torch.empty(N, dtype=torch.int64, device=hidden.device)
+    out = torch.empty(N, dtype=torch.int64, device=device)
     if N == 0:
         return out
+    if seed is not None and not device_seed:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed % (2 ** 63))
+    noise = noise_source(generator, seed if device_seed else None, device)
+    plan = sample_processed_plan(N, head.vocab, logit_dtype, chunk_elements)
+    scores_of_bins = bin_scores(logit_dtype, t, device) if plan["method"] == "histogram" else None
+    for r0 in range(0, N, plan["rows"]):
+        r1 = min(N, r0 + plan["rows"])
+        rows = head.row_chunk(r0, r1)
+        if plan["method"] == "histogram":
+            out[r0:r1] = _histogram_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0, plan, scores_of_bins)
+        else:
+            out[r0:r1] = _dense_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0)
+    return out
+
+
+def _lm_head_sample_processed_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
+                                   positions=None, eps=1e-6, logit_dtype=None, softcap=None):
+    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
+
+
+@declare("lm_head_sample_processed", fake=_lm_head_sample_processed_fake)
+def _lm_head_sample_processed_op(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
+                                 top_p: Optional[float], min_p: Optional[float], seed: Tensor,
+                                 norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                                 eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,
+                                 softcap: Optional[float] = None) -> Tensor:
+    """:func:`sample_processed` with ``seed=`` a device tensor: int64 ``[N]`` draws from the processed
+    distribution (temperature, top-k, top-p, min-p; all off is still this route); ``positions`` are not
+    range-checked."""
+    return sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
+                            logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
     if seed is not None and not device_seed:
         generator = torch.Generator(device=hidden.device)
         generator.manual_seed(seed % (2 ** 63))

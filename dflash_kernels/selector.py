@@ -17,7 +17,7 @@ next position's predecessor. Everything in fp32.
 
 Sampling noise: the uniforms of :func:`dflash_kernels.reference.selector_uniforms`,
 computed in-kernel from the device seed by the same Philox-4x32-10 as the
-lm_head's noise (``tl.philox``, counter ``(j, SELECTOR_ROW0 + s, 0, 0)``): the
+lm_head's noise (:func:`dflash_kernels.noise.philox_uniform`, counter ``(j, SELECTOR_ROW0 + s, 0, 0)``): the
 integers are bit for bit the reference's, so both backends choose the same
 tokens for the same seed, up to fp32 rounding of ``q`` / its running sum at a
 uniform that falls within an ulp of a CDF step.
@@ -36,15 +36,16 @@ selector module's own torch ops.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from . import reference as _reference
-from ._dispatch import resolve_backend, tracing
-from .reference.lm_head import check_seed_tensor
+from ._declare import declare, dispatch
+from .noise import check_seed_tensor, philox_uniform
 from .reference.sampling import check_sampling_args
 from .reference.selector import SELECTOR_ROW0, check_selector
 
@@ -87,9 +88,7 @@ def _selector_kernel(
     if SAMPLE:
         seed = tl.load(seed_ptr)
         rows = tl.zeros((BLOCK_D,), dtype=tl.int32) + (_ROW0 + s)
-        zero = tl.zeros((BLOCK_D,), dtype=tl.int32)
-        words, _, _, _ = tl.philox(seed, offs_d, rows, zero, zero)
-        uniforms = (words.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        uniforms = philox_uniform(seed, offs_d, rows)
     s64 = s.to(tl.int64)
     prev = tl.load(anchor_ptr + s64 * stride_as).to(tl.int64)
     for j in range(D):
@@ -202,20 +201,37 @@ def select_candidates(unary: torch.Tensor, candidates: torch.Tensor, projected: 
         if seed is None:
             raise ValueError("select_candidates: sampling (temperature > 0) needs a device seed (int64 [1])")
         check_seed_tensor(seed, unary.device, "select_candidates")
-    which = resolve_backend(backend, unary.device)
-    if which == "reference":
-        return _reference.select_candidates(unary, candidates, projected, predecessor, successor, anchor, t, seed,
-                                            *filters)
-    if tracing():
-        top_k, top_p, min_p = filters
-        return torch.ops.dflash.select_candidates(unary, candidates, projected, predecessor, successor, anchor, t,
-                                                  seed if t > 0 else None, top_k or 0,
-                                                  1.0 if top_p is None else top_p, min_p or 0.0)
-    if not batched:
-        unary, candidates, projected = unary[None], candidates[None], projected[None]
-    out = _launch(unary, candidates, projected, predecessor, successor, anchor, t,
-                  None if t == 0 else seed.reshape(1), filters)
-    return out if batched else tuple(o[0] for o in out)
+
+    def triton_path():
+        one = (lambda a: a) if batched else (lambda a: a[None])
+        out = _launch(one(unary), one(candidates), one(projected), predecessor, successor, anchor, t,
+                      None if t == 0 else seed.reshape(1), filters)
+        return out if batched else tuple(o[0] for o in out)
+
+    return dispatch(
+        backend, unary.device, triton=triton_path,
+        reference=lambda: _reference.select_candidates(unary, candidates, projected, predecessor, successor, anchor,
+                                                       t, seed, *filters),
+        traced=lambda: torch.ops.dflash.select_candidates(
+            unary, candidates, projected, predecessor, successor, anchor, t, seed if t > 0 else None,
+            filters[0] or 0, 1.0 if filters[1] is None else filters[1], filters[2] or 0.0))
+
+
+def _select_candidates_fake(unary, candidates, projected, predecessor, successor, anchor, temperature, seed=None,
+                            top_k=0, top_p=1.0, min_p=0.0):
+    lead = unary.shape[:-1]
+    return (unary.new_empty(lead, dtype=torch.int64), unary.new_empty(lead, dtype=torch.int64),
+            unary.new_empty(unary.shape, dtype=torch.float32))
+
+
+@declare("select_candidates", fake=_select_candidates_fake)
+def _select_candidates_op(unary: Tensor, candidates: Tensor, projected: Tensor, predecessor: Tensor,
+                          successor: Tensor, anchor: Tensor, temperature: float, seed: Optional[Tensor] = None,
+                          top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`select_candidates`: ``(tokens [.., D] int64, index [.., D] int64, q [.., D, k] fp32)`` (``top_k``
+    0, ``top_p`` 1, ``min_p`` 0: that filter off; no backward)."""
+    return select_candidates(unary, candidates, projected, predecessor, successor, anchor, temperature, seed,
+                             top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 # --------------------------------------------------------------------------- compile-test enumeration

@@ -82,9 +82,11 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from . import reference as _reference
-from ._dispatch import get_backend, resolve_backend, tracing, triton_interpreting
+from ._declare import declare, dispatch
+from ._dispatch import get_backend, triton_interpreting
 
 #: (tree_attention_mask, the dense additive mask of a tree, is a helper of the tests and benchmarks: imported from
 #: this module, not part of the package namespace)
@@ -1005,14 +1007,44 @@ def tree_attention(
         host synchronization: only shapes are read on the host.
     """
     inputs = _check_attention_inputs(query, key, value, bits, prefix_len, positions, window, softcap, sinks)
-    if resolve_backend(backend, query.device) == "triton":
-        if tracing():
-            op = torch.ops.dflash.tree_attention
-            op = op.tensor if isinstance(prefix_len, torch.Tensor) else op.default
-            return op(query, key, value, bits, prefix_len, scale, positions, window, softcap, sinks)
-        return _launch(inputs, scale, window, softcap, sinks)
-    return _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
-                                     softcap=softcap, sinks=sinks)
+
+    def traced():
+        op = torch.ops.dflash.tree_attention
+        op = op.tensor if isinstance(prefix_len, torch.Tensor) else op.default
+        return op(query, key, value, bits, prefix_len, scale, positions, window, softcap, sinks)
+
+    return dispatch(
+        backend, query.device, traced=traced, triton=lambda: _launch(inputs, scale, window, softcap, sinks),
+        reference=lambda: _reference.tree_attention(query, key, value, bits, prefix_len, scale, positions=positions,
+                                                    window=window, softcap=softcap, sinks=sinks))
+
+
+def _tree_attention_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None, softcap=None,
+                         sinks=None):
+    return query.new_empty(query.shape)
+
+
+@declare("tree_attention", fake=_tree_attention_fake)
+def _tree_attention_op(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: int,
+                       scale: Optional[float] = None, positions: Optional[Tensor] = None,
+                       window: Optional[int] = None, softcap: Optional[float] = None,
+                       sinks: Optional[Tensor] = None) -> Tensor:
+    """:func:`tree_attention`: query-shaped output in the query's dtype (``[Hq, T, D]`` or ``[b, Hq, T, D]`` for a
+    batch of ``b`` rows; K/V any strides, e.g. views of the cache: read, never copied or written)."""
+    return tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+                          softcap=softcap, sinks=sinks)
+
+
+@declare("tree_attention.tensor", fake=_tree_attention_fake)
+def _tree_attention_tensor_op(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: Tensor,
+                              scale: Optional[float] = None, positions: Optional[Tensor] = None,
+                              window: Optional[int] = None, softcap: Optional[float] = None,
+                              sinks: Optional[Tensor] = None) -> Tensor:
+    """:func:`tree_attention` with the committed lengths ``prefix_len`` an int64 device tensor ``[b]`` (``[1]`` /
+    ``[]`` for one row; read in-kernel), K/V the whole cache views ``[b, Hkv, S_max, D]`` (or ``[Hkv, S_max,
+    D]``); query-shaped output."""
+    return tree_attention(query, key, value, bits, prefix_len, scale, positions=positions, window=window,
+                          softcap=softcap, sinks=sinks)
 
 
 def tree_visibility(bits: Optional[torch.Tensor], prefix_len, n_tree: int, *, n_keys: Optional[int] = None,

@@ -22,7 +22,7 @@ compiled once per session (two worker processes), then checked per config.
 
 import pytest
 
-from dflash_kernels import cross_entropy, gather, lm_head
+from dflash_kernels import cross_entropy, gather, lm_head, noise
 from gpu_compile import assert_fits, compile_many_for_gpu, gpu_compile_unavailable_reason
 
 ARCHS = (90, 80)
@@ -104,7 +104,8 @@ def test_varying_int_arguments_are_not_specialized():
                 "_argmax_kernel": {"N", "seed"}, "_ce_grad_kernel": {"N", "row0"},
                 "_gumbel_noise_kernel": {"n_rows", "n_cols", "row0", "col0"}}
     for name, wanted in expected.items():
-        module = {"_gather_concat_kernel": gather, "_ce_grad_kernel": cross_entropy}.get(name, lm_head)
+        module = {"_gather_concat_kernel": gather, "_ce_grad_kernel": cross_entropy,
+                  "_gumbel_noise_kernel": noise}.get(name, lm_head)
         kernel = getattr(module, name)
         assert wanted <= _declared_do_not_specialize(kernel), name
 

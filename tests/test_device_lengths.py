@@ -12,13 +12,14 @@ memory. Held here, on both backends (the reference, and Triton under the CPU int
   when their sources are garbage and their destinations lie past the cache.
 * The counter-based noise: Philox-4x32-10 in int64 tensor ops equals an independent Python-int Philox (and the
   Random123 known answer), the Triton noise kernel equals it; ``lm_head_sample(seed=<tensor>)`` and
-  ``lm_head_sample_processed(seed=<tensor>)`` are reproducible per seed value, differ across values, agree
+  ``lm_head_sample(seed=<tensor>)`` with filters are reproducible per seed value, differ across values, agree
   across backends, and draw from softmax(z / T) / the processed distribution (chi-square).
 * The references compile with ``torch.compile(fullgraph=True)`` into one graph (``CompileCounter``), and the
   compiled function replays with a new prefix / seed / destination value without recompiling.
 * Nothing is read on the host: the Triton launchers get to their launches on meta tensors.
 """
 
+import functools
 import importlib
 import math
 
@@ -32,7 +33,7 @@ from dflash_kernels import available_backends, force_backend
 from dflash_kernels import kv_compaction as kv_module
 from dflash_kernels import lm_head as lm_module
 from dflash_kernels import reference as ref
-from dflash_kernels.lm_head import gumbel_noise_block
+from dflash_kernels.noise import gumbel_noise_block
 from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
 from kernel_stub import KernelStub
@@ -500,7 +501,7 @@ def test_seeded_processed_sample_draws_from_the_processed_distribution(setting, 
     logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), torch.bfloat16)
     expected = processed_probs(logits, T, k, p, m)[0]
     with force_backend(backend):
-        samples = dk.lm_head_sample_processed(hidden, weight, T, top_k=k, top_p=p, min_p=m, norm_weight=norm,
+        samples = dk.lm_head_sample(hidden, weight, T, top_k=k, top_p=p, min_p=m, norm_weight=norm,
                                               positions=positions, seed=_t([77]), check_bounds=False)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
@@ -513,15 +514,16 @@ def test_seeded_processed_sample_backends_agree_and_chunks_do_not_matter(dtype, 
     kw = dict(top_k=50, top_p=0.9, min_p=0.01, norm_weight=norm, positions=positions)
     want = ref.lm_head_sample_processed(hidden, weight, 0.8, check_bounds=False, seed=_t([9]), **kw)
     with force_backend(backend):
-        a = dk.lm_head_sample_processed(hidden, weight, 0.8, seed=_t([9]), **kw)
-        b = dk.lm_head_sample_processed(hidden, weight, 0.8, check_bounds=False, seed=_t([9]), chunk_elements=3 * 256, **kw)
-        c = dk.lm_head_sample_processed(hidden, weight, 0.8, check_bounds=False, seed=_t([10]), **kw)
+        a = dk.lm_head_sample(hidden, weight, 0.8, seed=_t([9]), **kw)
+        b = dk.lm_head_sample(hidden, weight, 0.8, check_bounds=False, seed=_t([9]), chunk_elements=3 * 256, **kw)
+        c = dk.lm_head_sample(hidden, weight, 0.8, check_bounds=False, seed=_t([10]), **kw)
     assert torch.equal(a, want) and torch.equal(b, want) and not torch.equal(a, c)
 
 
 def test_seed_tensor_errors():
     hidden, weight, _ = _lm_case()
-    for fn in (dk.lm_head_sample, dk.lm_head_sample_processed):
+    # no filter: the fused route; min_p=0 (a filter that keeps every token): the processed route
+    for fn in (dk.lm_head_sample, functools.partial(dk.lm_head_sample, min_p=0.0)):
         with pytest.raises(TypeError, match="int64"):
             fn(hidden, weight, 1.0, seed=torch.tensor([1.0], device=DEVICE))
         with pytest.raises(ValueError, match=r"shape \[1\] or \[\]"):

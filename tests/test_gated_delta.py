@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash_kernels as dk
+import dflash_kernels._declare as declare_module
 import dflash_kernels.gated_delta as gd_module
 from dflash_kernels import force_backend
 from dflash_kernels import reference as ref
@@ -616,7 +617,7 @@ def test_no_host_read_without_check(monkeypatch):
     for name, stub in stubs.items():
         monkeypatch.setattr(gd_module, name, stub)
     forced = {"backend": None}  # the dispatcher refuses 'triton' for meta tensors without the interpreter
-    monkeypatch.setattr(gd_module, "get_backend", lambda device: forced["backend"])
+    monkeypatch.setattr(declare_module, "resolve_backend", lambda backend, device: forced["backend"])
     meta = lambda *s, dtype=torch.float32: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
     n, hk, hv, dk_, dv = 65, 16, 48, 128, 128
     q, k, v = meta(n, hk, dk_, dtype=torch.bfloat16), meta(n, hk, dk_, dtype=torch.bfloat16), meta(n, hv, dv)

@@ -45,8 +45,9 @@ def sparse_q(q_hidden, weight, K, seed=0):
 def draft(form, hidden, weight, norm, q_hidden, T, filters, seed):
     """``(proposals, q kwargs)``: drafts drawn from q (dense: the processed draft rows; sparse: q_probs)."""
     if form == "dense":
-        x = dk.lm_head_sample_processed(q_hidden, weight, T, seed=torch.tensor([seed]), backend="reference",
-                                        **filters)
+        # the processed route even for the plain case (min_p=0 keeps every token)
+        x = dk.lm_head_sample(q_hidden, weight, T, seed=torch.tensor([seed]), backend="reference",
+                              **(filters or dict(min_p=0.0)))
         return x, dict(q_hidden=q_hidden)
     ids, probs = sparse_q(q_hidden, weight, 4)
     pick = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))[:, 0]
@@ -101,8 +102,8 @@ def test_q_equal_to_p_accepts_every_draft(backend, filters):
     D = 4
     hidden, weight, _, _ = chain(D, seed=6)
     for s in range(4):
-        x = dk.lm_head_sample_processed(hidden[:D], weight, 0.7, seed=torch.tensor([s]), backend="reference",
-                                        **filters)
+        x = dk.lm_head_sample(hidden[:D], weight, 0.7, seed=torch.tensor([s]), backend="reference",
+                              **(filters or dict(min_p=0.0)))  # the processed route, as the draft's
         choices, accepted = dk.rejection_sample(hidden, weight, x, 0.7, q_hidden=hidden[:D].clone(),
                                                 seed=torch.tensor([50 + s]), backend=backend, **filters)
         assert int(accepted) == D

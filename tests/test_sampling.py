@@ -5,7 +5,7 @@
   ``MinPLogitsWarper`` in generate's order) on logits full of exact ties,
   up to a permutation among equal scores (transformers' CPU ``torch.sort`` is
   not stable, so which tied token survives a top-p cut is unspecified there);
-* chi-square goodness of fit of ``lm_head_sample_processed`` samples against
+* chi-square goodness of fit of ``lm_head_sample`` samples against
   that distribution, on both backends (Triton: the chunked histogram method
   under the interpreter, and its dense fp32 path), several settings;
 * a support check on a real vocabulary (V = 151936): every sample lies in
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dflash_kernels
-from dflash_kernels import force_backend, lm_head_sample_processed
+from dflash_kernels import force_backend, lm_head_sample
 from dflash_kernels.reference.lm_head import HeadInputs
 from dflash_kernels.reference.sampling import model_logits, processed_probs
 from dflash_kernels.distribution import sample_processed_plan
@@ -104,7 +104,7 @@ def _chi_case(backend, setting, dtype, n):
     logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), dtype)
     expected = hf_probs(logits, T, k, p, m)[0]
     with force_backend(backend):
-        samples = lm_head_sample_processed(hidden, weight, T, top_k=k, top_p=p, min_p=m, norm_weight=norm,
+        samples = lm_head_sample(hidden, weight, T, top_k=k, top_p=p, min_p=m, norm_weight=norm,
                                            positions=positions, seed=1234, check_bounds=False)
     assert samples.shape == (n,) and samples.dtype == torch.int64
     return chi_square_pvalue(samples, expected)
@@ -127,7 +127,7 @@ def test_chi_square_detects_a_wrong_distribution():
     positions = torch.full((3000,), 1, dtype=torch.int64, device=DEVICE)
     logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), torch.bfloat16)
     with force_backend("reference"):
-        samples = lm_head_sample_processed(hidden, weight, 1.0, top_k=8, norm_weight=norm, positions=positions,
+        samples = lm_head_sample(hidden, weight, 1.0, top_k=8, norm_weight=norm, positions=positions,
                                            seed=5)
     assert chi_square_pvalue(samples, hf_probs(logits, 1.0, 8)[0]) > 1e-3
     assert chi_square_pvalue(samples, hf_probs(logits, 1.6, 8)[0]) < 1e-3
@@ -150,7 +150,7 @@ def test_triton_vocab_chunks_give_the_same_distribution():
     logits = model_logits(HeadInputs(hidden, weight, norm, 1e-6, positions[:1], None), torch.bfloat16)
     expected = hf_probs(logits, 1.0, 50, 0.9, None)[0]
     with force_backend("triton"):
-        samples = lm_head_sample_processed(hidden, weight, 1.0, top_k=50, top_p=0.9, norm_weight=norm,
+        samples = lm_head_sample(hidden, weight, 1.0, top_k=50, top_p=0.9, norm_weight=norm,
                                            positions=positions, seed=3, chunk_elements=64 * 256)
     assert chi_square_pvalue(samples, expected) > 1e-3
 
@@ -173,7 +173,7 @@ def test_support_on_a_real_vocabulary(backend):
         kept = hf_probs(logits, T, k, p, m) > 0
         assert int(kept.sum(1).max()) < V  # the filter removes something
         with force_backend(backend):
-            samples = lm_head_sample_processed(hidden, weight, T, top_k=k, top_p=p, min_p=m, positions=positions,
+            samples = lm_head_sample(hidden, weight, T, top_k=k, top_p=p, min_p=m, positions=positions,
                                                seed=17, check_bounds=False)
         assert kept[positions, samples].all(), (T, k, p, m, samples.tolist())
 
@@ -187,11 +187,11 @@ def test_reproducible_with_seed(backend):
     positions = torch.arange(3, device=DEVICE).repeat(20)
     kw = dict(top_k=30, top_p=0.9, norm_weight=norm, positions=positions)
     with force_backend(backend):
-        a = lm_head_sample_processed(hidden, weight, 1.5, seed=7, **kw)
-        b = lm_head_sample_processed(hidden, weight, 1.5, seed=7, **kw)
-        c = lm_head_sample_processed(hidden, weight, 1.5, seed=8, **kw)
+        a = lm_head_sample(hidden, weight, 1.5, seed=7, **kw)
+        b = lm_head_sample(hidden, weight, 1.5, seed=7, **kw)
+        c = lm_head_sample(hidden, weight, 1.5, seed=8, **kw)
         g = torch.Generator(device=DEVICE).manual_seed(3)
-        d = lm_head_sample_processed(hidden, weight, 1.5, generator=g, **kw)
+        d = lm_head_sample(hidden, weight, 1.5, generator=g, **kw)
     assert torch.equal(a, b) and not torch.equal(a, c) and d.shape == a.shape
 
 
@@ -216,12 +216,12 @@ def test_no_filter_equals_plain_sampling_distribution():
 def test_bad_arguments_name_themselves(kwargs, match, backend):
     hidden, weight, _ = sample_inputs(V=16)
     with force_backend(backend), pytest.raises((ValueError, TypeError), match=match):
-        lm_head_sample_processed(hidden, weight, 1.0, **kwargs)
+        lm_head_sample(hidden, weight, 1.0, **kwargs)
 
 
 def test_bad_temperature_and_seed():
     hidden, weight, _ = sample_inputs(V=16)
     with pytest.raises(ValueError, match="temperature"):
-        lm_head_sample_processed(hidden, weight, 0.0, top_k=3)
+        lm_head_sample(hidden, weight, 0.0, top_k=3)
     with pytest.raises(ValueError, match="either generator or seed"):
-        lm_head_sample_processed(hidden, weight, 1.0, seed=1, generator=torch.Generator())
+        lm_head_sample(hidden, weight, 1.0, min_p=0.0, seed=1, generator=torch.Generator())  # min_p=0: the processed route

@@ -208,7 +208,7 @@ class TargetHead:
                          backend=None) -> torch.Tensor:
         """int64 ``[N]``: one draw per row from transformers' processed distribution of the logits."""
         if self.fused:
-            return dflash_kernels.lm_head_sample_processed(
+            return dflash_kernels.lm_head_sample(
                 hidden, self.weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p, norm_weight=norm_weight,
                 eps=eps, positions=positions, seed=seed, generator=generator, softcap=softcap,
                 check_bounds=check_bounds, backend=backend)

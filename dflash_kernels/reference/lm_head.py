@@ -55,6 +55,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..noise import (check_seed_tensor, gumbel_noise, philox_uint32, philox_words,  # noqa: F401
+                     uniform_noise)
 from .gather import check_rows
 
 __all__ = [
@@ -251,116 +253,6 @@ def seed_from(generator: Optional[torch.Generator], seed: Optional[int]) -> int:
         return seed
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, 2 ** 62, (), generator=generator, device=device).item())
-
-
-def check_seed_tensor(seed, device: torch.device, who: str = "lm_head_sample") -> torch.Tensor:
-    """A device seed: an int64 / int32 tensor with one element (``[1]`` or ``[]``) on ``device``.
-
-    Returns it as a 0-d int64 tensor (no host read). Errors name what is wrong and what is allowed.
-    """
-    if not isinstance(seed, torch.Tensor):
-        raise TypeError(f"{who}: a device seed must be a torch.Tensor, got {type(seed).__name__}")
-    if seed.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{who}: seed tensor must be int64 (or int32), got {seed.dtype}")
-    if seed.numel() != 1 or seed.dim() > 1:
-        raise ValueError(f"{who}: seed tensor must have shape [1] or [], got {tuple(seed.shape)}")
-    if seed.device != device:
-        raise ValueError(f"{who}: seed tensor is on {seed.device} but hidden is on {device}")
-    return seed.reshape(()).to(torch.int64)
-
-
-# --------------------------------------------------------------------------- counter-based noise
-
-#: Philox-4x32 round multipliers and key increments (Salmon et al., "Parallel random numbers: as easy as
-#: 1, 2, 3", SC 2011).
-PHILOX_M0 = 0xD2511F53
-PHILOX_M1 = 0xCD9E8D57
-PHILOX_W0 = 0x9E3779B9
-PHILOX_W1 = 0xBB67AE85
-PHILOX_ROUNDS = 10
-_U32 = 0xFFFFFFFF
-#: Below this the exponential variate ``-log(1 - e)`` is summed as its series (fp32 keeps its relative precision).
-NOISE_SERIES_BELOW = 0.03125
-
-
-def _mulhilo(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(hi, lo)`` 32-bit halves of ``m * x`` (``m`` a 32-bit constant, ``x`` int64 holding a uint32).
-
-    Split ``x = xh * 2**16 + xl``: ``p = xl * m`` and ``q = xh * m`` are < 2**48,
-    so nothing overflows int64; ``m * x = q * 2**16 + p``, hence ``lo = (p + (q mod
-    2**16) * 2**16) mod 2**32`` and ``hi = (q + p >> 16) >> 16``.
-    """
-    p = (x & 0xFFFF) * m
-    q = (x >> 16) * m
-    lo = (p + ((q & 0xFFFF) << 16)) & _U32
-    hi = (q + (p >> 16)) >> 16
-    return hi, lo
-
-
-def philox_uint32(seed: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """int64 ``[R, C]`` of uint32 values: Philox-4x32-10 of counter ``(cols[c], rows[r], 0, 0)``, key ``seed``.
-
-    ``seed``: int tensor with one element (its 64 bits are the key ``(k0, k1) =
-    (low 32, high 32)``); ``rows [R]``, ``cols [C]``: non-negative ints < 2**32.
-    Each round: ``(hi0, lo0) = M0 * c0``, ``(hi1, lo1) = M1 * c2``, ``c = (hi1 ^ c1
-    ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)``, ``k += (W0, W1)`` mod 2**32; the result is
-    word ``c0`` after 10 rounds. Plain int64 tensor ops (no overflow: see
-    :func:`_mulhilo`), so it runs on any device and traces under
-    ``torch.compile``; the Triton kernels compute the same words in uint32.
-    """
-    s = seed.reshape(()).to(torch.int64)
-    k0 = s & _U32
-    k1 = (s >> 32) & _U32
-    c0 = cols.to(torch.int64)[None, :] & _U32
-    c1 = rows.to(torch.int64)[:, None] & _U32
-    shape = (rows.numel(), cols.numel())
-    c0 = c0.expand(shape)
-    c1 = c1.expand(shape)
-    c2 = torch.zeros(shape, dtype=torch.int64, device=c0.device)
-    c3 = c2
-    for _ in range(PHILOX_ROUNDS):
-        hi0, lo0 = _mulhilo(PHILOX_M0, c0)
-        hi1, lo1 = _mulhilo(PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = (k0 + PHILOX_W0) & _U32
-        k1 = (k1 + PHILOX_W1) & _U32
-    return c0
-
-
-def uniform_noise(seed: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[R, C]`` in (0, 1]: ``e = (fp32(x) + 0.5) * 2**-32``, ``x = philox_uint32(seed, rows, cols)``.
-
-    (fp32 rounds ``x`` to 24 significant bits, so ``e`` keeps a relative
-    precision of 2**-24 down to 2**-33; ``e = 1`` has probability 2**-25 and
-    gives the noise ``-inf``, a token that cannot win that draw.)
-    """
-    x = philox_words(seed, rows, cols).to(torch.float32)
-    return (x + 0.5) * (2.0 ** -32)
-
-
-def philox_words(seed: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """:func:`philox_uint32`'s words: on CPU tensors the C++ op ``torch.ops.dflash.philox_uint32``
-    (csrc/philox.cpp: the same integers, bit for bit, in one loop instead of ~100 small tensor ops; one
-    opaque node when traced), elsewhere the tensor ops themselves."""
-    if seed.device.type == "cpu":  # the package's import registered the op (dflash_kernels.ops loads _C)
-        return torch.ops.dflash.philox_uint32(seed, rows, cols)
-    return philox_uint32(seed, rows, cols)
-
-
-def gumbel_noise(seed: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[R, C]`` standard Gumbel noise ``G = -log(E)``, ``E = -log(1 - e)`` ~ Exp(1).
-
-    ``e`` = :func:`uniform_noise`.
-
-    ``E`` for ``e < NOISE_SERIES_BELOW`` is the series ``e (1 + e (1/2 + e (1/3 +
-    e / 4)))`` (relative error < e^4 / 5 < 2e-7), elsewhere ``-log(1 - e)``:
-    the winners of a Gumbel-max draw have small ``E``, where ``1 - e`` would
-    lose the precision. A pure function of (seed value, row, vocab id).
-    """
-    e = uniform_noise(seed, rows, cols)
-    series = e * (1.0 + e * (0.5 + e * (0.3333333432674408 + e * 0.25)))
-    expo = torch.where(e < NOISE_SERIES_BELOW, series, -torch.log(1.0 - e))
-    return -torch.log(expo)
 
 
 # --------------------------------------------------------------------------- math

@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .lm_head import check_seed_tensor, uniform_noise
+from ..noise import check_seed_tensor, uniform_noise
 from .sampling import check_sampling_args
 
 __all__ = ["SELECTOR_ROW0", "check_selector", "filter_candidate_probs", "select_candidates", "select_chain",
