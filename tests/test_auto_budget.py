@@ -19,7 +19,8 @@ import dflash_kernels
 from dflash.decoding import compiled
 from dflash.decoding.budget_policy import BudgetPolicy, monotone
 from dflash.decoding.options import AUTO_BUDGETS, LoopOptions, check_tree_budget
-from dflash.decoding.round import MASS_SCALE, Round
+from dflash.decoding.payload import MASS_SCALE
+from dflash.decoding.round import Round
 from dflash.decoding.generation_config import SamplingSettings
 from dflash.target import TargetAdapter
 from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
@@ -220,13 +221,13 @@ def test_bucket_acceptance_is_each_prefix_trees_walk(reference_ops):
     rnd.snapshot()
     rnd.draft()
     host = rnd.verify(-1).tolist()  # the largest bucket verified
-    accepted = rnd.bucket_acceptance(host)
-    assert accepted[-1] == host[rnd.D + 1] - 1
+    accepted = rnd.payload.bucket_acceptance(host)
+    assert accepted[-1] == len(rnd.payload.committed(host)) - 1
     for v, n in enumerate(rnd.bucket_nodes):  # the walk of each prefix tree, on the same target choices
         rnd.restore()
         rnd.draft()
         small = rnd.verify(v).tolist()
-        assert small[rnd.D + 1] - 1 == accepted[v], (v, n)
+        assert len(rnd.payload.committed(small)) - 1 == accepted[v], (v, n)
     adapter.close()
 
 
@@ -496,8 +497,8 @@ def test_payload_masses_round_trip(reference_ops):
     with torch.inference_mode():
         rnd.draft()
         host = rnd.verify(0).tolist()
-    assert len(host) == rnd.payload_size
-    assert rnd.path_masses(host) == pytest.approx(_masses(rnd), abs=1e-6)
+    assert len(host) == rnd.payload.size
+    assert rnd.payload.path_masses(host) == pytest.approx(_masses(rnd), abs=1e-6)
     adapter.close()
 
 

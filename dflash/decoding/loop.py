@@ -81,7 +81,7 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
     rows = [GenerationResult(output_ids=p[None], num_prompt_tokens=p.numel(), method=rnd.method, block_size=rnd.B)
             for p in prompts]
     try:
-        reader = HostReader(rnd.device, rnd.payload_size * b)
+        reader = HostReader(rnd.device, rnd.payload.size * b)
         start = time.perf_counter()
         firsts = reader.read(rnd.start(list(prompts) + filler, chunk_size=options.prefill_chunk_size))
         for out, first in zip(outs, firsts):
@@ -104,8 +104,8 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
             clock.mark("draft")
             payload = steps.verify(bucket)
             clock.mark("verify")
-            host = rnd.payload_rows(reader.read(payload))
-            news = [rnd.committed_tokens(host[i]) if i in live else [] for i in range(rnd.b)]
+            host = rnd.payload.rows(reader.read(payload))
+            news = [rnd.payload.committed(host[i]) if i in live else [] for i in range(rnd.b)]
             if policy is not None:
                 _observe(policy, rnd, bucket, [host[i] for i in live], time.perf_counter() - began if timed else 0.0,
                          max(before))
@@ -168,8 +168,8 @@ def _observe(policy, rnd, bucket: int, live_rows, seconds: float, length: int) -
     """Tell the budget policy what a round of several sequences did: each bucket's acceptance and mass averaged
     over the live sequences (the batch's expected committed tokens are the live count times one sequence's, so
     the best bucket per second is the same)."""
-    accepted = [rnd.bucket_acceptance(row) for row in live_rows]
-    masses = [rnd.path_masses(row) for row in live_rows]
+    accepted = [rnd.payload.bucket_acceptance(row) for row in live_rows]
+    masses = [rnd.payload.path_masses(row) for row in live_rows]
     k = len(live_rows)
     policy.observe(bucket, [sum(a[v] for a in accepted) / k for v in range(len(accepted[0]))],
                    [sum(m[v] for m in masses) / k for v in range(len(masses[0]))], seconds, length)

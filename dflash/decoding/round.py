@@ -55,7 +55,8 @@ Steps (nothing in them reads a value on the host):
   = their captured features, ``last`` = the bonus token (each count times
   ``alive``, so a stopped sequence stays where it stopped). Returns the payload
   the host reads once, a row per sequence flattened: ``[choices (B), a]``
-  (chain), ``[committed (D + 1, padded), path_len]`` (tree), ``[choice]`` (AR).
+  (chain), ``[committed (D + 1, padded), path_len]`` (tree), ``[choice]`` (AR); its layout and the
+  host's decoding are :class:`~dflash.decoding.payload.Payload`'s (:attr:`Round.payload`).
 
 Token choice (:meth:`choose`, the only one): greedy argmax, or a sample of
 the processed distribution (temperature, then top-k / top-p / min-p) keyed by
@@ -107,15 +108,12 @@ from ..drafter.cache import DraftKVCache
 from ..drafter.model import DFlash2DraftModel
 from .generation_config import SamplingSettings
 from .options import RoundShape
+from .payload import MASS_SCALE, Payload
 
-__all__ = ["MASS_SCALE", "ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
+__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
 
 #: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
-
-#: the payload is int64: a path mass ``m`` in [0, D] travels as ``floor(m * MASS_SCALE)``
-MASS_SCALE = 1 << 24
-
 
 def bucket_rows(rows: int) -> int:
     """``rows`` rounded up to a multiple of :data:`ROW_BUCKET`."""
@@ -203,6 +201,8 @@ class Round:
                 if n not in self.bucket_nodes:
                     self.bucket_budgets.append(int(bb))
                     self.bucket_nodes.append(n)
+        #: the layout of what :meth:`verify` returns and the host decodes
+        self.payload = Payload(method, B, self.bucket_nodes if self.auto else ())
         #: a sampled DFlash chain verified by rejection sampling (else drafts at the argmax, matched)
         self.rejection = method == "dflash" and shape.acceptance == "rejection" and not sampling.greedy
         #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
@@ -311,12 +311,6 @@ class Round:
                     continue
                 whole[row].copy_(whole[last])
         self.narrow(last)
-
-    @property
-    def payload_size(self) -> int:
-        """Elements of one sequence's row of :meth:`verify`'s payload (it holds ``b`` of them)."""
-        extra = self.B + len(self.bucket_nodes) if self.auto else 0
-        return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2 + extra}[self.method]
 
     # ---------------------------------------------------------------- set-up per generation (eager)
     def reset(self, seed: int) -> None:
@@ -661,7 +655,7 @@ class Round:
         self.ctx_count.copy_(kept)
         self.cache.advance(rows, kept)
         self.last.copy_(choices.gather(1, accepted[:, None])[:, 0])
-        return torch.cat([choices, accepted[:, None]], 1).reshape(-1)
+        return self.payload.pack(choices, accepted)
 
     def _accept_by_rejection(self, hidden: torch.Tensor):
         """``(choices [b, B], accepted [b])`` of the rejection rule over the verify rows ``hidden [b, B, H]``:
@@ -710,9 +704,8 @@ class Round:
         self.ctx.copy_(torch.cat([c.gather(1, index) for c in captured], dim=-1))
         self.ctx_count.copy_(kept)
         self.last.copy_(committed.gather(1, (path_len - 1)[:, None])[:, 0])
-        if self.auto:  # and for the budget choice: the paths' node ids, the path masses
-            return torch.cat([committed, path_len[:, None], path, self.path_mass], 1).reshape(-1)
-        return torch.cat([committed, path_len[:, None]], 1).reshape(-1)
+        # a per-round budget adds, for its choice, the paths' node ids and the path masses
+        return self.payload.pack(committed, path_len, path, self.path_mass if self.auto else None)
 
     def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
         """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
@@ -732,37 +725,7 @@ class Round:
         choice = self.choose(hidden)[:, 0]  # [b]
         self.cache.advance(rows, self.alive)
         self.last.copy_(choice)
-        return choice
-
-    # ---------------------------------------------------------------- the host's view of a payload
-    def payload_rows(self, host: List[int]) -> List[List[int]]:
-        """A payload read on the host, one list per sequence."""
-        n = self.payload_size
-        return [host[r * n : (r + 1) * n] for r in range(self.b)]
-
-    def committed_tokens(self, row: List[int]) -> List[int]:
-        """The tokens a round committed for one sequence, from its row of the payload (:meth:`payload_rows`)."""
-        if self.method == "ar":
-            return row
-        if self.method == "dflash":
-            return row[: row[self.B] + 1]
-        return row[: row[self.D + 1]]
-
-    def path_masses(self, row: List[int]) -> List[float]:
-        """One sequence's ``path_mass`` (``[V]``) from its payload row (budget chosen per round only)."""
-        return [x / MASS_SCALE for x in row[self.D + 2 + self.B :]]
-
-    def bucket_acceptance(self, row: List[int]) -> List[int]:
-        """Per budget bucket, the drafts its tree would have accepted in this round for one sequence, from its
-        payload row (budget chosen per round only): exact for the buckets up to the verified one, a lower bound
-        above.
-
-        The walk of a prefix tree (the first ``n`` nodes) follows the verified walk's path while its nodes are
-        in the prefix: each node's target choice depends on its ancestors only, and a path's node ids
-        increase. So bucket ``u`` accepts the path's nodes with ids ``<= n_u``."""
-        length = row[self.D + 1]
-        path = row[self.D + 2 : self.D + 2 + length]
-        return [sum(1 for node in path[1:] if node <= n) for n in self.bucket_nodes]
+        return self.payload.pack(choice)
 
     def mirror(self, committed_before, new) -> None:
         """Refresh the caches' host lengths after a round that found ``committed_before`` tokens and committed
