@@ -16,7 +16,7 @@ import torch
 
 import dflash
 import dflash_kernels
-from dflash.decoding import compiled
+from dflash.decoding import bucket_costs
 from dflash.decoding.budget_policy import BudgetPolicy, monotone
 from dflash.decoding.options import AUTO_BUDGETS, LoopOptions, check_tree_budget
 from dflash.decoding.payload import MASS_SCALE
@@ -67,10 +67,11 @@ def test_generate_refuses_a_bad_budget_by_name():
 
 
 # ------------------------------------------------------------------ prefixes, masses, counterfactuals
-def _round(target, draft, budget, prompt=PROMPT):
+def _round(target, draft, budget, prompt=PROMPT, host_tree=True):
     adapter = TargetAdapter(target, draft.target_layer_ids)
     shape = LoopOptions(max_new_tokens=8, tree_budget=budget).resolve("ddtree", draft, adapter.vocab_size)
-    rnd = Round(adapter, draft, shape, target_rows=64, draft_rows=64, sampling=SamplingSettings(0.0))
+    rnd = Round(adapter, draft, shape, target_rows=64, draft_rows=64, sampling=SamplingSettings(0.0),
+                host_tree=host_tree)
     rnd.reset(0)
     rnd.start(torch.tensor(prompt))
     return adapter, rnd
@@ -83,13 +84,11 @@ def test_each_bucket_is_the_fixed_budget_tree(reference_ops, host_tree, dflash2)
     """The first n nodes of the largest bucket's tree = the tree a round of fixed budget n drafts."""
     target, draft = pair(dflash2=dflash2)
     buckets = (2, 3, 5, 9)
-    adapter, auto = _round(target, draft, list(buckets))
-    auto.host_tree = auto.host_tree and host_tree
+    adapter, auto = _round(target, draft, list(buckets), host_tree=host_tree)
     auto.draft()
     assert auto.bucket_nodes == list(buckets)
     for n in buckets:
-        _, fixed = _round(target, draft, n)
-        fixed.host_tree = fixed.host_tree and host_tree
+        _, fixed = _round(target, draft, n, host_tree=host_tree)
         fixed.draft()
         assert torch.equal(auto.tokens[:, :n], fixed.tokens), n
         assert torch.equal(auto.depths[:, :n], fixed.depths), n
@@ -109,9 +108,8 @@ def test_host_and_device_builds_draft_one_tree_on_exact_ties(reference_ops, monk
     draft.norm.weight.zero_()
     trees = []
     for host in (True, False):
-        adapter, rnd = _round(target, draft, 12)
-        assert rnd.host_tree  # an eager CPU round on the reference backend builds on the host
-        rnd.host_tree = host
+        adapter, rnd = _round(target, draft, 12, host_tree=host)
+        assert rnd.host_tree == host  # an eager CPU round on the reference backend builds on the host by default
         rnd.draft()
         trees.append((rnd.tokens.clone(), rnd.depths.clone(), rnd.parents.clone()))
         adapter.close()
@@ -140,8 +138,7 @@ def _reference_masses(rnd, own_logprob):
 @torch.inference_mode()
 def test_path_masses_are_the_path_probabilities(reference_ops, host_tree):
     target, draft = pair(block_size=7)  # D = 6: pointer jumping's last round covers depths 5-6 only partly
-    adapter, rnd = _round(target, draft, [2, 5, 12, 40])
-    rnd.host_tree = rnd.host_tree and host_tree
+    adapter, rnd = _round(target, draft, [2, 5, 12, 40], host_tree=host_tree)
     rnd.draft()
     ids = torch.cat([rnd.last[:, None], rnd.mask_block], 1)
     out = draft.draft_block(adapter.embed(ids, raw_scale=draft.input_embedding_scale), rnd.ctx, rnd.ctx_count,
@@ -291,13 +288,13 @@ def test_one_host_read_per_round_under_auto(reference_ops):
 def test_costs_are_measured_once_per_settings(reference_ops, monkeypatch):
     target, draft = pair()
     calls = []
-    real = compiled.RoundSteps.measure_costs
+    real = bucket_costs.measure_round_costs
 
-    def counted(self, *a, **k):
+    def counted(*a, **k):
         calls.append(1)
-        return real(self, *a, **k)
+        return real(*a, **k)
 
-    monkeypatch.setattr(compiled.RoundSteps, "measure_costs", counted)
+    monkeypatch.setattr(bucket_costs, "measure_round_costs", counted)
     kw = dict(method="ddtree", max_new_tokens=6, tree_budget=[2, 5])
     first = dflash.generate(target, draft, PROMPT, **kw)
     second = dflash.generate(target, draft, PROMPT, **kw)
@@ -483,8 +480,7 @@ def test_costs_are_measured_at_two_lengths(reference_ops):
     target, draft = pair()
     adapter, rnd = _round(target, draft, [2, 6])
     rnd.thaw()
-    steps = compiled.RoundSteps(rnd, False)
-    lengths, short, long = steps.measure_costs(repeats=1)
+    lengths, short, long = bucket_costs.measure_round_costs(rnd, repeats=1)
     assert lengths[0] == 1 and lengths[1] == 1 + min(rnd.cache.max_len - rnd.T, rnd.dcache.max_len - rnd.B) - 1
     assert len(short) == len(long) == 2 and all(c > 0 for c in short + long)
     assert rnd.cache.length == rnd.dcache.length == 0 and int(rnd.cache.length_t) == 0

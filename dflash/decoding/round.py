@@ -166,12 +166,18 @@ class Round:
     sequences ``b`` run at once. ``kv_alloc(role, shape, dtype, device) -> kv``
     (role ``"target"`` or ``"draft"``; ``shape`` one sequence's, with the batch
     in front when ``b > 1``) hands each cache its storage (a view of a buffer
-    pooled rounds share); zeros when omitted.
+    pooled rounds share); zeros when omitted. ``traced``: the steps will run
+    traced (compiled), so they keep every shape fixed: the tree is built and
+    walked with the device ops, and the passes attend over whole caches.
+    ``host_tree``: False keeps an eager CPU round on the reference backend on
+    the device tree ops too (the C++ host build and walk are its default).
     """
 
     def __init__(self, adapter, draft, shape: RoundShape, *, target_rows: int, draft_rows: int,
-                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None, batch: int = 1):
+                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None, batch: int = 1,
+                 traced: bool = False, host_tree: bool = True):
         self.adapter, self.draft_model, self.shape = adapter, draft, shape
+        self.traced = bool(traced)
         method = self.method = shape.method
         self.sampling = sampling
         device = self.device = adapter.device
@@ -206,7 +212,8 @@ class Round:
         #: a sampled DFlash chain verified by rejection sampling (else drafts at the argmax, matched)
         self.rejection = method == "dflash" and shape.acceptance == "rejection" and not sampling.greedy
         #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
-        self.host_tree = method == "ddtree" and device.type == "cpu" and self.backend == "reference"
+        self.host_tree = (bool(host_tree) and method == "ddtree" and device.type == "cpu"
+                          and self.backend == "reference" and not self.traced)
         alloc = kv_alloc or _zeros
         batched = (lambda shape5: tuple(shape5)) if b == 1 else (lambda shape5: (b, *shape5))
         S = bucket_rows(target_rows)
@@ -230,7 +237,7 @@ class Round:
         self.dcache = None
         self.batch_size = b
         if method == "ar":
-            self._register_batched()
+            self._finish_setup()
             return
         draft_dtype = draft.fc.weight.dtype
         S_draft = bucket_rows(draft_rows)
@@ -274,7 +281,15 @@ class Round:
                 self._zero = torch.zeros(1, dtype=torch.float32, device=device)
                 #: pointer-jumping rounds that sum a node's ancestors over at most D levels: ceil(log2 D)
                 self._jumps = (self.D - 1).bit_length()
+        self._finish_setup()
+
+    def _finish_setup(self) -> None:
+        # an eager pass attends over the rows the host mirrors bound; a traced one, whose shapes may not change,
+        # over whole caches (KVBuffer.key_bound)
+        for cache in self._caches():
+            cache.key_bound = not self.traced
         self._register_batched()
+        self._choose_steps()
 
     #: state tensors with the batch in front (:meth:`narrow` views their first rows)
     _BATCHED = ("last", "alive", "sequence", "ctx", "ctx_count", "mask_block", "proposals", "q_ids", "q_probs",
@@ -470,42 +485,83 @@ class Round:
                                          min_p=s.min_p, check_bounds=False, backend=self.backend, **kw)
         return head.sample(rows, s.temperature, seed=self.seed, check_bounds=False, backend=self.backend, **kw)
 
-    # ---------------------------------------------------------------- steps
-    def draft(self) -> None:
-        """The drafter pass and its proposals (chain) or trees, into the state tensors (nothing for AR)."""
+    # ---------------------------------------------------------------- steps, chosen once (:meth:`_choose_steps`)
+    def _choose_steps(self) -> None:
+        """Bind :attr:`draft_step` and :attr:`verify_step` to this round's variants, once per round: what they
+        depend on (method, drafter kind, acceptance rule, host or device tree) is fixed at construction. The
+        steps the loop runs (:attr:`draft` / :attr:`verify`) are these, until a compiled runner wraps them
+        (:meth:`run_by`)."""
         if self.method == "ar":
-            return
+            draft, verify = self._draft_nothing, self._verify_ar
+        elif self.method == "dflash":
+            draft = (self._draft_selector if self.selector_k else
+                     self._draft_sampled_dense if self.rejection else self._draft_chain)
+            verify = self._verify_chain
+        else:
+            draft = (self._draft_selector_tree if self.selector_tree else
+                     self._draft_tree_host if self.host_tree else self._draft_tree)
+            verify = self._verify_tree
+        #: the draft step ``() -> None`` and the verify step ``(bucket) -> payload``: functions of the state alone
+        self.draft_step, self.verify_step = draft, verify
+        #: how the chain's drafts are accepted: equality with the target's choices, or the rejection rule
+        self._accept = self._accept_by_rejection if self.rejection else self._accept_by_match
+        #: how a tree is walked: the C++ walk (eager CPU reference rounds) or the device walk
+        self._walk = self._walk_on_host if self.host_tree else self._walk_on_device
+        self.run_by(draft, verify)
+
+    def run_by(self, draft: Callable[[], None], verify: Callable[[int], torch.Tensor]) -> None:
+        """What :meth:`draft` and :meth:`verify`, the calls the host loop makes, run: the steps themselves
+        (eager), or what a compiled runner made of them (:class:`~dflash.decoding.compiled.RoundSteps`)."""
+        #: the draft step as run (nothing for AR)
+        self.draft = draft
+        #: the verify step of budget bucket ``bucket`` as run (:attr:`bucket_nodes`; -1, the largest, by default);
+        #: returns the payload (:attr:`payload`)
+        self.verify = verify
+
+    def _drafter_pass(self):
+        """The drafter over ``ctx`` and the block ``[last, MASK x D]``: ``(out, head)``, its final block states
+        ``[b, B, H]`` and the same scaled for the lm_head (the drafter's logits are ``softcap(output_multiplier *
+        W h)``: :meth:`~dflash.drafter.model.DFlashDraftModel.head_hidden`)."""
         draft = self.draft_model
         ids = torch.cat([self.last[:, None], self.mask_block], 1)  # [b, B]
         embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
         window = {} if self.shape.draft_window is None else {"draft_window": self.shape.draft_window}
         out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache, **window)  # [b, B, H]
-        lm_head = self.adapter.head  # the target's lm_head, fused or as its module (dflash.target.head)
-        head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
-        if self.method == "dflash":
-            if self.selector_k:
-                self._draft_selector(out, head, lm_head)
-                return
-            if self.rejection:
-                self._draft_sampled_dense(head)
-                return
-            proposals = lm_head.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
-                                       check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
-            self.proposals.copy_(proposals.view(self.b, self.D))
-            return
-        if self.selector_tree:
-            self._draft_selector_tree(out, head, lm_head)
-            return
-        logprobs, ids = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
-                                     check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
-        logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
-        if self.host_tree:  # the b trees in one C++ call, into the state; it knows each node's path score, so
-            # it sums the masses too
-            dflash_kernels.build_trees_(logprobs, ids, self.budget, self.tokens, self.depths, self.parents,
-                                        self.path_mass if self.auto else None,
-                                        self.bucket_nodes if self.auto else (), MASS_SCALE)
-            return
-        for r in range(self.b):  # a tree per sequence (its build is a fixed-shape op sequence: a loop of b)
+        return out, draft.head_hidden(out)
+
+    def _draft_nothing(self) -> None:
+        """AR: no draft."""
+
+    def _draft_chain(self) -> None:
+        """DFlash, drafts at the argmax: ``proposals`` = the argmax of the drafter's logits (the target's lm_head,
+        fused or as its module: :mod:`dflash.target.head`) at block rows ``1..D``."""
+        _, head = self._drafter_pass()
+        proposals = self.adapter.head.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
+                                             check_bounds=False, softcap=self.draft_model.logit_softcap,
+                                             backend=self.backend)
+        self.proposals.copy_(proposals.view(self.b, self.D))
+
+    def _tree_candidates(self, head: torch.Tensor):
+        """The top-``K`` ids of the drafter's logits at block rows ``1..D`` and their log-probs: ``(logprobs, ids)``,
+        each ``[b, D, K]``."""
+        logprobs, ids = self.adapter.head.topk(head.reshape(-1, head.shape[-1]), self.K,
+                                               positions=self.draft_rows_flat, check_bounds=False,
+                                               softcap=self.draft_model.logit_softcap, backend=self.backend)
+        return logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
+
+    def _draft_tree_host(self) -> None:
+        """DDTree, eager on the CPU reference backend: the ``b`` trees in one C++ call, into the state; it knows
+        each node's path score, so it sums the masses too."""
+        logprobs, ids = self._tree_candidates(self._drafter_pass()[1])
+        dflash_kernels.build_trees_(logprobs, ids, self.budget, self.tokens, self.depths, self.parents,
+                                    self.path_mass if self.auto else None,
+                                    self.bucket_nodes if self.auto else (), MASS_SCALE)
+
+    def _draft_tree(self) -> None:
+        """DDTree with the device ops: a tree per sequence (its build is a fixed-shape op sequence: a loop of
+        ``b``), and for a per-round budget each node's own log-prob to :meth:`_path_mass`."""
+        logprobs, ids = self._tree_candidates(self._drafter_pass()[1])
+        for r in range(self.b):
             tree = dflash_kernels.build_tree_device(logprobs[r], ids[r], self.budget, tables=self.tree_tables,
                                                     backend=self.backend)
             for state, t in zip((self.tokens, self.depths, self.parents), tree):
@@ -536,11 +592,10 @@ class Round:
         mass = torch.cumsum(score[:, 1:].exp(), 1).index_select(1, self._bucket_last)  # [b, V] fp32
         self.path_mass.copy_((mass * MASS_SCALE).long())  # exact scaling (a power of two), then floored
 
-    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
+    def _draft_selector(self) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
 
-        ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
-        (:meth:`~dflash.drafter.model.DFlashDraftModel.head_hidden`). Per drafted row ``j`` the unary
+        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`). Per drafted row ``j`` the unary
         scores are the top ``k`` log-probabilities of the drafter's logits (their ids the candidates);
         the reference package scores with the logits themselves, which differ from these by one constant per
         row: the same argmax and the same ``softmax(scores / T)``. The selector re-scores them from
@@ -552,7 +607,8 @@ class Round:
         written when greedy), the distribution each proposal was drawn from. The ``b`` sequences in one
         launch.
         """
-        draft, s = self.draft_model, self.sampling
+        out, head = self._drafter_pass()
+        draft, s, lm_head = self.draft_model, self.sampling, self.adapter.head
         selector = draft.candidate_selector
         k = self.selector_k
         logprobs, cand = lm_head.topk(head.reshape(-1, head.shape[-1]), k, positions=self.draft_rows_flat,
@@ -577,11 +633,10 @@ class Round:
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
 
-    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
+    def _draft_selector_tree(self) -> None:
         """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
-        ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
-        (as :meth:`_draft_selector`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
+        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
         the drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
         possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
         ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
@@ -589,7 +644,8 @@ class Round:
         selector's greedy chain. Fixed shapes, no host read; the tree layout of every DDTree round, so the
         verify and the walk are unchanged (the walk commits the target's own choices: no ``q`` is kept).
         """
-        draft = self.draft_model
+        out, head = self._drafter_pass()
+        draft, lm_head = self.draft_model, self.adapter.head
         selector = draft.candidate_selector
         unary, candidates = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
                                          check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
@@ -621,41 +677,35 @@ class Round:
         ``q_probs``: a DFlash2 drafter, whose selector draws its chain itself, :meth:`_draft_selector`)."""
         return "sparse" if self.selector_k else "dense"
 
-    def _draft_sampled_dense(self, out: torch.Tensor) -> None:
+    def _draft_sampled_dense(self) -> None:
         """Rejection rule, dense ``q``: ``q_hidden`` = the block rows ``1..D`` of the drafter's head rows ``[b, B,
-        H]`` (its final states scaled for the lm_head),
+        H]`` (its final states scaled for the lm_head, :meth:`_drafter_pass`),
         ``proposals`` = one draw from each row's processed distribution through the target's lm_head (the same
         temperature, top-k, top-p, min-p as the target; no final norm or softcap: the rows are normed), keyed by
         the seed. Verify recomputes ``q`` from the same rows with the same op, so it is the proposals' law."""
-        self.q_hidden.copy_(out[:, 1:])
+        self.q_hidden.copy_(self._drafter_pass()[1][:, 1:])
         self.proposals.copy_(self._sample(self.q_hidden.reshape(-1, self.q_hidden.shape[-1]), {}).view(self.b,
                                                                                                           self.D))
 
-    def verify(self, bucket: int = -1) -> torch.Tensor:
-        """The target's verify and the commit; returns the payload (module docstring). ``bucket``: DDTree, the
-        index of the budget bucket whose trees are verified (:attr:`bucket_nodes`; the last, the largest, by
-        default; a fixed budget has one)."""
-        if self.method == "ar":
-            return self._verify_ar()
-        if self.method == "dflash":
-            return self._verify_chain()
-        return self._verify_tree(self.bucket_nodes[bucket])
-
-    def _verify_chain(self) -> torch.Tensor:
+    def _verify_chain(self, bucket: int = -1) -> torch.Tensor:
+        """The target on the chains ``[last, proposals]`` at ``L + arange(B)``, their acceptance (:attr:`_accept`)
+        and the commit; ``bucket`` is the tree's only (a chain has one shape)."""
         length, rows = self.cache.length_t, self.rows[: self.B]
         block = torch.cat([self.last[:, None], self.proposals], 1)  # [b, B]
         hidden, captured = self.adapter.run_pass(block, length[:, None] + rows, self.cache)
-        if self.rejection:
-            choices, accepted = self._accept_by_rejection(hidden)
-        else:
-            choices = self.choose(hidden)  # [b, B]
-            accepted = torch.cumprod((self.proposals == choices[:, :-1]).long(), 1).sum(1)  # [b]
+        choices, accepted = self._accept(hidden)
         kept = (accepted + 1) * self.alive  # a stopped sequence keeps nothing
         self.ctx.copy_(torch.cat(captured, dim=-1))
         self.ctx_count.copy_(kept)
         self.cache.advance(rows, kept)
         self.last.copy_(choices.gather(1, accepted[:, None])[:, 0])
         return self.payload.pack(choices, accepted)
+
+    def _accept_by_match(self, hidden: torch.Tensor):
+        """``(choices [b, B], accepted [b])``: the target's choice after each verify row of ``hidden [b, B, H]``
+        (:meth:`choose`) and how many drafts in a row equal it."""
+        choices = self.choose(hidden)  # [b, B]
+        return choices, torch.cumprod((self.proposals == choices[:, :-1]).long(), 1).sum(1)
 
     def _accept_by_rejection(self, hidden: torch.Tensor):
         """``(choices [b, B], accepted [b])`` of the rejection rule over the verify rows ``hidden [b, B, H]``:
@@ -679,8 +729,10 @@ class Round:
             accepted.append(a)
         return torch.stack(choices), torch.cat(accepted)
 
-    def _verify_tree(self, n: int) -> torch.Tensor:
-        """The verify of each tree's first ``n`` nodes (all of them at a fixed budget)."""
+    def _verify_tree(self, bucket: int = -1) -> torch.Tensor:
+        """The verify of each tree's first ``n`` nodes, ``n`` the node count of budget bucket ``bucket`` (all of
+        them at a fixed budget), walked by :attr:`_walk`."""
+        n = self.bucket_nodes[bucket]
         length = self.cache.length_t
         tokens, depths, parents = self.tokens[:, :n], self.depths[:, :n], self.parents[:, : n + 1]
         ids = torch.cat([self.last[:, None], tokens], 1)  # [b, n + 1]
@@ -689,10 +741,7 @@ class Round:
                             for r in range(self.b)])  # [b, n + 1, W]
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
         choices = self.choose(hidden)  # [b, n + 1]
-        walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) if self.host_tree else
-                 dflash_kernels.walk_tree_device(parents[r], tokens[r], choices[r], self.D, bits[r],
-                                                 backend=self.backend)
-                 for r in range(self.b)]
+        walks = [self._walk(parents[r], tokens[r], choices[r], bits[r]) for r in range(self.b)]
         path = torch.stack([w[0] for w in walks])  # [b, D + 1]
         path_len = torch.cat([w[1] for w in walks])  # [b]
         committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
@@ -707,9 +756,16 @@ class Round:
         # a per-round budget adds, for its choice, the paths' node ids and the path masses
         return self.payload.pack(committed, path_len, path, self.path_mass if self.auto else None)
 
-    def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
+    def _walk_on_device(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
+                        bits: torch.Tensor):
+        """The walk of one tree with the device ops (:func:`dflash_kernels.walk_tree_device`): ``(path [D+1],
+        path_len [1], committed [D+1])``, padded."""
+        return dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits, backend=self.backend)
+
+    def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
+                      bits: torch.Tensor = None):
         """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
-        [D+1], path_len [1], committed [D+1])`` (unused slots 0)."""
+        [D+1], path_len [1], committed [D+1])`` (unused slots 0; ``bits`` unused)."""
         accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
         n = accepted.numel()
         path = torch.zeros(self.B, dtype=torch.long)
@@ -719,7 +775,8 @@ class Round:
         committed[n - 1 : n] = choices.index_select(0, accepted[-1:])  # the bonus (a tensor: no Python value)
         return path, self.rows[n : n + 1], committed
 
-    def _verify_ar(self) -> torch.Tensor:
+    def _verify_ar(self, bucket: int = -1) -> torch.Tensor:
+        """AR: the target on ``last`` alone, its choice committed."""
         rows = self.rows[:1]
         hidden, _ = self.adapter.run_pass(self.last[:, None], self.cache.length_t[:, None] + rows, self.cache)
         choice = self.choose(hidden)[:, 0]  # [b]
