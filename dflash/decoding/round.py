@@ -620,15 +620,9 @@ class Round:
             self.seed.add_(1)
             temperature, seed = float(s.temperature), self.seed
             filters = dict(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-        if self.b == 1:  # the one-sequence form of the op (sequence 0 of a batch draws the same)
-            tokens, _, q = dflash_kernels.select_candidates(
-                logprobs[0], cand[0], projected[0], selector.predecessor_codebook.weight,
-                selector.successor_codebook.weight, self.last, temperature, seed, backend=self.backend, **filters)
-            tokens, q = tokens[None], q[None]
-        else:
-            tokens, _, q = dflash_kernels.select_candidates(
-                logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
-                self.last, temperature, seed, backend=self.backend, **filters)
+        tokens, _, q = dflash_kernels.select_candidates(
+            logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
+            self.last, temperature, seed, backend=self.backend, **filters)
         self.proposals.copy_(tokens)
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
@@ -721,7 +715,7 @@ class Round:
                 q = dict(q_hidden=self.q_hidden[r])
             else:
                 q = dict(q_ids=self.q_ids[r], q_probs=self.q_probs[r])
-            seed = self.seed if r == 0 else self.seed + (r << 40)
+            seed = self.seed + (r << 40)
             c, a = self.adapter.head.rejection_sample(rows, self.proposals[r], s.temperature, top_k=s.top_k,
                                                       top_p=s.top_p, min_p=s.min_p, seed=seed, check_bounds=False,
                                                       backend=self.backend, **q, **kw)
