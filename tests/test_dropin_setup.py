@@ -19,7 +19,7 @@ import dflash_kernels
 from dflash.decoding import bucket_costs, compiled
 from dflash.decoding import hf as dropin
 from dflash.target import TargetAdapter
-from dflash.decoding.round import BATCH_PREFILL_CHUNK
+from dflash.target.prefill import BATCH_PREFILL_CHUNK
 from tiny_models import tiny_draft, tiny_target
 
 

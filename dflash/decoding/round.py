@@ -106,6 +106,7 @@ from dflash_kernels import tree_device
 from ..cache import CacheFullError
 from ..drafter.cache import DraftKVCache
 from ..drafter.model import DFlash2DraftModel
+from ..target.prefill import prefill
 from .generation_config import SamplingSettings
 from .options import RoundShape
 from .payload import MASS_SCALE, Payload
@@ -151,11 +152,6 @@ def tree_branching(draft, budget: int, vocab: int) -> int:
 
 def _zeros(role, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-#: Rows per prefill pass of a batch (one sequence prefills its whole prompt in one pass): each pass builds a
-#: ``[b, T, S]`` visibility over the longest prompt, which chunks of this many rows bound.
-BATCH_PREFILL_CHUNK = 2048
 
 
 class Round:
@@ -346,97 +342,26 @@ class Round:
         """Prefill each sequence's prompt (``prompts``: ``b`` int64 tensors ``[P_r]``, or one ``[P]`` when ``b ==
         1``; shapes vary), choose its first token, ingest its features into the drafter; then freeze both caches.
         Returns the first tokens ``[b]`` (also in ``last``). ``chunk_size``: rows per prefill pass (the
-        generation's ``prefill_chunk_size``; None: :meth:`TargetAdapter.prefill`'s default).
+        generation's ``prefill_chunk_size``; None: the prefill's defaults).
 
-        One sequence: the adapter's eager prefill (causal SDPA, as ``generate()`` runs its prompt). A
-        batch: :meth:`_prefill_batch`, every sequence's prompt in the same passes; on a hybrid target
-        :meth:`_prefill_rows`, each sequence's prompt on its own."""
+        The prefill is the target side's (:func:`dflash.target.prefill.prefill`: one sequence, or a hybrid
+        target's batch, row by row as ``generate()`` runs a prompt; other batches in shared padded passes);
+        each sequence's features go to its drafter rows (:meth:`KVBuffer.row`), whose lengths the drafter
+        cache then adopts."""
         if isinstance(prompts, torch.Tensor):
             prompts = [prompts]
         if len(prompts) != self.b:
             raise ValueError(f"this round runs {self.b} sequences, got {len(prompts)} prompts")
-        if self.b == 1:
-            last_hidden, features = self.adapter.prefill(prompts[0], self.cache, chunk_size=chunk_size)
-            self.last.copy_(self.choose(last_hidden).reshape(1))
-            if self.dcache is not None:
-                self.draft_model.ingest_context(features, self.dcache)
-        elif getattr(self.cache, "linear", None) is not None:
-            self._prefill_rows(prompts, chunk_size)
-        else:
-            self._prefill_batch(prompts, chunk_size)
+        ingest = drows = None
+        if self.dcache is not None:
+            drows = [self.dcache.row(r) for r in range(self.b)]
+            ingest = lambda r, features: self.draft_model.ingest_context(features, drows[r])  # noqa: E731
+        last_hidden = prefill(self.adapter, self.cache, list(prompts), chunk_size, ingest)
+        if drows is not None:
+            self.dcache.take_lengths(drows)
+        self.last.copy_(self.choose(last_hidden))
         self.freeze()
         return self.last
-
-    def _prefill_rows(self, prompts, chunk_size: Optional[int] = None) -> None:
-        """A hybrid target's batch: each sequence's prompt prefilled on its own rows, one sequence after the
-        other, exactly as one sequence's (:meth:`TargetAdapter.prefill` over :meth:`HybridKVCache.row`: its
-        attention K/V rows, its conv windows and recurrent states, by the model's own forward in causal chunks).
-
-        Not the padded passes of :meth:`_prefill_batch`: causality keeps a pad row out of the attention of
-        every real row, but a linear-attention layer's recurrence would run the pad rows of a shorter prompt
-        into that sequence's state (and the in-place chunk forward cannot be committed partially). Then each
-        sequence's last prompt row chooses its first token, its features go to its drafter rows, and the
-        caches adopt the rows' lengths."""
-        b, device = self.b, self.device
-        rows = [self.cache.row(r) for r in range(b)]
-        drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
-        last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
-        for r, prompt in enumerate(prompts):
-            hidden, features = self.adapter.prefill(prompt, rows[r], chunk_size=chunk_size)
-            last_hidden[r].copy_(hidden[0])
-            if drows is not None:
-                self.draft_model.ingest_context(features, drows[r])
-        self.cache.take_lengths(rows)
-        if drows is not None:
-            self.dcache.take_lengths(drows)
-        self.last.copy_(self.choose(last_hidden))
-
-    def _prefill_batch(self, prompts, chunk_size: Optional[int] = None) -> None:
-        """The prompts of a batch in the same causal passes: each sequence's tokens from position 0, padded on the
-        right to the longest (``[b, P_max]``; a pad row comes after every real one, so causality keeps it out
-        of every real row), in chunks of the generation's ``prefill_chunk_size``, else
-        :data:`~dflash.target.adapter.PREFILL_CHUNK`, else :data:`BATCH_PREFILL_CHUNK` rows (each pass builds a
-        ``[b, T, S]`` visibility: chunks bound it). Each pass is a round
-        pass over the frozen target cache (every sequence at its own length); then each sequence keeps its real
-        rows only (``length += min(P_r - start, chunk)``), its last real row's hidden state chooses its first
-        token, and its real rows' captured features go to its drafter cache (eagerly, row by row)."""
-        from ..target.adapter import PREFILL_CHUNK
-
-        chunk = chunk_size if chunk_size is not None else PREFILL_CHUNK
-        chunk = BATCH_PREFILL_CHUNK if chunk is None else int(chunk)
-        device, b = self.device, self.b
-        lengths = [int(p.numel()) for p in prompts]
-        width = max(lengths)
-        ids = torch.zeros(b, width, dtype=torch.long, device=device)
-        for r, p in enumerate(prompts):
-            ids[r, : lengths[r]] = p
-        counts = torch.tensor(lengths, dtype=torch.long, device=device)
-        last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
-        drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
-        cache = self.cache
-        cache.length_t.zero_()
-        cache.freeze()
-        columns = torch.arange(width, device=device)
-        for start in range(0, width, chunk):
-            end = min(width, start + chunk)
-            hidden, captured = self.adapter.run_pass(ids[:, start:end], columns[start:end].expand(b, -1), cache)
-            kept = (counts - start).clamp(min=0, max=end - start)  # each sequence's real rows in this chunk
-            cache.advance(None, kept)
-            cache.mirror([min(max(n - start, 0), end - start) + done for n, done in zip(lengths, cache.lengths)])
-            ends = [n - 1 - start for n in lengths]
-            for r in range(b):
-                if 0 <= ends[r] < end - start:
-                    last_hidden[r].copy_(hidden[r, ends[r]])
-            if drows is not None:
-                features = torch.cat(captured, dim=-1)  # [b, T, n*H]
-                for r in range(b):
-                    real = min(max(lengths[r] - start, 0), end - start)
-                    if real:
-                        self.draft_model.ingest_context(features[r, :real], drows[r])
-        cache.static = False
-        if drows is not None:
-            self.dcache.take_lengths(drows)
-        self.last.copy_(self.choose(last_hidden))
 
     def check_room(self, committed) -> None:
         """Refuse (:class:`~dflash.cache.CacheFullError`) the next round when, with ``committed`` tokens (prompt
