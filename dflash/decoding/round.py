@@ -34,7 +34,9 @@ tensor              shape                  meaning
                                            in the payload's fixed point (times :data:`MASS_SCALE`, floored)
 ==================  =====================  ===========================================================
 
-Steps (nothing in them reads a value on the host):
+Steps (nothing in them reads a value on the host; each variant below is a
+method of its own, bound once per round to :attr:`Round.draft_step` /
+:attr:`Round.verify_step` by :meth:`Round._choose_steps`):
 
 * :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
   block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` of the target's
@@ -96,7 +98,7 @@ host, a round that could write past either cache.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
