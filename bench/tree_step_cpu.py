@@ -39,8 +39,7 @@ def main(argv=None) -> int:
 
     class DeviceTreeRound(host_round):
         def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.host_tree = False
+            super().__init__(*a, host_tree=False, **k)
 
     target, draft, _ = load_default_pair()
     prompts = [torch.tensor(q) for q in line_start_prompts("heldout", args.prompts, 64, seed=0)]

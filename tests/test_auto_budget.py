@@ -16,10 +16,11 @@ import torch
 
 import dflash
 import dflash_kernels
-from dflash.decoding import compiled
+from dflash.decoding import bucket_costs
 from dflash.decoding.budget_policy import BudgetPolicy, monotone
 from dflash.decoding.options import AUTO_BUDGETS, LoopOptions, check_tree_budget
-from dflash.decoding.round import MASS_SCALE, Round
+from dflash.decoding.payload import MASS_SCALE
+from dflash.decoding.round import Round
 from dflash.decoding.generation_config import SamplingSettings
 from dflash.target import TargetAdapter
 from test_compiled_rounds import trace_only  # noqa: F401  (the fixture: dynamo-only compile)
@@ -66,10 +67,11 @@ def test_generate_refuses_a_bad_budget_by_name():
 
 
 # ------------------------------------------------------------------ prefixes, masses, counterfactuals
-def _round(target, draft, budget, prompt=PROMPT):
+def _round(target, draft, budget, prompt=PROMPT, host_tree=True):
     adapter = TargetAdapter(target, draft.target_layer_ids)
     shape = LoopOptions(max_new_tokens=8, tree_budget=budget).resolve("ddtree", draft, adapter.vocab_size)
-    rnd = Round(adapter, draft, shape, target_rows=64, draft_rows=64, sampling=SamplingSettings(0.0))
+    rnd = Round(adapter, draft, shape, target_rows=64, draft_rows=64, sampling=SamplingSettings(0.0),
+                host_tree=host_tree)
     rnd.reset(0)
     rnd.start(torch.tensor(prompt))
     return adapter, rnd
@@ -82,13 +84,11 @@ def test_each_bucket_is_the_fixed_budget_tree(reference_ops, host_tree, dflash2)
     """The first n nodes of the largest bucket's tree = the tree a round of fixed budget n drafts."""
     target, draft = pair(dflash2=dflash2)
     buckets = (2, 3, 5, 9)
-    adapter, auto = _round(target, draft, list(buckets))
-    auto.host_tree = auto.host_tree and host_tree
+    adapter, auto = _round(target, draft, list(buckets), host_tree=host_tree)
     auto.draft()
     assert auto.bucket_nodes == list(buckets)
     for n in buckets:
-        _, fixed = _round(target, draft, n)
-        fixed.host_tree = fixed.host_tree and host_tree
+        _, fixed = _round(target, draft, n, host_tree=host_tree)
         fixed.draft()
         assert torch.equal(auto.tokens[:, :n], fixed.tokens), n
         assert torch.equal(auto.depths[:, :n], fixed.depths), n
@@ -108,9 +108,8 @@ def test_host_and_device_builds_draft_one_tree_on_exact_ties(reference_ops, monk
     draft.norm.weight.zero_()
     trees = []
     for host in (True, False):
-        adapter, rnd = _round(target, draft, 12)
-        assert rnd.host_tree  # an eager CPU round on the reference backend builds on the host
-        rnd.host_tree = host
+        adapter, rnd = _round(target, draft, 12, host_tree=host)
+        assert rnd.host_tree == host  # an eager CPU round on the reference backend builds on the host by default
         rnd.draft()
         trees.append((rnd.tokens.clone(), rnd.depths.clone(), rnd.parents.clone()))
         adapter.close()
@@ -139,8 +138,7 @@ def _reference_masses(rnd, own_logprob):
 @torch.inference_mode()
 def test_path_masses_are_the_path_probabilities(reference_ops, host_tree):
     target, draft = pair(block_size=7)  # D = 6: pointer jumping's last round covers depths 5-6 only partly
-    adapter, rnd = _round(target, draft, [2, 5, 12, 40])
-    rnd.host_tree = rnd.host_tree and host_tree
+    adapter, rnd = _round(target, draft, [2, 5, 12, 40], host_tree=host_tree)
     rnd.draft()
     ids = torch.cat([rnd.last[:, None], rnd.mask_block], 1)
     out = draft.draft_block(adapter.embed(ids, raw_scale=draft.input_embedding_scale), rnd.ctx, rnd.ctx_count,
@@ -222,13 +220,13 @@ def test_bucket_acceptance_is_each_prefix_trees_walk(reference_ops):
     rnd.snapshot()
     rnd.draft()
     host = rnd.verify(-1).tolist()  # the largest bucket verified
-    accepted = rnd.bucket_acceptance(host)
-    assert accepted[-1] == host[rnd.D + 1] - 1
+    accepted = rnd.payload.bucket_acceptance(host)
+    assert accepted[-1] == len(rnd.payload.committed(host)) - 1
     for v, n in enumerate(rnd.bucket_nodes):  # the walk of each prefix tree, on the same target choices
         rnd.restore()
         rnd.draft()
         small = rnd.verify(v).tolist()
-        assert small[rnd.D + 1] - 1 == accepted[v], (v, n)
+        assert len(rnd.payload.committed(small)) - 1 == accepted[v], (v, n)
     adapter.close()
 
 
@@ -292,13 +290,13 @@ def test_one_host_read_per_round_under_auto(reference_ops):
 def test_costs_are_measured_once_per_settings(reference_ops, monkeypatch):
     target, draft = pair()
     calls = []
-    real = compiled.RoundSteps.measure_costs
+    real = bucket_costs.measure_round_costs
 
-    def counted(self, *a, **k):
+    def counted(*a, **k):
         calls.append(1)
-        return real(self, *a, **k)
+        return real(*a, **k)
 
-    monkeypatch.setattr(compiled.RoundSteps, "measure_costs", counted)
+    monkeypatch.setattr(bucket_costs, "measure_round_costs", counted)
     kw = dict(method="ddtree", max_new_tokens=6, tree_budget=[2, 5])
     first = dflash.generate(target, draft, PROMPT, **kw)
     second = dflash.generate(target, draft, PROMPT, **kw)
@@ -484,8 +482,7 @@ def test_costs_are_measured_at_two_lengths(reference_ops):
     target, draft = pair()
     adapter, rnd = _round(target, draft, [2, 6])
     rnd.thaw()
-    steps = compiled.RoundSteps(rnd, False)
-    lengths, short, long = steps.measure_costs(repeats=1)
+    lengths, short, long = bucket_costs.measure_round_costs(rnd, repeats=1)
     assert lengths[0] == 1 and lengths[1] == 1 + min(rnd.cache.max_len - rnd.T, rnd.dcache.max_len - rnd.B) - 1
     assert len(short) == len(long) == 2 and all(c > 0 for c in short + long)
     assert rnd.cache.length == rnd.dcache.length == 0 and int(rnd.cache.length_t) == 0
@@ -498,8 +495,8 @@ def test_payload_masses_round_trip(reference_ops):
     with torch.inference_mode():
         rnd.draft()
         host = rnd.verify(0).tolist()
-    assert len(host) == rnd.payload_size
-    assert rnd.path_masses(host) == pytest.approx(_masses(rnd), abs=1e-6)
+    assert len(host) == rnd.payload.size
+    assert rnd.payload.path_masses(host) == pytest.approx(_masses(rnd), abs=1e-6)
     adapter.close()
 
 

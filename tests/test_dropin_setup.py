@@ -16,10 +16,10 @@ import torch
 
 import dflash
 import dflash_kernels
-from dflash.decoding import compiled
+from dflash.decoding import bucket_costs, compiled
 from dflash.decoding import hf as dropin
 from dflash.target import TargetAdapter
-from dflash.decoding.round import BATCH_PREFILL_CHUNK
+from dflash.target.prefill import BATCH_PREFILL_CHUNK
 from tiny_models import tiny_draft, tiny_target
 
 
@@ -134,13 +134,13 @@ def test_costs_measured_once_for_compiled_rounds_too(reference_ops, monkeypatch)
     monkeypatch.setattr(compiled, "COMPILE_OPTIONS", dict(backend="eager"))
     torch._dynamo.reset()
     measured = []
-    real = compiled.RoundSteps.measure_costs
+    real = bucket_costs.measure_round_costs
 
-    def counted(self, *a, **k):
+    def counted(*a, **k):
         measured.append(1)
-        return real(self, *a, **k)
+        return real(*a, **k)
 
-    monkeypatch.setattr(compiled.RoundSteps, "measure_costs", counted)
+    monkeypatch.setattr(bucket_costs, "measure_round_costs", counted)
     target, draft = pair()
     handle = dflash.apply(target, draft, method="ddtree", tree_budget=[2, 5], compile=True)
     try:

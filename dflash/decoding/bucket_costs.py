@@ -10,9 +10,10 @@ two ``[V]`` vectors the policy interpolates linearly in ``L``.
 keeps it on the target, so later generations with the same settings (any prompt
 length, any cache size) measure nothing.
 
-The steps are duck-typed (:class:`~dflash.decoding.compiled.RoundSteps`:
-``rnd``, ``buckets``, ``draft()``, ``verify(bucket)``, ``measure_costs()``), so
-this module sits below the runner that calls it.
+It times the round's :meth:`~dflash.decoding.round.Round.draft` and
+:meth:`~dflash.decoding.round.Round.verify` as the generation runs them (the
+steps themselves, or a compiled runner's), so this module sits below the
+runner.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from .options import RoundShape
 __all__ = ["attach_budget_policy", "costs_key", "measure_round_costs"]
 
 
-def measure_round_costs(steps, repeats: int = 5):
+def measure_round_costs(rnd, repeats: int = 5):
     """Seconds of a round (draft + verify + the payload's read) per budget bucket, at two cache lengths:
     ``(lengths, short [V], long [V])``. ``lengths[0]``: the committed tokens now (the set-up's prompt);
     ``lengths[1]``: the most the caches hold for a round of the largest bucket (both caches moved on by the
     same count). Each value the median of ``repeats`` after one untimed round (on a GPU its kernels' first
     launches compile), the buckets taking turns repeat by repeat. The state is put back
     (:meth:`Round.snapshot`, and the caches' host lengths), as :meth:`RoundSteps.prepare` does."""
-    rnd = steps.rnd
+    buckets = len(rnd.bucket_nodes)
     rnd.freeze()
     rnd.snapshot()
     committed = rnd.cache.length + 1
@@ -43,13 +44,13 @@ def measure_round_costs(steps, repeats: int = 5):
         for extra in (0, grow):
             rnd.move_snapshot(extra - moved)
             moved = extra
-            times = [[] for _ in range(steps.buckets)]
+            times = [[] for _ in range(buckets)]
             for i in range(repeats + 1):  # the buckets take turns, so a slow phase of the machine hits all
-                for bucket in range(steps.buckets):
+                for bucket in range(buckets):
                     rnd.restore()
                     t0 = time.perf_counter()
-                    steps.draft()
-                    steps.verify(bucket).to("cpu")
+                    rnd.draft()
+                    rnd.verify(bucket).to("cpu")
                     if i:
                         times[bucket].append(time.perf_counter() - t0)
             results.append([sorted(t)[len(t) // 2] for t in times])
@@ -60,16 +61,16 @@ def measure_round_costs(steps, repeats: int = 5):
     return (committed, committed + max(grow, 1)), results[0], results[1]
 
 
-def attach_budget_policy(target, key, steps) -> float:
-    """A round whose budget is chosen per round: ``steps.policy`` = the target's :class:`BudgetPolicy` for
+def attach_budget_policy(target, key, rnd):
+    """``(policy, seconds)``: for a round whose budget is chosen per round, the target's :class:`BudgetPolicy` for
     ``key`` (:func:`costs_key`: the settings that decide what a round costs, not the prompt's length nor the
     cache rows), made on first use from the round's measured seconds per bucket
-    (``steps.measure_costs()``: :func:`measure_round_costs`, at the empty cache and at the longest prefix this
+    (:func:`measure_round_costs`, at the empty cache and at the longest prefix this
     round's caches hold, interpolated in the committed length) and kept on the target, so the measurement and
     the estimates it learns carry over to every later generation with those settings, at any prompt length;
-    returns the seconds the measurement took (0 when known, or for a fixed budget)."""
-    if not steps.rnd.auto:
-        return 0.0
+    and the seconds the measurement took (0 when known). ``(None, 0.0)`` for a fixed budget."""
+    if not rnd.auto:
+        return None, 0.0
     known = getattr(target, "_dflash_budget_policies", None)
     if not isinstance(known, dict):
         known = {}
@@ -78,12 +79,11 @@ def attach_budget_policy(target, key, steps) -> float:
         except AttributeError:  # pragma: no cover - a target that refuses attributes: measured every call
             pass
     if key in known:
-        steps.policy = known[key]
-        return 0.0
+        return known[key], 0.0
     t0 = time.perf_counter()
-    lengths, short, long = steps.measure_costs()
-    steps.policy = known[key] = BudgetPolicy(short, long, lengths)
-    return time.perf_counter() - t0
+    lengths, short, long = measure_round_costs(rnd)
+    known[key] = policy = BudgetPolicy(short, long, lengths)
+    return policy, time.perf_counter() - t0
 
 
 def costs_key(shape: RoundShape, draft, sampling, adapter, mode, compile_options: str, batch_bucket: int) -> tuple:

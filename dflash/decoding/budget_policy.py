@@ -42,7 +42,7 @@ Which ``v``: the one that maximises expected committed tokens per second,
   with a prior of :data:`PRIOR` drafts at ratio 1. A round that verified bucket
   ``w`` shows every bucket ``u <= w`` exactly: the walk of the first ``n_u``
   nodes follows the verified path while its node ids are ``<= n_u``
-  (:meth:`~dflash.decoding.round.Round.bucket_acceptance`). Larger buckets stay
+  (:meth:`~dflash.decoding.payload.Payload.bucket_acceptance`). Larger buckets stay
   at their last estimate, the prior before any (the drafter taken at its word:
   an optimistic start, so a bucket worth trying is tried).
 

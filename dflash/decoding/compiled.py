@@ -75,14 +75,13 @@ import torch
 
 from ..drafter.cache import DraftKVCache
 from ..target.output_hooks import inert_output_hooks
-from .bucket_costs import attach_budget_policy, costs_key, measure_round_costs
-from .budget_policy import BudgetPolicy
+from .bucket_costs import attach_budget_policy, costs_key
 from .compile_diagnosis import CompileUnsupported, unsupported
 from .options import RoundShape
 from .round import Round, bucket_rows, cache_rows
 
 __all__ = ["COMPILE_MODES", "CompileUnsupported", "MIN_ROWS", "POOL_CAPACITY", "RoundSteps", "batch_bucket",
-           "check_max_cache_len", "compiled_rows", "lease_steps", "reserved_rows"]
+           "check_max_cache_len", "compiled_rows", "lease_round", "reserved_rows"]
 
 #: ``compile=`` values: False (the round's steps called eagerly, a fresh round per generation: the default),
 #: True / "compile" (torch.compile; CUDA graphs on CUDA), "static" (the pooled round of a compiled generation,
@@ -108,14 +107,6 @@ def _capacity_from_env(default: int = 4) -> int:
 #: code and, on CUDA, two graphs); ``DFLASH_COMPILED_POOL_SIZE`` in the environment at import, else 4.
 #: Read at each insertion, so it may also be set at run time.
 POOL_CAPACITY = _capacity_from_env()
-
-
-def _draft_step(rnd: Round) -> None:
-    rnd.draft()
-
-
-def _verify_step(rnd: Round, bucket: int) -> torch.Tensor:
-    return rnd.verify(bucket)
 
 
 #: ``torch.compile`` keywords of the steps (tests trace with ``backend="eager"`` to count graph breaks cheaply).
@@ -170,7 +161,8 @@ _copies = itertools.count()
 
 
 def _compiled(fn, device: torch.device):
-    """``torch.compile`` of a private copy of step ``fn``: its own code object, so its own dynamo cache.
+    """``torch.compile`` of a private copy of step ``fn`` (a round's bound step): its own code object, so its own
+    dynamo cache.
 
     Dynamo keeps compiled graphs per code object, at most ``recompile_limit``
     (8) of them, and checks their guards in turn on every call: one shared
@@ -180,6 +172,8 @@ def _compiled(fn, device: torch.device):
     """
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name)
+    if getattr(fn, "__self__", None) is not None:  # a bound step: the copy bound to the same round
+        copy = types.MethodType(copy, fn.__self__)
     compiled = torch.compile(copy, fullgraph=True, dynamic=False, **_compile_kwargs(device))
     compiled._dflash_code = code  # its dynamo cache lives on this code object (dropped on release)
     return compiled
@@ -195,36 +189,33 @@ def _forget_code(fn) -> None:
 
 
 class RoundSteps:
-    """A :class:`Round` and its runnable steps: called eagerly (``mode`` False or ``"static"``), or compiled
-    (and captured on CUDA)."""
+    """A pooled :class:`Round` and what runs its steps: the round's own steps as they are (``mode``
+    ``"static"``), or, for a traced round, ``torch.compile`` of exactly those two callables
+    (:attr:`Round.draft_step`, :attr:`Round.verify_step`; a copy per budget bucket), captured in CUDA graphs
+    on CUDA; the round's :meth:`~Round.draft` / :meth:`~Round.verify` then run these (:meth:`Round.run_by`)."""
 
     def __init__(self, rnd: Round, mode, blocks=()):
         self.rnd, self.mode = rnd, mode
-        self.traced = mode not in (False, "static")
+        self.traced = rnd.traced
         self.cuda = rnd.device.type == "cuda" and self.traced
         self.graphs = None
         self.payload = None
-        #: a budget chosen per round: the choice's state (:func:`~dflash.decoding.bucket_costs.attach_budget_policy`)
-        self.policy: Optional[BudgetPolicy] = None
         self.ready = False
         #: the shared cache buffers this entry's caches view (:class:`_SharedKV`)
         self.blocks: List[_Block] = list(blocks)
         #: a generation runs on this entry now; evicted while it ran: released when it ends
         self.busy = False
         self.evicted = False
-        if not self.traced:
-            self._draft, self._verify = _draft_step, [_verify_step] * self.buckets
-        else:
-            rnd.host_tree = False  # a traced round builds and walks the tree with the device ops
-            for cache in rnd._caches():  # and attends over whole caches (its shapes may not change) ...
-                cache.key_bound = False
-            # ... except on the reference attention without CUDA graphs: there one graph attends over the rows the
-            # host mirrors bound, through a size it traces as a symbol (KVBuffer.bind_key_extent)
+        self._draft = self._verify = None
+        if self.traced:
+            # on the reference attention without CUDA graphs one graph attends over the rows the host mirrors
+            # bound, through a size it traces as a symbol (KVBuffer.bind_key_extent)
             self.bound_keys = not self.cuda and rnd.backend != "triton"
             # one compiled copy per budget bucket: each its own graph and guards, so switching buckets between
             # rounds never recompiles
-            self._draft = _compiled(_draft_step, rnd.device)
-            self._verify = [_compiled(_verify_step, rnd.device) for _ in range(self.buckets)]
+            self._draft = _compiled(rnd.draft_step, rnd.device)
+            self._verify = [_compiled(rnd.verify_step, rnd.device) for _ in range(self.buckets)]
+            rnd.run_by(self.draft, self.verify)
 
     @property
     def buckets(self) -> int:
@@ -233,26 +224,23 @@ class RoundSteps:
 
     def _run_draft(self):
         self._bind_keys()
-        with self._hooks():
-            return self._draft(self.rnd)
+        with inert_output_hooks():
+            return self._draft()
 
     def _bind_keys(self) -> None:
-        if self.traced and self.bound_keys:
+        if self.bound_keys:
             for cache in self.rnd._caches():
                 cache.bind_key_extent()
 
     def _run_verify(self, bucket: int):
         linear = getattr(self.rnd.cache, "linear", None)
-        if linear is not None:  # a hybrid target's stash of this bucket's rows, picked outside any traced code
+        if linear is not None:  # a hybrid target's stash of this bucket's rows, picked outside the traced code
             linear.stash(self.rnd.bucket_nodes[bucket] + 1 if self.rnd.method == "ddtree" else self.rnd.T)
         self._bind_keys()
-        with self._hooks():
-            return self._verify[bucket](self.rnd, bucket)
-
-    def _hooks(self):
-        """Traced steps: transformers' output-capturing hooks (left on a model by an ``output_hidden_states``
-        call) made traceable; eager steps: nothing."""
-        return inert_output_hooks() if self.traced else contextlib.nullcontext()
+        # transformers' output-capturing hooks (left on a model by an ``output_hidden_states`` call) made
+        # traceable
+        with inert_output_hooks():
+            return self._verify[bucket](bucket)
 
     def _round(self, bucket: int = -1) -> torch.Tensor:
         if self.rnd.method != "ar":
@@ -316,7 +304,7 @@ class RoundSteps:
         return time.perf_counter() - t0
 
     def draft(self) -> None:
-        """The round's draft step (nothing for AR)."""
+        """The round's draft step, compiled: its graph replayed on CUDA (nothing for AR)."""
         if self.rnd.method == "ar":
             return
         if self.graphs is not None:
@@ -326,17 +314,12 @@ class RoundSteps:
 
     def verify(self, bucket: int = -1) -> torch.Tensor:
         """The round's verify step of budget bucket ``bucket`` (:attr:`Round.bucket_nodes`; the only one at a
-        fixed budget); returns the payload."""
+        fixed budget), compiled: its graph replayed on CUDA; returns the payload."""
         bucket %= self.buckets
         if self.graphs is not None:
             self.graphs[1][bucket].replay()
             return self.payload[bucket]
         return self._run_verify(bucket)
-
-    def measure_costs(self, repeats: int = 5):
-        """Seconds of a round per budget bucket at two cache lengths, ``(lengths, short [V], long [V])``:
-        :func:`~dflash.decoding.bucket_costs.measure_round_costs` of these steps."""
-        return measure_round_costs(self, repeats)
 
     def release(self) -> None:
         """Free what the entry holds: CUDA graphs reset (their memory pool goes back), compiled code dropped,
@@ -565,11 +548,14 @@ def check_max_cache_len(value):
 
 
 @contextlib.contextmanager
-def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode, batch: int = 1,
+def lease_round(target, adapter, draft, shape: RoundShape, sampling, total_tokens: int, mode, batch: int = 1,
                 max_cache_len=None):
-    """The steps a generation runs, held for the ``with`` block: ``(steps, compile_time)``.
+    """The round a generation runs, held for the ``with`` block: ``(rnd, policy, setup_seconds)``, ``policy``
+    the :class:`~dflash.decoding.budget_policy.BudgetPolicy` of a budget chosen per round (None otherwise:
+    :func:`~dflash.decoding.bucket_costs.attach_budget_policy`), ``setup_seconds`` the compile and cost
+    measurement this call made.
 
-    ``mode`` False: a fresh :class:`Round` called eagerly, its caches sized for
+    ``mode`` False: a fresh :class:`Round` whose steps run as they are, its caches sized for
     this call. Otherwise a pooled entry of the target's for these settings
     whose caches hold this call's rows (the smallest one that does), else a
     new one (created, compiled and captured here: ``compile_time`` is its
@@ -588,8 +574,7 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
     if mode is False:
         rnd = Round(adapter, draft, shape, target_rows=target_rows, draft_rows=draft_rows, sampling=sampling,
                     batch=batch)
-        steps = RoundSteps(rnd, False)
-        yield steps, attach_budget_policy(target, costs, steps)
+        yield (rnd, *attach_budget_policy(target, costs, rnd))
         return
     # the pool key: the settings, then the rows of both caches (one bucket; 0 for an AR round's drafter)
     settings = (shape, id(draft) if shape.method != "ar" else None, _sampling_key(sampling), str(adapter.dtype),
@@ -611,7 +596,7 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 return kv
 
             rnd = Round(adapter, draft, shape, target_rows=rows, draft_rows=rows if shape.method != "ar" else 0,
-                        sampling=sampling, kv_alloc=kv_alloc, batch=batch)
+                        sampling=sampling, kv_alloc=kv_alloc, batch=batch, traced=mode != "static")
             steps = RoundSteps(rnd, mode, blocks)
             pool.add(key, steps)
         pool.lease(steps)
@@ -624,6 +609,7 @@ def lease_steps(target, adapter, draft, shape: RoundShape, sampling, total_token
                 with pool.lock:
                     pool.discard(key)
             raise
-        yield steps, compile_time + attach_budget_policy(target, costs, steps)
+        policy, measured = attach_budget_policy(target, costs, steps.rnd)
+        yield steps.rnd, policy, compile_time + measured
     finally:
         pool.finish(steps)

@@ -2,16 +2,18 @@
 
 ::
 
-    adapter opens (patches on) -> options resolved -> steps leased (a fresh round, or the pooled compiled one)
-    round.start(prompts): each row prefilled, its first token, drafter ingests it, caches frozen
-    while a row is live: check room -> [budget bucket chosen] -> steps.draft() -> payload = steps.verify(bucket)
-                      -> ONE host read (every row) -> each live row's committed tokens -> its stop rules,
-                      streamer, stats; host mirrors of the lengths -> [the budget policy told what the round
-                      accepted] -> rows that just ended stop committing (one small upload)
+    adapter opens (patches on) -> options resolved -> round leased (a fresh one, or the pooled compiled one)
+                      with its budget policy
+    rnd.start(prompts): each row prefilled, its first token, drafter ingests it, caches frozen
+    while a row is live: check room -> [budget bucket chosen] -> rnd.draft() -> payload = rnd.verify(bucket)
+                      -> ONE host read (every row) -> rnd.payload decodes each live row's committed tokens ->
+                      its stop rules, streamer, stats; host mirrors of the lengths -> [the budget policy told
+                      what the round accepted] -> rows that just ended leave the batch (eager) or stop
+                      committing (traced: one small upload)
 
 Nothing here touches the round's device state: the round's two steps own it
-(:mod:`dflash.decoding.round`); ``compile`` only changes what runs them
-(:mod:`dflash.decoding.compiled`).
+(:mod:`dflash.decoding.round`: ``draft`` / ``verify`` are its steps, chosen once per round); ``compile`` only
+changes what runs them (:mod:`dflash.decoding.compiled` wraps exactly those two callables).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import torch
 
 from ..target import TargetAdapter
-from .compiled import batch_bucket, lease_steps
+from .compiled import batch_bucket, lease_round
 from .options import LoopOptions, check_pair, prepare_prompts
 from .output import CommittedOutput, HostReader, SeedSource, StageClock
 from .result import GenerationResult
@@ -52,9 +54,9 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
         batch = batch_bucket(len(prompts), compile)
         seeds = SeedSource(options.seed)
         total = max(p.numel() for p in prompts) + options.max_new_tokens
-        with lease_steps(target, adapter, draft, shape, options.sampling, total, compile, batch,
-                         max_cache_len=max_cache_len) as (steps, setup):
-            result = _run(steps, prompts, padded, options, seeds.next())
+        with lease_round(target, adapter, draft, shape, options.sampling, total, compile, batch,
+                         max_cache_len=max_cache_len) as (rnd, policy, setup):
+            result = _run(rnd, policy, prompts, padded, options, seeds.next())
             result.compile_time = setup
             for one in [result, *result.rows]:
                 one.head_path = adapter.head.path
@@ -63,10 +65,8 @@ def generate_rounds(target, draft, input_ids, method: str, options: LoopOptions,
         adapter.close()
 
 
-def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) -> GenerationResult:
-    rnd = steps.rnd
+def _run(rnd, policy, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) -> GenerationResult:
     n, b = len(prompts), rnd.b
-    policy = steps.policy
     timed = True
     if policy is not None:
         policy.start()
@@ -81,7 +81,7 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
     rows = [GenerationResult(output_ids=p[None], num_prompt_tokens=p.numel(), method=rnd.method, block_size=rnd.B)
             for p in prompts]
     try:
-        reader = HostReader(rnd.device, rnd.payload_size * b)
+        reader = HostReader(rnd.device, rnd.payload.size * b)
         start = time.perf_counter()
         firsts = reader.read(rnd.start(list(prompts) + filler, chunk_size=options.prefill_chunk_size))
         for out, first in zip(outs, firsts):
@@ -92,7 +92,7 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
         # traced one keeps its fixed batch and masks it (Round.stop).
         order = list(range(n)) + [None] * (b - n)
         device_committed = [out.committed for out in outs] + [1] * (b - n)
-        _leave(steps, order, device_committed, [i for i in range(b) if order[i] is None or outs[order[i]].done])
+        _leave(rnd, order, device_committed, [i for i in range(b) if order[i] is None or outs[order[i]].done])
         clock = StageClock(rnd.device, options.stage_timing)
         while not all(out.done for out in outs):
             live = [i for i, r in enumerate(order) if r is not None and not outs[r].done]
@@ -100,12 +100,12 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
             rnd.check_room([device_committed[i] for i in live])  # host ints: no round writes past a cache
             bucket = policy.choose(max(before)) if policy is not None else -1
             began = time.perf_counter()
-            steps.draft()
+            rnd.draft()
             clock.mark("draft")
-            payload = steps.verify(bucket)
+            payload = rnd.verify(bucket)
             clock.mark("verify")
-            host = rnd.payload_rows(reader.read(payload))
-            news = [rnd.committed_tokens(host[i]) if i in live else [] for i in range(rnd.b)]
+            host = rnd.payload.rows(reader.read(payload))
+            news = [rnd.payload.committed(host[i]) if i in live else [] for i in range(rnd.b)]
             if policy is not None:
                 _observe(policy, rnd, bucket, [host[i] for i in live], time.perf_counter() - began if timed else 0.0,
                          max(before))
@@ -126,7 +126,7 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
                 if out.done:
                     ended.append(i)
             if ended:
-                _leave(steps, order, device_committed, ended)
+                _leave(rnd, order, device_committed, ended)
             clock.mark("commit")
         total = time.perf_counter() - start
         stages = clock.totals()
@@ -145,14 +145,13 @@ def _run(steps, prompts, padded: torch.Tensor, options: LoopOptions, seed: int) 
         rnd.thaw()
 
 
-def _leave(steps, order: list, device_committed: list, ended) -> None:
+def _leave(rnd, order: list, device_committed: list, ended) -> None:
     """Sequences ``ended`` (indices of the round's batch) stop: an eager round drops them (the batch narrows;
     ``order`` and ``device_committed`` follow the moves), a traced one keeps them, masked. Never the last
     sequence of an eager round (the loop ends with it)."""
-    rnd = steps.rnd
     if not ended:
         return
-    if steps.traced:
+    if rnd.traced:
         rnd.stop(ended)
         return
     for i in sorted(ended, reverse=True):  # from the back: each move takes the batch's last sequence
@@ -168,8 +167,8 @@ def _observe(policy, rnd, bucket: int, live_rows, seconds: float, length: int) -
     """Tell the budget policy what a round of several sequences did: each bucket's acceptance and mass averaged
     over the live sequences (the batch's expected committed tokens are the live count times one sequence's, so
     the best bucket per second is the same)."""
-    accepted = [rnd.bucket_acceptance(row) for row in live_rows]
-    masses = [rnd.path_masses(row) for row in live_rows]
+    accepted = [rnd.payload.bucket_acceptance(row) for row in live_rows]
+    masses = [rnd.payload.path_masses(row) for row in live_rows]
     k = len(live_rows)
     policy.observe(bucket, [sum(a[v] for a in accepted) / k for v in range(len(accepted[0]))],
                    [sum(m[v] for m in masses) / k for v in range(len(masses[0]))], seconds, length)

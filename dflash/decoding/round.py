@@ -34,7 +34,9 @@ tensor              shape                  meaning
                                            in the payload's fixed point (times :data:`MASS_SCALE`, floored)
 ==================  =====================  ===========================================================
 
-Steps (nothing in them reads a value on the host):
+Steps (nothing in them reads a value on the host; each variant below is a
+method of its own, bound once per round to :attr:`Round.draft_step` /
+:attr:`Round.verify_step` by :meth:`Round._choose_steps`):
 
 * :meth:`draft` -- the drafter over ``ctx`` (``ctx_count`` real rows) and the
   block ``[last, MASK x D]``; DFlash: ``proposals = argmax`` of the target's
@@ -55,7 +57,8 @@ Steps (nothing in them reads a value on the host):
   = their captured features, ``last`` = the bonus token (each count times
   ``alive``, so a stopped sequence stays where it stopped). Returns the payload
   the host reads once, a row per sequence flattened: ``[choices (B), a]``
-  (chain), ``[committed (D + 1, padded), path_len]`` (tree), ``[choice]`` (AR).
+  (chain), ``[committed (D + 1, padded), path_len]`` (tree), ``[choice]`` (AR); its layout and the
+  host's decoding are :class:`~dflash.decoding.payload.Payload`'s (:attr:`Round.payload`).
 
 Token choice (:meth:`choose`, the only one): greedy argmax, or a sample of
 the processed distribution (temperature, then top-k / top-p / min-p) keyed by
@@ -95,7 +98,7 @@ host, a round that could write past either cache.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -105,17 +108,15 @@ from dflash_kernels import tree_device
 from ..cache import CacheFullError
 from ..drafter.cache import DraftKVCache
 from ..drafter.model import DFlash2DraftModel
+from ..target.prefill import prefill
 from .generation_config import SamplingSettings
 from .options import RoundShape
+from .payload import MASS_SCALE, Payload
 
-__all__ = ["MASS_SCALE", "ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
+__all__ = ["ROW_BUCKET", "Round", "bucket_rows", "cache_rows", "tree_branching"]
 
 #: caches are allocated in multiples of this many rows, so prompts of similar length share one compiled step
 ROW_BUCKET = 256
-
-#: the payload is int64: a path mass ``m`` in [0, D] travels as ``floor(m * MASS_SCALE)``
-MASS_SCALE = 1 << 24
-
 
 def bucket_rows(rows: int) -> int:
     """``rows`` rounded up to a multiple of :data:`ROW_BUCKET`."""
@@ -155,11 +156,6 @@ def _zeros(role, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-#: Rows per prefill pass of a batch (one sequence prefills its whole prompt in one pass): each pass builds a
-#: ``[b, T, S]`` visibility over the longest prompt, which chunks of this many rows bound.
-BATCH_PREFILL_CHUNK = 2048
-
-
 class Round:
     """The state and the two steps of one generation's rounds (see the module docstring).
 
@@ -168,12 +164,18 @@ class Round:
     sequences ``b`` run at once. ``kv_alloc(role, shape, dtype, device) -> kv``
     (role ``"target"`` or ``"draft"``; ``shape`` one sequence's, with the batch
     in front when ``b > 1``) hands each cache its storage (a view of a buffer
-    pooled rounds share); zeros when omitted.
+    pooled rounds share); zeros when omitted. ``traced``: the steps will run
+    traced (compiled), so they keep every shape fixed: the tree is built and
+    walked with the device ops, and the passes attend over whole caches.
+    ``host_tree``: False keeps an eager CPU round on the reference backend on
+    the device tree ops too (the C++ host build and walk are its default).
     """
 
     def __init__(self, adapter, draft, shape: RoundShape, *, target_rows: int, draft_rows: int,
-                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None, batch: int = 1):
+                 sampling: SamplingSettings, kv_alloc: Optional[Callable] = None, batch: int = 1,
+                 traced: bool = False, host_tree: bool = True):
         self.adapter, self.draft_model, self.shape = adapter, draft, shape
+        self.traced = bool(traced)
         method = self.method = shape.method
         self.sampling = sampling
         device = self.device = adapter.device
@@ -203,10 +205,13 @@ class Round:
                 if n not in self.bucket_nodes:
                     self.bucket_budgets.append(int(bb))
                     self.bucket_nodes.append(n)
+        #: the layout of what :meth:`verify` returns and the host decodes
+        self.payload = Payload(method, B, self.bucket_nodes if self.auto else ())
         #: a sampled DFlash chain verified by rejection sampling (else drafts at the argmax, matched)
         self.rejection = method == "dflash" and shape.acceptance == "rejection" and not sampling.greedy
         #: eager DDTree on the CPU reference backend: the C++ host tree build and walk (a traced round: False)
-        self.host_tree = method == "ddtree" and device.type == "cpu" and self.backend == "reference"
+        self.host_tree = (bool(host_tree) and method == "ddtree" and device.type == "cpu"
+                          and self.backend == "reference" and not self.traced)
         alloc = kv_alloc or _zeros
         batched = (lambda shape5: tuple(shape5)) if b == 1 else (lambda shape5: (b, *shape5))
         S = bucket_rows(target_rows)
@@ -230,7 +235,7 @@ class Round:
         self.dcache = None
         self.batch_size = b
         if method == "ar":
-            self._register_batched()
+            self._finish_setup()
             return
         draft_dtype = draft.fc.weight.dtype
         S_draft = bucket_rows(draft_rows)
@@ -271,7 +276,15 @@ class Round:
             if self.auto:
                 self.path_mass = torch.zeros(b, len(self.bucket_nodes), **long)
                 self._bucket_last = torch.tensor(self.bucket_nodes, **long) - 1
+        self._finish_setup()
+
+    def _finish_setup(self) -> None:
+        # an eager pass attends over the rows the host mirrors bound; a traced one, whose shapes may not change,
+        # over whole caches (KVBuffer.key_bound)
+        for cache in self._caches():
+            cache.key_bound = not self.traced
         self._register_batched()
+        self._choose_steps()
 
     #: state tensors with the batch in front (:meth:`narrow` views their first rows)
     _BATCHED = ("last", "alive", "sequence", "ctx", "ctx_count", "mask_block", "proposals", "q_ids", "q_probs",
@@ -309,12 +322,6 @@ class Round:
                 whole[row].copy_(whole[last])
         self.narrow(last)
 
-    @property
-    def payload_size(self) -> int:
-        """Elements of one sequence's row of :meth:`verify`'s payload (it holds ``b`` of them)."""
-        extra = self.B + len(self.bucket_nodes) if self.auto else 0
-        return {"ar": 1, "dflash": self.B + 1, "ddtree": self.D + 2 + extra}[self.method]
-
     # ---------------------------------------------------------------- set-up per generation (eager)
     def reset(self, seed: int) -> None:
         """Empty caches for the next prefill, a fresh sampling key, every sequence alive and in the batch; the
@@ -334,97 +341,26 @@ class Round:
         """Prefill each sequence's prompt (``prompts``: ``b`` int64 tensors ``[P_r]``, or one ``[P]`` when ``b ==
         1``; shapes vary), choose its first token, ingest its features into the drafter; then freeze both caches.
         Returns the first tokens ``[b]`` (also in ``last``). ``chunk_size``: rows per prefill pass (the
-        generation's ``prefill_chunk_size``; None: :meth:`TargetAdapter.prefill`'s default).
+        generation's ``prefill_chunk_size``; None: the prefill's defaults).
 
-        One sequence: the adapter's eager prefill (causal SDPA, as ``generate()`` runs its prompt). A
-        batch: :meth:`_prefill_batch`, every sequence's prompt in the same passes; on a hybrid target
-        :meth:`_prefill_rows`, each sequence's prompt on its own."""
+        The prefill is the target side's (:func:`dflash.target.prefill.prefill`: one sequence, or a hybrid
+        target's batch, row by row as ``generate()`` runs a prompt; other batches in shared padded passes);
+        each sequence's features go to its drafter rows (:meth:`KVBuffer.row`), whose lengths the drafter
+        cache then adopts."""
         if isinstance(prompts, torch.Tensor):
             prompts = [prompts]
         if len(prompts) != self.b:
             raise ValueError(f"this round runs {self.b} sequences, got {len(prompts)} prompts")
-        if self.b == 1:
-            last_hidden, features = self.adapter.prefill(prompts[0], self.cache, chunk_size=chunk_size)
-            self.last.copy_(self.choose(last_hidden).reshape(1))
-            if self.dcache is not None:
-                self.draft_model.ingest_context(features, self.dcache)
-        elif getattr(self.cache, "linear", None) is not None:
-            self._prefill_rows(prompts, chunk_size)
-        else:
-            self._prefill_batch(prompts, chunk_size)
+        ingest = drows = None
+        if self.dcache is not None:
+            drows = [self.dcache.row(r) for r in range(self.b)]
+            ingest = lambda r, features: self.draft_model.ingest_context(features, drows[r])  # noqa: E731
+        last_hidden = prefill(self.adapter, self.cache, list(prompts), chunk_size, ingest)
+        if drows is not None:
+            self.dcache.take_lengths(drows)
+        self.last.copy_(self.choose(last_hidden))
         self.freeze()
         return self.last
-
-    def _prefill_rows(self, prompts, chunk_size: Optional[int] = None) -> None:
-        """A hybrid target's batch: each sequence's prompt prefilled on its own rows, one sequence after the
-        other, exactly as one sequence's (:meth:`TargetAdapter.prefill` over :meth:`HybridKVCache.row`: its
-        attention K/V rows, its conv windows and recurrent states, by the model's own forward in causal chunks).
-
-        Not the padded passes of :meth:`_prefill_batch`: causality keeps a pad row out of the attention of
-        every real row, but a linear-attention layer's recurrence would run the pad rows of a shorter prompt
-        into that sequence's state (and the in-place chunk forward cannot be committed partially). Then each
-        sequence's last prompt row chooses its first token, its features go to its drafter rows, and the
-        caches adopt the rows' lengths."""
-        b, device = self.b, self.device
-        rows = [self.cache.row(r) for r in range(b)]
-        drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
-        last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
-        for r, prompt in enumerate(prompts):
-            hidden, features = self.adapter.prefill(prompt, rows[r], chunk_size=chunk_size)
-            last_hidden[r].copy_(hidden[0])
-            if drows is not None:
-                self.draft_model.ingest_context(features, drows[r])
-        self.cache.take_lengths(rows)
-        if drows is not None:
-            self.dcache.take_lengths(drows)
-        self.last.copy_(self.choose(last_hidden))
-
-    def _prefill_batch(self, prompts, chunk_size: Optional[int] = None) -> None:
-        """The prompts of a batch in the same causal passes: each sequence's tokens from position 0, padded on the
-        right to the longest (``[b, P_max]``; a pad row comes after every real one, so causality keeps it out
-        of every real row), in chunks of the generation's ``prefill_chunk_size``, else
-        :data:`~dflash.target.adapter.PREFILL_CHUNK`, else :data:`BATCH_PREFILL_CHUNK` rows (each pass builds a
-        ``[b, T, S]`` visibility: chunks bound it). Each pass is a round
-        pass over the frozen target cache (every sequence at its own length); then each sequence keeps its real
-        rows only (``length += min(P_r - start, chunk)``), its last real row's hidden state chooses its first
-        token, and its real rows' captured features go to its drafter cache (eagerly, row by row)."""
-        from ..target.adapter import PREFILL_CHUNK
-
-        chunk = chunk_size if chunk_size is not None else PREFILL_CHUNK
-        chunk = BATCH_PREFILL_CHUNK if chunk is None else int(chunk)
-        device, b = self.device, self.b
-        lengths = [int(p.numel()) for p in prompts]
-        width = max(lengths)
-        ids = torch.zeros(b, width, dtype=torch.long, device=device)
-        for r, p in enumerate(prompts):
-            ids[r, : lengths[r]] = p
-        counts = torch.tensor(lengths, dtype=torch.long, device=device)
-        last_hidden = torch.zeros(b, self.adapter.hidden_size, dtype=self.adapter.dtype, device=device)
-        drows = None if self.dcache is None else [self.dcache.row(r) for r in range(b)]
-        cache = self.cache
-        cache.length_t.zero_()
-        cache.freeze()
-        columns = torch.arange(width, device=device)
-        for start in range(0, width, chunk):
-            end = min(width, start + chunk)
-            hidden, captured = self.adapter.run_pass(ids[:, start:end], columns[start:end].expand(b, -1), cache)
-            kept = (counts - start).clamp(min=0, max=end - start)  # each sequence's real rows in this chunk
-            cache.advance(None, kept)
-            cache.mirror([min(max(n - start, 0), end - start) + done for n, done in zip(lengths, cache.lengths)])
-            ends = [n - 1 - start for n in lengths]
-            for r in range(b):
-                if 0 <= ends[r] < end - start:
-                    last_hidden[r].copy_(hidden[r, ends[r]])
-            if drows is not None:
-                features = torch.cat(captured, dim=-1)  # [b, T, n*H]
-                for r in range(b):
-                    real = min(max(lengths[r] - start, 0), end - start)
-                    if real:
-                        self.draft_model.ingest_context(features[r, :real], drows[r])
-        cache.static = False
-        if drows is not None:
-            self.dcache.take_lengths(drows)
-        self.last.copy_(self.choose(last_hidden))
 
     def check_room(self, committed) -> None:
         """Refuse (:class:`~dflash.cache.CacheFullError`) the next round when, with ``committed`` tokens (prompt
@@ -473,41 +409,82 @@ class Round:
                                          min_p=s.min_p, check_bounds=False, backend=self.backend, **kw)
         return head.sample(rows, s.temperature, seed=self.seed, check_bounds=False, backend=self.backend, **kw)
 
-    # ---------------------------------------------------------------- steps
-    def draft(self) -> None:
-        """The drafter pass and its proposals (chain) or trees, into the state tensors (nothing for AR)."""
+    # ---------------------------------------------------------------- steps, chosen once (:meth:`_choose_steps`)
+    def _choose_steps(self) -> None:
+        """Bind :attr:`draft_step` and :attr:`verify_step` to this round's variants, once per round: what they
+        depend on (method, drafter kind, acceptance rule, host or device tree) is fixed at construction. The
+        steps the loop runs (:attr:`draft` / :attr:`verify`) are these, until a compiled runner wraps them
+        (:meth:`run_by`)."""
         if self.method == "ar":
-            return
+            draft, verify = self._draft_nothing, self._verify_ar
+        elif self.method == "dflash":
+            draft = (self._draft_selector if self.selector_k else
+                     self._draft_sampled_dense if self.rejection else self._draft_chain)
+            verify = self._verify_chain
+        else:
+            draft = (self._draft_selector_tree if self.selector_tree else
+                     self._draft_tree_host if self.host_tree else self._draft_tree)
+            verify = self._verify_tree
+        #: the draft step ``() -> None`` and the verify step ``(bucket) -> payload``: functions of the state alone
+        self.draft_step, self.verify_step = draft, verify
+        #: how the chain's drafts are accepted: equality with the target's choices, or the rejection rule
+        self._accept = self._accept_by_rejection if self.rejection else self._accept_by_match
+        #: how a tree is walked: the C++ walk (eager CPU reference rounds) or the device walk
+        self._walk = self._walk_on_host if self.host_tree else self._walk_on_device
+        self.run_by(draft, verify)
+
+    def run_by(self, draft: Callable[[], None], verify: Callable[[int], torch.Tensor]) -> None:
+        """What :meth:`draft` and :meth:`verify`, the calls the host loop makes, run: the steps themselves
+        (eager), or what a compiled runner made of them (:class:`~dflash.decoding.compiled.RoundSteps`)."""
+        #: the draft step as run (nothing for AR)
+        self.draft = draft
+        #: the verify step of budget bucket ``bucket`` as run (:attr:`bucket_nodes`; -1, the largest, by default);
+        #: returns the payload (:attr:`payload`)
+        self.verify = verify
+
+    def _drafter_pass(self):
+        """The drafter over ``ctx`` and the block ``[last, MASK x D]``: ``(out, head)``, its final block states
+        ``[b, B, H]`` and the same scaled for the lm_head (the drafter's logits are ``softcap(output_multiplier *
+        W h)``: :meth:`~dflash.drafter.model.DFlashDraftModel.head_hidden`)."""
         draft = self.draft_model
         ids = torch.cat([self.last[:, None], self.mask_block], 1)  # [b, B]
         embeds = self.adapter.embed(ids, raw_scale=draft.input_embedding_scale)
         window = {} if self.shape.draft_window is None else {"draft_window": self.shape.draft_window}
         out = draft.draft_block(embeds, self.ctx, self.ctx_count, self.dcache, **window)  # [b, B, H]
-        lm_head = self.adapter.head  # the target's lm_head, fused or as its module (dflash.target.head)
-        head = draft.head_hidden(out)  # the drafter's logits: softcap(output_multiplier * W h)
-        if self.method == "dflash":
-            if self.selector_k:
-                self._draft_selector(out, head, lm_head)
-                return
-            if self.rejection:
-                self._draft_sampled_dense(head)
-                return
-            proposals = lm_head.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
-                                       check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
-            self.proposals.copy_(proposals.view(self.b, self.D))
-            return
-        if self.selector_tree:
-            self._draft_selector_tree(out, head, lm_head)
-            return
-        logprobs, ids = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
-                                     check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
-        logprobs, ids = logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
-        if self.host_tree:  # the b trees in one C++ call (the host is the device there)
-            tree = dflash_kernels.build_tree(logprobs, ids, self.budget)
-        else:
-            tree = dflash_kernels.build_tree(logprobs, ids, self.budget, on_device=True, tables=self.tree_tables,
+        return out, draft.head_hidden(out)
+
+    def _draft_nothing(self) -> None:
+        """AR: no draft."""
+
+    def _draft_chain(self) -> None:
+        """DFlash, drafts at the argmax: ``proposals`` = the argmax of the drafter's logits (the target's lm_head,
+        fused or as its module: :mod:`dflash.target.head`) at block rows ``1..D``."""
+        _, head = self._drafter_pass()
+        proposals = self.adapter.head.argmax(head.reshape(-1, head.shape[-1]), positions=self.draft_rows_flat,
+                                             check_bounds=False, softcap=self.draft_model.logit_softcap,
                                              backend=self.backend)
-        self._take_trees(tree)
+        self.proposals.copy_(proposals.view(self.b, self.D))
+
+    def _tree_candidates(self, head: torch.Tensor):
+        """The top-``K`` ids of the drafter's logits at block rows ``1..D`` and their log-probs: ``(logprobs, ids)``,
+        each ``[b, D, K]``."""
+        logprobs, ids = self.adapter.head.topk(head.reshape(-1, head.shape[-1]), self.K,
+                                               positions=self.draft_rows_flat, check_bounds=False,
+                                               softcap=self.draft_model.logit_softcap, backend=self.backend)
+        return logprobs.view(self.b, self.D, self.K), ids.view(self.b, self.D, self.K)
+
+    def _draft_tree_host(self) -> None:
+        """DDTree, eager on the CPU reference backend: the ``b`` trees in one C++ call (the host is the device
+        there), with their node scores, into the state (:meth:`_take_trees`)."""
+        logprobs, ids = self._tree_candidates(self._drafter_pass()[1])
+        self._take_trees(dflash_kernels.build_tree(logprobs, ids, self.budget))
+
+    def _draft_tree(self) -> None:
+        """DDTree with the device ops: the ``b`` trees in one fixed-shape build (:func:`dflash_kernels.build_tree`
+        with ``on_device=True``, over the round's index tables), with their node scores, into the state."""
+        logprobs, ids = self._tree_candidates(self._drafter_pass()[1])
+        self._take_trees(dflash_kernels.build_tree(logprobs, ids, self.budget, on_device=True,
+                                                   tables=self.tree_tables, backend=self.backend))
 
     def _take_trees(self, tree) -> None:
         """The batch's trees ``(tokens [b, N], depths [b, N], parents [b, N + 1], scores [b, N])`` of a build into
@@ -527,11 +504,10 @@ class Round:
             mass = torch.cumsum(tree[3].exp(), 1).index_select(1, self._bucket_last)  # [b, V]
             self.path_mass.copy_((mass * MASS_SCALE).long())
 
-    def _draft_selector(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
+    def _draft_selector(self) -> None:
         """DFlash2's proposals: the candidate selector's chain over the drafter's top-k at block rows ``1..D``.
 
-        ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
-        (:meth:`~dflash.drafter.model.DFlashDraftModel.head_hidden`). Per drafted row ``j`` the unary
+        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`). Per drafted row ``j`` the unary
         scores are the top ``k`` log-probabilities of the drafter's logits (their ids the candidates);
         the reference package scores with the logits themselves, which differ from these by one constant per
         row: the same argmax and the same ``softmax(scores / T)``. The selector re-scores them from
@@ -543,7 +519,8 @@ class Round:
         written when greedy), the distribution each proposal was drawn from. The ``b`` sequences in one
         launch.
         """
-        draft, s = self.draft_model, self.sampling
+        out, head = self._drafter_pass()
+        draft, s, lm_head = self.draft_model, self.sampling, self.adapter.head
         selector = draft.candidate_selector
         k = self.selector_k
         logprobs, cand = lm_head.topk(head.reshape(-1, head.shape[-1]), k, positions=self.draft_rows_flat,
@@ -555,24 +532,17 @@ class Round:
             self.seed.add_(1)
             temperature, seed = float(s.temperature), self.seed
             filters = dict(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-        if self.b == 1:  # the one-sequence form of the op (sequence 0 of a batch draws the same)
-            tokens, _, q = dflash_kernels.select_candidates(
-                logprobs[0], cand[0], projected[0], selector.predecessor_codebook.weight,
-                selector.successor_codebook.weight, self.last, temperature, seed, backend=self.backend, **filters)
-            tokens, q = tokens[None], q[None]
-        else:
-            tokens, _, q = dflash_kernels.select_candidates(
-                logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
-                self.last, temperature, seed, backend=self.backend, **filters)
+        tokens, _, q = dflash_kernels.select_candidates(
+            logprobs, cand, projected, selector.predecessor_codebook.weight, selector.successor_codebook.weight,
+            self.last, temperature, seed, backend=self.backend, **filters)
         self.proposals.copy_(tokens)
         self.q_ids.copy_(cand)
         self.q_probs.copy_(q)
 
-    def _draft_selector_tree(self, out: torch.Tensor, head: torch.Tensor, lm_head) -> None:
+    def _draft_selector_tree(self) -> None:
         """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
-        ``out [b, B, H]`` the drafter's final block states, ``head [b, B, H]`` the same scaled for the lm_head
-        (as :meth:`_draft_selector`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
+        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
         the drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
         possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
         ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
@@ -580,7 +550,8 @@ class Round:
         selector's greedy chain. Fixed shapes, no host read; the tree layout of every DDTree round, so the
         verify and the walk are unchanged (the walk commits the target's own choices: no ``q`` is kept).
         """
-        draft = self.draft_model
+        out, head = self._drafter_pass()
+        draft, lm_head = self.draft_model, self.adapter.head
         selector = draft.candidate_selector
         unary, candidates = lm_head.topk(head.reshape(-1, head.shape[-1]), self.K, positions=self.draft_rows_flat,
                                          check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
@@ -599,41 +570,35 @@ class Round:
         ``q_probs``: a DFlash2 drafter, whose selector draws its chain itself, :meth:`_draft_selector`)."""
         return "sparse" if self.selector_k else "dense"
 
-    def _draft_sampled_dense(self, out: torch.Tensor) -> None:
+    def _draft_sampled_dense(self) -> None:
         """Rejection rule, dense ``q``: ``q_hidden`` = the block rows ``1..D`` of the drafter's head rows ``[b, B,
-        H]`` (its final states scaled for the lm_head),
+        H]`` (its final states scaled for the lm_head, :meth:`_drafter_pass`),
         ``proposals`` = one draw from each row's processed distribution through the target's lm_head (the same
         temperature, top-k, top-p, min-p as the target; no final norm or softcap: the rows are normed), keyed by
         the seed. Verify recomputes ``q`` from the same rows with the same op, so it is the proposals' law."""
-        self.q_hidden.copy_(out[:, 1:])
+        self.q_hidden.copy_(self._drafter_pass()[1][:, 1:])
         self.proposals.copy_(self._sample(self.q_hidden.reshape(-1, self.q_hidden.shape[-1]), {}).view(self.b,
                                                                                                           self.D))
 
-    def verify(self, bucket: int = -1) -> torch.Tensor:
-        """The target's verify and the commit; returns the payload (module docstring). ``bucket``: DDTree, the
-        index of the budget bucket whose trees are verified (:attr:`bucket_nodes`; the last, the largest, by
-        default; a fixed budget has one)."""
-        if self.method == "ar":
-            return self._verify_ar()
-        if self.method == "dflash":
-            return self._verify_chain()
-        return self._verify_tree(self.bucket_nodes[bucket])
-
-    def _verify_chain(self) -> torch.Tensor:
+    def _verify_chain(self, bucket: int = -1) -> torch.Tensor:
+        """The target on the chains ``[last, proposals]`` at ``L + arange(B)``, their acceptance (:attr:`_accept`)
+        and the commit; ``bucket`` is the tree's only (a chain has one shape)."""
         length, rows = self.cache.length_t, self.rows[: self.B]
         block = torch.cat([self.last[:, None], self.proposals], 1)  # [b, B]
         hidden, captured = self.adapter.run_pass(block, length[:, None] + rows, self.cache)
-        if self.rejection:
-            choices, accepted = self._accept_by_rejection(hidden)
-        else:
-            choices = self.choose(hidden)  # [b, B]
-            accepted = torch.cumprod((self.proposals == choices[:, :-1]).long(), 1).sum(1)  # [b]
+        choices, accepted = self._accept(hidden)
         kept = (accepted + 1) * self.alive  # a stopped sequence keeps nothing
         self.ctx.copy_(torch.cat(captured, dim=-1))
         self.ctx_count.copy_(kept)
         self.cache.advance(rows, kept)
         self.last.copy_(choices.gather(1, accepted[:, None])[:, 0])
-        return torch.cat([choices, accepted[:, None]], 1).reshape(-1)
+        return self.payload.pack(choices, accepted)
+
+    def _accept_by_match(self, hidden: torch.Tensor):
+        """``(choices [b, B], accepted [b])``: the target's choice after each verify row of ``hidden [b, B, H]``
+        (:meth:`choose`) and how many drafts in a row equal it."""
+        choices = self.choose(hidden)  # [b, B]
+        return choices, torch.cumprod((self.proposals == choices[:, :-1]).long(), 1).sum(1)
 
     def _accept_by_rejection(self, hidden: torch.Tensor):
         """``(choices [b, B], accepted [b])`` of the rejection rule over the verify rows ``hidden [b, B, H]``:
@@ -649,7 +614,7 @@ class Round:
                 q = dict(q_hidden=self.q_hidden[r])
             else:
                 q = dict(q_ids=self.q_ids[r], q_probs=self.q_probs[r])
-            seed = self.seed if r == 0 else self.seed + (r << 40)
+            seed = self.seed + (r << 40)
             c, a = self.adapter.head.rejection_sample(rows, self.proposals[r], s.temperature, top_k=s.top_k,
                                                       top_p=s.top_p, min_p=s.min_p, seed=seed, check_bounds=False,
                                                       backend=self.backend, **q, **kw)
@@ -657,8 +622,10 @@ class Round:
             accepted.append(a)
         return torch.stack(choices), torch.cat(accepted)
 
-    def _verify_tree(self, n: int) -> torch.Tensor:
-        """The verify of each tree's first ``n`` nodes (all of them at a fixed budget)."""
+    def _verify_tree(self, bucket: int = -1) -> torch.Tensor:
+        """The verify of each tree's first ``n`` nodes, ``n`` the node count of budget bucket ``bucket`` (all of
+        them at a fixed budget), walked by :attr:`_walk`."""
+        n = self.bucket_nodes[bucket]
         length = self.cache.length_t
         tokens, depths, parents = self.tokens[:, :n], self.depths[:, :n], self.parents[:, : n + 1]
         ids = torch.cat([self.last[:, None], tokens], 1)  # [b, n + 1]
@@ -666,14 +633,7 @@ class Round:
         bits = dflash_kernels.ancestor_bits(parents, check=False, backend=self.backend)  # [b, n + 1, W]
         hidden, captured = self.adapter.run_pass(ids, positions, self.cache, tree_bits=bits, tree_parents=parents)
         choices = self.choose(hidden)  # [b, n + 1]
-        if self.host_tree:
-            walks = [self._walk_on_host(parents[r], tokens[r], choices[r]) for r in range(self.b)]
-            path = torch.stack([w[0] for w in walks])  # [b, D + 1]
-            path_len = torch.cat([w[1] for w in walks])  # [b]
-            committed = torch.stack([w[2] for w in walks])  # [b, D + 1]
-        else:
-            path, path_len, committed = dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits,
-                                                                        backend=self.backend)
+        path, path_len, committed = self._walk(parents, tokens, choices, bits)  # [b, D + 1], [b], [b, D + 1]
         kept = path_len * self.alive  # a stopped sequence keeps nothing
         self.path.copy_(path)
         self.cache.compact_advance(path, kept)
@@ -682,13 +642,25 @@ class Round:
         self.ctx.copy_(torch.cat([c.gather(1, index) for c in captured], dim=-1))
         self.ctx_count.copy_(kept)
         self.last.copy_(committed.gather(1, (path_len - 1)[:, None])[:, 0])
-        if self.auto:  # and for the budget choice: the paths' node ids, the path masses
-            return torch.cat([committed, path_len[:, None], path, self.path_mass], 1).reshape(-1)
-        return torch.cat([committed, path_len[:, None]], 1).reshape(-1)
+        # a per-round budget adds, for its choice, the paths' node ids and the path masses
+        return self.payload.pack(committed, path_len, path, self.path_mass if self.auto else None)
 
-    def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
+    def _walk_on_device(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
+                        bits: torch.Tensor):
+        """The walk of the batch's trees with the device op (:func:`dflash_kernels.walk_tree_device`, one call):
+        ``(path [b, D+1], path_len [b], committed [b, D+1])``, padded."""
+        return dflash_kernels.walk_tree_device(parents, tokens, choices, self.D, bits, backend=self.backend)
+
+    def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
+                      bits: torch.Tensor = None):
+        """The C++ walk of each tree of the batch (:meth:`_walk_one_on_host`): ``(path [b, D+1], path_len [b],
+        committed [b, D+1])`` (``bits`` unused)."""
+        walks = [self._walk_one_on_host(parents[r], tokens[r], choices[r]) for r in range(self.b)]
+        return tuple(torch.stack([w[k] for w in walks]) for k in (0, 1, 2))
+
+    def _walk_one_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
         """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
-        [D+1], path_len [1], committed [D+1])`` (unused slots 0)."""
+        [D+1], path_len [], committed [D+1])`` (unused slots 0)."""
         accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
         n = accepted.numel()
         path = torch.zeros(self.B, dtype=torch.long)
@@ -696,45 +668,16 @@ class Round:
         committed = torch.zeros(self.B, dtype=torch.long)
         committed[: n - 1] = tokens[accepted[1:] - 1]
         committed[n - 1 : n] = choices.index_select(0, accepted[-1:])  # the bonus (a tensor: no Python value)
-        return path, self.rows[n : n + 1], committed
+        return path, self.rows[n], committed
 
-    def _verify_ar(self) -> torch.Tensor:
+    def _verify_ar(self, bucket: int = -1) -> torch.Tensor:
+        """AR: the target on ``last`` alone, its choice committed."""
         rows = self.rows[:1]
         hidden, _ = self.adapter.run_pass(self.last[:, None], self.cache.length_t[:, None] + rows, self.cache)
         choice = self.choose(hidden)[:, 0]  # [b]
         self.cache.advance(rows, self.alive)
         self.last.copy_(choice)
-        return choice
-
-    # ---------------------------------------------------------------- the host's view of a payload
-    def payload_rows(self, host: List[int]) -> List[List[int]]:
-        """A payload read on the host, one list per sequence."""
-        n = self.payload_size
-        return [host[r * n : (r + 1) * n] for r in range(self.b)]
-
-    def committed_tokens(self, row: List[int]) -> List[int]:
-        """The tokens a round committed for one sequence, from its row of the payload (:meth:`payload_rows`)."""
-        if self.method == "ar":
-            return row
-        if self.method == "dflash":
-            return row[: row[self.B] + 1]
-        return row[: row[self.D + 1]]
-
-    def path_masses(self, row: List[int]) -> List[float]:
-        """One sequence's ``path_mass`` (``[V]``) from its payload row (budget chosen per round only)."""
-        return [x / MASS_SCALE for x in row[self.D + 2 + self.B :]]
-
-    def bucket_acceptance(self, row: List[int]) -> List[int]:
-        """Per budget bucket, the drafts its tree would have accepted in this round for one sequence, from its
-        payload row (budget chosen per round only): exact for the buckets up to the verified one, a lower bound
-        above.
-
-        The walk of a prefix tree (the first ``n`` nodes) follows the verified walk's path while its nodes are
-        in the prefix: each node's target choice depends on its ancestors only, and a path's node ids
-        increase. So bucket ``u`` accepts the path's nodes with ids ``<= n_u``."""
-        length = row[self.D + 1]
-        path = row[self.D + 2 : self.D + 2 + length]
-        return [sum(1 for node in path[1:] if node <= n) for n in self.bucket_nodes]
+        return self.payload.pack(choice)
 
     def mirror(self, committed_before, new) -> None:
         """Refresh the caches' host lengths after a round that found ``committed_before`` tokens and committed
