@@ -4,7 +4,7 @@ The table balances ``pytest --shard I/N`` (see tests/sharding.py); run this on a
 machine (nothing else running: times are wall clock) from the repository root:
 
     .venv/bin/python .ci/shard_costs.py                       # the whole suite, one core
-    .venv/bin/python .ci/shard_costs.py --merge tests/test_x.py   # re-measure some files only
+    .venv/bin/python .ci/shard_costs.py --merge tests/ops/test_x.py   # re-measure some files only
 
 Like a CI job it runs on one thread (``OMP_NUM_THREADS=1``) with empty inductor and Triton
 caches, in one pytest process. A file's cost is its module's import plus the setup, call

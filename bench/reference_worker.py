@@ -2,7 +2,7 @@
 
 Runs with z-lab's ``dflash==0.1.0`` (and, for DDTree, a checkout of Liran Ringel's DDTree code), never with
 this repository's ``dflash`` package: both import as ``dflash``, so this file imports nothing from the
-repository (tests/test_reference_loops.py checks that). z-lab's package comes from its own environment (an
+repository (tests/tooling/test_reference_loops.py checks that). z-lab's package comes from its own environment (an
 installed ``dflash``, found in ``site-packages``), or from ``--zlab-src DIR``, a directory holding z-lab's
 ``dflash/`` package folder (its installed files copied there: how it travels to a machine without network,
 run by the same interpreter as ours). bench/reference_loops.py starts it; by hand::

@@ -1,4 +1,4 @@
-"""Reference outputs of z-lab's ``dflash`` 0.1.0 for tests/test_zlab_parity.py (tests/fixtures/zlab_dflash2/).
+"""Reference outputs of z-lab's ``dflash`` 0.1.0 for tests/generation/test_zlab_parity.py (tests/fixtures/zlab_dflash2/).
 
 Runs in an environment with z-lab's package and NOT this one (both import as
 ``dflash``)::

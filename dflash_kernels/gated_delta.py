@@ -67,7 +67,7 @@ across threads) at an iteration ``i > p`` with ``parents[i] == p != i - 1``.
    caller must not alias ``scratch`` or ``out`` with them. A parent ``-1``
    reloads from ``state``, which nothing writes: no hazard there.
 5. The reload is a plain coherent ``ld.global`` (not the read-only ``.nc``
-   path, which may serve a stale line); ``tests/test_compile_gpu_gated_delta.py``
+   path, which may serve a stale line); ``tests/ops/test_compile_gpu_gated_delta.py``
    checks that, and that a ``bar.sync`` lies between every ``parents[i]``
    load and the next global load, in the sm_90 / sm_80 PTX.
 

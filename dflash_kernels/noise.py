@@ -19,7 +19,7 @@ id ``j`` (the selector: the position ``j``; a rejection's acceptance uniform: ``
 A pure function of the seed's value, the row and the col: no generator and no host read, so a captured graph
 replays new noise when the caller changes the seed tensor, and the backends draw the same tokens.
 
-One implementation per language the stream must run in (tests/test_noise.py holds them equal, bit for bit on
+One implementation per language the stream must run in (tests/ops/test_noise.py holds them equal, bit for bit on
 the words and the uniforms):
 
 * torch (any device; traces under ``torch.compile``; the reference's): :func:`philox_uint32`,

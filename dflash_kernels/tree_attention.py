@@ -594,7 +594,7 @@ def tree_attention_configs(head_dim: int, dtype: torch.dtype) -> List[dict]:
     accumulators up; key tiles of 64 (32 for 128-row tiles and D = 256, which
     also gets 2 stages so the pipelined K/V fit in sm_80's 163 KiB). float32:
     one 16 x 32 tile with exact FMA dots. Every one compiles for sm_80 and
-    sm_90 without spills (tests/test_compile_gpu_tree.py).
+    sm_90 without spills (tests/ops/test_compile_gpu_tree.py).
     """
     return [dict(c) for c in _config_table(head_dim_block(head_dim), torch.finfo(dtype).bits // 8)]
 

@@ -13,7 +13,7 @@ import torch
 PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12]
 #: Nine tokens: the compiled-round, attention-function and target-norm tests'.
 SHORT_PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3]
-#: Twelve tokens: the family tests' (tests/test_families.py, test_hybrid.py, test_own_forward_check.py, the zoo).
+#: Twelve tokens: the family tests' (tests/families/test_families.py, test_hybrid.py, test_own_forward_check.py, the zoo).
 FAMILY_PROMPT = [5, 17, 33, 2, 9, 41, 60, 7, 3, 12, 8, 1]
 
 

@@ -64,7 +64,7 @@ def parse_floats(text: Optional[str], count: int, name: str, default: float) -> 
 def load_costs(path: str = COSTS_PATH) -> Tuple[Dict[str, float], float]:
     """The table's per-file seconds, and the seconds per test to guess a file it lacks.
 
-    The table (JSON) holds ``files`` (``{"tests/test_x.py": seconds}``) and ``tests`` (the
+    The table (JSON) holds ``files`` (``{"tests/ops/test_x.py": seconds}``) and ``tests`` (the
     same files' test counts); the guess is their ratio, the measured suite's mean. A
     missing table is an empty one: every file is guessed, ``DEFAULT_SECONDS_PER_TEST``.
     """
@@ -190,7 +190,7 @@ def pytest_ignore_collect(collection_path, config):
         return None
     rel = collection_path.relative_to(config.rootpath).as_posix() if collection_path.is_relative_to(
         config.rootpath) else str(collection_path)
-    if rel.startswith("tests/test_") and not any(entry.split("::", 1)[0] == rel for entry in entries):
+    if rel.startswith("tests/") and collection_path.name.startswith("test_") and not any(entry.split("::", 1)[0] == rel for entry in entries):
         return True
     return None
 

@@ -204,7 +204,7 @@ class TableDraft2(_TableRows, DFlash2DraftModel):
                              persistent=False)
 
 
-# ------------------------------------------------------------------ every family (tests/test_families.py)
+# ------------------------------------------------------------------ every family (tests/families/test_families.py)
 #: The families :func:`tiny_family_target` builds, by transformers class.
 FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
 
@@ -304,7 +304,7 @@ def tiny_family_target(family: str, *, layers: int = 2, hidden: int = 32, vocab:
     return model.to(dtype).eval()
 
 
-# ------------------------------------------------------------------ hybrid targets (tests/test_hybrid*.py)
+# ------------------------------------------------------------------ hybrid targets (tests/families/test_hybrid.py)
 #: The hybrid families :func:`tiny_hybrid_target` builds (transformers' own classes).
 HYBRID_NAMES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 

@@ -1,6 +1,6 @@
 """Run several ``python -m dflash train`` command lines in one torchrun launch (one process group).
 
-Used by tests/test_train_distributed.py: ``torchrun --standalone --nproc-per-node 2 tests/train_world.py
+Used by tests/training/test_train_distributed.py: ``torchrun --standalone --nproc-per-node 2 tests/train_world.py
 RUNS.json`` with RUNS.json a list of argument lists. Joining the group once and running the trainings
 one after another saves a launch (process start-up, imports) per configuration.
 """

@@ -326,7 +326,7 @@ def generation_module():
     """The decoding layer's reference-compatible calls (:mod:`dflash.decoding.compat`), resolved at call time.
 
     The one seam between the drafter and the loops above it: the drafter sits below ``decoding`` (it may not
-    import it, tests/test_layout.py), yet z-lab's API drives generation from the drafter object
+    import it, tests/tooling/test_layout.py), yet z-lab's API drives generation from the drafter object
     (``draft.spec_generate(target=..., ...)``). The method therefore names the module it delegates to and
     imports it only when called, when ``dflash`` (and so ``dflash.decoding``) is loaded anyway: importing
     ``dflash.drafter`` imports the package root first.

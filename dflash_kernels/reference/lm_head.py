@@ -263,7 +263,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     On the CPU through ``torch.rms_norm``, one dispatched op where the formula's own are six: its composite
     computes the formula's ops in the formula's order, so the result is the HF module's bit for bit
-    (tests/test_lm_head.py holds it in fp32, bf16 and fp16). The weight multiplies after the cast back, as
+    (tests/ops/test_lm_head.py holds it in fp32, bf16 and fp16). The weight multiplies after the cast back, as
     HF's does, except in fp32 where the cast is the identity and the weight goes into the one call.
     Elsewhere the formula's own ops: a GPU's fused ``rms_norm`` kernel reduces in another order, which would
     no longer be the modules' bits.
