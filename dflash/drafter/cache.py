@@ -34,9 +34,6 @@ __all__ = ["DraftKVCache"]
 class DraftKVCache(KVBuffer):
     """The drafter's cache (see the module docstring; ``kv=``: caller storage)."""
 
-    #: reference backend, during a round pass: ``{(window, causal, anchored): visible [b, B, S] bool}`` shared by
-    #: the layers of one kind
-    visible = None
     #: during a draft pass: ``(prefix [b], context rows [b, C], block rows [b, B])``, its writes' rows made once
     #: for every layer (:meth:`begin_block`); None between passes
     block_dests = None

@@ -124,9 +124,8 @@ class DraftAttention(nn.Module):
         window: Optional[int] = None,
         block_positions: Optional[torch.Tensor] = None,
         causal: bool = False,
-        anchored: bool = False,
         band: Optional[int] = None,
-        kind: Optional[tuple] = None,
+        visible: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``block [B, H]``, ``context [C, H]`` (C may be 0), ``cos/sin [C+B, D]``.
 
@@ -145,14 +144,13 @@ class DraftAttention(nn.Module):
         (GQA packed, ``window`` applied at ``block_positions [b, B]``: what
         :meth:`DraftLayer.round_window` gives, the rows' own positions, or their
         block's anchor for an anchored or drafter window; ``band``: the block
-        bits' own band, :meth:`~dflash.drafter.cache.DraftKVCache.block_bits`),
-        the reference path the pass's mask made once per layer ``kind``
-        (:attr:`DraftLayer.kind`; default ``(window, causal, anchored)``) in
-        :meth:`DFlashDraftModel.draft_block` from the same inputs.
+        bits' own band, :meth:`~dflash.drafter.cache.DraftKVCache.block_bits`);
+        the reference path (``visible`` given) runs SDPA under ``visible [b, B,
+        S]`` bool, the pass's mask of this layer's kind made from the same
+        inputs (:meth:`DFlashDraftModel.round_visibility`).
         """
         if cache is not None:
-            return self._round(block, context, cos, sin, cache, window, block_positions, causal, anchored, band,
-                               kind)
+            return self._round(block, context, cos, sin, cache, window, block_positions, causal, band, visible)
         B, C = block.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block).view(B, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos[C:], sin[C:])
@@ -162,8 +160,7 @@ class DraftAttention(nn.Module):
                                              enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(B, self.num_heads * self.head_dim))
 
-    def _round(self, block, context, cos, sin, cache, window, block_positions, causal, anchored, band=None,
-               kind=None):
+    def _round(self, block, context, cos, sin, cache, window, block_positions, causal, band=None, visible=None):
         """The decoding round's attention (see :meth:`forward`): ``[b * B, H]``."""
         b, C = context.shape[0], context.shape[1]
         B = block.shape[0] // b
@@ -172,10 +169,8 @@ class DraftAttention(nn.Module):
         q = apply_rope(q, cos[:, None, C:], sin[:, None, C:])  # [b, Hq, B, D]
         k, v = self.project_kv(torch.cat([context, rows], 1), cos[:, None], sin[:, None])  # [b, Hkv, C + B, D]
         k_all, v_all, prefix = cache.write_block(self.layer_idx, k, v, C)
-        if cache.visible is not None:  # reference backend
-            kind = (window, causal, anchored) if kind is None else kind
-            out = dflash_kernels.masked_attention(q, k_all, v_all, cache.visible[kind],
-                                                  scale=self.scaling)
+        if visible is not None:  # reference backend
+            out = dflash_kernels.masked_attention(q, k_all, v_all, visible, scale=self.scaling)
         else:
             out = dflash_kernels.tree_attention(q, k_all, v_all, cache.block_bits(B, causal, band), prefix,
                                                 scale=self.scaling, positions=block_positions, window=window,
@@ -236,7 +231,7 @@ class DraftLayer(nn.Module):
     @property
     def kind(self) -> tuple:
         """``(sliding_window, causal, window_anchored)``: layers of one kind see the same keys in a round (the
-        reference backend's visibility is made once per kind, :meth:`DFlashDraftModel.draft_block`)."""
+        reference backend's visibility is made once per kind, :meth:`DFlashDraftModel.round_visibility`)."""
         return self.sliding_window, self.causal, self.window_anchored
 
     def window_positions(self, block_positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -285,10 +280,13 @@ class DraftLayer(nn.Module):
         return Wl, positions.reshape(block_positions.shape), (Wl if Wl < B else None)
 
     def forward(self, block, context, cos, sin, cache=None, attn_mask=None, block_positions=None,
-                block_size: Optional[int] = None, draft_window: Optional[int] = None):
+                block_size: Optional[int] = None, draft_window: Optional[int] = None,
+                visible: Optional[torch.Tensor] = None):
         """``block [rows, H]`` in blocks of ``block_size`` rows (None: the config's ``block_size``; a decoding
         round passes its own, which may be smaller). ``draft_window``: a decoding round's drafter window
-        (:meth:`round_window`; with ``cache`` only)."""
+        (:meth:`round_window`; with ``cache`` only). ``visible``: on the reference backend, the round pass's
+        ``[b, B, S]`` bool mask of this layer's :attr:`kind` (:meth:`DFlashDraftModel.round_visibility`); None
+        on the Triton backend and in training."""
         B = self.block_size if block_size is None else int(block_size)
         window, positions, band = self.sliding_window, None, None
         if block_positions is not None:
@@ -298,7 +296,7 @@ class DraftLayer(nn.Module):
                 positions = self.window_positions(block_positions, B)
         attend = lambda h: self.self_attn(h, context, cos, sin, cache=cache, attn_mask=attn_mask,  # noqa: E731
                                           window=window, block_positions=positions, causal=self.causal,
-                                          anchored=self.window_anchored, band=band, kind=self.kind)
+                                          band=band, visible=visible)
         block = self._wrapped(self.attention_conv, attend, self.input_layernorm(block), block, B)
         return self._wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(block), block, B)
 
@@ -458,31 +456,48 @@ class DFlashDraftModel(nn.Module):
         block_positions = length + context_count[:, None] + rows[:B]  # [b, B]
         positions = torch.cat([length + rows[:C], block_positions], 1)  # [b, C + B]
         cos, sin = self.rope(positions, block)
-        cache.visible = None
         cache.begin_block(C, B, context_count)  # every layer's write rows, once for the pass
-        if dflash_kernels.get_backend(block.device) != "triton":
-            # every block row sees its sequence's committed context and the whole block (causal layers: the block
-            # up to itself): [b, B, S] per distinct layer kind (window, causal, anchored)
-            cache.visible = {layer.kind: None for layer in self.layers}
-            for layer in self.layers:
-                key = layer.kind
-                if cache.visible[key] is None:
-                    window, window_positions, band = layer.round_window(block_positions, B, draft_window)
-                    prefix, keys = cache.block_dests[0], cache.key_rows(C + B)
-                    if window is None and band is None and not layer.causal:
-                        # every block row sees what one row after the whole block sees (every context row,
-                        # every block row): a one-row chain's compare, not the bits' lookup
-                        seen = dflash_kernels.tree_visibility(None, prefix + (B - 1), 1, n_keys=keys)
-                        cache.visible[key] = seen.view(-1, 1, keys).expand(b, B, keys)
-                    else:
-                        cache.visible[key] = dflash_kernels.tree_visibility(
-                            cache.block_bits(B, layer.causal, band), prefix, B, n_keys=keys,
-                            positions=window_positions, window=window)
+        masks = (self.round_visibility(cache, block_positions, C, B, draft_window)
+                 if dflash_kernels.get_backend(block.device) != "triton" else None)
         for layer in self.layers:
             block = layer(block, context, cos, sin, cache=cache, block_positions=block_positions, block_size=B,
-                          draft_window=draft_window)
+                          draft_window=draft_window, visible=None if masks is None else masks[layer.kind])
         cache.advance(context_count)
         return self.norm(block).view(b, B, H)
+
+    def round_visibility(self, cache, block_positions: torch.Tensor, C: int, B: int,
+                         draft_window: Optional[int] = None) -> dict:
+        """The reference backend's masks of one round pass: ``{kind: visible [b, B, S] bool}``, one per distinct
+        :attr:`DraftLayer.kind` ``(window, causal, anchored)``, shared by the layers of that kind.
+
+        ``cache`` after :meth:`~dflash.drafter.cache.DraftKVCache.begin_block` (its ``block_dests[0]``, the
+        prefix ``p [b]`` of each sequence, committed plus new context rows), ``block_positions [b, B]``, ``C``
+        context rows per sequence, ``S = cache.key_rows(C + B)``. Block row ``j`` of sequence ``r`` sees key
+        ``k`` iff ``k < p[r]`` (context) or ``k = p[r] + j'`` with block bit ``j'`` of row ``j`` set
+        (:meth:`~dflash.drafter.cache.DraftKVCache.block_bits`; every bit, or causal ``j' <= j``, or the
+        layer's band), and ``pos_q - pos_k < window`` (context key ``k`` at position ``k``, block keys at the
+        queries' positions; :meth:`DraftLayer.round_window` gives the window, those positions and the band, the
+        drafter window ``draft_window`` included). The layers take them as their
+        forward's ``visible``; the cache does not keep them.
+        """
+        b = block_positions.shape[0]
+        prefix, keys = cache.block_dests[0], cache.key_rows(C + B)
+        masks = {}
+        for layer in self.layers:
+            key = layer.kind
+            if key in masks:
+                continue
+            window, window_positions, band = layer.round_window(block_positions, B, draft_window)
+            if window is None and band is None and not layer.causal:
+                # every block row sees what one row after the whole block sees (every context row, every block
+                # row): a one-row chain's compare, not the bits' lookup
+                seen = dflash_kernels.tree_visibility(None, prefix + (B - 1), 1, n_keys=keys)
+                masks[key] = seen.view(-1, 1, keys).expand(b, B, keys)
+            else:
+                masks[key] = dflash_kernels.tree_visibility(cache.block_bits(B, layer.causal, band), prefix, B,
+                                                            n_keys=keys, positions=window_positions,
+                                                            window=window)
+        return masks
 
     def ingest_context(self, context_features: torch.Tensor, cache) -> None:
         """Append the K/V of ``context_features [C, n*H]`` (rows at positions ``length ..``) to ``cache`` eagerly.

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import dflash_kernels
 from dflash import DFlashDraftModel, DraftConfigError
 from dflash.drafter.cache import DraftKVCache
 from tiny_models import tiny_draft, tiny_target
@@ -125,3 +126,32 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     os.remove(tmp_path / "config.json")
     with pytest.raises(DraftConfigError, match="no config.json"):
         DFlashDraftModel.from_pretrained(str(tmp_path))
+
+
+def test_round_masks_are_the_pass_own_one_per_layer_kind():
+    """On the reference backend a round pass makes one ``[b, B, S]`` mask per layer kind, hands each layer the
+    one of its kind (layers of one kind share the tensor) and leaves none on the cache."""
+    target = tiny_target("qwen3", layers=6)
+    draft = tiny_draft(target, block_size=4, layers=3, sliding_window=3,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    n, H = len(draft.target_layer_ids), target.config.hidden_size
+    feats = torch.randn(10, n * H)
+    cache = DraftKVCache(draft.config, 64, torch.float32, "cpu")
+    seen = {}
+
+    def keep(layer):
+        return lambda module, args, kwargs: seen.__setitem__(layer, kwargs["visible"])
+
+    hooks = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(draft.layers)]
+    with torch.no_grad(), dflash_kernels.force_backend("reference"):
+        _run_rounds(draft, feats, [6, 9], 4, cache)
+    for hook in hooks:
+        hook.remove()
+    assert seen[0] is seen[2] and seen[0] is not seen[1]
+    assert seen[1].shape == seen[0].shape and seen[1].shape[:2] == (1, 4)  # [b, B, the pass's key rows]
+    # the full-attention layer's block rows see every committed context row (9) and the whole block
+    want = torch.zeros_like(seen[1])
+    want[..., :9 + 4] = True
+    assert torch.equal(seen[1], want)
+    assert not seen[0].equal(seen[1])  # the sliding layers' window hides context rows
+    assert not hasattr(cache, "visible")
