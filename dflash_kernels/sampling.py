@@ -238,17 +238,3 @@ def _lm_head_sample_processed_op(hidden: Tensor, weight: Tensor, temperature: fl
     return sample_processed(hidden, weight, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             norm_weight=norm_weight, eps=eps, positions=positions, seed=seed,
                             logit_dtype=logit_dtype, softcap=softcap, check_bounds=False)
-    if seed is not None and not device_seed:
-        generator = torch.Generator(device=hidden.device)
-        generator.manual_seed(seed % (2 ** 63))
-    noise = noise_source(generator, seed if device_seed else None, hidden.device)
-    plan = sample_processed_plan(N, head.vocab, logit_dtype, chunk_elements)
-    scores_of_bins = bin_scores(logit_dtype, t, hidden.device) if plan["method"] == "histogram" else None
-    for r0 in range(0, N, plan["rows"]):
-        r1 = min(N, r0 + plan["rows"])
-        rows = head.row_chunk(r0, r1)
-        if plan["method"] == "histogram":
-            out[r0:r1] = _histogram_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0, plan, scores_of_bins)
-        else:
-            out[r0:r1] = _dense_rows(rows, t, top_k, top_p, min_p, logit_dtype, noise, r0)
-    return out

@@ -42,7 +42,7 @@ import torch
 import dflash_kernels
 from dflash_kernels.tree_attention import tree_attention_config
 
-from ..target import PREFILL_CHUNK, TargetAdapter, decoder_parts
+from ..target import TargetAdapter, decoder_parts
 from ..target.head import head_shape
 from ..target import adapter as _adapter_module
 from ..target.attention import KERNEL_MAX_HEAD_DIM

@@ -24,7 +24,6 @@ block's K/V are scratch, overwritten by the next round.
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Iterable, Optional
 
 import torch
