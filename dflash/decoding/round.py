@@ -542,7 +542,8 @@ class Round:
     def _draft_selector_tree(self) -> None:
         """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
-        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
+        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`), the whole batch in each call. Per
+        sequence: the selector's ``k`` candidates per drafted row (the top-k of
         the drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
         possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
         ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
@@ -557,10 +558,9 @@ class Round:
                                          check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         unary, candidates = unary.view(self.b, self.D, self.K), candidates.view(self.b, self.D, self.K)
         projected = selector.hidden_projection(out[:, 1:])
-        child = torch.stack([dflash_kernels.selector_child_logprobs(unary[r], candidates[r], projected[r],
-                                                                    selector.predecessor_codebook.weight,
-                                                                    selector.successor_codebook.weight,
-                                                                    self.last[r : r + 1]) for r in range(self.b)])
+        child = dflash_kernels.selector_child_logprobs(unary, candidates, projected,
+                                                       selector.predecessor_codebook.weight,
+                                                       selector.successor_codebook.weight, self.last)  # [b, D, k, k]
         self._take_trees(dflash_kernels.build_selector_tree_device(child, candidates, self.budget,
                                                                    backend=self.backend))
 
