@@ -653,22 +653,10 @@ class Round:
 
     def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
                       bits: torch.Tensor = None):
-        """The C++ walk of each tree of the batch (:meth:`_walk_one_on_host`): ``(path [b, D+1], path_len [b],
-        committed [b, D+1])`` (``bits`` unused)."""
-        walks = [self._walk_one_on_host(parents[r], tokens[r], choices[r]) for r in range(self.b)]
-        return tuple(torch.stack([w[k] for w in walks]) for k in (0, 1, 2))
-
-    def _walk_one_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
-        """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
-        [D+1], path_len [], committed [D+1])`` (unused slots 0)."""
-        accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
-        n = accepted.numel()
-        path = torch.zeros(self.B, dtype=torch.long)
-        path[:n] = accepted
-        committed = torch.zeros(self.B, dtype=torch.long)
-        committed[: n - 1] = tokens[accepted[1:] - 1]
-        committed[n - 1 : n] = choices.index_select(0, accepted[-1:])  # the bonus (a tensor: no Python value)
-        return path, self.rows[n], committed
+        """The C++ walk of the batch's trees (:func:`dflash_kernels.walk_tree` with ``max_depth``, one call):
+        ``(path [b, D+1], path_len [b], committed [b, D+1])``, padded as :func:`dflash_kernels.walk_tree_device`
+        pads them (unused slots 0; ``bits`` unused)."""
+        return dflash_kernels.walk_tree(parents, tokens, choices, self.D)
 
     def _verify_ar(self, bucket: int = -1) -> torch.Tensor:
         """AR: the target on ``last`` alone, its choice committed."""
