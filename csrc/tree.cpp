@@ -39,6 +39,12 @@
 //   child of cur, move to that child (the lowest-numbered one, should two
 //   children share a token). Returns the visited nodes and the bonus token
 //   target_choice[last].
+//
+// walk_tree_padded(parents [(b,) N+1], token_ids [(b,) N], target_choice [(b,) N+1], max_depth D)
+//   The same walk of each tree of a batch in one call, in the layout of
+//   dflash_kernels.walk_tree_device: path [(b,) D+1] (the accepted nodes),
+//   path_len [b] (or [1]: their count M), committed [(b,) D+1] (the tokens of
+//   nodes path[1..M-1], then the bonus), every unused slot 0.
 #include <ATen/EmptyTensor.h>
 #include <torch/extension.h>
 
@@ -284,42 +290,66 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_tre
   return {std::move(out_tokens), std::move(out_depths), std::move(out_parents), std::move(out_scores)};
 }
 
-std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in, const torch::Tensor& token_ids_in,
-                                                 const torch::Tensor& target_choice_in) {
-  TORCH_CHECK(parents_in.dim() == 1 && parents_in.size(0) >= 1,
-              "walk_tree: parents must be 1-D [N+1] with N+1 >= 1, got shape ", parents_in.sizes());
-  const int64_t n_nodes = parents_in.size(0);  // N + 1, the root included
-  TORCH_CHECK(token_ids_in.dim() == 1 && token_ids_in.size(0) == n_nodes - 1, "walk_tree: token_ids must be 1-D [N] = [",
-              n_nodes - 1, "], got shape ", token_ids_in.sizes());
-  TORCH_CHECK(target_choice_in.dim() == 1 && target_choice_in.size(0) == n_nodes,
-              "walk_tree: target_choice must be 1-D [N+1] = [", n_nodes, "], got shape ", target_choice_in.sizes());
+// Checks one tree's or a batch's walk inputs (parents [(b,) N+1], token_ids
+// [(b,) N], target_choice [(b,) N+1], CPU, int64/int32) and returns them as
+// contiguous int64 [b, ...] views (b = 1 for one tree).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> walk_inputs(const torch::Tensor& parents_in,
+                                                                    const torch::Tensor& token_ids_in,
+                                                                    const torch::Tensor& target_choice_in) {
+  const int64_t dim = parents_in.dim();
+  if (dim == 1) {
+    TORCH_CHECK(parents_in.size(0) >= 1, "walk_tree: parents must be 1-D [N+1] with N+1 >= 1, got shape ",
+                parents_in.sizes());
+  } else {
+    TORCH_CHECK(dim == 2 && parents_in.size(-1) >= 1,
+                "walk_tree: parents must be 1-D [N+1] or 2-D [b, N+1] with N+1 >= 1, got shape ", parents_in.sizes());
+  }
+  const int64_t n_nodes = parents_in.size(-1);  // N + 1, the root included
+  const int64_t b = dim == 2 ? parents_in.size(0) : 1;
+  if (dim == 1) {
+    TORCH_CHECK(token_ids_in.dim() == 1 && token_ids_in.size(0) == n_nodes - 1,
+                "walk_tree: token_ids must be 1-D [N] = [", n_nodes - 1, "], got shape ", token_ids_in.sizes());
+    TORCH_CHECK(target_choice_in.dim() == 1 && target_choice_in.size(0) == n_nodes,
+                "walk_tree: target_choice must be 1-D [N+1] = [", n_nodes, "], got shape ", target_choice_in.sizes());
+  } else {
+    TORCH_CHECK(token_ids_in.dim() == 2 && token_ids_in.size(0) == b && token_ids_in.size(1) == n_nodes - 1,
+                "walk_tree: token_ids must be 2-D [b, N] = [", b, ", ", n_nodes - 1, "], got shape ",
+                token_ids_in.sizes());
+    TORCH_CHECK(target_choice_in.dim() == 2 && target_choice_in.size(0) == b && target_choice_in.size(1) == n_nodes,
+                "walk_tree: target_choice must be 2-D [b, N+1] = [", b, ", ", n_nodes, "], got shape ",
+                target_choice_in.sizes());
+  }
   for (const torch::Tensor* t : {&parents_in, &token_ids_in, &target_choice_in}) {
     TORCH_CHECK(t->device().is_cpu(), "walk_tree (C++): inputs must be CPU tensors");
     TORCH_CHECK(t->scalar_type() == torch::kInt64 || t->scalar_type() == torch::kInt32,
                 "walk_tree: parents, token_ids and target_choice must be int64 or int32, got ", t->scalar_type());
   }
-  const torch::Tensor parents_t = parents_in.to(torch::kInt64).contiguous();
-  const torch::Tensor tokens_t = token_ids_in.to(torch::kInt64).contiguous();
-  const torch::Tensor choice_t = target_choice_in.to(torch::kInt64).contiguous();
-  const int64_t* parents = parents_t.data_ptr<int64_t>();
-  const int64_t* tokens = tokens_t.data_ptr<int64_t>();
-  const int64_t* choice = choice_t.data_ptr<int64_t>();
+  return {parents_in.to(torch::kInt64).contiguous().view({b, n_nodes}),
+          token_ids_in.to(torch::kInt64).contiguous().view({b, n_nodes - 1}),
+          target_choice_in.to(torch::kInt64).contiguous().view({b, n_nodes})};
+}
 
+// The walk of one tree (n_nodes = N + 1): the accepted nodes from the root
+// into `accepted` (cleared first); returns the last one. `child_start` and
+// `children` are scratch buffers, resized here.
+int64_t walk_one(const int64_t* parents, const int64_t* tokens, const int64_t* choice, int64_t n_nodes,
+                 std::vector<int64_t>& accepted, std::vector<int64_t>& child_start, std::vector<int64_t>& fill,
+                 std::vector<int64_t>& children) {
   TORCH_CHECK(parents[0] == -1, "walk_tree: parents[0] must be -1 (the root), got ", parents[0]);
   // Children lists in compressed form: child_start[p] .. child_start[p + 1]
   // index `children`, which lists each node's children in increasing order.
-  std::vector<int64_t> child_start(n_nodes + 1, 0);
+  child_start.assign(n_nodes + 1, 0);
   for (int64_t i = 1; i < n_nodes; ++i) {
     TORCH_CHECK(parents[i] >= 0 && parents[i] < i, "walk_tree: parents[", i, "] = ", parents[i],
                 " must lie in [0, ", i, ") (a parent precedes its children)");
     ++child_start[parents[i] + 1];
   }
   for (int64_t p = 0; p < n_nodes; ++p) child_start[p + 1] += child_start[p];
-  std::vector<int64_t> fill(child_start.begin(), child_start.end() - 1);
-  std::vector<int64_t> children(n_nodes > 0 ? n_nodes - 1 : 0);
+  fill.assign(child_start.begin(), child_start.end() - 1);
+  children.assign(n_nodes > 0 ? n_nodes - 1 : 0, 0);
   for (int64_t i = 1; i < n_nodes; ++i) children[fill[parents[i]]++] = i;
 
-  std::vector<int64_t> accepted{0};
+  accepted.assign(1, 0);
   int64_t cur = 0;
   while (true) {
     int64_t next = -1;
@@ -333,9 +363,51 @@ std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in
     accepted.push_back(next);
     cur = next;
   }
+  return cur;
+}
+
+std::tuple<torch::Tensor, int64_t> walk_tree_cpu(const torch::Tensor& parents_in, const torch::Tensor& token_ids_in,
+                                                 const torch::Tensor& target_choice_in) {
+  TORCH_CHECK(parents_in.dim() == 1, "walk_tree: parents must be 1-D [N+1] with N+1 >= 1, got shape ",
+              parents_in.sizes());
+  const auto [parents_t, tokens_t, choice_t] = walk_inputs(parents_in, token_ids_in, target_choice_in);
+  const int64_t* choice = choice_t.data_ptr<int64_t>();
+  std::vector<int64_t> accepted, child_start, fill, children;
+  const int64_t last = walk_one(parents_t.data_ptr<int64_t>(), tokens_t.data_ptr<int64_t>(), choice,
+                                parents_t.size(1), accepted, child_start, fill, children);
   torch::Tensor out = torch::empty({static_cast<int64_t>(accepted.size())}, torch::TensorOptions().dtype(torch::kInt64));
   std::copy(accepted.begin(), accepted.end(), out.data_ptr<int64_t>());
-  return {out, choice[cur]};
+  return {out, choice[last]};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> walk_tree_padded_cpu(const torch::Tensor& parents_in,
+                                                                             const torch::Tensor& token_ids_in,
+                                                                             const torch::Tensor& target_choice_in,
+                                                                             int64_t max_depth) {
+  TORCH_CHECK(max_depth >= 0, "walk_tree: max_depth must be >= 0, got ", max_depth);
+  const auto [parents_t, tokens_t, choice_t] = walk_inputs(parents_in, token_ids_in, target_choice_in);
+  const int64_t b = parents_t.size(0), n_nodes = parents_t.size(1), width = max_depth + 1;
+  const auto opts = torch::TensorOptions().dtype(torch::kInt64);
+  torch::Tensor path = torch::zeros({b, width}, opts), committed = torch::zeros({b, width}, opts);
+  torch::Tensor path_len = torch::empty({b}, opts);
+  int64_t* path_p = path.data_ptr<int64_t>();
+  int64_t* committed_p = committed.data_ptr<int64_t>();
+  int64_t* len_p = path_len.data_ptr<int64_t>();
+  std::vector<int64_t> accepted, child_start, fill, children;
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t* parents = parents_t.data_ptr<int64_t>() + r * n_nodes;
+    const int64_t* tokens = tokens_t.data_ptr<int64_t>() + r * (n_nodes - 1);
+    const int64_t* choice = choice_t.data_ptr<int64_t>() + r * n_nodes;
+    const int64_t last = walk_one(parents, tokens, choice, n_nodes, accepted, child_start, fill, children);
+    const int64_t m = static_cast<int64_t>(accepted.size());
+    TORCH_CHECK(m <= width, "walk_tree: row ", r, " accepts ", m, " nodes, more than max_depth + 1 = ", width);
+    for (int64_t j = 0; j < m; ++j) path_p[r * width + j] = accepted[j];
+    for (int64_t j = 1; j < m; ++j) committed_p[r * width + j - 1] = tokens[accepted[j] - 1];
+    committed_p[r * width + m - 1] = choice[last];
+    len_p[r] = m;
+  }
+  if (parents_in.dim() == 1) return {path[0], path_len, committed[0]};
+  return {path, path_len, committed};
 }
 
 }  // namespace
@@ -347,6 +419,10 @@ void register_tree_ops(pybind11::module_& m) {
   m.def("walk_tree", &walk_tree_cpu, pybind11::arg("parents"), pybind11::arg("token_ids"),
         pybind11::arg("target_choice"),
         "Walk of a verified DDTree on CPU tensors: returns (accepted node indices [A] int64, bonus token)");
+  m.def("walk_tree_padded", &walk_tree_padded_cpu, pybind11::arg("parents"), pybind11::arg("token_ids"),
+        pybind11::arg("target_choice"), pybind11::arg("max_depth"),
+        "Walk of one verified DDTree [N+1] or of a batch [b, N+1] on CPU tensors, padded with 0: returns (path "
+        "[(b,) D+1], path_len [1] or [b], committed [(b,) D+1]) int64");
 }
 
 }  // namespace dflash

@@ -18,6 +18,8 @@ value may change from round to round):
 * ``build_tree_device.tables``: the device build over index tables the round owns (the tensors of a
   :class:`~dflash_kernels.tree_device.TreeTables`);
 * ``gather_concat.into``: ``gather_concat(out=...)``, writing ``out``.
+* ``walk_tree.padded``: ``walk_tree(.., max_depth)``, the walk of one tree or of a batch ``[b, N+1]`` padded
+  to ``D + 1`` (static shapes; ``.default`` is the unpadded walk of one tree).
 
 ``lm_head_sample_processed`` and ``rejection_sample`` have only the tensor-seed schema (an int seed or a
 generator draws its noise on the host). Mutated arguments: ``compact_kv_`` writes ``kv``,
@@ -122,6 +124,21 @@ def walk_tree(parents: Tensor, token_ids: Tensor, target_choice: Tensor) -> Tupl
 def _walk_tree_fake(parents, token_ids, target_choice):
     length = torch.library.get_ctx().new_dynamic_size(min=1)
     return (torch.empty(length, dtype=torch.int64, device="cpu"), torch.empty((), dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op(f"{_NS}::walk_tree.padded", mutates_args=())
+def walk_tree_padded(parents: Tensor, token_ids: Tensor, target_choice: Tensor,
+                     max_depth: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`dflash_kernels.walk_tree` with ``max_depth`` (C++, host op, one call for a batch): ``(path [(b,)
+    D+1], path_len [1] or [b], committed [(b,) D+1])`` int64 on the CPU, padded with 0."""
+    return _tree.walk_tree(parents, token_ids, target_choice, max_depth)
+
+
+@walk_tree_padded.register_fake
+def _walk_tree_padded_fake(parents, token_ids, target_choice, max_depth):
+    lead = tuple(parents.shape[:-1])
+    new = lambda *size: torch.empty(*size, dtype=torch.int64, device="cpu")  # noqa: E731
+    return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)
 
 
 @torch.library.custom_op(f"{_NS}::build_tree_device", mutates_args=())

@@ -14,7 +14,7 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
   bit, exact score ties included (one tie rule: ``(score desc, depth asc,
   parent asc, rank asc)``). The pure-Python spec is
   :mod:`dflash_kernels.reference.tree`.
-* :func:`walk_tree` runs in C++ on the host.
+* :func:`walk_tree` runs in C++ on the host: one tree, or a batch in one call.
 * :func:`ancestor_bits` builds the packed ancestor-or-self bitmask on the
   parents' device with a Triton kernel (the interpreter on CPU when
   ``TRITON_INTERPRET=1``), else with the NumPy reference.
@@ -104,26 +104,38 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, *
     return _device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
 
 
-def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """Accepted path of a verified tree (C++).
+def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor,
+              max_depth: Optional[int] = None):
+    """Accepted path of a verified tree, or of each tree of a batch (C++, one call).
 
     Args:
-        parents: ``[N+1]`` int, ``parents[0] == -1``, ``parents[i] in [0, i)``.
-        token_ids: ``[N]`` int, token of nodes 1..N.
-        target_choice: ``[N+1]`` int, the target's token after each node
+        parents: ``[N+1]`` (one tree) or ``[b, N+1]`` (a batch) int, ``parents[.., 0] == -1``,
+            ``parents[.., i] in [0, i)``.
+        token_ids: ``[(b,) N]`` int, token of nodes 1..N.
+        target_choice: ``[(b,) N+1]`` int, the target's token after each node
             (argmax or sample of its logits at that node).
+        max_depth: None: the unpadded walk of one tree (``[N+1]`` inputs only). An int ``D`` (the tree's
+            depth bound): the padded walk of one tree or of a batch, in the layout of
+            :func:`walk_tree_device`.
+
+    From the root, while ``target_choice[cur]`` is the token of a child of ``cur`` (the lowest-numbered
+    such child), the walk moves to that child; the accepted nodes are ``a_0 = 0, a_1, .., a_{M-1}``.
+    GPU inputs are copied to the CPU first; the outputs are int64 CPU tensors.
 
     Returns:
-        ``(accepted, bonus)``: ``accepted`` is an int64 CPU tensor of node
-        indices from the root (0) down to the last accepted node; ``bonus`` is
-        ``int(target_choice[accepted[-1]])``. From the root, while
-        ``target_choice[cur]`` is the token of a child of ``cur``, the walk
-        moves to that child. GPU inputs are copied to the CPU first.
+        ``max_depth`` None: ``(accepted, bonus)``, ``accepted [M]`` the accepted nodes and ``bonus =
+        int(target_choice[accepted[-1]])``. ``max_depth = D``: ``(path [(b,) D+1], path_len [1] or [b],
+        committed [(b,) D+1])``, ``path[.., j] = a_j``, ``path_len = M``, ``committed[.., j] =
+        token_ids[a_{j+1} - 1]`` for ``j < M - 1`` and the bonus at ``j = M - 1``, every other slot 0
+        (a row accepting more than ``D + 1`` nodes is an error).
     """
     for name, t in (("parents", parents), ("token_ids", token_ids), ("target_choice", target_choice)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"walk_tree: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return _C.walk_tree(_on_host(parents), _on_host(token_ids), _on_host(target_choice))
+    hosted = (_on_host(parents), _on_host(token_ids), _on_host(target_choice))
+    if max_depth is None:
+        return _C.walk_tree(*hosted)
+    return _C.walk_tree_padded(*hosted, int(max_depth))
 
 
 def _on_host(t: torch.Tensor) -> torch.Tensor:

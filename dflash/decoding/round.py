@@ -542,7 +542,8 @@ class Round:
     def _draft_selector_tree(self) -> None:
         """The DDTrees of a DFlash2 drafter, into ``tokens / depths / parents``.
 
-        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`). Per sequence: the selector's ``k`` candidates per drafted row (the top-k of
+        Over the drafter pass's ``out`` and ``head`` (:meth:`_drafter_pass`), the whole batch in each call. Per
+        sequence: the selector's ``k`` candidates per drafted row (the top-k of
         the drafter's logits at rows ``1..D``, their log-probs the unary scores) and their log-probs given each
         possible predecessor, ``[D, k, k]`` (:func:`dflash_kernels.selector_child_logprobs`: the anchor
         ``last`` before row 1, candidate ``i`` of row ``d - 1`` before row ``d``); the best-first tree over
@@ -557,10 +558,9 @@ class Round:
                                          check_bounds=False, softcap=draft.logit_softcap, backend=self.backend)
         unary, candidates = unary.view(self.b, self.D, self.K), candidates.view(self.b, self.D, self.K)
         projected = selector.hidden_projection(out[:, 1:])
-        child = torch.stack([dflash_kernels.selector_child_logprobs(unary[r], candidates[r], projected[r],
-                                                                    selector.predecessor_codebook.weight,
-                                                                    selector.successor_codebook.weight,
-                                                                    self.last[r : r + 1]) for r in range(self.b)])
+        child = dflash_kernels.selector_child_logprobs(unary, candidates, projected,
+                                                       selector.predecessor_codebook.weight,
+                                                       selector.successor_codebook.weight, self.last)  # [b, D, k, k]
         self._take_trees(dflash_kernels.build_selector_tree_device(child, candidates, self.budget,
                                                                    backend=self.backend))
 
@@ -653,22 +653,10 @@ class Round:
 
     def _walk_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor,
                       bits: torch.Tensor = None):
-        """The C++ walk of each tree of the batch (:meth:`_walk_one_on_host`): ``(path [b, D+1], path_len [b],
-        committed [b, D+1])`` (``bits`` unused)."""
-        walks = [self._walk_one_on_host(parents[r], tokens[r], choices[r]) for r in range(self.b)]
-        return tuple(torch.stack([w[k] for w in walks]) for k in (0, 1, 2))
-
-    def _walk_one_on_host(self, parents: torch.Tensor, tokens: torch.Tensor, choices: torch.Tensor):
-        """The C++ walk's path of one tree, padded as :func:`dflash_kernels.walk_tree_device` pads it: ``(path
-        [D+1], path_len [], committed [D+1])`` (unused slots 0)."""
-        accepted, _ = dflash_kernels.walk_tree(parents, tokens, choices)
-        n = accepted.numel()
-        path = torch.zeros(self.B, dtype=torch.long)
-        path[:n] = accepted
-        committed = torch.zeros(self.B, dtype=torch.long)
-        committed[: n - 1] = tokens[accepted[1:] - 1]
-        committed[n - 1 : n] = choices.index_select(0, accepted[-1:])  # the bonus (a tensor: no Python value)
-        return path, self.rows[n], committed
+        """The C++ walk of the batch's trees (:func:`dflash_kernels.walk_tree` with ``max_depth``, one call):
+        ``(path [b, D+1], path_len [b], committed [b, D+1])``, padded as :func:`dflash_kernels.walk_tree_device`
+        pads them (unused slots 0; ``bits`` unused)."""
+        return dflash_kernels.walk_tree(parents, tokens, choices, self.D)
 
     def _verify_ar(self, bucket: int = -1) -> torch.Tensor:
         """AR: the target on ``last`` alone, its choice committed."""

@@ -47,29 +47,36 @@ __all__ = ["build_selector_tree", "selector_child_logprobs"]
 def selector_child_logprobs(unary: torch.Tensor, candidates: torch.Tensor, projected: torch.Tensor,
                             predecessor: torch.Tensor, successor: torch.Tensor,
                             anchor: torch.Tensor) -> torch.Tensor:
-    """The child log-probs ``L [D, k, k]`` float64 of the module docstring.
+    """The child log-probs ``L [(b,) D, k, k]`` float64 of the module docstring, of one sequence or of each of
+    a batch of ``b``.
 
     Args:
-        unary: ``[D, k]`` float: the candidates' drafter scores (logits or log-probs).
-        candidates: ``[D, k]`` int64/int32 token ids, in ``[0, V)``.
-        projected: ``[D, r]`` float: ``hidden_projection`` of the final block states.
+        unary: ``[(b,) D, k]`` float: the candidates' drafter scores (logits or log-probs).
+        candidates: ``[(b,) D, k]`` int64/int32 token ids, in ``[0, V)``.
+        projected: ``[(b,) D, r]`` float: ``hidden_projection`` of the final block states.
         predecessor, successor: ``[V, r]`` float codebooks.
-        anchor: int ``[1]``: the token before position 0 (the tree's root).
+        anchor: int ``[1]`` (one sequence) or ``[b]``: the token before position 0 (each tree's root).
 
-    Fixed-shape torch ops, no host read (traceable). ``L[0, i]`` is the
-    root's row for every ``i``; ``L[d, i]`` (``d >= 1``) the distribution
-    over ``candidates[d]`` after ``candidates[d - 1, i]``.
+    Fixed-shape torch ops, no host read (traceable). ``L[.., 0, i]`` is the
+    root's row for every ``i``; ``L[.., d, i]`` (``d >= 1``) the distribution
+    over ``candidates[.., d]`` after ``candidates[.., d - 1, i]``. A batch is one
+    contraction over its ``b * D`` positions, each computed exactly as in the
+    call for its own sequence (the same values, bit for bit).
     """
     batched, _ = check_selector(unary, candidates, projected, predecessor, successor, anchor, 0.0,
                                 "selector_child_logprobs")
-    if batched:
-        raise ValueError(f"selector_child_logprobs: one sequence only, unary [D, k]; got shape {tuple(unary.shape)}")
-    D, k = unary.shape
+    if not batched:
+        return selector_child_logprobs(unary[None], candidates[None], projected[None], predecessor, successor,
+                                       anchor.reshape(1))[0]
+    b, D, k = unary.shape
     cand = candidates.to(torch.int64)
-    root = anchor.reshape(1, 1).to(torch.int64).expand(1, k)
-    prev = torch.cat([root, cand[:-1]], dim=0)  # [D, k]
-    context = predecessor.float()[prev] * projected.float()[:, None, :]  # [D, k, r]
-    scores = unary.float()[:, None, :] + torch.einsum("dir,djr->dij", context, successor.float()[cand])
+    root = anchor.reshape(b, 1, 1).to(torch.int64).expand(b, 1, k)
+    prev = torch.cat([root, cand[:, :-1]], dim=1)  # [b, D, k]
+    context = predecessor.float()[prev] * projected.float()[:, :, None, :]  # [b, D, k, r]
+    r = context.shape[-1]
+    # one [b * D]-batch contraction: position (s, d) is slice s * D + d, the [k, r] x [r, k] product of its own
+    pair = torch.einsum("dir,djr->dij", context.reshape(b * D, k, r), successor.float()[cand].reshape(b * D, k, r))
+    scores = unary.float()[:, :, None, :] + pair.view(b, D, k, k)
     return torch.log_softmax(scores.to(torch.float64), dim=-1)
 
 

@@ -12,12 +12,12 @@ pops them, so ``parents[i] < i`` for every ``i >= 1`` and ``parents[0] == -1``.
 from __future__ import annotations
 
 import heapq
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["build_tree", "build_tree_sorted", "walk_tree", "ancestor_bits", "ancestor_bits_doubling"]
+__all__ = ["build_tree", "build_tree_sorted", "walk_tree", "walk_tree_padded", "ancestor_bits", "ancestor_bits_doubling"]
 
 
 def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,13 +139,15 @@ def build_tree_sorted(
     return as_tensor(token_ids), as_tensor(depths), as_tensor(parents)
 
 
-def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor) -> Tuple[torch.Tensor, int]:
+def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor,
+              max_depth: Optional[int] = None):
     """Follow the target's choices down the verified tree.
 
     Args:
-        parents: ``[N+1]`` parent index per node (``parents[0] == -1``).
-        token_ids: ``[N]`` token of nodes 1..N.
-        target_choice: ``[N+1]`` the target's next token after each node.
+        parents: ``[N+1]`` parent index per node (``parents[0] == -1``), or ``[b, N+1]`` with ``max_depth``.
+        token_ids: ``[(b,) N]`` token of nodes 1..N.
+        target_choice: ``[(b,) N+1]`` the target's next token after each node.
+        max_depth: None: the unpadded walk of one tree. ``D``: the padded walk (:func:`walk_tree_padded`).
 
     Returns:
         ``(accepted [A] int64 node indices, root first, root-to-leaf order,
@@ -153,6 +155,8 @@ def walk_tree(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: tor
         of a child of ``cur``, move to that child (the lowest-numbered if two
         share it); ``bonus = target_choice[last accepted]``.
     """
+    if max_depth is not None:
+        return walk_tree_padded(parents, token_ids, target_choice, max_depth)
     par = parents.detach().cpu().tolist()
     tok = token_ids.detach().cpu().tolist()
     choice = target_choice.detach().cpu().tolist()
@@ -235,3 +239,27 @@ def ancestor_bits_doubling(parents: torch.Tensor) -> torch.Tensor:
     # int64 words hold 32 bits each: wrap the top bit into int32's sign bit
     out = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
     return out if batched else out[0]
+
+
+def walk_tree_padded(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor,
+                     max_depth: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk of one tree ``[N+1]`` or of each tree of a batch ``[b, N+1]``, padded with 0 to ``D + 1 =
+    max_depth + 1``: ``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])`` int64, where for the
+    accepted nodes ``a_0 = 0, .., a_{M-1}`` of a row (:func:`walk_tree`): ``path[j] = a_j``, ``path_len =
+    M``, ``committed[j] = token_ids[a_{j+1} - 1]`` (``j < M - 1``), ``committed[M - 1]`` = the bonus."""
+    one = parents.dim() == 1
+    rows = [(parents, token_ids, target_choice)] if one else list(zip(parents, token_ids, target_choice))
+    width = int(max_depth) + 1
+    path = torch.zeros(len(rows), width, dtype=torch.int64)
+    committed = torch.zeros(len(rows), width, dtype=torch.int64)
+    path_len = torch.zeros(len(rows), dtype=torch.int64)
+    for r, (par, tok, choice) in enumerate(rows):
+        accepted, bonus = walk_tree(par, tok, choice)
+        m = accepted.numel()
+        if m > width:
+            raise ValueError(f"walk_tree: row {r} accepts {m} nodes, more than max_depth + 1 = {width}")
+        path[r, :m] = accepted
+        committed[r, : m - 1] = tok.detach().cpu().to(torch.int64)[accepted[1:] - 1]
+        committed[r, m - 1] = bonus
+        path_len[r] = m
+    return (path[0], path_len, committed[0]) if one else (path, path_len, committed)

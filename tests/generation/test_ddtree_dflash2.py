@@ -109,8 +109,11 @@ def test_greedy_is_lossless_and_the_tree_is_the_selectors(target, block_size, to
         assert all(torch.equal(x, y) for x, y in zip(tree, want))
         assert torch.equal(record["tokens"], tree[0]) and torch.equal(record["parents"], tree[2])
         # the tree's first path is the DFlash2 chain of the same selector inputs
+        unary, cand, projected, predecessor, successor, anchor = args  # of the batch of one sequence
+        assert unary.shape == (1, block_size - 1, top_k) and anchor.shape == (1,)
         with torch.inference_mode():  # the round's tensors are inference tensors; the codebooks need grads
-            chain = dflash_kernels.select_candidates(*args, 0.0)[0].tolist()
+            chain = dflash_kernels.select_candidates(unary[0], cand[0], projected[0], predecessor, successor,
+                                                     anchor, 0.0)[0].tolist()
         path = first_path(tree)
         assert len(path) >= 1 and path == chain[: len(path)]
 

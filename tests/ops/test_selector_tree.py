@@ -135,6 +135,26 @@ def test_k1_is_the_chain():
     assert depths.tolist() == list(range(1, 7)) and parents.tolist() == list(range(-1, 6))
 
 
+@pytest.mark.parametrize("b,D,k", [(1, 4, 3), (3, 5, 4), (4, 1, 2), (2, 6, 1)])
+def test_child_logprobs_of_a_batch_are_each_rows(b, D, k):
+    """``[b, D, k]`` inputs with ``anchor [b]``: one call, each row bit for bit the call for that sequence alone
+    (int32 candidates, fp32 and bf16 scores alike)."""
+    gen = torch.Generator().manual_seed(b * 100 + D * 10 + k)
+    rows = [selector_inputs(D, k, gen) for _ in range(b)]
+    pred, succ = rows[0][3], rows[0][4]
+    for dtype in (torch.float32, torch.bfloat16):
+        unary = torch.stack([x[0] for x in rows]).to(dtype)
+        cand = torch.stack([x[1] for x in rows]).int()
+        proj = torch.stack([x[2] for x in rows]).to(dtype)
+        anchor = torch.cat([x[5] for x in rows])
+        L = dk.selector_child_logprobs(unary, cand, proj, pred, succ, anchor)
+        assert L.shape == (b, D, k, k) and L.dtype == torch.float64
+        for r in range(b):
+            one = dk.selector_child_logprobs(unary[r], cand[r], proj[r], pred, succ, anchor[r : r + 1])
+            assert torch.equal(L[r], one)
+            assert torch.equal(one, dk.selector_child_logprobs(unary[r], cand[r], proj[r], pred, succ, anchor[r]))
+
+
 def test_scores_and_a_batch():
     """The build's scores are each node's float64 path sum (recomputed parent by parent) rounded to fp32; a batch
     ``[b, D, k, k]`` builds each row's tree and scores bit for bit as that row alone."""
@@ -192,8 +212,9 @@ def test_errors_are_clear():
         ref.build_selector_tree(torch.full((3, 2, 2), float("nan")), cand, 4)
     gen = torch.Generator().manual_seed(0)
     unary, c, proj, pred, succ, anchor = selector_inputs(3, 2, gen)
-    with pytest.raises(ValueError, match="one sequence only"):
-        dk.selector_child_logprobs(unary[None], c[None], proj[None], pred, succ, anchor)
+    with pytest.raises(ValueError, match=r"anchor must be \[2\]"):
+        dk.selector_child_logprobs(unary[None].expand(2, -1, -1), c[None].expand(2, -1, -1),
+                                   proj[None].expand(2, -1, -1), pred, succ, anchor)
 
 
 def test_the_device_build_reads_no_tensor_values(monkeypatch):

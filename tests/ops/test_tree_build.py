@@ -312,6 +312,75 @@ def test_walk_random_trees_match_reference():
         assert bonus == int(choice[accepted[-1]])
 
 
+def random_walk_batch(b, n, vocab, gen):
+    """``b`` random trees of ``n`` nodes (parents ``[b, n+1]``, tokens ``[b, n]``, choices ``[b, n+1]``) over a small
+    vocabulary, so siblings share tokens and walks go deep; and their depth bound ``D``."""
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n + 1)])
+                           for _ in range(b)])
+    tokens = torch.randint(0, vocab, (b, n), generator=gen)
+    choices = torch.randint(0, vocab, (b, n + 1), generator=gen)
+    depth = torch.zeros(b, n + 1, dtype=torch.int64)
+    for i in range(1, n + 1):
+        depth[:, i] = depth.gather(1, parents[:, i : i + 1])[:, 0] + 1
+    return parents, tokens, choices, int(depth.max())
+
+
+def walk_rows_one_by_one(parents, tokens, choices, max_depth):
+    """The batched walk as the round computed it before, one C++ walk per row, padded with 0."""
+    paths, lens, committed = [], [], []
+    for par, tok, choice in zip(parents, tokens, choices):
+        accepted, _ = dk.walk_tree(par, tok, choice)
+        n = accepted.numel()
+        path = torch.zeros(max_depth + 1, dtype=torch.long)
+        path[:n] = accepted
+        com = torch.zeros(max_depth + 1, dtype=torch.long)
+        com[: n - 1] = tok[accepted[1:] - 1]
+        com[n - 1 : n] = choice.index_select(0, accepted[-1:])
+        paths.append(path), lens.append(torch.tensor(n)), committed.append(com)
+    return torch.stack(paths), torch.stack(lens), torch.stack(committed)
+
+
+@pytest.mark.parametrize("b,n,vocab", [(1, 0, 3), (1, 6, 2), (4, 12, 2), (5, 30, 3), (3, 50, 4)])
+def test_batched_walk_is_the_walk_of_each_row(b, n, vocab):
+    """``walk_tree(.., max_depth)`` on ``[b, N+1]`` trees: one C++ call, the same padded ``(path, path_len,
+    committed)`` as the per-row walks, the reference's too; int32 inputs and one tree (a batch of one) alike."""
+    gen = torch.Generator().manual_seed(b * 1000 + n)
+    for _ in range(5):
+        parents, tokens, choices, depth = random_walk_batch(b, n, vocab, gen)
+        for max_depth in (depth, depth + 2):
+            want = walk_rows_one_by_one(parents, tokens, choices, max_depth)
+            got = dk.walk_tree(parents, tokens, choices, max_depth)
+            assert [tuple(t.shape) for t in got] == [(b, max_depth + 1), (b,), (b, max_depth + 1)]
+            for g, w in zip(got, want):
+                assert g.dtype == torch.int64 and torch.equal(g, w), (g, w)
+            for g, w in zip(ref.walk_tree(parents, tokens, choices, max_depth), want):
+                assert torch.equal(g, w)
+            for g, w in zip(dk.walk_tree(parents.int(), tokens.int(), choices.int(), max_depth), want):
+                assert torch.equal(g, w)
+            one = dk.walk_tree(parents[0], tokens[0], choices[0], max_depth)
+            assert torch.equal(one[0], want[0][0]) and torch.equal(one[1], want[1][:1])
+            assert torch.equal(one[2], want[2][0])
+
+
+def test_batched_walk_errors_are_clear():
+    parents, tokens = hand_tree()
+    choice = torch.zeros(7, dtype=torch.int64)
+    batch = (parents.expand(2, -1), tokens.expand(2, -1), choice.expand(2, -1))
+    with pytest.raises(RuntimeError, match="token_ids must be 2-D"):
+        dk.walk_tree(batch[0], batch[1][:1], batch[2], 3)
+    with pytest.raises(RuntimeError, match="target_choice must be 2-D"):
+        dk.walk_tree(batch[0], batch[1], batch[2][:, :-1], 3)
+    with pytest.raises(RuntimeError, match=r"parents\[3\] = 3"):
+        dk.walk_tree(torch.tensor([[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 0, 3, 1, 2, 3]]), *batch[1:], 3)
+    with pytest.raises(RuntimeError, match="1-D"):
+        dk.walk_tree(*batch)  # the unpadded walk is of one tree
+    deep = torch.tensor([10, 20, 0, 0, 0, 0, 0])  # accepts 0 -> 1 -> 3: three nodes
+    with pytest.raises(RuntimeError, match="more than max_depth"):
+        dk.walk_tree(parents, tokens, deep, 1)
+    with pytest.raises(ValueError, match="more than max_depth"):
+        ref.walk_tree(parents, tokens, deep, 1)
+
+
 def test_walk_errors_are_clear():
     parents, tokens = hand_tree()
     choice = torch.zeros(7, dtype=torch.int64)
