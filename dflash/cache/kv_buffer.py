@@ -1,9 +1,9 @@
 """The preallocated KV buffer both caches are built on, with its committed length on the device.
 
 One tensor ``kv [L, 2, Hkv, max_len, D]`` (layers, key/value, kv heads,
-positions, head dim) per sequence; a batch of ``b`` sequences holds them as one
+positions, head dim) per sequence; the storage of ``b`` sequences (one is a batch of one) is one
 contiguous ``kv_batched [b, L, 2, Hkv, max_len, D]`` (``kv`` is its row 0 when
-``b == 1``). The committed lengths ``length_t [b]`` int64 live on the device,
+``b == 1``; storage handed in for one sequence may omit the batch axis). The committed lengths ``length_t [b]`` int64 live on the device,
 their host mirrors in ``lengths`` (``length``: their maximum, what bounds the
 keys a pass reads). Two kinds of pass write to it:
 
@@ -65,18 +65,20 @@ class KVBuffer:
         #: ``[(Hkv_l, Dk_l, Dv_l)]`` of each slot when they differ (None: one geometry, the whole ``[Hkv, S, D]``)
         self.geometry = geometry
         shape = (num_layers, 2, num_kv_heads, int(max_len), head_dim)
-        full = shape if batch == 1 else (batch,) + shape
+        full = (batch,) + shape
         if kv is None:
             kv = torch.zeros(full, dtype=dtype, device=device)
         else:
             want = torch.device(device)
             same_device = kv.device.type == want.type and (want.index is None or kv.device.index == want.index)
+            if batch == 1 and tuple(kv.shape) == shape:  # one sequence's storage, given without its batch axis
+                kv = kv[None]
             if tuple(kv.shape) != full or kv.dtype != dtype or not same_device or not kv.is_contiguous():
-                raise ValueError(f"{type(self).__name__}: kv must be a contiguous {full} {dtype} tensor on {want}, "
-                                 f"got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
+                raise ValueError(f"{type(self).__name__}: kv must be a contiguous {full} {dtype} tensor on {want} "
+                                 f"(with one sequence also {shape}), got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
         #: ``[b, L, 2, Hkv, max_len, D]``: every sequence's storage (row ``r`` is ``kv_batched[r]``); after
         #: :meth:`narrow`, the first rows of the whole storage
-        self.kv_batched = kv if batch > 1 else kv[None]
+        self.kv_batched = kv
         self._kv_whole = self.kv_batched
         self.batch = batch
         self.max_len = int(max_len)

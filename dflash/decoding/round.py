@@ -162,8 +162,8 @@ class Round:
     ``target_rows`` / ``draft_rows``: the rows each sequence's cache needs
     (:func:`cache_rows`), rounded up to :data:`ROW_BUCKET`. ``batch``: the
     sequences ``b`` run at once. ``kv_alloc(role, shape, dtype, device) -> kv``
-    (role ``"target"`` or ``"draft"``; ``shape`` one sequence's, with the batch
-    in front when ``b > 1``) hands each cache its storage (a view of a buffer
+    (role ``"target"`` or ``"draft"``; ``shape`` one sequence's with the batch
+    in front, ``[b, L, 2, Hkv, S, D]``) hands each cache its storage (a view of a buffer
     pooled rounds share); zeros when omitted. ``traced``: the steps will run
     traced (compiled), so they keep every shape fixed: the tree is built and
     walked with the device ops, and the passes attend over whole caches.
@@ -213,9 +213,8 @@ class Round:
         self.host_tree = (bool(host_tree) and method == "ddtree" and device.type == "cpu"
                           and self.backend == "reference" and not self.traced)
         alloc = kv_alloc or _zeros
-        batched = (lambda shape5: tuple(shape5)) if b == 1 else (lambda shape5: (b, *shape5))
         S = bucket_rows(target_rows)
-        self.cache = adapter.new_cache(S, kv=alloc("target", batched(adapter.cache_shape(S)), adapter.dtype, device),
+        self.cache = adapter.new_cache(S, kv=alloc("target", (b, *adapter.cache_shape(S)), adapter.dtype, device),
                                        batch=b)
         linear = getattr(self.cache, "linear", None)
         if linear is not None:  # hybrid targets: the verify's stash and tree scratch, made before any trace
@@ -240,7 +239,7 @@ class Round:
         draft_dtype = draft.fc.weight.dtype
         S_draft = bucket_rows(draft_rows)
         self.dcache = DraftKVCache(draft.config, S_draft, dtype=draft_dtype, device=device, batch=b,
-                                   kv=alloc("draft", batched(DraftKVCache.kv_shape(draft.config, S_draft)),
+                                   kv=alloc("draft", (b, *DraftKVCache.kv_shape(draft.config, S_draft)),
                                             draft_dtype, device))
         for layer in draft.layers:  # made before tracing: a traced step looks them up
             band = layer.round_window(self.rows[:B][None], B, shape.draft_window)[2]
