@@ -251,11 +251,6 @@ def lm_head_cross_entropy(hidden, weight, targets, *, weights=None, norm_weight=
 # the public function's autograd does.
 
 
-def _lm_head_cross_entropy_fake(hidden, weight, targets, weights=None, norm_weight=None, positions=None, eps=1e-6,
-                                ignore_index=-100, check_bounds=True, chunk_elements=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.float32)
-
-
 def _ce_grad_rows(grad_loss, head: HeadInputs, targets, weights, ignore_index, chunk_elements):
     """``d (sum_r grad_loss_r * loss_r) / d x`` for the selected rows ``x [N, H]`` (``head.hidden``, already
     gathered: ``head.positions`` is None; before the norm).
@@ -302,13 +297,7 @@ def _ce_grad_rows(grad_loss, head: HeadInputs, targets, weights, ignore_index, c
     return grad_x.to(x.dtype)
 
 
-def _lm_head_cross_entropy_backward_fake(grad_loss, hidden, weight, targets, weights=None, norm_weight=None,
-                                         positions=None, eps=1e-6, ignore_index=-100, chunk_elements=None,
-                                         softcap=None):
-    return hidden.new_empty(hidden.shape)
-
-
-@declare("lm_head_cross_entropy_backward", fake=_lm_head_cross_entropy_backward_fake)
+@declare("lm_head_cross_entropy_backward", fake=lambda a: a.hidden.new_empty(a.hidden.shape))
 def _lm_head_cross_entropy_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor,
                                        weights: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
                                        positions: Optional[Tensor] = None, eps: float = 1e-6,
@@ -345,7 +334,8 @@ def _ce_backward(ctx, grad_loss):
     return grad_hidden, None, None, None, None, None, None, None, None, None, None
 
 
-@declare("lm_head_cross_entropy", fake=_lm_head_cross_entropy_fake, autograd=(_ce_backward, _ce_setup_context))
+@declare("lm_head_cross_entropy", fake=lambda a: a.hidden.new_empty(_rows(a), dtype=torch.float32),
+         autograd=(_ce_backward, _ce_setup_context))
 def _lm_head_cross_entropy_op(hidden: Tensor, weight: Tensor, targets: Tensor, weights: Optional[Tensor] = None,
                               norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
                               eps: float = 1e-6, ignore_index: int = -100, check_bounds: bool = True,

@@ -282,8 +282,7 @@ def dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor,
 
 
 @declare("dynamic_conv_backward",
-         fake=lambda grad, x, dynamic, base: (x.new_empty(x.shape), dynamic.new_empty(dynamic.shape),
-                                              base.new_empty(base.shape)))
+         fake=lambda a: tuple(t.new_empty(t.shape) for t in (a.x, a.dynamic, a.base)))
 def _dynamic_conv_backward_op(grad: Tensor, x: Tensor, dynamic: Tensor,
                               base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dynamic_conv_backward`: ``(dx [nb, B, H], ddynamic [nb, B, K, G] (contiguous), dbase [K, H])`` in
@@ -307,7 +306,7 @@ def _dynamic_conv_grad(ctx, grad):
     return dx if needs[0] else None, dd if needs[1] else None, db if needs[2] else None, dres
 
 
-@declare("dynamic_conv", fake=lambda x, dynamic, base, residual=None: x.new_empty(x.shape),
+@declare("dynamic_conv", fake=lambda a: a.x.new_empty(a.x.shape),
          autograd=(_dynamic_conv_grad, _dynamic_conv_setup_context))
 def _dynamic_conv_op(x: Tensor, dynamic: Tensor, base: Tensor, residual: Optional[Tensor] = None) -> Tensor:
     """:func:`dynamic_conv`: ``residual + conv(x, dynamic, base)`` ``[nb, B, H]`` in x's dtype, on

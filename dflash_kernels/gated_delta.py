@@ -596,9 +596,7 @@ def gated_delta_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                                       qk_l2norm=qk_l2norm, scratch=scratch))
 
 
-@declare("gated_delta_tree", mutates={"scratch"},
-         fake=lambda q, k, v, g, beta, state, parents, scratch, scale=None, qk_l2norm=True, store_states="all",
-         check=False: v.new_empty(v.shape))
+@declare("gated_delta_tree", mutates={"scratch"}, fake=lambda a: a.v.new_empty(a.v.shape))
 def _gated_delta_tree_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                          parents: Optional[Tensor], scratch: Optional[Tensor], scale: Optional[float] = None,
                          qk_l2norm: bool = True, store_states: str = "all", check: bool = False) -> Tensor:
@@ -692,8 +690,7 @@ def gated_delta_replay_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return None
 
 
-@declare("gated_delta_replay_", mutates={"state"},
-         fake=lambda state, q, k, v, g, beta, rows, num_rows, scale=None, qk_l2norm=True, check=False: None)
+@declare("gated_delta_replay_", mutates={"state"}, fake=lambda a: None)
 def _gated_delta_replay_op(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, rows: Tensor,
                            num_rows: Tensor, scale: Optional[float] = None, qk_l2norm: bool = True,
                            check: bool = False) -> None:
@@ -799,8 +796,7 @@ def causal_conv_tree(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
         reference=lambda: _reference.causal_conv_tree(x, window, weight, parents, bias=bias, activation=activation))
 
 
-@declare("causal_conv_tree",
-         fake=lambda x, window, weight, parents=None, bias=None, activation="silu", check=False: x.new_empty(x.shape))
+@declare("causal_conv_tree", fake=lambda a: a.x.new_empty(a.x.shape))
 def _causal_conv_tree_op(x: Tensor, window: Tensor, weight: Tensor, parents: Optional[Tensor] = None,
                          bias: Optional[Tensor] = None, activation: Optional[str] = "silu",
                          check: bool = False) -> Tensor:
@@ -842,7 +838,7 @@ def conv_window_after(window: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
     return _reference.conv_window_after(window, x, rows, num_rows)
 
 
-@declare("conv_window_after", fake=lambda window, x, rows, num_rows: window.new_empty(window.shape))
+@declare("conv_window_after", fake=lambda a: a.window.new_empty(a.window.shape))
 def _conv_window_after_op(window: Tensor, x: Tensor, rows: Tensor, num_rows: Tensor) -> Tensor:
     """:func:`conv_window_after`: a new ``[K-1, C]`` (``[L, K-1, C]``) window."""
     return conv_window_after(window, x, rows, num_rows)

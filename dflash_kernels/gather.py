@@ -254,19 +254,14 @@ def gather_concat(layers, rows: RowsLike = None, out: Optional[torch.Tensor] = N
                     reference=lambda: _reference.gather_concat(layers, rows, out, check_bounds=False))
 
 
-def _gather_concat_fake(layers, rows=None, check_bounds=True):
-    first = layers[0]
-    n_rows = first.shape[0] if rows is None else rows.shape[0]
-    return first.new_empty(n_rows, len(layers) * first.shape[1])
-
-
-@declare("gather_concat", fake=_gather_concat_fake)
+@declare("gather_concat", fake=lambda a: a.layers[0].new_empty(
+    a.layers[0].shape[0] if a.rows is None else a.rows.shape[0], len(a.layers) * a.layers[0].shape[1]))
 def _gather_concat_op(layers: List[Tensor], rows: Optional[Tensor] = None, check_bounds: bool = True) -> Tensor:
     """:func:`gather_concat` into a new ``[R, n*H]`` tensor."""
     return gather_concat(layers, rows, None, check_bounds=check_bounds)
 
 
-@declare("gather_concat.into", mutates={"out"}, fake=lambda layers, out, rows=None, check_bounds=True: None)
+@declare("gather_concat.into", mutates={"out"}, fake=lambda a: None)
 def _gather_concat_into_op(layers: List[Tensor], out: Tensor, rows: Optional[Tensor] = None,
                            check_bounds: bool = True) -> None:
     """:func:`gather_concat` with ``out=``: writes the ``[R, n*H]`` buffer ``out`` (any row stride) in place;

@@ -608,14 +608,14 @@ def compact_kv_(kv: torch.Tensor, src_positions: torch.Tensor, dst_start, *,
                     reference=lambda: _reference.compact_kv_(kv, src_positions, dst_start, num_rows=num_rows))
 
 
-@declare("compact_kv_", mutates={"kv"}, fake=lambda kv, src_positions, dst_start, num_rows=None, check=True: None)
+@declare("compact_kv_", mutates={"kv"}, fake=lambda a: None)
 def _compact_kv_op(kv: Tensor, src_positions: Tensor, dst_start: int, num_rows: Optional[Tensor] = None,
                    check: bool = True) -> None:
     """:func:`compact_kv_`: moves the accepted rows of ``kv`` in place (returns nothing)."""
     compact_kv_(kv, src_positions, dst_start, num_rows=num_rows, check=check)
 
 
-@declare("compact_kv_.tensor", mutates={"kv"}, fake=lambda kv, src_positions, dst_start, num_rows=None: None)
+@declare("compact_kv_.tensor", mutates={"kv"}, fake=lambda a: None)
 def _compact_kv_tensor_op(kv: Tensor, src_positions: Tensor, dst_start: Tensor,
                           num_rows: Optional[Tensor] = None) -> None:
     """:func:`compact_kv_` with ``dst_start`` (int64 ``[1]``), ``num_rows`` and the absolute ``src_positions``

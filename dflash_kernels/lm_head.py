@@ -605,18 +605,19 @@ def lm_head_logits(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
         triton=lambda: _logits_triton(head.detached(), logit_dtype))
 
 
-def _rows(positions: Optional[Tensor], hidden: Tensor):
-    """Selected row count of a fake: ``positions``' length, else every row of ``hidden``."""
-    return hidden.shape[0] if positions is None else positions.shape[0]
+def _rows(a) -> int:
+    """Selected row count ``N`` in a shape rule (``a``: the op's arguments by name): ``a.positions``' length, else
+    every row of ``a.hidden``."""
+    return a.hidden.shape[0] if a.positions is None else a.positions.shape[0]
 
 
-def _lm_head_logits_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
-                         logit_dtype=torch.float32, softcap=None):
-    dtype = resolve_logit_dtype(hidden, weight, logit_dtype)
-    return hidden.new_empty(_rows(positions, hidden), weight.shape[0], dtype=dtype)
+def _token_rows(a) -> Tensor:
+    """The shape rule of a head op that picks one token per selected row: int64 ``[N]``."""
+    return a.hidden.new_empty(_rows(a), dtype=torch.int64)
 
 
-@declare("lm_head_logits", fake=_lm_head_logits_fake)
+@declare("lm_head_logits", fake=lambda a: a.hidden.new_empty(
+    _rows(a), a.weight.shape[0], dtype=resolve_logit_dtype(a.hidden, a.weight, a.logit_dtype)))
 def _lm_head_logits_op(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
                        positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
                        logit_dtype: Optional[torch.dtype] = torch.float32, softcap: Optional[float] = None) -> Tensor:
@@ -657,12 +658,7 @@ def lm_head_argmax(hidden, weight, *, norm_weight=None, eps=1e-6, positions=None
         triton=lambda: _argmax_triton(head.detached(), logit_dtype))
 
 
-def _lm_head_argmax_fake(hidden, weight, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
-                         logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@declare("lm_head_argmax", fake=_lm_head_argmax_fake)
+@declare("lm_head_argmax", fake=_token_rows)
 def _lm_head_argmax_op(hidden: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
                        positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
                        logit_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None) -> Tensor:
@@ -696,13 +692,8 @@ def lm_head_topk(hidden, weight, k, *, norm_weight=None, eps=1e-6, positions=Non
         triton=lambda: _topk_triton(head.detached(), k, chunk_elements))
 
 
-def _lm_head_topk_fake(hidden, weight, k, norm_weight=None, positions=None, eps=1e-6, check_bounds=True,
-                       chunk_elements=None, softcap=None):
-    n = _rows(positions, hidden)
-    return (hidden.new_empty(n, k, dtype=torch.float32), hidden.new_empty(n, k, dtype=torch.int64))
-
-
-@declare("lm_head_topk", fake=_lm_head_topk_fake)
+@declare("lm_head_topk", fake=lambda a: (a.hidden.new_empty(_rows(a), a.k, dtype=torch.float32),
+                                         a.hidden.new_empty(_rows(a), a.k, dtype=torch.int64)))
 def _lm_head_topk_op(hidden: Tensor, weight: Tensor, k: int, norm_weight: Optional[Tensor] = None,
                      positions: Optional[Tensor] = None, eps: float = 1e-6, check_bounds: bool = True,
                      chunk_elements: Optional[int] = None, softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
@@ -774,12 +765,7 @@ def sample_gumbel(hidden, weight, temperature, *, norm_weight=None, eps=1e-6, po
                                                     softcap=head.softcap))
 
 
-def _lm_head_sample_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
-                         check_bounds=True, logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@declare("lm_head_sample", fake=_lm_head_sample_fake)
+@declare("lm_head_sample", fake=_token_rows)
 def _lm_head_sample_op(hidden: Tensor, weight: Tensor, temperature: float, seed: int,
                        norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None, eps: float = 1e-6,
                        check_bounds: bool = True, logit_dtype: Optional[torch.dtype] = None,
@@ -790,12 +776,7 @@ def _lm_head_sample_op(hidden: Tensor, weight: Tensor, temperature: float, seed:
                          seed=seed, check_bounds=check_bounds, logit_dtype=logit_dtype, softcap=softcap)
 
 
-def _lm_head_sample_tensor_fake(hidden, weight, temperature, seed, norm_weight=None, positions=None, eps=1e-6,
-                                logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@declare("lm_head_sample.tensor", fake=_lm_head_sample_tensor_fake)
+@declare("lm_head_sample.tensor", fake=_token_rows)
 def _lm_head_sample_tensor_op(hidden: Tensor, weight: Tensor, temperature: float, seed: Tensor,
                               norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,
                               eps: float = 1e-6, logit_dtype: Optional[torch.dtype] = None,

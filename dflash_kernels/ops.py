@@ -1,10 +1,11 @@
 """Registers every op of the package: ``torch.ops.dflash.<name>``.
 
 Each kernel module declares its own ops beside its kernels (:func:`dflash_kernels._declare.declare`: the
-schema from the signature, the mutated arguments, the fake, the autograd; the constraints every declaration
-keeps are listed there), so importing this module imports them all; the fakes of the C++ ops sit beside
-their Python faces (``kv_write_``: :mod:`dflash_kernels.kv_compaction`; ``philox_uint32``:
-:mod:`dflash_kernels.noise`). What it holds itself: the tree structure ops.
+schema from the signature, the mutated arguments, the shape rule that is the fake, the autograd; the
+constraints every declaration keeps are listed there), so importing this module imports them all; the fakes
+of the C++ ops sit beside their Python faces (``kv_write_``: :mod:`dflash_kernels.kv_compaction`;
+``philox_uint32``: :mod:`dflash_kernels.noise`). What it holds itself: the tree structure ops, declared the
+same way.
 
 One op name per public op. Where a public op takes an int or a tensor for a per-round value, the two schemas
 are two overloads of that name (as aten's ``add.Tensor`` / ``add.Scalar``): ``.default`` with the int,
@@ -51,36 +52,25 @@ from . import (cross_entropy, dynamic_conv, gated_delta, gather, kv_compaction, 
                noise, rejection, sampling, selector, tree_attention)
 from . import tree as _tree
 from . import tree_device as _tree_device
+from ._declare import declare
 
 __all__: list = []  # the ops live in torch.ops.dflash
-
-_NS = "dflash"
 
 
 # --------------------------------------------------------------------------- tree structure
 
 
-@torch.library.custom_op(f"{_NS}::ancestor_bits", mutates_args=())
+@declare("ancestor_bits",
+         fake=lambda a: a.parents.new_empty(*a.parents.shape, (a.parents.shape[-1] + 31) // 32, dtype=torch.int32))
 def ancestor_bits(parents: Tensor, check: bool = True) -> Tensor:
     """:func:`dflash_kernels.ancestor_bits`: int32 ``[(b,) N+1, ceil((N+1)/32)]`` on parents' device."""
     return _tree.ancestor_bits(parents, check=check)
 
 
-@ancestor_bits.register_fake
-def _ancestor_bits_fake(parents, check=True):
-    n = parents.shape[-1]
-    return parents.new_empty(*parents.shape, (n + 31) // 32, dtype=torch.int32)
-
-
-@torch.library.custom_op(f"{_NS}::tree_positions", mutates_args=())
+@declare("tree_positions", fake=lambda a: a.depths.new_empty(a.depths.shape[0] + 1, dtype=torch.int64))
 def tree_positions(depths: Tensor, start: int) -> Tensor:
     """:func:`dflash_kernels.tree_positions`: int64 ``[N+1]`` positions of ``[root, nodes...]``."""
     return _tree.tree_positions(depths, start)
-
-
-@tree_positions.register_fake
-def _tree_positions_fake(depths, start):
-    return depths.new_empty(depths.shape[0] + 1, dtype=torch.int64)
 
 
 def _static_tree_size(top_logprobs: Tensor, budget) -> int:
@@ -97,7 +87,14 @@ def _tree_fake(lead, n: int, device, score_dtype):
     return new(n), new(n), new(n + 1), new(n, score_dtype)
 
 
-@torch.library.custom_op(f"{_NS}::build_tree", mutates_args=())
+def _device_tree_fake(draft: Tensor, budget) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The outputs of a device tree build from a draft ``[(b,) D, K]`` (``top_logprobs`` or ``candidates``):
+    :func:`_tree_fake` with ``N = tree_size(D, K, budget)``, float32 scores on the draft's device."""
+    return _tree_fake(draft.shape[:-2], _static_tree_size(draft, budget), draft.device, torch.float32)
+
+
+@declare("build_tree", fake=lambda a: _tree_fake(a.top_logprobs.shape[:-2],
+                                                 _static_tree_size(a.top_logprobs, a.budget), "cpu", torch.float64))
 def build_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.build_tree` on the host (C++ heap): ``(token_ids [.., N], depths [.., N], parents
     [.., N+1])`` int64 and ``scores [.., N]`` float64 on the CPU. ``N = tree_size(D, K, budget)``: the heap pushes
@@ -106,12 +103,19 @@ def build_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tens
     return _tree.build_tree(top_logprobs, top_ids, budget)
 
 
-@build_tree.register_fake
-def _build_tree_fake(top_logprobs, top_ids, budget):
-    return _tree_fake(top_logprobs.shape[:-2], _static_tree_size(top_logprobs, budget), "cpu", torch.float64)
+def _walked_fake(parents: Tensor, max_depth: int, device) -> Tuple[Tensor, Tensor, Tensor]:
+    """The padded walks' outputs: ``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])`` int64."""
+    lead = tuple(parents.shape[:-1])
+    new = lambda *size: torch.empty(*size, dtype=torch.int64, device=device)  # noqa: E731
+    return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)
 
 
-@torch.library.custom_op(f"{_NS}::walk_tree", mutates_args=())
+def _walk_tree_fake(a) -> Tuple[Tensor, Tensor]:
+    length = torch.library.get_ctx().new_dynamic_size(min=1)
+    return torch.empty(length, dtype=torch.int64, device="cpu"), torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@declare("walk_tree", fake=_walk_tree_fake)
 def walk_tree(parents: Tensor, token_ids: Tensor, target_choice: Tensor) -> Tuple[Tensor, Tensor]:
     """:func:`dflash_kernels.walk_tree` (C++, host op): ``(accepted [M] int64, bonus [] int64)``, both on
     the CPU; the bonus token is a 0-d tensor where the public function returns an int. ``M`` (1..D+1)
@@ -120,13 +124,7 @@ def walk_tree(parents: Tensor, token_ids: Tensor, target_choice: Tensor) -> Tupl
     return accepted, torch.tensor(bonus, dtype=torch.int64)
 
 
-@walk_tree.register_fake
-def _walk_tree_fake(parents, token_ids, target_choice):
-    length = torch.library.get_ctx().new_dynamic_size(min=1)
-    return (torch.empty(length, dtype=torch.int64, device="cpu"), torch.empty((), dtype=torch.int64, device="cpu"))
-
-
-@torch.library.custom_op(f"{_NS}::walk_tree.padded", mutates_args=())
+@declare("walk_tree.padded", fake=lambda a: _walked_fake(a.parents, a.max_depth, "cpu"))
 def walk_tree_padded(parents: Tensor, token_ids: Tensor, target_choice: Tensor,
                      max_depth: int) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.walk_tree` with ``max_depth`` (C++, host op, one call for a batch): ``(path [(b,)
@@ -134,14 +132,7 @@ def walk_tree_padded(parents: Tensor, token_ids: Tensor, target_choice: Tensor,
     return _tree.walk_tree(parents, token_ids, target_choice, max_depth)
 
 
-@walk_tree_padded.register_fake
-def _walk_tree_padded_fake(parents, token_ids, target_choice, max_depth):
-    lead = tuple(parents.shape[:-1])
-    new = lambda *size: torch.empty(*size, dtype=torch.int64, device="cpu")  # noqa: E731
-    return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)
-
-
-@torch.library.custom_op(f"{_NS}::build_tree_device", mutates_args=())
+@declare("build_tree_device", fake=lambda a: _device_tree_fake(a.top_logprobs, a.budget))
 def build_tree_device(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.build_tree` on the device (``on_device=True``): ``(token_ids [.., N], depths [.., N],
     parents [.., N+1])`` int64 and ``scores [.., N]`` float32 on the inputs' device, ``N = tree_size(D, K,
@@ -149,13 +140,7 @@ def build_tree_device(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> Tup
     return _tree_device.build_tree_device(top_logprobs, top_ids, budget)
 
 
-@build_tree_device.register_fake
-def _build_tree_device_fake(top_logprobs, top_ids, budget):
-    n = _static_tree_size(top_logprobs, budget)
-    return _tree_fake(top_logprobs.shape[:-2], n, top_logprobs.device, torch.float32)
-
-
-@torch.library.custom_op(f"{_NS}::build_selector_tree_device", mutates_args=())
+@declare("build_selector_tree_device", fake=lambda a: _device_tree_fake(a.candidates, a.budget))
 def build_selector_tree_device(child_logprobs: Tensor, candidates: Tensor,
                                budget: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.build_selector_tree_device`: ``(token_ids [.., N], depths [.., N], parents [.., N+1])``
@@ -164,13 +149,7 @@ def build_selector_tree_device(child_logprobs: Tensor, candidates: Tensor,
     return _tree_device.build_selector_tree_device(child_logprobs, candidates, budget)
 
 
-@build_selector_tree_device.register_fake
-def _build_selector_tree_device_fake(child_logprobs, candidates, budget):
-    n = _static_tree_size(candidates, budget)
-    return _tree_fake(candidates.shape[:-2], n, candidates.device, torch.float32)
-
-
-@torch.library.custom_op(f"{_NS}::build_tree_device.tables", mutates_args=())
+@declare("build_tree_device.tables", fake=lambda a: _device_tree_fake(a.top_logprobs, a.budget))
 def build_tree_device_tables(top_logprobs: Tensor, top_ids: Tensor, budget: int, slots: Tensor, ranks: Tensor,
                              depth_of: Tensor, parent_base: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.build_tree` on the device over index tables the caller holds (the tensors of a
@@ -182,22 +161,9 @@ def build_tree_device_tables(top_logprobs: Tensor, top_ids: Tensor, budget: int,
     return _tree_device.build_tree_device(top_logprobs, top_ids, budget, tables=tables)
 
 
-@build_tree_device_tables.register_fake
-def _build_tree_device_tables_fake(top_logprobs, top_ids, budget, slots, ranks, depth_of, parent_base):
-    n = _static_tree_size(top_logprobs, budget)
-    return _tree_fake(top_logprobs.shape[:-2], n, top_logprobs.device, torch.float32)
-
-
-@torch.library.custom_op(f"{_NS}::walk_tree_device", mutates_args=())
+@declare("walk_tree_device", fake=lambda a: _walked_fake(a.parents, a.max_depth, a.parents.device))
 def walk_tree_device(parents: Tensor, token_ids: Tensor, target_choice: Tensor, max_depth: int,
                      bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.walk_tree_device`: ``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])``
     int64."""
     return _tree_device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
-
-
-@walk_tree_device.register_fake
-def _walk_tree_device_fake(parents, token_ids, target_choice, max_depth, bits=None):
-    lead = tuple(parents.shape[:-1])
-    new = lambda *size: parents.new_empty(*size, dtype=torch.int64)  # noqa: E731
-    return new(*lead, max_depth + 1), new(*lead) if lead else new(1), new(*lead, max_depth + 1)

@@ -185,14 +185,8 @@ def rejection_sample(hidden, weight, proposals, temperature, *, q_hidden=None, q
             q_probs, norm_weight, eps, logit_dtype, q_logit_dtype, head.softcap))
 
 
-def _rejection_sample_fake(hidden, weight, proposals, temperature, top_k, top_p, min_p, seed, q_hidden=None,
-                           q_ids=None, q_probs=None, norm_weight=None, eps=1e-6, logit_dtype=None,
-                           q_logit_dtype=None, softcap=None):
-    D = proposals.shape[0]
-    return proposals.new_empty(D + 1), proposals.new_empty(1)
-
-
-@declare("rejection_sample", fake=_rejection_sample_fake)
+@declare("rejection_sample", fake=lambda a: (a.proposals.new_empty(a.proposals.shape[0] + 1),
+                                             a.proposals.new_empty(1)))
 def _rejection_sample_op(hidden: Tensor, weight: Tensor, proposals: Tensor, temperature: float,
                          top_k: Optional[int], top_p: Optional[float], min_p: Optional[float], seed: Tensor,
                          q_hidden: Optional[Tensor] = None, q_ids: Optional[Tensor] = None,

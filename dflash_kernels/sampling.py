@@ -65,7 +65,7 @@ from torch import Tensor
 from ._declare import declare, dispatch
 from .distribution import (bin_scores, head_logits, histogram_support, noise_source,
                            sample_processed_plan, value_keys)
-from .lm_head import _rows, sample_gumbel
+from .lm_head import _token_rows, sample_gumbel
 from .reference import sampling as _reference
 from .reference.lm_head import HeadInputs, check_seed_tensor, check_temperature, head_inputs, resolve_logit_dtype
 from .reference.sampling import check_sampling_args, processed_scores
@@ -221,12 +221,7 @@ def _sample_processed_triton(head: HeadInputs, t, top_k, top_p, min_p, seed, gen
     return out
 
 
-def _lm_head_sample_processed_fake(hidden, weight, temperature, top_k, top_p, min_p, seed, norm_weight=None,
-                                   positions=None, eps=1e-6, logit_dtype=None, softcap=None):
-    return hidden.new_empty(_rows(positions, hidden), dtype=torch.int64)
-
-
-@declare("lm_head_sample_processed", fake=_lm_head_sample_processed_fake)
+@declare("lm_head_sample_processed", fake=_token_rows)
 def _lm_head_sample_processed_op(hidden: Tensor, weight: Tensor, temperature: float, top_k: Optional[int],
                                  top_p: Optional[float], min_p: Optional[float], seed: Tensor,
                                  norm_weight: Optional[Tensor] = None, positions: Optional[Tensor] = None,

@@ -217,14 +217,9 @@ def select_candidates(unary: torch.Tensor, candidates: torch.Tensor, projected: 
             filters[0] or 0, 1.0 if filters[1] is None else filters[1], filters[2] or 0.0))
 
 
-def _select_candidates_fake(unary, candidates, projected, predecessor, successor, anchor, temperature, seed=None,
-                            top_k=0, top_p=1.0, min_p=0.0):
-    lead = unary.shape[:-1]
-    return (unary.new_empty(lead, dtype=torch.int64), unary.new_empty(lead, dtype=torch.int64),
-            unary.new_empty(unary.shape, dtype=torch.float32))
-
-
-@declare("select_candidates", fake=_select_candidates_fake)
+@declare("select_candidates", fake=lambda a: (a.unary.new_empty(a.unary.shape[:-1], dtype=torch.int64),
+                                              a.unary.new_empty(a.unary.shape[:-1], dtype=torch.int64),
+                                              a.unary.new_empty(a.unary.shape, dtype=torch.float32)))
 def _select_candidates_op(unary: Tensor, candidates: Tensor, projected: Tensor, predecessor: Tensor,
                           successor: Tensor, anchor: Tensor, temperature: float, seed: Optional[Tensor] = None,
                           top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:

@@ -1019,12 +1019,12 @@ def tree_attention(
                                                     window=window, softcap=softcap, sinks=sinks))
 
 
-def _tree_attention_fake(query, key, value, bits, prefix_len, scale=None, positions=None, window=None, softcap=None,
-                         sinks=None):
-    return query.new_empty(query.shape)
+def _query_shaped(a) -> Tensor:
+    """The shape rule of ``tree_attention``'s overloads: the output has the query's shape and dtype."""
+    return a.query.new_empty(a.query.shape)
 
 
-@declare("tree_attention", fake=_tree_attention_fake)
+@declare("tree_attention", fake=_query_shaped)
 def _tree_attention_op(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: int,
                        scale: Optional[float] = None, positions: Optional[Tensor] = None,
                        window: Optional[int] = None, softcap: Optional[float] = None,
@@ -1035,7 +1035,7 @@ def _tree_attention_op(query: Tensor, key: Tensor, value: Tensor, bits: Optional
                           softcap=softcap, sinks=sinks)
 
 
-@declare("tree_attention.tensor", fake=_tree_attention_fake)
+@declare("tree_attention.tensor", fake=_query_shaped)
 def _tree_attention_tensor_op(query: Tensor, key: Tensor, value: Tensor, bits: Optional[Tensor], prefix_len: Tensor,
                               scale: Optional[float] = None, positions: Optional[Tensor] = None,
                               window: Optional[int] = None, softcap: Optional[float] = None,

@@ -546,3 +546,23 @@ def test_opcheck_cross_entropy_backward(backend):
     args = (torch.randn(4), hidden, weight, torch.tensor([3, -100, 7, 39]), torch.rand(4), norm_weight, positions)
     with force_backend(backend):
         torch.library.opcheck(OPS.lm_head_cross_entropy_backward, args, {"softcap": 4.0})
+
+
+def test_shape_rule_binds_the_call_by_name():
+    """A declared op's fake is its shape rule applied to the call bound to the op's signature: positional or
+    keyword, defaults applied, and the fake carries that signature."""
+    import inspect
+
+    from dflash_kernels._declare import shape_rule
+
+    def op(x: torch.Tensor, k: int, rows=None, scale: float = 2.0) -> torch.Tensor:
+        raise AssertionError("only the fake runs")
+
+    seen = []
+    fake = shape_rule(inspect.signature(op), lambda a: seen.append(vars(a)) or a.x.new_empty(a.k))
+    x = torch.zeros(3)
+    assert fake(x, 5).shape == (5,) and fake(x, k=2, scale=1.0).shape == (2,)
+    assert seen == [{"x": x, "k": 5, "rows": None, "scale": 2.0}, {"x": x, "k": 2, "rows": None, "scale": 1.0}]
+    assert inspect.signature(fake) == inspect.signature(op)
+    with pytest.raises(TypeError):
+        fake(x)  # a call the op's signature does not bind
