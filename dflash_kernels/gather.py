@@ -193,7 +193,6 @@ def _triton_type(dtype: torch.dtype) -> str:
 def _gather_concat_triton(layers: list, rows: Optional[torch.Tensor], out: torch.Tensor, R: int) -> torch.Tensor:
     n = len(layers)
     T, H = layers[0].shape
-    device = layers[0].device
     if R == 0:
         return out
     cfg = gather_config(H)
