@@ -41,8 +41,9 @@ from . import _C  # noqa: F401  (registers the C++ op dflash::philox_uint32, csr
 from ._dispatch import get_backend, triton_interpreting
 
 
-__all__ = ["philox_uint32", "philox_words", "uniform_noise", "gumbel_noise", "gumbel_noise_block",
-           "check_seed_tensor"]
+#: none: the noise is a building block the sampling ops share (sampling, rejection, selector), not an op of the
+#: package; its functions are imported by name
+__all__: list = []
 
 def check_seed_tensor(seed, device: torch.device, who: str = "lm_head_sample") -> torch.Tensor:
     """A device seed: an int64 / int32 tensor with one element (``[1]`` or ``[]``) on ``device``.
