@@ -79,14 +79,25 @@ def check_resources(result, arch):
     assert_fits(result, arch)
 
 
+#: the variants a launch specializes to: the tensors' pointers 16-byte aligned (torch's allocations), and either
+#: a tree count of nodes that is a multiple of 16 or one word of bits (``n_words == 1``, up to 32 nodes: the
+#: runtime makes an int equal to 1 a constant)
+ANCESTOR_BITS_RUNTIME = {
+    "n16": ({"n_words": "i32"}, {}, ("parents_ptr", "bits_ptr", "n_nodes")),
+    "w1": ({"n_words": "constexpr"}, {"n_words": 1}, ("parents_ptr", "bits_ptr")),
+}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", ANCESTOR_BITS_CONFIGS, ids=lambda c: f"R{c['BLOCK_R']}")
-def test_ancestor_bits_kernel(arch, cfg):
+@pytest.mark.parametrize("variant", list(ANCESTOR_BITS_RUNTIME))
+def test_ancestor_bits_kernel(arch, cfg, variant):
+    words, constants, divisible = ANCESTOR_BITS_RUNTIME[variant]
     result = compile_for_gpu(
         _ancestor_bits_kernel,
-        {"parents_ptr": "*i64", "bits_ptr": "*i32", "n_nodes": "i32", "n_words": "i32"},
-        {"BLOCK_R": cfg["BLOCK_R"]},
-        arch=arch, num_warps=cfg["num_warps"], num_stages=1,
+        {"parents_ptr": "*i64", "bits_ptr": "*i32", "n_nodes": "i32", **words},
+        {"BLOCK_R": cfg["BLOCK_R"], **constants},
+        arch=arch, num_warps=cfg["num_warps"], num_stages=1, divisible_by_16=divisible,
     )
     check_resources(result, arch)
 
