@@ -166,4 +166,4 @@ def walk_tree_device(parents: Tensor, token_ids: Tensor, target_choice: Tensor, 
                      bits: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`dflash_kernels.walk_tree_device`: ``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])``
     int64."""
-    return _tree_device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
+    return _tree.walk_tree_triton(parents, token_ids, target_choice, max_depth, bits)

@@ -19,9 +19,11 @@ always precedes its children (``parents[i] < i``, ``parents[0] == -1``).
   parents' device with a Triton kernel (the interpreter on CPU when
   ``TRITON_INTERPRET=1``), else with the NumPy reference.
 * :func:`tree_positions` gives the position ids of ``[root, nodes...]``.
-* :func:`walk_tree_device` (from :mod:`dflash_kernels.tree_device`) does the
-  walk with torch ops on the inputs' device, fixed shapes (:func:`tree_size`
-  gives ``N``) and no host sync: the C++ walk's path.
+* :func:`walk_tree_device` does the walk on the inputs' device, fixed shapes
+  (:func:`tree_size` gives ``N``) and no host sync: the C++ walk's path. On
+  the Triton backend one launch, one program per tree
+  (:func:`walk_tree_triton`); on the reference backend the fixed-shape torch
+  ops of :mod:`dflash_kernels.tree_device`.
 * :func:`selector_child_logprobs` / :func:`build_selector_tree_device`: the
   tree over a DFlash2 candidate selector, whose children are scored given
   their parent's token (:mod:`dflash_kernels.reference.selector_tree`); the
@@ -272,9 +274,114 @@ def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optiona
     return _reference.ancestor_bits(parents)
 
 
-# The device build and walk are fixed-shape torch code without host reads (:mod:`dflash_kernels.tree_device`).
-# Traced on the reference backend they are inlined (inductor fuses the ~60 small ops of a build + bits + walk
-# into a few loops, which opaque ops would keep apart); on the Triton backend each is one custom-op node.
+# ----------------------------------------------------------------------------
+# Device walk
+# ----------------------------------------------------------------------------
+
+#: Integer arguments of the walk kernel that vary between calls or models (node count, depth bound): never
+#: specialized, so one binary per block size serves every tree of a generation.
+WALK_DYNAMIC_INTS = ("n_nodes", "max_depth")
+
+
+def walk_block(n_nodes: int) -> int:
+    """Lanes of the walk kernel for ``n_nodes = N + 1`` tree tokens: the next power of two, at least 32."""
+    return max(32, triton.next_power_of_2(n_nodes))
+
+
+def walk_width_block(max_depth: int) -> int:
+    """Lanes of the walk kernel's path vectors (``D + 1`` slots): the next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(max_depth + 1))
+
+
+def walk_num_warps(block: int) -> int:
+    return 1 if block <= 128 else 4
+
+
+@triton.jit(do_not_specialize=WALK_DYNAMIC_INTS)
+def _walk_tree_kernel(parents_ptr, tokens_ptr, choice_ptr, path_ptr, len_ptr, committed_ptr, n_nodes, max_depth,
+                      BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One program: the accepted path of tree ``pid(0)``, from the root down.
+
+    Node ``i >= 1`` matches iff ``tokens[i - 1] == choice[parents[i]]``. From the root, the next path node is
+    the lowest-numbered matching child of the current one (``min {i : parents[i] == cur, match[i]}``, a
+    reduction over the tree's ``BLOCK`` lanes), for at most ``max_depth`` steps: the C++ walk's descent, so a
+    node is on the path iff it and all its ancestors match and each is its parent's lowest matching child.
+    ``path[d]`` is the path's ``d``-th node, repeated past its end; ``committed[d]`` the token of ``path[d +
+    1]`` below the end, the bonus ``choice[last]`` at ``path_len - 1``, 0 after; ``path_len[tree]`` the node
+    count (at most ``max_depth + 1``). The path vectors live in ``BLOCK_W >= max_depth + 1`` lanes.
+
+    Overlap: tree ``t`` reads only its own rows of ``parents`` / ``tokens`` / ``choice`` (``[t, 0..n_nodes)``,
+    row strides ``n_nodes``, ``n_nodes - 1``, ``n_nodes``: the launcher passes contiguous tensors) and writes
+    only its own ``path`` / ``committed`` row (``[t, 0..max_depth]``) and ``path_len[t]``; those three are
+    fresh outputs, never views of an input, so no program reads what any program writes.
+    """
+    tree = tl.program_id(0).to(tl.int64)
+    parents_ptr += tree * n_nodes
+    tokens_ptr += tree * (n_nodes - 1)
+    choice_ptr += tree * n_nodes
+    width = max_depth + 1
+    path_ptr += tree * width
+    committed_ptr += tree * width
+    idx = tl.arange(0, BLOCK)
+    node = (idx > 0) & (idx < n_nodes)
+    parent = tl.load(parents_ptr + idx, mask=node, other=-1).to(tl.int64)
+    token = tl.load(tokens_ptr + idx - 1, mask=node, other=-1).to(tl.int64)
+    # The root's choice (a parent's) is gathered for every node; the root itself never matches here.
+    parent_choice = tl.load(choice_ptr + tl.maximum(parent, 0), mask=node, other=-2).to(tl.int64)
+    match = node & (token == parent_choice)
+    slot = tl.arange(0, BLOCK_W)
+    path = tl.zeros([BLOCK_W], dtype=tl.int64)
+    committed = tl.zeros([BLOCK_W], dtype=tl.int64)
+    cur = tree * 0  # the root (an int64 scalar)
+    length = cur + 1
+    alive = length > 0  # still descending
+    for d in range(1, max_depth + 1):
+        nxt = tl.min(tl.where(match & (parent == cur), idx, BLOCK), axis=0).to(tl.int64)
+        step = alive & (nxt < BLOCK)
+        # the token that moves the path to nxt is committed at slot d - 1
+        nxt_token = tl.sum(tl.where(idx == nxt, token, 0), axis=0)
+        committed = tl.where(step & (slot == d - 1), nxt_token, committed)
+        path = tl.where(step & (slot == d), nxt, path)
+        cur = tl.where(step, nxt, cur)
+        length = tl.where(step, length + 1, length)
+        alive = step
+    bonus = tl.load(choice_ptr + cur).to(tl.int64)
+    path = tl.where(slot < length, path, cur)
+    committed = tl.where(slot == length - 1, bonus, tl.where(slot < length - 1, committed, 0))
+    in_row = slot < width
+    tl.store(path_ptr + slot, path, mask=in_row)
+    tl.store(committed_ptr + slot, committed, mask=in_row)
+    tl.store(len_ptr + tree, length)
+
+
+def walk_tree_triton(parents: torch.Tensor, token_ids: torch.Tensor, target_choice: torch.Tensor, max_depth: int,
+                     bits: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher of :func:`walk_tree_device`: one launch, one program per tree (``bits`` is checked and not
+    needed: the descent reads the parents directly). Arguments and outputs as there."""
+    n_nodes = _device._check_walk(parents, token_ids, target_choice, max_depth, bits)
+    if n_nodes >= 2**31:
+        raise ValueError(f"walk_tree_device: at most 2**31 - 1 nodes, got {n_nodes}")
+    batched = parents.dim() == 2
+    b = parents.shape[0] if batched else 1
+    width = max_depth + 1
+    long = dict(dtype=torch.int64, device=parents.device)
+    path = torch.empty(b, width, **long)
+    path_len = torch.empty(b, **long)
+    committed = torch.empty(b, width, **long)
+    if b > 0:
+        block = walk_block(n_nodes)
+        _walk_tree_kernel[(b,)](parents.contiguous(), token_ids.contiguous(), target_choice.contiguous(), path,
+                                path_len, committed, n_nodes, max_depth, BLOCK=block,
+                                BLOCK_W=walk_width_block(max_depth), num_warps=walk_num_warps(block))
+    if batched:
+        return path, path_len, committed
+    return path[0], path_len, committed[0]
+
+
+# The device build (and the reference backend's walk) are fixed-shape torch code without host reads
+# (:mod:`dflash_kernels.tree_device`). Traced on the reference backend they are inlined (inductor fuses the ~60
+# small ops of a build + bits + walk into a few loops, which opaque ops would keep apart); on the Triton backend
+# each is one custom-op node, the walk's running the Triton walk above.
 
 
 def build_selector_tree_device(
@@ -299,11 +406,14 @@ def walk_tree_device(parents: torch.Tensor, token_ids: torch.Tensor, target_choi
                      backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(path [(b,) D+1], path_len [1] or [b], committed [(b,) D+1])`` int64: the accepted path of a verified tree,
     or of each tree of a batch (``parents [b, N+1]``), on the inputs' device, fixed shapes, no host sync
-    (:func:`dflash_kernels.tree_device.walk_tree_device`).
+    (Triton backend: :func:`walk_tree_triton`, one launch; reference backend: the torch ops of
+    :func:`dflash_kernels.tree_device.walk_tree_device`).
 
     ``backend``: 'triton' or 'reference' to fix the backend (a compiled round does), None:
     :func:`dflash_kernels.get_backend`.
     """
-    if tracing() and resolve_backend(backend, parents.device) == "triton":
-        return torch.ops.dflash.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
+    if resolve_backend(backend, parents.device) == "triton":
+        if tracing():
+            return torch.ops.dflash.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)
+        return walk_tree_triton(parents, token_ids, target_choice, max_depth, bits)
     return _device.walk_tree_device(parents, token_ids, target_choice, max_depth, bits)

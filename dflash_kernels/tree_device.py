@@ -8,7 +8,9 @@ only on shapes and Python ints (``D``, ``K``, ``budget``, ``max_depth``), they
 never read a tensor value on the host (no ``.item()``, ``.tolist()``,
 ``nonzero``, boolean-mask indexing or Python ``if`` on values), so a round can
 be enqueued (or captured in a CUDA graph) without waiting for the GPU. On CPU
-tensors the same ops run on the CPU.
+tensors the same ops run on the CPU. On the Triton backend the walk is one
+launch instead (:func:`dflash_kernels.tree.walk_tree_triton`, the same path
+bit for bit); the torch walk here is the reference backend's.
 
 Tree layout as in :mod:`dflash_kernels.tree`: node 0 is the root, nodes 1..N
 are drafted tokens with ``parents[i] < i``; ``token_ids[i - 1]`` and

@@ -50,7 +50,8 @@ import torch
 
 import gpu_compile
 from gpu_compile import assert_fits, compile_for_gpu, require_gpu_compiler
-from dflash_kernels.tree import ANCESTOR_BITS_CONFIGS, _ancestor_bits_kernel
+from dflash_kernels.tree import (ANCESTOR_BITS_CONFIGS, WALK_DYNAMIC_INTS, _ancestor_bits_kernel,
+                                 _walk_tree_kernel, walk_num_warps)
 from dflash_kernels.tree_attention import (
     MERGE_BLOCK_M,
     MERGE_DYNAMIC_INTS,
@@ -98,6 +99,29 @@ def test_ancestor_bits_kernel(arch, cfg, variant):
         {"parents_ptr": "*i64", "bits_ptr": "*i32", "n_nodes": "i32", **words},
         {"BLOCK_R": cfg["BLOCK_R"], **constants},
         arch=arch, num_warps=cfg["num_warps"], num_stages=1, divisible_by_16=divisible,
+    )
+    check_resources(result, arch)
+
+
+#: the walk's lane counts: trees of up to 32 .. 4096 nodes, path vectors for depth bounds up to 15 and 31
+WALK_BLOCKS = (32, 128, 256, 1024, 4096)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block", WALK_BLOCKS)
+@pytest.mark.parametrize("block_w", (16, 32))
+@pytest.mark.parametrize("index_type", ("*i64", "*i32"))
+def test_walk_tree_kernel(arch, block, block_w, index_type):
+    """The device walk's kernel at every lane count, int64 and int32 trees, as the runtime specializes a launch:
+    aligned pointers, the node count and depth bound never specialized (``WALK_DYNAMIC_INTS``)."""
+    assert set(WALK_DYNAMIC_INTS) == {"n_nodes", "max_depth"}
+    result = compile_for_gpu(
+        _walk_tree_kernel,
+        {"parents_ptr": index_type, "tokens_ptr": index_type, "choice_ptr": index_type, "path_ptr": "*i64",
+         "len_ptr": "*i64", "committed_ptr": "*i64", "n_nodes": "i32", "max_depth": "i32"},
+        {"BLOCK": block, "BLOCK_W": block_w},
+        arch=arch, num_warps=walk_num_warps(block), num_stages=1,
+        divisible_by_16=("parents_ptr", "tokens_ptr", "choice_ptr", "path_ptr", "len_ptr", "committed_ptr"),
     )
     check_resources(result, arch)
 

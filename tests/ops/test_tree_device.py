@@ -553,3 +553,87 @@ def test_build_and_walk_make_no_host_uploads():
         for b in (None, bits):
             dk.walk_tree_device(tree[2], tree[0], choice, 7, b, backend="reference")
     assert counter.reads == [] and walks.reads == []
+
+
+def test_walk_backends_agree_bit_for_bit():
+    """The Triton walk (one program per tree, a descent from the root) and the reference backend's fixed-shape
+    torch ops give the same ``(path, path_len, committed)`` on random batches: int32 and int64 inputs, strided
+    prefixes of bigger trees, a depth bound below the trees' depth (the path is cut), siblings that share a
+    token (only the lowest-numbered matching child counts), and trees of one node."""
+    rng = random.Random(17)
+    gen = torch.Generator().manual_seed(17)
+    for case in range(40):
+        depth, k = rng.randint(1, 9), rng.randint(1, 5)
+        rounds = [random_round(rng, gen, depth, k, rng.choice([1, 8, 40]), agree=0.95) for _ in range(3)]
+        n = min(r[1].numel() for r in rounds)
+        n = rng.randint(0, n)
+        parents = torch.stack([r[0][: n + 1] for r in rounds])
+        tokens = torch.stack([r[1][:n] for r in rounds])
+        choice = torch.stack([r[2][: n + 1] for r in rounds])
+        if case % 3 == 0 and n > 2:  # a duplicate sibling token: copy a node's token onto a later sibling
+            for r in range(3):
+                for j in range(2, n + 1):
+                    sib = [i for i in range(1, j) if parents[r, i] == parents[r, j]]
+                    if sib:
+                        tokens[r, j - 1] = tokens[r, sib[0] - 1]
+                        break
+        if case % 2:
+            parents, tokens, choice = parents.int(), tokens.int(), choice.int()
+        big = torch.zeros(3, n + 5, dtype=parents.dtype)
+        big[:, : n + 1] = parents
+        max_depth = rng.choice([depth, max(0, depth - 2), depth + 3])
+        want = dk.walk_tree_device(parents, tokens, choice, max_depth, backend="reference")
+        got = dk.walk_tree_device(big[:, : n + 1], tokens, choice, max_depth, backend="triton")
+        for g, w in zip(got, want):
+            assert g.dtype == torch.int64 and torch.equal(g, w), (case, g, w)
+        for r in range(3):
+            one = dk.walk_tree_device(parents[r], tokens[r], choice[r], max_depth, backend="triton")
+            assert torch.equal(one[0], want[0][r]) and torch.equal(one[1], want[1][r:r + 1])
+            assert torch.equal(one[2], want[2][r])
+
+
+def test_the_triton_walk_is_one_launch(monkeypatch):
+    """On the Triton backend an eager walk is one kernel launch: the only aten ops it dispatches allocate its
+    three outputs (the torch-op walk dispatches dozens of small ops, each a launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    import dflash_kernels.tree as tree_module
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    kernel = tree_module._walk_tree_kernel
+    launches = []
+
+    class Counted:
+        """The kernel, launched with the dispatch mode off (the interpreter's own tensor work is not the
+        walk's), each launch recorded."""
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tree_module, "_walk_tree_kernel", Counted())
+    rng = random.Random(4)
+    gen = torch.Generator().manual_seed(4)
+    rounds = [random_round(rng, gen, 7, 4, 64, agree=0.9) for _ in range(2)]
+    parents, tokens, choice = (torch.stack([r[i] for r in rounds]) for i in range(3))
+    counts = {}
+    for backend in ("triton", "reference"):
+        with Ops() as ops:
+            got = dk.walk_tree_device(parents, tokens, choice, 7, backend=backend)
+        counts[backend] = ops.names
+    assert launches == [(2,)]
+    assert counts["triton"] == ["empty.memory_format"] * 3, counts["triton"]
+    assert len(counts["reference"]) > 20
+    assert all(torch.equal(g, w) for g, w in zip(got, dk.walk_tree_device(parents, tokens, choice, 7)))
