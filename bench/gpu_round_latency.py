@@ -41,8 +41,8 @@ that compute and the Triton launches (``dflash.benchmark.launches.LaunchCounter`
 launch of an eager GPU round) and splits them into the ops inside the decoder layers' forwards (reported per
 layer) and the rest of the round (embedding, rotary tables, mask or tree bits, head, walk, commit, features;
 the plain path's DynamicCache commit re-concatenates every layer's K/V outside the layers' forwards and counts
-there). A launch costs the host 5-10 us in an eager round whatever its size, so at these shapes the counts set
-a floor under the times: the columns to read when ``speedup`` is below 1.
+there). Each launch has a host cost in an eager round whatever its size: read the counts next to the times
+when ``speedup`` is below 1 (a gap the counts do not explain lies in the kernels' own time).
 
 Both paths run on the same weights and inputs and are compared: share of equal target
 choices (reported), and the relative error of the accepted rows' features and K/V. Exit
