@@ -36,6 +36,14 @@ transformers' own causal mask), full ``[T, vocab]`` logits and ``argmax``, the s
 ``torch.cat`` of the 5 layers' hidden states and row selection, and the DynamicCache-style
 commit: every layer's K/V re-concatenated as ``[prefix ; accepted rows]``.
 
+Launches: one more round of each path runs under :class:`RoundLaunches` (untimed), which counts the aten ops
+that compute and the Triton launches (``dflash.benchmark.launches.LaunchCounter``'s rules: each is one kernel
+launch of an eager GPU round) and splits them into the ops inside the decoder layers' forwards (reported per
+layer) and the rest of the round (embedding, rotary tables, mask or tree bits, head, walk, commit, features;
+the plain path's DynamicCache commit re-concatenates every layer's K/V outside the layers' forwards and counts
+there). Each launch has a host cost in an eager round whatever its size: read the counts next to the times
+when ``speedup`` is below 1 (a gap the counts do not explain lies in the kernels' own time).
+
 Both paths run on the same weights and inputs and are compared: share of equal target
 choices (reported), and the relative error of the accepted rows' features and K/V. Exit
 status 1 when those errors exceed 0.1 (bf16; 1e-4 in fp32), i.e. when a kernel result is
@@ -274,6 +282,50 @@ def plain_round(model, dyn, layer_ids, sc: Scenario, max_depth: int):
     return choices, features
 
 
+class RoundLaunches:
+    """Counts one round's launches (``LaunchCounter``), split by where they run: ``in_layers`` inside the forwards
+    of ``layers`` (the decoder layers), the rest outside. ``with RoundLaunches(layers) as c: ...``; then
+    :meth:`summary`."""
+
+    def __init__(self, layers):
+        from dflash.benchmark.launches import LaunchCounter
+
+        self.layers, self.counter, self.in_layers, self._hooks = list(layers), LaunchCounter(), 0, []
+
+    def _enter_layer(self, module, args):
+        self._start = self.counter.total
+
+    def _leave_layer(self, module, args, out):
+        self.in_layers += self.counter.total - self._start
+
+    def __enter__(self):
+        for layer in self.layers:
+            self._hooks += [layer.register_forward_pre_hook(self._enter_layer),
+                            layer.register_forward_hook(self._leave_layer)]
+        self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.counter.__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def summary(self) -> dict:
+        """``total`` ops, ``triton`` launches among them, ``per_layer`` (ops inside one layer's forward, the mean)
+        and ``per_round`` (every op outside the layers)."""
+        c = self.counter
+        return dict(total=c.total, triton=c.triton, per_layer=self.in_layers / max(len(self.layers), 1),
+                    per_round=c.total - self.in_layers)
+
+
+def count_launches(fn, layers) -> dict:
+    """:meth:`RoundLaunches.summary` of one call of ``fn`` (one round)."""
+    with RoundLaunches(layers) as launches:
+        fn()
+    return launches.summary()
+
+
 def timed(fn, device, repeats: int, warmup: int):
     """(median ms, peak extra MiB on CUDA or None, last result) of ``fn`` run as whole rounds."""
     for _ in range(warmup):
@@ -333,10 +385,11 @@ def main(argv=None) -> int:
                 with dense_mask_attention():
                     dense_ms, _, _ = timed(lambda: our_round(adapter, cache, sc), device, args.repeats, warmup)
                 ms, peak, (choices, feats) = timed(lambda: our_round(adapter, cache, sc), device, args.repeats, warmup)
+                launches = count_launches(lambda: our_round(adapter, cache, sc), adapter.layers)
                 n = sc.accepted.numel()
                 kv_rows = cache.kv[:, :, :, args.prefix: args.prefix + n].clone()
                 ours[sc.name] = dict(ms=ms, dense_ms=dense_ms, peak=peak, choices=choices.clone(),
-                                     features=feats.clone(), kv=kv_rows)
+                                     features=feats.clone(), kv=kv_rows, launches=launches)
             backend = dk.get_backend(device)
             tree_backend = ("tree-attention kernel (GQA packed, no mask)" if backend == "triton"
                             else "SDPA with a [T, S] mask (reference backend)")
@@ -358,6 +411,8 @@ def main(argv=None) -> int:
         for sc in scenarios:
             ms, peak, (choices, feats) = timed(lambda: plain_round(model, dyn, layer_ids, sc, args.block - 1), device,
                                                args.repeats, warmup)
+            launches = count_launches(lambda: plain_round(model, dyn, layer_ids, sc, args.block - 1),
+                                      model.model.layers)
             n = sc.accepted.numel()
             plain_kv = torch.stack([torch.stack([layer.keys[0, :, args.prefix: args.prefix + n],
                                                  layer.values[0, :, args.prefix: args.prefix + n]])
@@ -370,6 +425,7 @@ def main(argv=None) -> int:
                 ours_peak_extra_mib=mine["peak"], plain_peak_extra_mib=peak,
                 choices_agree=float((mine["choices"] == choices).float().mean()),
                 feature_rel_err=rel_err(mine["features"], feats), kv_rel_err=rel_err(mine["kv"], plain_kv),
+                ours_launches=mine["launches"], plain_launches=launches,
             ))
             row = rows[-1]
             if not (row["feature_rel_err"] <= limit and row["kv_rel_err"] <= limit):
@@ -413,6 +469,16 @@ def print_table(r: dict) -> None:
           "vs dense: dense ms / ours ms)")
     print("(T: verified tokens; acc: accepted rows; MiB: peak memory above the round's start, CUDA only; agree: share "
           "of equal target choices; errors: relative, ours vs plain)")
+    head = (f"{'launches per round':<22}{'ours':>7}{'/layer':>8}{'rest':>6}{'triton':>8}{'plain':>8}{'/layer':>8}"
+            f"{'rest':>6}")
+    print(head)
+    print("-" * len(head))
+    for row in r["rows"]:
+        o, p = row["ours_launches"], row["plain_launches"]
+        print(f"{row['scenario']:<22}{o['total']:>7}{o['per_layer']:>8.1f}{o['per_round']:>6}{o['triton']:>8}"
+              f"{p['total']:>8}{p['per_layer']:>8.1f}{p['per_round']:>6}")
+    print("(aten ops that compute + Triton launches of one round, each one kernel launch on a GPU; /layer: inside "
+          "one decoder layer's forward; rest: the round outside the layers; triton: Triton launches among ours)")
 
 
 if __name__ == "__main__":

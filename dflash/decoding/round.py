@@ -636,9 +636,10 @@ class Round:
         kept = path_len * self.alive  # a stopped sequence keeps nothing
         self.path.copy_(path)
         self.cache.compact_advance(path, kept)
-        width = captured[0].shape[-1]
-        index = path[:, :, None].expand(-1, -1, width)
-        self.ctx.copy_(torch.cat([c.gather(1, index) for c in captured], dim=-1))
+        # every captured layer's rows in one gather of their concatenation: three launches for any layer count
+        # (a gather per layer, their cat and the copy were n + 2)
+        features = torch.cat(captured, dim=-1)  # [b, n + 1, layers * H]
+        self.ctx.copy_(features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1])))
         self.ctx_count.copy_(kept)
         self.last.copy_(committed.gather(1, (path_len - 1)[:, None])[:, 0])
         # a per-round budget adds, for its choice, the paths' node ids and the path masses

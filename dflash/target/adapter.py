@@ -59,6 +59,7 @@ from .head import TargetHead
 from .hybrid import LINEAR_PASS_KWARG, HybridKVCache, LinearPass, linear_modules, linear_patches, linear_shape
 from .own_forward_check import check_own_forward, own_probe
 from .norms import norm_patches
+from .rope import rope_patches
 from .patches import Patch, hold
 from .quantized import check_row_independent, quantizes_activations
 from .wrappers import check_wrappers, unwrap_target
@@ -162,7 +163,7 @@ class TargetAdapter:
         self.masked_layers = self._has_attn_features or any(w is not None for w in self.windows)
         self._outputs: Dict[int, torch.Tensor] = {}
         self._experts_configs = list({id(m.config): m.config for m in moe}.values())
-        self._norm_patches = norm_patches(modules)
+        self._norm_patches = norm_patches(modules) + rope_patches(modules)
         #: hybrid targets: the Gated-DeltaNet geometry and modules (None / empty for dense targets)
         self.linear_shape = (linear_shape(type(model).__name__, self.layers, spec.linear_layers)
                              if spec.linear_layers else None)

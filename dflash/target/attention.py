@@ -41,7 +41,8 @@ Paths (no layer ever receives a dense mask from us):
   query tiles);
 * the reference backend: SDPA with ``enable_gqa=True`` and a boolean mask of
   this pass only, ``[T, prefix_len + T]``
-  (:func:`dflash_kernels.reference.tree_visibility`), never a ``[T, T]``
+  (:func:`dflash_kernels.reference.tree_visibility`; built once per pass and
+  window, shared by the layers: :attr:`AttentionPass.memo`), never a ``[T, T]``
   prefill mask beyond one chunk; layers with a softcap or sinks (which SDPA
   cannot express) go to :func:`dflash_kernels.reference.tree_attention`;
 * a layer whose head dim is past the kernel's 256 (Gemma 4's global layers), or whose values are narrower
@@ -55,7 +56,7 @@ those strides as they are (nothing is copied).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import contextlib
 from typing import Iterator, List, Optional, Sequence, Union
 
@@ -111,6 +112,10 @@ class AttentionPass:
     #: with the pass's own by log-sum-exp (:func:`dflash_kernels.reference.split_attention`: the same attention up
     #: to rounding); else the masked attention, the model's own numbers bit for bit
     split: bool = False
+    #: what the pass's layers share, made by the first layer that needs it: on the reference backend an eager
+    #: pass's ``[T, keys]`` mask per window (``("mask", window)``: it depends on the pass, never on the layer:
+    #: one build per pass, not one per layer)
+    memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def static(self) -> bool:
@@ -131,6 +136,11 @@ class AttentionPass:
 def in_active_pass() -> bool:
     """Whether one of our passes is running (:func:`active_pass`)."""
     return len(_ACTIVE) > 0  # (dynamo of torch 2.11 cannot trace bool() of a list)
+
+
+def current_pass() -> Optional["AttentionPass"]:
+    """The innermost of our passes running now (:func:`active_pass`), or None outside them."""
+    return _ACTIVE[-1] if len(_ACTIVE) > 0 else None
 
 
 @contextlib.contextmanager
@@ -244,6 +254,7 @@ def pass_attention(query, key, value, attention_pass: AttentionPass, window: Opt
     causal = attention_pass.bits is None
     plain = softcap is None and sinks is None
     triton = (backend or attention_pass.backend) == "triton"
+    layer_window = window
     if causal and prefix == 0 and window is None and plain:
         return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scaling, enable_gqa=True)
     if triton:
@@ -263,8 +274,11 @@ def pass_attention(query, key, value, attention_pass: AttentionPass, window: Opt
         return kernel_reference.split_attention(query, key, value, prefix, attention_pass.bits, scale=scaling)
     if causal and T == 1 and window is None:  # a single causal row sees every key: no mask
         return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
-    mask = kernel_reference.tree_visibility(attention_pass.bits, prefix, T, positions=positions, window=window,
-                                            device=query.device)
+    # keyed by the layer's own window: prefix, T, bits and positions are the pass's, the shift above the window's
+    mask = attention_pass.memo.get(("mask", layer_window))
+    if mask is None:
+        mask = attention_pass.memo[("mask", layer_window)] = kernel_reference.tree_visibility(
+            attention_pass.bits, prefix, T, positions=positions, window=window, device=query.device)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 
