@@ -842,3 +842,35 @@ def test_head_row_tiles_minimize_padding():
     tiles = {n: lm_head_module.head_config(n, torch.bfloat16)["BLOCK_M"] for n in (1, 15, 16, 17, 64, 65, 128, 257,
                                                                                    1024, 8192)}
     assert tiles == {1: 16, 15: 16, 16: 16, 17: 64, 64: 64, 65: 128, 128: 128, 257: 64, 1024: 128, 8192: 128}
+
+
+def test_heads_launch_once_with_no_torch_op_after(monkeypatch):
+    """Greedy and device-seed Gumbel heads: the norm prologue and one head launch; the only aten ops are the
+    output / partial allocations and views (no argmax, gather or cast over partials after the launch).
+    Meta tensors and stub kernels: the ops are counted by dispatch, as they would run on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    norm_stub, head_stub = KernelStub(), KernelStub()
+    monkeypatch.setattr(lm_head_module, "_norm_rows_kernel", norm_stub)
+    monkeypatch.setattr(lm_head_module, "_argmax_kernel", head_stub)
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    hidden, weight, norm = meta(300, 256), meta(1000, 256), meta(256)
+    positions, seed = meta(257, dtype=torch.int64), meta(1, dtype=torch.int64)
+    kw = dict(norm_weight=norm, positions=positions, check_bounds=False)
+    with force_backend("triton"):
+        lm_head_argmax(hidden, weight, **kw)  # allocates the device's ticket counters once
+        with Ops() as mode:
+            ids = lm_head_argmax(hidden, weight, **kw)
+            drawn = lm_head_sample(hidden, weight, 0.7, seed=seed, **kw)
+    assert ids.shape == drawn.shape == (257,)
+    assert len(norm_stub.launches) == 3 and len(head_stub.launches) == 3
+    assert set(mode.ops) <= {"empty", "view", "reshape", "_unsafe_view", "alias", "detach", "promote_types"}, mode.ops
