@@ -159,13 +159,12 @@ def head_config(n_rows: int, dot_dtype: torch.dtype, gumbel: bool = False) -> Di
     65 -> 2 x 64 = 128 = 1 x 128 -> 128. bf16/fp16: 8 warps, 128 vocab ids per tile (sm_90: two
     warpgroups of ``wgmma m64n64k16`` at 64 rows, of ``m64n128k16`` at 128 rows), except the Gumbel
     epilogue at 128 rows, 64 ids wide (``m64n64k16``): its Philox noise spills a 128 x 128 tile (and a
-    64 x 128 tile with 4 warps). fp32 (IEEE dot, not a speed path): 16 x 64 or 64 x 32 tiles, 4 warps, no
-    register cap: the shapes that compile without a stack frame on sm_80 and sm_90.
+    64 x 128 tile with 4 warps). fp32 (IEEE dot, not a speed path): one 64 x 32 tile, 4 warps, no register
+    cap, at every row count: the shape found to compile without a stack frame on sm_80 and sm_90 with both
+    supported Tritons (16-row fp32 tiles kept an 8-16 B frame on one of them).
     ``BLOCK_S``: partials merged per step by the last program.
     """
     if dot_dtype == torch.float32:
-        if n_rows <= 16:
-            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BLOCK_S=32, num_warps=4, num_stages=3, maxnreg=None)
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, BLOCK_S=32, num_warps=4, num_stages=3, maxnreg=None)
     if n_rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=32, num_warps=4, num_stages=4, maxnreg=GEMM_MAXNREG)
