@@ -29,7 +29,7 @@ Pipeline (Triton backend):
      tiles into a running per-row (max, lowest id of the max) in registers, writes
      that ``[N, n_splits]`` partial, and the last program of a row tile to take an
      atomic ticket merges the splits in order (lowest id on ties) and writes the
-     int64 ids. No logits are stored, no other launch follows. Row tiles
+     int64 ids. No logits are stored, no other launch follows. bf16/fp16 row tiles
      (:func:`head_config`): 16 up to 16 rows, else 64 or 128, whichever pads less
      (257 rows: 320 rows of tensor-core work with 64, not 384 with 128).
    * sample: the same with Gumbel-max on the rounded logits:
