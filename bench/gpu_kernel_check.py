@@ -297,12 +297,14 @@ def check_lm_head(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dic
         ok_vals, detail_vals = close(torch, values, logprobs.topk(s.topk, dim=1).values, atol, rtol)
         ok_ids, detail_ids = close(torch, logprobs.gather(1, top_ids), values, atol, rtol)
         check.add(f"lm_head_topk k={s.topk} N={rows}", ok_vals and ok_ids, f"values: {detail_vals}; ids: {detail_ids}")
+        check_head_merge(torch, dk, check, hidden, weight, kw, rows)
 
         normed = ref.rms_norm(hidden, norm_weight) if hasattr(ref, "rms_norm") else hidden
         t_gemm = time_ms(torch, lambda: normed @ weight.T, device, **timing)
         t_torch = time_ms(torch, lambda: (ref.rms_norm(hidden, norm_weight) @ weight.T).float().argmax(1), device,
                           **timing) if hasattr(ref, "rms_norm") else None
-        entry = dict(rows=rows, vocab=s.vocab, hidden=s.hidden, gemm_ms=t_gemm, torch_norm_gemm_argmax_ms=t_torch)
+        entry = dict(rows=rows, vocab=s.vocab, hidden=s.hidden, gemm_ms=t_gemm, torch_norm_gemm_argmax_ms=t_torch,
+                     head_plan=head_plan(torch, dk, rows, s.vocab, device))
         with dk.force_backend("triton"):
             for name, fn in (("argmax", lambda: dk.lm_head_argmax(hidden, weight, **kw)),
                              ("topk", lambda: dk.lm_head_topk(hidden, weight, s.topk, **kw)),
@@ -310,6 +312,8 @@ def check_lm_head(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dic
                 t = time_ms(torch, fn, device, **timing)
                 entry[f"{name}_ms"] = t
                 entry[f"{name}_gemm_fraction"] = t_gemm / t
+        if device.type == "cuda" and rows > 16:
+            entry["head_sweep"] = sweep_heads(torch, dk, hidden, weight, kw, t_gemm, device, timing)
         ratios[f"lm_head_N{rows}"] = entry
 
     rows = s.ce_rows
@@ -328,6 +332,60 @@ def check_lm_head(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dic
 
 
 LOGIT_SOFTCAP = 2.0  # small enough to change logits of a few units (Gemma 2 / 3 use 30)
+
+
+def head_plan(torch, dk, rows: int, vocab: int, device) -> dict:
+    """The heads' launch at this shape: row tile, vocab tile, vocab tiles per split and splits (argmax; the
+    Gumbel epilogue's vocab tile may be narrower)."""
+    from dflash_kernels import lm_head
+    cfg = lm_head.head_config(rows, torch.bfloat16)
+    row_tiles = -(-rows // cfg["BLOCK_M"])
+    per, splits = lm_head.vocab_split_plan(row_tiles, -(-vocab // cfg["BLOCK_N"]),
+                                           lm_head._head_programs(torch.device(device)))
+    return dict(block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], row_tiles=row_tiles, tiles_per_split=per,
+                splits=splits)
+
+
+#: (BLOCK_M, BLOCK_N of the greedy head, programs per SM) timed besides the shipped plan (sampling keeps its
+#: narrower vocab tile where the greedy one is wider than 128 ids): the tile/occupancy trade-off at this row count.
+HEAD_SWEEP = ((64, 128, 1), (64, 256, 1), (64, 256, 2), (128, 128, 2), (128, 128, 1))
+
+
+def sweep_heads(torch, dk, hidden, weight, kw, t_gemm: float, device, timing: dict) -> list:
+    """GEMM fraction of the greedy and Gumbel heads under each :data:`HEAD_SWEEP` plan (bf16 only)."""
+    from dflash_kernels import lm_head
+    shipped_config, shipped_programs = lm_head.head_config, lm_head.HEAD_PROGRAMS_PER_SM
+    out = []
+    try:
+        for block_m, block_n, per_sm in HEAD_SWEEP:
+            def config(n_rows, dot_dtype, gumbel=False, block_m=block_m, block_n=block_n):
+                cfg = shipped_config(n_rows, dot_dtype, gumbel)
+                if n_rows > 16 and dot_dtype != torch.float32:  # sampling: the widths that compile without spills
+                    cfg.update(BLOCK_M=block_m, BLOCK_N=(64 if block_m == 128 else 128) if gumbel else block_n)
+                return cfg
+            lm_head.head_config, lm_head.HEAD_PROGRAMS_PER_SM = config, per_sm
+            with dk.force_backend("triton"):
+                t_arg = time_ms(torch, lambda: dk.lm_head_argmax(hidden, weight, **kw), device, **timing)
+                t_smp = time_ms(torch, lambda: dk.lm_head_sample(hidden, weight, 0.7, seed=1, **kw), device, **timing)
+            out.append(dict(block_m=block_m, block_n=block_n, programs_per_sm=per_sm,
+                            argmax_gemm_fraction=t_gemm / t_arg, sample_gemm_fraction=t_gemm / t_smp))
+    finally:
+        lm_head.head_config, lm_head.HEAD_PROGRAMS_PER_SM = shipped_config, shipped_programs
+    return out
+
+
+def check_head_merge(torch, dk, check: Checker, hidden, weight, kw, rows: int) -> None:
+    """The split heads' ticket merge on the device: 20 back-to-back argmax / device-seed draws give the same ids,
+    and the ticket counters are back at zero (a lost or doubled ticket would leave them non-zero)."""
+    from dflash_kernels import lm_head
+    seed = torch.tensor([11], dtype=torch.int64, device=hidden.device)
+    with dk.force_backend("triton"):
+        greedy = [dk.lm_head_argmax(hidden, weight, **kw) for _ in range(20)]
+        drawn = [dk.lm_head_sample(hidden, weight, 1.0, seed=seed, **kw) for _ in range(20)]
+    same = all(torch.equal(g, greedy[0]) for g in greedy) and all(torch.equal(d, drawn[0]) for d in drawn)
+    zero = not bool(lm_head._tickets(hidden.device, 1).any())
+    check.add(f"lm_head_argmax split merge (and seeded sample) N={rows}", same and zero,
+              f"repeatable: {same}; tickets at zero: {zero}")
 
 
 def check_lm_head_softcap(torch, dk, ref, s: Shapes, device, check: Checker, weight, norm_weight, gen) -> None:
@@ -472,6 +530,9 @@ def print_report(report: dict) -> None:
                   f"({100 * e['argmax_gemm_fraction']:.0f}% of GEMM speed), topk {e['topk_ms']:.3f} ms "
                   f"({100 * e['topk_gemm_fraction']:.0f}%), sample {e['sample_ms']:.3f} ms "
                   f"({100 * e['sample_gemm_fraction']:.0f}%)")
+            for w in e.get("head_sweep", ()):
+                print(f"    heads M{w['block_m']} N{w['block_n']} {w['programs_per_sm']}/SM: argmax "
+                      f"{100 * w['argmax_gemm_fraction']:.0f}%, sample {100 * w['sample_gemm_fraction']:.0f}% of GEMM speed")
         elif key.startswith("lm_head_cross_entropy"):
             print(f"  lm_head_cross_entropy N={e['rows']}: {e['cross_entropy_ms']:.3f} ms vs bare GEMM "
                   f"{e['gemm_ms']:.3f} ms ({100 * e['gemm_fraction']:.0f}% of GEMM speed)")

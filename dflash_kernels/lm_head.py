@@ -20,13 +20,18 @@ Pipeline (Triton backend):
    dtype, ``tl.dot`` on bf16/fp16 tensor cores with fp32 accumulation, and an
    epilogue chosen by the op:
 
-   * argmax: the fp32 accumulator is first rounded to the logits' dtype
-     (``logit_dtype``, default the dtype ``F.linear`` returns: bf16 for a bf16
-     model, round to nearest even as a bf16 GEMM writes its output, so the
-     choice is transformers' ``argmax`` of the bf16 logits; fp32: no
-     rounding); then per tile, per row max and lowest index of the max; a
-     tiny ``[N, n_tiles]`` cross-tile reduction (torch.argmax keeps the first,
-     i.e. lowest, tile) finishes it. No logits are stored at all.
+   * argmax (``_argmax_kernel``, one launch): the fp32 accumulator is first rounded to
+     the logits' dtype (``logit_dtype``, default the dtype ``F.linear`` returns: bf16
+     for a bf16 model, round to nearest even as a bf16 GEMM writes its output, so the
+     choice is transformers' ``argmax`` of the bf16 logits; fp32: no rounding). The
+     grid is (row tiles x vocab splits), each split a contiguous run of vocab tiles
+     (:func:`vocab_split_plan`: one wave of ``2 * SMs`` programs); a program folds its
+     tiles into a running per-row (max, lowest id of the max) in registers, writes
+     that ``[N, n_splits]`` partial, and the last program of a row tile to take an
+     atomic ticket merges the splits in order (lowest id on ties) and writes the
+     int64 ids. No logits are stored, no other launch follows. bf16/fp16 row tiles
+     (:func:`head_config`): 16 up to 16 rows, else 64 or 128, whichever pads less
+     (257 rows: 320 rows of tensor-core work with 64, not 384 with 128).
    * sample: the same with Gumbel-max on the rounded logits:
      ``argmax(logits / T + G)``, ``G =
      -log(-log(U))``, ``U`` from Philox keyed by a seed and counted by
@@ -56,7 +61,7 @@ case, tensor cores); otherwise fp32 with IEEE precision (so a mixed fp32-hidden
 ``DOT_FP32`` is always on (the interpreter's bf16 dot is wrong), which only
 changes how exact products are summed.
 
-Launch configs come from small fixed tables (:func:`gemm_config`,
+Launch configs come from small fixed tables (:func:`gemm_config`, :func:`head_config`,
 :func:`norm_config`); :func:`launch_configs` lists
 every distinct compiled variant for real model shapes (the GPU compile test
 enumerates it). Integer arguments that change between calls (row counts,
@@ -84,7 +89,7 @@ from .reference import lm_head as _reference
 from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_temperature, head_inputs,
                                 resolve_logit_dtype, seed_from)
 # float32 tanh from exp (a few ulps; the interpreter has no tanh): the final-logit softcap
-from .tree_attention import tanh_f32
+from .tree_attention import _multiprocessor_count, tanh_f32
 
 __all__ = [
     "lm_head_logits",
@@ -123,18 +128,14 @@ def gemm_maxnreg(dot_dtype: torch.dtype) -> Optional[int]:
     return None if dot_dtype == torch.float32 else GEMM_MAXNREG
 
 
-def gemm_config(n_rows: int, dot_dtype: torch.dtype, gumbel: bool = False) -> Dict[str, int]:
-    """Tile sizes and launch parameters of the GEMM kernels for ``n_rows`` positions.
+def gemm_config(n_rows: int, dot_dtype: torch.dtype) -> Dict[str, int]:
+    """Tile sizes and launch parameters of the logits kernel (top-K, cross-entropy) for ``n_rows`` positions.
 
     Two row tiles per dtype. Decode-sized calls (<= 16 rows: a DFlash block,
     a DDTree draft) use 16-row tiles that stream the weight with deep
     pipelining (the call is bound by reading ``V*H`` weight bytes); anything
-    larger uses 128-row tiles (wgmma on sm_90; mostly-empty rows cost compute
-    only, which is cheap while the weight read dominates). fp32 (IEEE dot)
-    uses narrower tiles. All fit the sm_80 shared-memory limit. The sampling
-    epilogue (``gumbel``: Philox noise per logit) needs more registers per
-    element, so its 128-row tile is 64 vocab ids wide instead of 128 (the
-    wider one spilled).
+    larger uses 128-row tiles (wgmma on sm_90). fp32 (IEEE dot) uses narrower
+    tiles. All fit the sm_80 shared-memory limit.
     """
     if dot_dtype == torch.float32:
         if n_rows <= 16:
@@ -142,7 +143,63 @@ def gemm_config(n_rows: int, dot_dtype: torch.dtype, gumbel: bool = False) -> Di
         return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
     if n_rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=64 if gumbel else 128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+#: Row tiles of the heads' kernel (argmax / Gumbel sampling) above 16 rows, largest first.
+HEAD_ROW_TILES = (128, 64)
+
+
+def head_config(n_rows: int, dot_dtype: torch.dtype, gumbel: bool = False) -> Dict[str, int]:
+    """Tiles of :func:`_argmax_kernel` (greedy and Gumbel heads) for ``n_rows`` positions.
+
+    <= 16 rows: the decode tile of :func:`gemm_config` (16 rows, weight-read bound). Above: the row tile
+    of :data:`HEAD_ROW_TILES` with the fewest padded rows, ties to the larger (fewer re-reads of each
+    weight tile): 257 rows run as 5 x 64 = 320 rows of tensor-core work instead of 3 x 128 = 384;
+    65 -> 2 x 64 = 128 = 1 x 128 -> 128. bf16/fp16: 8 warps, 128 vocab ids per tile (sm_90: two
+    warpgroups of ``wgmma m64n64k16`` at 64 rows, of ``m64n128k16`` at 128 rows), except the Gumbel
+    epilogue at 128 rows, 64 ids wide (``m64n64k16``): its Philox noise spills a 128 x 128 tile (and a
+    64 x 128 tile with 4 warps). fp32 (IEEE dot, not a speed path): one 64 x 32 tile, 4 warps, no register
+    cap, at every row count: the shape found to compile without a stack frame on sm_80 and sm_90 with both
+    supported Tritons (16-row fp32 tiles kept an 8-16 B frame on one of them).
+    ``BLOCK_S``: partials merged per step by the last program.
+    """
+    if dot_dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, BLOCK_S=32, num_warps=4, num_stages=3, maxnreg=None)
+    if n_rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_S=32, num_warps=4, num_stages=4, maxnreg=GEMM_MAXNREG)
+    block_m = min(HEAD_ROW_TILES, key=lambda m: (triton.cdiv(n_rows, m) * m, -m))
+    block_n = 64 if gumbel and block_m == 128 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, BLOCK_S=32, num_warps=8, num_stages=3,
+                maxnreg=GEMM_MAXNREG)
+
+
+#: Resident programs per SM the heads' split plan aims at (sm_80 fits two 72 KiB pipelines of the 64 x 128
+#: tile, sm_90 three): two, so one program's epilogue overlaps the other's main loop.
+HEAD_PROGRAMS_PER_SM = 2
+#: Programs the split plan aims at under Triton's interpreter (or on a device that is not CUDA): a few, so
+#: every CPU test runs several splits and the ticket merge.
+HEAD_PROGRAMS_CPU = 3
+
+
+def _head_programs(device: torch.device) -> int:
+    if device.type != "cuda" or triton_interpreting():
+        return HEAD_PROGRAMS_CPU
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return HEAD_PROGRAMS_PER_SM * _multiprocessor_count(index)
+
+
+def vocab_split_plan(row_tiles: int, vocab_tiles: int, programs: int) -> Tuple[int, int]:
+    """``(tiles_per_split, n_splits)``: each row tile's vocab tiles cut into contiguous splits so that
+    ``row_tiles * n_splits <= max(programs, row_tiles)`` programs run as one wave, none empty.
+
+    E.g. H200 / H100 (132 SMs, 264 programs), V = 151936: 257 rows (5 row tiles of 64, 1187 tiles of
+    128 ids) -> 23 tiles per split, 52 splits, 260 programs; 15 rows (1 tile of 16, 2374 tiles of 64)
+    -> 9 tiles per split, 264 splits.
+    """
+    splits = max(1, min(vocab_tiles, programs // max(1, row_tiles)))
+    tiles_per_split = triton.cdiv(vocab_tiles, splits)
+    return tiles_per_split, triton.cdiv(vocab_tiles, tiles_per_split)
 
 
 def norm_config(hidden: int) -> Dict[str, int]:
@@ -158,7 +215,7 @@ def norm_config(hidden: int) -> Dict[str, int]:
 DO_NOT_SPECIALIZE = {
     "_norm_rows_kernel": ("N",),
     "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
-    "_argmax_kernel": ("N", "seed"),
+    "_argmax_kernel": ("N", "seed", "tiles_per_split", "n_splits"),
     **NOISE_DO_NOT_SPECIALIZE,
 }
 
@@ -305,27 +362,30 @@ def _logits_kernel(
     tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
     tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
 
-# a fresh seed per call and the row count (it varies per decoding round) must not recompile
+# a fresh seed per call, the row count (it varies per decoding round) and the split plan must not recompile
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"],
             do_not_specialize_on_alignment=UNALIGNED_PTRS["_argmax_kernel"])
 def _argmax_kernel(
     a_ptr, stride_am,  # a [N, H] (dot dtype)
     w_ptr, stride_wn,  # weight [V, H]
-    pval_ptr, pidx_ptr, stride_pm,  # fp32 / int32 [N, n_tiles]: per-tile best score and its vocab id
+    pval_ptr, pidx_ptr,  # fp32 / int32 [N, n_splits]: per-split best score and its vocab id
+    ticket_ptr,  # int32 [>= row tiles], zero before and after every launch: splits done per row tile
+    out_ptr,  # int64 [N]: the chosen vocab ids
     N, V, H,
+    tiles_per_split, n_splits,  # vocab tiles per split (the last one may have fewer), splits
     inv_temperature,  # GUMBEL only
     seed,  # GUMBEL only: Philox key
     softcap,  # HAS_SOFTCAP only
     seed_ptr,  # GUMBEL and DEVICE_SEED only: int64 [1], the seed read from memory
     GUMBEL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_FP32: tl.constexpr,
     LOGIT_DTYPE: tl.constexpr,  # the logits' dtype: the fp32 accumulator is rounded to it first
     RNE_BF16: tl.constexpr,  # interpreter: round to bf16 by bit arithmetic (see _round_to)
     HAS_SOFTCAP: tl.constexpr,
     DEVICE_SEED: tl.constexpr = False,
 ):
-    """Per tile: best = max_j s[:, j], idx = lowest j with s[:, j] == best.
+    """out[n] = lowest j with s[n, j] == max_j s[n, j], one program per (row tile, vocab split).
 
     With HAS_SOFTCAP the fp32 accumulator first becomes ``softcap *
     tanh(acc / softcap)``. logits = round(that) to LOGIT_DTYPE (nearest even, as a bf16/fp16
@@ -334,36 +394,80 @@ def _argmax_kernel(
     or with GUMBEL and DEVICE_SEED logits * inv_temperature + G(seed_ptr[0], row, j)
     (:func:`dflash_kernels.noise.philox_gumbel`, the seed loaded once per program before any store).
 
-    Overlap: the program reads ``a``, ``w`` (and ``seed_ptr``) and writes
-    only its own ``(rows, tile)`` entries of the fresh ``pval`` / ``pidx``.
+    Program ``pid`` has row tile ``pid % n_row_tiles`` (row tiles vary fastest, so the programs reading
+    one weight slice run side by side and share it in L2) and split ``pid // n_row_tiles``: the contiguous
+    vocab tiles ``[split * tiles_per_split, +tiles_per_split)``. It folds every tile into a running
+    per-row (best, id) in registers (strictly greater replaces, so the lower id keeps a tie), writes
+    that partial to ``pval / pidx[rows, split]``, and takes a ticket (``atomic_add`` on its row tile's
+    counter, acq_rel). The program that draws the last ticket merges the ``n_splits`` partials of its
+    rows in split order (max, then the lowest id among the splits reaching it: the lowest vocab id),
+    writes ``out`` and resets the counter to 0 for the next launch (a CUDA-graph replay included).
+    A split never sees a NaN best (``>`` is false for NaN), so every id is valid.
+
+    Overlap: a program reads ``a``, ``w`` (and ``seed_ptr``) and writes only its own ``(rows, split)``
+    entries of ``pval`` / ``pidx``. The barrier then the release half of the ticket's acq_rel orders
+    every thread's partial stores before the ticket; the last program's acquire (and the barrier
+    Triton puts after a scalar atomic to broadcast its result) orders its reads of all the partials
+    after every other ticket, and it reads them through L2 (``.cg``), never a stale L1 line. Only that
+    one program per row tile writes ``out[rows]`` and the counter, after every other program of the
+    row tile is done with it; launches on one stream never overlap, so the counter is 0 at each start.
     """
-    pid_m, pid_n = _tile_coords(N, V, BLOCK_M, BLOCK_N, GROUP_M)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    pid_m = pid % num_m
+    split = pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
     m_mask = offs_m < N
-    n_mask = offs_n < V
-    if HAS_SOFTCAP:
-        acc = tanh_f32(acc / softcap) * softcap
-    if LOGIT_DTYPE != tl.float32:
-        acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
-    if GUMBEL:
-        if DEVICE_SEED:
-            acc = acc * inv_temperature + philox_gumbel(tl.load(seed_ptr), offs_m[:, None], offs_n[None, :])
-        else:
-            # int32 counters: the launcher keeps N * V < 2**31 per launch.
-            counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
-            u = tl.rand(seed, counter)
-            acc = acc * inv_temperature - tl.log(-tl.log(u))
-    score = tl.where(n_mask[None, :], acc, float("-inf"))
-    best = tl.max(score, axis=1)
-    cand = tl.where((score == best[:, None]) & n_mask[None, :], offs_n[None, :], V)
-    idx = tl.min(cand, axis=1)
-    idx = tl.where(idx < V, idx, pid_n * BLOCK_N)  # NaN rows: still a valid id
     rows64 = offs_m.to(tl.int64)
-    tl.store(pval_ptr + rows64 * stride_pm + pid_n, best, mask=m_mask)
-    tl.store(pidx_ptr + rows64 * stride_pm + pid_n, idx, mask=m_mask)
+    tile0 = split * tiles_per_split
+    tile_end = tl.minimum(tile0 + tiles_per_split, tl.cdiv(V, BLOCK_N))
+    if GUMBEL and DEVICE_SEED:
+        seed_value = tl.load(seed_ptr)
+    run_best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    run_idx = tl.full([BLOCK_M], 0, tl.int32) + tile0 * BLOCK_N
+    for tile in range(tile0, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        n_mask = offs_n < V
+        if HAS_SOFTCAP:
+            acc = tanh_f32(acc / softcap) * softcap
+        if LOGIT_DTYPE != tl.float32:
+            acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
+        if GUMBEL:
+            if DEVICE_SEED:
+                acc = acc * inv_temperature + philox_gumbel(seed_value, offs_m[:, None], offs_n[None, :])
+            else:
+                # int32 counters: the launcher keeps N * V < 2**31 per launch.
+                counter = tl.minimum(offs_m, N - 1)[:, None] * V + offs_n[None, :]
+                u = tl.rand(seed, counter)
+                acc = acc * inv_temperature - tl.log(-tl.log(u))
+        score = tl.where(n_mask[None, :], acc, float("-inf"))
+        best = tl.max(score, axis=1)
+        idx = tl.min(tl.where((score == best[:, None]) & n_mask[None, :], offs_n[None, :], V), axis=1)
+        take = best > run_best
+        run_idx = tl.where(take, idx, run_idx)
+        run_best = tl.where(take, best, run_best)
+    tl.store(pval_ptr + rows64 * n_splits + split, run_best, mask=m_mask)
+    tl.store(pidx_ptr + rows64 * n_splits + split, run_idx, mask=m_mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + pid_m, 1, sem="acq_rel")
+    if ticket == n_splits - 1:
+        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        best_idx = tl.full([BLOCK_M], 0, tl.int32)
+        for s0 in range(0, n_splits, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            mask = m_mask[:, None] & (offs_s < n_splits)[None, :]
+            part = rows64[:, None] * n_splits + offs_s[None, :]
+            val = tl.load(pval_ptr + part, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            ids = tl.load(pidx_ptr + part, mask=mask, other=0, cache_modifier=".cg")
+            chunk_best = tl.max(val, axis=1)
+            chunk_idx = tl.min(tl.where((val == chunk_best[:, None]) & mask, ids, V), axis=1)
+            take = chunk_best > best
+            best_idx = tl.where(take, chunk_idx, best_idx)
+            best = tl.where(take, chunk_best, best)
+        tl.store(out_ptr + rows64, best_idx.to(tl.int64), mask=m_mask)
+        tl.store(ticket_ptr + pid_m, 0)
 
 # --------------------------------------------------------------------------- launchers
 
@@ -400,11 +504,15 @@ _INTERPRETER_VOCAB_TILES = 4
 _INTERPRETER_MAX_BLOCK_N = 1024
 
 
-def _gemm_launch_args(n_rows: int, n_vocab: int, dot_dtype: torch.dtype, gumbel: bool = False):
-    cfg = dict(gemm_config(n_rows, dot_dtype, gumbel))
+def _interpreter_block_n(block_n: int, n_vocab: int) -> int:
+    """The vocab tile under the interpreter: wide enough for about 4 tiles per call, at most 1024 ids."""
+    return max(block_n, min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(-(-n_vocab // _INTERPRETER_VOCAB_TILES))))
+
+
+def _gemm_launch_args(n_rows: int, n_vocab: int, dot_dtype: torch.dtype):
+    cfg = dict(gemm_config(n_rows, dot_dtype))
     if triton_interpreting():
-        wide = min(_INTERPRETER_MAX_BLOCK_N, next_power_of_2(-(-n_vocab // _INTERPRETER_VOCAB_TILES)))
-        cfg["BLOCK_N"] = max(cfg["BLOCK_N"], wide)
+        cfg["BLOCK_N"] = _interpreter_block_n(cfg["BLOCK_N"], n_vocab)
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                 DOT_FP32=_dot_fp32(dot_dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if gemm_maxnreg(dot_dtype) is not None:
@@ -447,28 +555,52 @@ def _tl_dtype(dtype: torch.dtype):
     return getattr(tl, _TL_DTYPE[dtype])
 
 
-def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype, *, gumbel: bool,
-                   logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0,
+def _argmax_launch(a: torch.Tensor, weight: torch.Tensor, dot_dtype: torch.dtype, out: torch.Tensor, *,
+                   gumbel: bool, logit_dtype: torch.dtype, inv_temperature: float = 1.0, seed: int = 0,
                    softcap: Optional[float] = None, seed_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One :func:`_argmax_kernel` launch writing the int64 ids of ``a``'s rows into ``out [N]``."""
     N, H = a.shape
     V = weight.shape[0]
-    cfg, meta = _gemm_launch_args(N, V, dot_dtype, gumbel)
-    n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
-    pval = torch.empty(N, n_tiles, dtype=torch.float32, device=a.device)
-    pidx = torch.empty(N, n_tiles, dtype=torch.int32, device=a.device)
-    grid = (triton.cdiv(N, cfg["BLOCK_M"]) * n_tiles,)
+    cfg = head_config(N, dot_dtype, gumbel)
+    if triton_interpreting():
+        cfg["BLOCK_N"] = _interpreter_block_n(cfg["BLOCK_N"], V)
+    row_tiles = triton.cdiv(N, cfg["BLOCK_M"])
+    tiles_per_split, n_splits = vocab_split_plan(row_tiles, triton.cdiv(V, cfg["BLOCK_N"]), _head_programs(a.device))
+    pval = torch.empty(N, n_splits, dtype=torch.float32, device=a.device)
+    pidx = torch.empty(N, n_splits, dtype=torch.int32, device=a.device)
     device_seed = seed_tensor is not None
     if device_seed:
         seed = _SEED_MOD  # (unused: the seed is read from seed_tensor; an int64 stand-in keeps one signature)
     seed_ptr = seed_tensor.reshape(1) if device_seed else _seed_placeholder(a.device)
-    _argmax_kernel[grid](
-        a, a.stride(0), weight, weight.stride(0), pval, pidx, pval.stride(0), N, V, H,
-        float(inv_temperature), seed, 1.0 if softcap is None else float(softcap), seed_ptr, GUMBEL=gumbel,
-        LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=triton_interpreting(), HAS_SOFTCAP=softcap is not None,
-        DEVICE_SEED=device_seed, **meta,
+    meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_S", "num_warps", "num_stages")}
+    if cfg["maxnreg"] is not None:
+        meta["maxnreg"] = cfg["maxnreg"]
+    _argmax_kernel[(row_tiles * n_splits,)](
+        a, a.stride(0), weight, weight.stride(0), pval, pidx, _tickets(a.device, row_tiles), out, N, V, H,
+        tiles_per_split, n_splits, float(inv_temperature), seed, 1.0 if softcap is None else float(softcap),
+        seed_ptr, GUMBEL=gumbel, DOT_FP32=_dot_fp32(dot_dtype), LOGIT_DTYPE=_tl_dtype(logit_dtype),
+        RNE_BF16=triton_interpreting(), HAS_SOFTCAP=softcap is not None, DEVICE_SEED=device_seed, **meta,
     )
-    best_tile = torch.argmax(pval, dim=1, keepdim=True)  # first max = lowest vocab id on ties
-    return pidx.gather(1, best_tile).squeeze(1).to(torch.int64)
+    return out
+
+
+#: Row tiles of the heads' kernel at most (the ticket buffer's length; grown on demand).
+_TICKETS_MIN = 1024
+_tickets_by_device: Dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, row_tiles: int) -> torch.Tensor:
+    """The device's zeroed int32 ticket counters of :func:`_argmax_kernel`, one per row tile.
+
+    Allocated once (zeros) and left at zero by every launch (the last program of a row tile resets its
+    counter), so no launch clears it and a CUDA-graph replay finds it zeroed. Launches sharing it must be
+    stream-ordered (one stream per device, as every caller here).
+    """
+    buf = _tickets_by_device.get(device)
+    if buf is None or buf.numel() < row_tiles:
+        buf = torch.zeros(max(_TICKETS_MIN, row_tiles), dtype=torch.int32, device=device)
+        _tickets_by_device[device] = buf
+    return buf
 
 
 _seed_placeholders: Dict[torch.device, torch.Tensor] = {}
@@ -508,9 +640,10 @@ def _logits_triton(head: HeadInputs, logit_dtype=torch.float32):
 
 def _argmax_triton(head: HeadInputs, logit_dtype):
     a, weight, dot_dtype = _prepare(head)
+    out = torch.empty(a.shape[0], dtype=torch.int64, device=a.device)
     if a.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=a.device)
-    return _argmax_launch(a, weight, dot_dtype, gumbel=False, logit_dtype=logit_dtype, softcap=head.softcap)
+        return out
+    return _argmax_launch(a, weight, dot_dtype, out, gumbel=False, logit_dtype=logit_dtype, softcap=head.softcap)
 
 
 def _sample_triton(head: HeadInputs, temperature, seed: int, logit_dtype):
@@ -519,18 +652,19 @@ def _sample_triton(head: HeadInputs, temperature, seed: int, logit_dtype):
     out = torch.empty(N, dtype=torch.int64, device=a.device)
     step = _sample_rows_per_launch(V)
     for chunk, r0 in enumerate(range(0, N, step)):
-        out[r0:r0 + step] = _argmax_launch(a[r0:r0 + step], weight, dot_dtype, gumbel=True,
-                                           logit_dtype=logit_dtype, inv_temperature=1.0 / temperature,
-                                           seed=_kernel_seed(seed, chunk), softcap=head.softcap)
+        _argmax_launch(a[r0:r0 + step], weight, dot_dtype, out[r0:r0 + step], gumbel=True,
+                       logit_dtype=logit_dtype, inv_temperature=1.0 / temperature,
+                       seed=_kernel_seed(seed, chunk), softcap=head.softcap)
     return out
 
 
 def _sample_device_seed_triton(head: HeadInputs, temperature, seed: torch.Tensor, logit_dtype):
     """One launch over every row: the noise is keyed by (seed, row, vocab id), with no int32 counter bound."""
     a, weight, dot_dtype = _prepare(head)
+    out = torch.empty(a.shape[0], dtype=torch.int64, device=a.device)
     if a.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=a.device)
-    return _argmax_launch(a, weight, dot_dtype, gumbel=True, logit_dtype=logit_dtype,
+        return out
+    return _argmax_launch(a, weight, dot_dtype, out, gumbel=True, logit_dtype=logit_dtype,
                           inv_temperature=1.0 / temperature, softcap=head.softcap, seed_tensor=seed)
 
 
@@ -858,9 +992,8 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
     """
     collect = LaunchConfigs(DO_NOT_SPECIALIZE)
 
-    def add(name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot=False):
-        maxnreg = None
-        if kernel in (_logits_kernel, _argmax_kernel):
+    def add(name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot=False, maxnreg=None):
+        if kernel is _logits_kernel:
             maxnreg = gemm_maxnreg(torch.float32 if constexprs.get("DOT_FP32") else torch.bfloat16)
         collect.add(name, kernel, pointers, ints, constexprs, num_warps, num_stages, tensor_core_dot, maxnreg)
 
@@ -901,19 +1034,21 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
                 variants.append((default_logit, True, True, False))
                 variants += [(default_logit, True, False, True), (default_logit, True, True, True)]
                 for logit_dtype, gumbel, softcap, device_seed in variants:
-                    cfg = gemm_config(n, dot, gumbel)
-                    common = dict(common, BLOCK_N=cfg["BLOCK_N"])
-                    n_tiles = triton.cdiv(V, cfg["BLOCK_N"])
-                    tag = f"{dt}/{wt} M{cfg['BLOCK_M']}N{cfg['BLOCK_N']}K{cfg['BLOCK_K']}"
-                    add(f"argmax[{tag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}"
+                    hcfg = head_config(n, dot, gumbel)
+                    htag = f"{dt}/{wt} M{hcfg['BLOCK_M']}N{hcfg['BLOCK_N']}K{hcfg['BLOCK_K']}"
+                    tiles_per_split, n_splits = vocab_split_plan(triton.cdiv(n, hcfg["BLOCK_M"]),
+                                                                 triton.cdiv(V, hcfg["BLOCK_N"]), 264)
+                    add(f"argmax[{htag} gumbel={gumbel} logits={_TRITON_TYPE[logit_dtype]}"
                         f"{' softcap' if softcap else ''}{' device_seed' if device_seed else ''}]", _argmax_kernel,
                         {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pval_ptr": "*fp32", "pidx_ptr": "*i32",
-                         "inv_temperature": "fp32", "softcap": "fp32", "seed_ptr": "*i64"},
-                        {"stride_am": H, "stride_wn": H, "stride_pm": n_tiles, "N": n, "V": V, "H": H,
-                         "seed": _SEED_MOD},
-                        dict(common, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype), RNE_BF16=False,
-                             HAS_SOFTCAP=softcap, DEVICE_SEED=device_seed),
-                        cfg["num_warps"], cfg["num_stages"], tc)
+                         "ticket_ptr": "*i32", "out_ptr": "*i64", "inv_temperature": "fp32", "softcap": "fp32",
+                         "seed_ptr": "*i64"},
+                        {"stride_am": H, "stride_wn": H, "N": n, "V": V, "H": H, "tiles_per_split": tiles_per_split,
+                         "n_splits": n_splits, "seed": _SEED_MOD},
+                        {k: hcfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_S")}
+                        | dict(DOT_FP32=dot == torch.float32, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype),
+                               RNE_BF16=False, HAS_SOFTCAP=softcap, DEVICE_SEED=device_seed),
+                        hcfg["num_warps"], hcfg["num_stages"], tc, hcfg["maxnreg"])
             for V_noise in (V, 4096):  # a whole vocabulary row (processed sampling's dense path), a chunk
                 add(f"gumbel_noise[R{NOISE_BLOCK_R}xC{NOISE_BLOCK_C}]", _gumbel_noise_kernel,
                     {"seed_ptr": "*i64", "out_ptr": "*fp32"},

@@ -11,8 +11,8 @@ of 16 and not ``do_not_specialize`` is ``divisible_by_16``), so the checked
 binary is the one that runs. Each must compile with no local memory (no
 spills), with shared memory under the chip's per-block limit, and, where the
 GEMM runs bf16/fp16 ``tl.dot``, with tensor core instructions (``wgmma`` on
-sm_90 for 128-row tiles, ``mma`` otherwise) in the PTX. The final-logit
-softcap variants (``HAS_SOFTCAP``: logits, Gumbel sampling, CE gradient) are
+sm_90 for 64- and 128-row tiles, of the heads' per-warpgroup width ``n``;
+``mma`` otherwise) in the PTX. The final-logit softcap variants (``HAS_SOFTCAP``: logits, Gumbel sampling, CE gradient) are
 among the configs, with the same checks, and so are the device-seed
 sampling epilogues (``DEVICE_SEED``: the seed loaded from memory, Philox of
 (vocab id, row), at every tile, capped or not) and the Gumbel noise kernel of
@@ -49,13 +49,19 @@ def test_configs_cover_every_kernel():
     # the device-seed Gumbel epilogue at every tile and dot dtype, with and without the final softcap
     seeded = {(cfg["constexprs"]["BLOCK_M"], cfg["signature"]["a_ptr"], cfg["constexprs"]["HAS_SOFTCAP"])
               for cfg in CONFIGS if cfg["constexprs"].get("DEVICE_SEED")}
-    assert seeded == {(m, d, c) for m in (16, 128) for d in ("*bf16", "*fp16", "*fp32") for c in (False, True)}
+    heads = {(m, d) for m in (16, 64, 128) for d in ("*bf16", "*fp16")} | {(64, "*fp32")}
+    assert seeded == {(m, d, c) for m, d in heads for c in (False, True)}
     assert all(cfg["constexprs"]["GUMBEL"] and cfg["signature"]["seed_ptr"] == "*i64" for cfg in CONFIGS
                if cfg["constexprs"].get("DEVICE_SEED"))
-    # decode-sized and large position counts pick different GEMM tiles; both are listed
+    # decode-sized and large position counts pick different GEMM tiles; every one is listed (the bf16/fp16 heads:
+    # 64-row tiles where they pad less, e.g. 17, 64 and 257 rows; the Gumbel epilogue 64 ids wide at 128 rows)
     tiles = {(cfg["constexprs"]["BLOCK_M"], cfg["signature"]["a_ptr"]) for cfg in CONFIGS
              if cfg["kernel"].__name__ == "_argmax_kernel"}
-    assert tiles == {(16, "*bf16"), (128, "*bf16"), (16, "*fp16"), (128, "*fp16"), (16, "*fp32"), (128, "*fp32")}
+    assert tiles == heads
+    widths = {(cfg["constexprs"]["BLOCK_M"], cfg["constexprs"]["GUMBEL"], cfg["constexprs"]["BLOCK_N"])
+              for cfg in CONFIGS if cfg["kernel"].__name__ == "_argmax_kernel" and cfg["signature"]["a_ptr"] == "*bf16"}
+    assert widths == {(16, False, 64), (16, True, 64), (64, False, 128), (64, True, 128), (128, False, 128),
+                      (128, True, 64)}
     # the greedy/sample epilogue in the model's dtype (default) and in fp32
     rounding = {(cfg["signature"]["a_ptr"], str(cfg["constexprs"]["LOGIT_DTYPE"])) for cfg in CONFIGS
                 if cfg["kernel"].__name__ == "_argmax_kernel"}
@@ -66,7 +72,7 @@ def test_configs_cover_every_kernel():
                cfg["signature"].get("grad_ptr"))) for cfg in CONFIGS if cfg["constexprs"].get("HAS_SOFTCAP")}
     dots = ("*bf16", "*fp16", "*fp32")
     assert capped == ({("_logits_kernel", m, d) for m in (16, 128) for d in dots}
-                      | {("_argmax_kernel", m, d) for m in (16, 128) for d in dots}
+                      | {("_argmax_kernel", m, d) for m, d in heads}
                       | {("_ce_grad_kernel", None, d) for d in dots})
     assert all(cfg["constexprs"]["GUMBEL"] for cfg in CONFIGS
                if cfg["kernel"].__name__ == "_argmax_kernel" and cfg["constexprs"]["HAS_SOFTCAP"])
@@ -101,7 +107,7 @@ def test_divisibility_hints_are_the_runtime_ones():
 def test_varying_int_arguments_are_not_specialized():
     """Row counts (they change every decoding round), vocab chunk bounds and row offsets never pick a new binary."""
     expected = {"_gather_concat_kernel": {"R"}, "_norm_rows_kernel": {"N"}, "_logits_kernel": {"N", "V0", "V_END"},
-                "_argmax_kernel": {"N", "seed"}, "_ce_grad_kernel": {"N", "row0"},
+                "_argmax_kernel": {"N", "seed", "tiles_per_split", "n_splits"}, "_ce_grad_kernel": {"N", "row0"},
                 "_gumbel_noise_kernel": {"n_rows", "n_cols", "row0", "col0"}}
     for name, wanted in expected.items():
         module = {"_gather_concat_kernel": gather, "_ce_grad_kernel": cross_entropy,
@@ -121,6 +127,9 @@ def test_compiles_without_spills(compiled, cfg, arch):
         ptx = res["ptx"]
         if arch == 90 and cfg["constexprs"]["BLOCK_M"] >= 64:
             assert "wgmma" in ptx, f"{cfg['name']} on sm_90 does not use wgmma"
+            if cfg["kernel"].__name__ == "_argmax_kernel":  # one warpgroup's n: the tile's width per warpgroup
+                n = cfg["constexprs"]["BLOCK_N"] // (2 if cfg["constexprs"]["BLOCK_M"] == 64 else 1)
+                assert f"wgmma.mma_async.sync.aligned.m64n{n}k16" in ptx, cfg["name"]
         else:
             assert "mma.sync" in ptx or "wgmma" in ptx, f"{cfg['name']} on sm_{arch} uses no tensor-core mma"
     if cfg["kernel"].__name__ == "_gather_concat_kernel" and cfg["constexprs"].get("ALIGNED"):

@@ -761,3 +761,116 @@ def test_rms_norm_is_the_hf_modules_bit_for_bit(dtype, rows, hidden):
     got = ref.rms_norm(x, module.weight.detach(), 1e-6)
     assert got.dtype == want.dtype
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ vocab splits and the ticket merge
+
+SPLIT_ROWS = (1, 7, 17, 65, 257)
+
+
+def _split_plan(monkeypatch, programs, vocab_tiles=None):
+    """Force the heads' split plan: ``programs`` per launch, and (optionally) narrow interpreter tiles so that
+    the vocabulary has many of them (more splits than one merge step of BLOCK_S)."""
+    monkeypatch.setattr(lm_head_module, "HEAD_PROGRAMS_CPU", programs)
+    if vocab_tiles is not None:
+        monkeypatch.setattr(lm_head_module, "_INTERPRETER_VOCAB_TILES", vocab_tiles)
+
+
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", SPLIT_ROWS)
+def test_split_heads_equal_reference_bit_for_bit(monkeypatch, rows, dtype, softcap):
+    """Argmax and the device-seed draw at odd row counts and V = 1000 (no multiple of a tile), with 1, 5 and
+    up to 16 vocab splits per row tile: equal to the reference on every row; the host-seed draw is the same
+    whatever the plan (noise keyed by row and vocab id)."""
+    T = rows + 3
+    positions = list(range(T - 1, T - 1 - rows, -1))
+    hidden, weight, kw = make_inputs(T, 48, 1000, dtype, positions=positions, seed=rows)
+    kw["softcap"] = softcap
+    greedy_ref = ref.lm_head_argmax(hidden, weight, **kw)
+    seed = torch.tensor([77], dtype=torch.int64, device=DEVICE)
+    drawn_ref = ref.lm_head_sample(hidden, weight, 0.8, check_bounds=False, seed=seed, **kw)
+    host = []
+    for programs, vocab_tiles in ((1, None), (5 * triton_row_tiles(rows), None), (16 * triton_row_tiles(rows), 64)):
+        _split_plan(monkeypatch, programs, vocab_tiles)
+        with force_backend("triton"):
+            assert torch.equal(lm_head_argmax(hidden, weight, **kw), greedy_ref)
+            assert torch.equal(lm_head_sample(hidden, weight, 0.8, seed=seed, **kw), drawn_ref)
+            host.append(lm_head_sample(hidden, weight, 0.8, seed=1234, **kw))
+    assert torch.equal(host[0], host[1]) and torch.equal(host[0], host[2])
+    assert not bool(lm_head_module._tickets(torch.device(DEVICE), 1).any()), "every launch leaves its tickets at 0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [7, 65])
+def test_more_splits_than_one_merge_step(monkeypatch, rows, dtype):
+    """V = 4500 in 64/128-wide tiles, a split per tile or two: more splits than the BLOCK_S partials one merge
+    step reads, so the last program folds several steps (the later ones never win a tie)."""
+    hidden, weight, kw = make_inputs(rows, 48, 4500, dtype, seed=3)
+    weight[17] = weight[4400] = (hidden[0].float() / hidden[0].float().norm() * 4).to(dtype)  # a tie across splits
+    greedy_ref = ref.lm_head_argmax(hidden, weight, **kw)
+    assert greedy_ref[0] == 17
+    seed = torch.tensor([5], dtype=torch.int64, device=DEVICE)
+    drawn_ref = ref.lm_head_sample(hidden, weight, 1.0, check_bounds=False, seed=seed, **kw)
+    _split_plan(monkeypatch, 64 * triton_row_tiles(rows), 1000)
+    cfg = lm_head_module.head_config(rows, dtype)
+    _, splits = lm_head_module.vocab_split_plan(triton_row_tiles(rows), -(-4500 // cfg["BLOCK_N"]),
+                                                64 * triton_row_tiles(rows))
+    assert splits > cfg["BLOCK_S"]
+    with force_backend("triton"):
+        assert torch.equal(lm_head_argmax(hidden, weight, **kw), greedy_ref)
+        assert torch.equal(lm_head_sample(hidden, weight, 1.0, seed=seed, **kw), drawn_ref)
+
+
+def triton_row_tiles(rows):
+    return -(-rows // lm_head_module.head_config(rows, torch.bfloat16)["BLOCK_M"])
+
+
+def test_split_plan_fills_one_wave_with_contiguous_slices():
+    """Every vocab tile in exactly one non-empty split; at most ``programs`` programs (one row tile at least)."""
+    for row_tiles in (1, 2, 5, 64):
+        for vocab_tiles in (1, 3, 1187, 2374):
+            for programs in (1, 3, 264):
+                per, splits = lm_head_module.vocab_split_plan(row_tiles, vocab_tiles, programs)
+                assert (splits - 1) * per < vocab_tiles <= splits * per
+                assert row_tiles * splits <= max(programs, row_tiles)
+    assert lm_head_module.vocab_split_plan(5, 1187, 264) == (23, 52)  # 257 rows, Qwen3 vocab, 132 SMs
+    assert lm_head_module.vocab_split_plan(1, 2374, 264) == (9, 264)  # 15 rows
+
+
+def test_head_row_tiles_minimize_padding():
+    tiles = {n: lm_head_module.head_config(n, torch.bfloat16)["BLOCK_M"] for n in (1, 15, 16, 17, 64, 65, 128, 257,
+                                                                                   1024, 8192)}
+    assert tiles == {1: 16, 15: 16, 16: 16, 17: 64, 64: 64, 65: 128, 128: 128, 257: 64, 1024: 128, 8192: 128}
+
+
+def test_heads_launch_once_with_no_torch_op_after(monkeypatch):
+    """Greedy and device-seed Gumbel heads: the norm prologue and one head launch; the only aten ops are the
+    output / partial allocations and views (no argmax, gather or cast over partials after the launch).
+    Meta tensors and stub kernels: the ops are counted by dispatch, as they would run on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    norm_stub, head_stub = KernelStub(), KernelStub()
+    monkeypatch.setattr(lm_head_module, "_norm_rows_kernel", norm_stub)
+    monkeypatch.setattr(lm_head_module, "_argmax_kernel", head_stub)
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    hidden, weight, norm = meta(300, 256), meta(1000, 256), meta(256)
+    positions, seed = meta(257, dtype=torch.int64), meta(1, dtype=torch.int64)
+    kw = dict(norm_weight=norm, positions=positions, check_bounds=False)
+    with force_backend("triton"):
+        lm_head_argmax(hidden, weight, **kw)  # allocates the device's ticket counters once
+        with Ops() as mode:
+            ids = lm_head_argmax(hidden, weight, **kw)
+            drawn = lm_head_sample(hidden, weight, 0.7, seed=seed, **kw)
+    assert ids.shape == drawn.shape == (257,)
+    assert len(norm_stub.launches) == 3 and len(head_stub.launches) == 3
+    assert set(mode.ops) <= {"empty", "view", "reshape", "_unsafe_view", "alias", "detach", "promote_types"}, mode.ops
