@@ -594,13 +594,20 @@ def _tickets(device: torch.device, row_tiles: int) -> torch.Tensor:
 
     Allocated once (zeros) and left at zero by every launch (the last program of a row tile resets its
     counter), so no launch clears it and a CUDA-graph replay finds it zeroed. Launches sharing it must be
-    stream-ordered (one stream per device, as every caller here).
+    stream-ordered (one stream per device, as every caller here). A buffer outgrown by a longer call is
+    kept alive, never freed: a CUDA graph captured earlier still replays its atomics on that address.
     """
     buf = _tickets_by_device.get(device)
     if buf is None or buf.numel() < row_tiles:
+        if buf is not None:
+            _outgrown_tickets.append(buf)
         buf = torch.zeros(max(_TICKETS_MIN, row_tiles), dtype=torch.int32, device=device)
         _tickets_by_device[device] = buf
     return buf
+
+
+#: ticket buffers replaced by longer ones, held so that no captured graph's counters are ever freed
+_outgrown_tickets: List[torch.Tensor] = []
 
 
 _seed_placeholders: Dict[torch.device, torch.Tensor] = {}

@@ -874,3 +874,18 @@ def test_heads_launch_once_with_no_torch_op_after(monkeypatch):
     assert ids.shape == drawn.shape == (257,)
     assert len(norm_stub.launches) == 3 and len(head_stub.launches) == 3
     assert set(mode.ops) <= {"empty", "view", "reshape", "_unsafe_view", "alias", "detach", "promote_types"}, mode.ops
+
+
+def test_an_outgrown_ticket_buffer_is_never_freed(monkeypatch):
+    """A longer call than the ticket buffer holds gets a new buffer; the old one stays alive, because a CUDA
+    graph captured before may still replay its atomics on the old address."""
+    from dflash_kernels import lm_head as module
+
+    monkeypatch.setattr(module, "_tickets_by_device", {})
+    monkeypatch.setattr(module, "_outgrown_tickets", [])
+    device = torch.device("cpu")
+    first = module._tickets(device, 3)
+    assert module._tickets(device, 3) is first
+    bigger = module._tickets(device, first.numel() + 1)
+    assert bigger is not first and bigger.numel() > first.numel() and not bigger.any()
+    assert any(t is first for t in module._outgrown_tickets)
