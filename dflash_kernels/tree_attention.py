@@ -26,7 +26,8 @@ output is the single-row call on row ``r``'s slices.
   words or from ``j <= t`` (chain); tiles past the last key any row of the
   program can see (its last token, for ancestor bits and chains) are never
   visited. No dense ``[T, S]`` mask
-  exists anywhere. When the grid does not fill whole waves of the GPU, the
+  exists anywhere. When a modeled time says so (:func:`choose_num_splits`:
+  waves x key tiles per program, plus the merge), the
   key axis is split across programs that write partial ``(output, log2-sum-
   exp)`` pairs, merged by a second small kernel (flash-decoding style).
   A batch adds its rows to the grid (axis 1 is ``batch row * Hkv + kv
@@ -545,12 +546,14 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 #: Cost of one more row tile, in padded rows: its K/V pass over the keys
 #: (the tie-break that keeps 4100 rows on 128-row tiles, 260 on 64).
 TILE_COST_ROWS = 16
-#: Split-KV: each split walks at least this many key tiles, at most this many splits,
-#: and the grid should fill whole waves of SMs at least this well.
+#: Split-KV: each split walks at least this many key tiles, at most this many splits.
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
-WAVE_EFFICIENCY = 0.9
-MAX_WAVES = 4
+#: The split model's costs of a split launch, in key-tile times (one program folding one key tile):
+#: the merge launch and the tail it adds (fixed), and each split program's fp32 partial
+#: (``BLOCK_M x BLOCK_D``: written once, read once by the merge, spread over the SMs).
+MERGE_FIXED_TILES = 2.0
+PARTIAL_TILES = 1.0
 #: ``maxnreg`` of every attention launch. Without it ptxas (13.x, as Triton
 #: drives it) sometimes caps a kernel at 32-128 registers and spills to the
 #: stack although 255 are available; with it no table config spills.
@@ -625,7 +628,7 @@ def _multiprocessor_count(device_index: int) -> int:
 
 
 def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int:
-    """The launcher's split count for a grid of ``programs`` (row tiles x batch rows x kv heads): the wave-filling
+    """The launcher's split count for a grid of ``programs`` (row tiles x batch rows x kv heads): the modeled-time
     :func:`choose_num_splits` on a GPU, 1 elsewhere (the interpreter runs programs one by one)."""
     if device.type != "cuda":
         return 1
@@ -633,29 +636,41 @@ def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int
     return choose_num_splits(programs, key_tiles, sms)
 
 
-def wave_efficiency(programs: int, sms: int) -> float:
-    """``programs / (whole waves * sms)``: how fully the last wave is used."""
-    return programs / (triton.cdiv(programs, sms) * sms)
+def split_time(programs: int, key_tiles: int, sms: int, splits: int) -> float:
+    """Modeled time of a launch of ``programs x splits`` programs, in key-tile times.
+
+    One program per SM at a time (the 64/128-row tiles take most of an SM's
+    registers or shared memory), every split walking ``ceil(key_tiles /
+    splits)`` tiles (the kernel's equal chunks), so the launch runs
+    ``ceil(programs * splits / sms)`` waves of that many tiles; a split launch
+    adds the merge: ``MERGE_FIXED_TILES`` plus ``PARTIAL_TILES`` per split
+    program and SM (its partial written and read back).
+    """
+    waves = -(-programs * splits // sms)
+    time = waves * -(-key_tiles // splits)
+    if splits > 1:
+        time += MERGE_FIXED_TILES + PARTIAL_TILES * programs * splits / sms
+    return time
 
 
 def choose_num_splits(programs: int, key_tiles: int, sms: int) -> int:
     """Key splits for a grid of ``programs`` (row tiles x batch rows x kv heads) on ``sms`` SMs.
 
-    At most ``key_tiles // MIN_TILES_PER_SPLIT`` (and ``MAX_SPLITS``) splits.
-    For the fewest waves ``w = 1 .. MAX_WAVES`` that can be filled, the most
-    splits with ``programs * splits <= w * sms`` if that fills the ``w`` waves
-    to ``>= WAVE_EFFICIENCY``; if no wave count can be, the split count of best
-    :func:`wave_efficiency` among those within ``MAX_WAVES`` waves (ties to fewer).
+    The ``s`` in ``1 .. min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT)``
+    of least :func:`split_time` (ties to fewer splits). A wave-efficiency
+    threshold only counts how full the last wave is; this counts what a
+    program walks. 257 tree rows at G = 4 (1028 packed rows, 9 tiles of 128,
+    8 kv heads: 72 programs) on 132 SMs, 64-key tiles:
+
+    * 4096-key prefix (69 key tiles): ``s = 1`` 69 (72 of 132 SMs busy),
+      ``s = 3`` 2 waves x 23 + 3.6 = 49.6, ``s = 5`` 3 x 14 + 4.7 = 46.7,
+      ``s = 7`` 4 x 10 + 5.8 = 45.8 (chosen); ideal 72 x 69 / 132 = 37.6.
+    * 32768-key prefix (517 tiles): ``s = 5`` 3 x 104 + 4.7 = 316.7, ``s = 7``
+      4 x 74 + 5.8 = 301.8, ``s = 11`` 6 whole waves x 47 + 8 = 290
+      (chosen); ideal 282.
     """
     most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
-    if most == 1 or programs >= MAX_WAVES * sms:
-        return 1
-    for waves in range(1, MAX_WAVES + 1):
-        splits = min(most, waves * sms // programs)
-        if splits >= 1 and programs * splits >= WAVE_EFFICIENCY * waves * sms:
-            return splits
-    cap = max(1, min(most, MAX_WAVES * sms // programs))
-    return max(range(1, cap + 1), key=lambda s: (wave_efficiency(programs * s, sms), -s))
+    return min(range(1, most + 1), key=lambda s: (split_time(programs, key_tiles, sms, s), s))
 
 
 # ----------------------------------------------------------------------------

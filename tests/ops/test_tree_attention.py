@@ -25,17 +25,16 @@ import triton.language as tl
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
 from dflash_kernels.tree_attention import (
-    MAX_WAVES,
+    MAX_SPLITS,
     MIN_TILES_PER_SPLIT,
     TREE_ATTENTION_DYNAMIC_INTS,
-    WAVE_EFFICIENCY,
     _tree_attention_kernel,
     choose_num_splits,
     tanh_f32,
     tree_attention_config,
     tree_attention_configs,
+    split_time,
     tree_attention_triton,
-    wave_efficiency,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -537,26 +536,30 @@ def test_row_tile_choice_keeps_padding_small():
 
 
 @pytest.mark.parametrize("sms", [108, 132])
-def test_split_count_fills_waves(sms):
+def test_split_count_minimizes_the_modeled_time(sms):
     for programs in (1, 2, 8, 24, 40, 72, 100, 140, 200, 264, 600):
-        for key_tiles in (1, 3, 8, 16, 64, 130, 1000):
+        for key_tiles in (1, 3, 8, 16, 64, 69, 130, 517, 1000):
             splits = choose_num_splits(programs, key_tiles, sms)
-            assert 1 <= splits <= max(1, key_tiles // MIN_TILES_PER_SPLIT)
-            if splits > 1:
-                assert programs * splits <= MAX_WAVES * sms
-            total = programs * splits
-            waves = -(-total // sms)
-            if total >= WAVE_EFFICIENCY * waves * sms:
-                continue
-            # Not a filled wave: then no allowed split count does better.
-            cap = max(1, min(key_tiles // MIN_TILES_PER_SPLIT, 64, MAX_WAVES * sms // programs))
-            if programs < MAX_WAVES * sms:
-                best = max(wave_efficiency(programs * s, sms) for s in range(1, cap + 1))
-                assert wave_efficiency(total, sms) >= best - 1e-9
-    # Qwen3-8B, T = 65 (5 row tiles x 8 kv heads) on an H100 with a 4k prefix: 3 splits, 120 / 132 SMs.
+            allowed = range(1, max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT)) + 1)
+            assert splits in allowed
+            best = min(split_time(programs, key_tiles, sms, s) for s in allowed)
+            assert split_time(programs, key_tiles, sms, splits) == best
+            assert all(split_time(programs, key_tiles, sms, s) > best for s in allowed if s < splits)
+    # The model: waves x tiles per split, plus the merge and the partials of a split launch.
+    assert split_time(72, 69, 132, 1) == 69
+    assert split_time(72, 69, 132, 7) == 4 * 10 + 2 + 7 * 72 / 132
+
+
+def test_split_count_at_257_tree_rows():
+    # 257 tokens x G 4 = 1028 rows: 9 tiles of 128 x 8 kv heads = 72 programs on an H100 / H200 (132 SMs).
+    assert choose_num_splits(72, 4096 // 64 + 5, 132) == 7  # 504 programs: 4 waves of 10 tiles
+    assert choose_num_splits(72, 32768 // 64 + 5, 132) == 11  # 792 programs: 6 whole waves of 47 tiles
+    # Qwen3-8B, T = 65 (5 row tiles x 8 kv heads) with a 4k prefix: 3 splits, 120 / 132 SMs, one wave.
     assert choose_num_splits(40, 4096 // 64 + 2, 132) == 3
-    # A decode step (8 programs) over 8k keys: 16 splits fill one wave.
-    assert choose_num_splits(8, 8192 // 64 + 1, 132) == 16
+    # A decode step (8 programs) over 8k keys: 15 splits of 9 tiles, one wave.
+    assert choose_num_splits(8, 8192 // 64 + 1, 132) == 15
+    # A grid of whole waves is not split (the merge would only add time).
+    assert choose_num_splits(4 * 132, 69, 132) == 1
 
 
 # ----------------------------------------------------------------------------
