@@ -22,7 +22,8 @@ output is the single-row call on row ``r``'s slices.
   each K/V tile is loaded once for all ``G = Hq / Hkv`` query heads that read
   it. It walks key tiles of ``BLOCK_N`` with an online softmax in float32:
   prefix tiles (no mask but the window's; tiles older than every row's window
-  are skipped), then tree tiles, whose visibility comes from the bitmask
+  are skipped; without a window the whole tiles run unmasked, the ragged last
+  one apart), then tree tiles, whose visibility comes from the bitmask
   words or from ``j <= t`` (chain); tiles past the last key any row of the
   program can see (its last token, for ancestor bits and chains) are never
   visited. No dense ``[T, S]`` mask
@@ -60,7 +61,8 @@ output is the single-row call on row ``r``'s slices.
   storage), and is loaded before any address that depends on it is formed,
   so no store of this launch can change it; K/V rows ``>= p_r + T`` of row
   ``r`` are never loaded (every key load is masked by ``key < p_r`` or
-  ``node < T``), so whatever they hold (NaN, inf) cannot reach the output.
+  ``node < T``, or is a whole prefix tile, below ``(p_r // BLOCK_N) *
+  BLOCK_N <= p_r``), so whatever they hold (NaN, inf) cannot reach the output.
 * :func:`warmup_tree_attention`: compiles every variant a generation at
   given shapes can hit, so none compiles mid-generation.
 * :func:`tree_visibility` / :func:`masked_attention`: the visibility rule as a
@@ -254,7 +256,8 @@ def tanh_f32(x):
 
 @triton.jit
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scale,
-                         HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                         HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         MASKED: tl.constexpr = True):
     """Fold one key tile into the running (max, sum, accumulator), base 2.
 
     ``q [M, D]``, ``k [D, N]``, ``v [N, D]``, ``visible [M, N]``. Scores are
@@ -264,13 +267,21 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scal
     hidden ones are ``-inf``. A row that has seen no visible key yet keeps
     ``m = -inf``: the exponent base then falls back to 0 so that no ``-inf -
     -inf`` appears.
+
+    Without ``MASKED`` (a tile every row sees whole; ``visible`` is not
+    read) there is no ``-inf`` select per score, and every row's new max is
+    a finite score, so the base needs no ``-inf`` check either.
     """
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
     if HAS_SOFTCAP:
         qk = tanh_f32(qk) * softcap_scale
-    qk = tl.where(visible, qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_base = m_new
     alpha = tl.math.exp2(m_i - m_base)
     p = tl.math.exp2(qk - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -425,8 +436,28 @@ def _tree_attention_kernel(
         lo = begin
         hi = end
 
-    # Prefix keys: visible to every row; masked only at the ragged end and by the window.
-    for unit in range(lo, tl.minimum(hi, prefix_units)):
+    # Prefix keys: visible to every row. Without a window, the whole tiles (every one but a ragged
+    # last) run with no mask at all: unmasked loads, no -inf select on the scores. The ragged tile,
+    # and with a window every tile, take the masked loop (at most one iteration without a window).
+    if WINDOW:
+        ragged_lo = lo
+    else:
+        whole_units = prefix_len // BLOCK_N
+        for unit in range(lo, tl.minimum(hi, whole_units)):
+            first_key = unit * BLOCK_N
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_base + (first_key * stride_ks + k_offs))
+                v = tl.load(v_base + (first_key * stride_vs + v_offs))
+            else:
+                k = tl.load(k_base + (first_key * stride_ks + k_offs), mask=d_ok[:, None], other=0.0)
+                v = tl.load(v_base + (first_key * stride_vs + v_offs), mask=d_ok[None, :], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, softcap_scale,
+                                                 HAS_SOFTCAP, DOT_FP32, INPUT_PRECISION, MASKED=False)
+        ragged_lo = tl.maximum(lo, whole_units)
+    for unit in range(ragged_lo, tl.minimum(hi, prefix_units)):
         first_key = unit * BLOCK_N
         offs_n = first_key + lane
         n_ok = offs_n < prefix_len

@@ -190,6 +190,35 @@ def test_forced_key_splits_merge_exactly(num_splits, mode, window):
     check(out, expected, torch.float32)
 
 
+# The prefix loop runs whole key tiles unmasked and a ragged last one masked: prefixes below, at and past a
+# multiple of the tile, split so that a split's range starts or ends inside either part, a head dim narrower
+# than its tile (the whole tiles keep the head-dim mask), softcap / sinks through the unmasked step.
+@pytest.mark.parametrize("prefix_len", [0, 31, 32, 33, 64, 95, 96])
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("mode,head_dim,extras", [("tree", 64, False), ("chain", 48, False), ("ones", 64, True)])
+def test_whole_and_ragged_prefix_tiles(prefix_len, num_splits, mode, head_dim, extras):
+    n_tree = 9
+    q, k, v = make_inputs(4, 2, n_tree, prefix_len, head_dim, torch.float32, seed=prefix_len + num_splits)
+    bits, _ = make_bits(mode, n_tree, seed=prefix_len)
+    kw = dict(softcap=3.0, sinks=torch.linspace(-1.0, 1.0, 4, device=DEVICE)) if extras else {}
+    cfg = tree_attention_configs(head_dim, torch.float32)[0]
+    assert cfg["BLOCK_N"] == 32
+    expected = ref.tree_attention(q, k, v, bits, prefix_len, **kw)
+    check(tree_attention_triton(q, k, v, bits, prefix_len, num_splits=num_splits, config=cfg, **kw), expected,
+          torch.float32)
+
+
+def test_whole_prefix_tiles_with_bf16_64_key_tiles():
+    # The 128-row bf16 tile over 64-key tiles: two whole prefix tiles and a ragged one, split across them.
+    cfg = next(c for c in tree_attention_configs(64, torch.bfloat16) if c["BLOCK_M"] == 128)
+    q, k, v = make_inputs(8, 2, 37, 150, 64, torch.bfloat16, seed=150)
+    bits, _ = make_bits("tree", 37, seed=150)
+    expected = ref.tree_attention(q, k, v, bits, 150)
+    for num_splits in (1, 2):
+        check(tree_attention_triton(q, k, v, bits, 150, config=cfg, num_splits=num_splits), expected,
+              torch.bfloat16)
+
+
 def test_more_splits_than_key_tiles_leave_empty_splits():
     q, k, v = make_inputs(2, 1, 5, 3, 64, torch.float32, seed=2)
     bits = random_tree_bits(5, 2)
