@@ -100,6 +100,12 @@ _MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints (``triton.cdiv`` is a constexpr function: microseconds a call on the launch
+    path)."""
+    return -(-a // b)
+
+
 # ----------------------------------------------------------------------------
 # Dense mask
 # ----------------------------------------------------------------------------
@@ -134,7 +140,7 @@ def _check_bits(bits: torch.Tensor, n_tree: int, who: str, batch: Optional[int] 
         raise TypeError(f"{who}: bits must be a torch.Tensor, got {type(bits).__name__}")
     if bits.dtype != torch.int32:
         raise ValueError(f"{who}: bits must be int32 (from ancestor_bits), got {bits.dtype}")
-    words = triton.cdiv(n_tree, 32)
+    words = _cdiv(n_tree, 32)
     lead = () if bits.dim() == 2 else (batch,)
     if bits.dim() not in (2, 3) or (bits.dim() == 3 and batch is None) or tuple(bits.shape[:-1]) != lead + (
             n_tree,) or bits.shape[-1] < words:
@@ -172,7 +178,7 @@ def tree_attention_mask_triton(bits: torch.Tensor, prefix_len: int, dtype: torch
     if n_tree == 0:
         return mask
     cfg = TREE_MASK_CONFIGS[0]
-    grid = (triton.cdiv(n_tree, cfg["BLOCK_T"]), triton.cdiv(n_keys, cfg["BLOCK_K"]))
+    grid = (_cdiv(n_tree, cfg["BLOCK_T"]), _cdiv(n_keys, cfg["BLOCK_K"]))
     _tree_mask_kernel[grid](
         bits, mask, n_tree, prefix_len, n_keys, bits.stride(0), bits.stride(1), mask.stride(0),
         torch.finfo(dtype).min, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
@@ -270,20 +276,32 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scal
 
     Without ``MASKED`` (a tile every row sees whole; ``visible`` is not
     read) there is no ``-inf`` select per score, and every row's new max is
-    a finite score, so the base needs no ``-inf`` check either.
+    a finite score, so the base needs no ``-inf`` check either. Without a
+    softcap as well, the max is taken over the raw ``q k`` and scaled once
+    per row, and each exponent is one FMA ``q k * qk_scale - m``: ``qk_scale
+    >= 0`` (the launcher negates ``q`` for a negative scale, exactly), and
+    rounding is monotone, so ``max(q k) * qk_scale`` is exactly the max of
+    the rounded scaled scores: the same ``m`` as scaling every score first,
+    one FMUL per row instead of one per score.
     """
-    qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
-    if HAS_SOFTCAP:
-        qk = tanh_f32(qk) * softcap_scale
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    if MASKED:
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+    if not MASKED and not HAS_SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     else:
-        m_base = m_new
-    alpha = tl.math.exp2(m_i - m_base)
-    p = tl.math.exp2(qk - m_base[:, None])
+        qk = qk * qk_scale
+        if HAS_SOFTCAP:
+            qk = tanh_f32(qk) * softcap_scale
+        if MASKED:
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        if MASKED:
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_base = m_new
+        alpha = tl.math.exp2(m_i - m_base)
+        p = tl.math.exp2(qk - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT_FP32:
         pv = tl.dot(p, v, input_precision=INPUT_PRECISION)
@@ -593,11 +611,15 @@ MAX_REGISTERS = 255
 
 def head_dim_block(head_dim: int) -> int:
     """Padded head dim of the kernel's tiles: the next power of two, at least 16."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+#: The GPU architecture (``major * 10 + minor``) whose table a device that is no GPU (the interpreter) uses.
+DEFAULT_ARCH = 90
 
 
 @functools.lru_cache(maxsize=None)
-def _config_table(block_d: int, elem_bytes: int) -> Tuple[dict, ...]:
+def _config_table(block_d: int, elem_bytes: int, hopper: bool) -> Tuple[dict, ...]:
     if elem_bytes == 4:
         # float32 (a correctness path: exact "ieee" FMA dots, no tensor cores):
         # one small tile, the only one that compiles without spills up to D = 256.
@@ -606,7 +628,11 @@ def _config_table(block_d: int, elem_bytes: int) -> Tuple[dict, ...]:
     configs = []
     for block_m in BLOCK_M_CHOICES:
         if block_d <= 128:
-            block_n, stages = (64, 3) if block_m <= 64 else (32, 3)
+            # 128-row tiles: 64-key tiles on sm_90 (each warpgroup's 64 rows take one m64n64k16
+            # wgmma chain for the scores, m64nDk16 for P V); sm_80's mma.sync registers for a
+            # 128 x 64 tile pass 255 (8-56 B of spills), so 32 elsewhere (the compiled archs).
+            block_n = 64 if block_m <= 64 or hopper else 32
+            stages = 3
         else:  # D = 256: narrower key tiles and 2 stages keep K/V in shared memory on sm_80
             block_n, stages = 32, 2
         # About 32 fp32 accumulator elements per thread (64 at most), 4..8 warps.
@@ -619,38 +645,65 @@ def _config_table(block_d: int, elem_bytes: int) -> Tuple[dict, ...]:
     return tuple(configs)
 
 
-def tree_attention_configs(head_dim: int, dtype: torch.dtype) -> List[dict]:
-    """Every launch configuration :func:`tree_attention` can choose for this head dim and dtype.
+def tree_attention_configs(head_dim: int, dtype: torch.dtype, arch: int = DEFAULT_ARCH) -> List[dict]:
+    """Every launch configuration :func:`tree_attention` can choose for this head dim and dtype on ``arch``.
 
     Keys: ``BLOCK_M`` (packed rows per program), ``BLOCK_N`` (keys per tile),
     ``BLOCK_D``, ``num_warps``, ``num_stages``, ``maxnreg``. bf16/fp16: row
     tiles of 16/32/64/128 (no 128 at D = 256), 4 warps, 8 from 64 x 128
-    accumulators up; key tiles of 64 (32 for 128-row tiles and D = 256, which
-    also gets 2 stages so the pipelined K/V fit in sm_80's 163 KiB). float32:
-    one 16 x 32 tile with exact FMA dots. Every one compiles for sm_80 and
-    sm_90 without spills (tests/ops/test_compile_gpu_tree.py).
+    accumulators up; key tiles of 64 (32 for D = 256, which also gets 2
+    stages so the pipelined K/V fit in sm_80's 163 KiB, and for 128-row
+    tiles off sm_90). float32: one 16 x 32 tile with exact FMA dots. The
+    row tiles (``BLOCK_M``, ``num_warps``) are the same on every arch, so
+    :func:`tree_attention_config` picks the same row tile everywhere. Every
+    one compiles for its arch (sm_80, sm_90) without spills
+    (tests/ops/test_compile_gpu_tree.py).
+
+    The 128-row tile on sm_90 (e.g. 257 tree tokens x G = 4 = 1028 rows, D =
+    128): 64-key tiles run each warpgroup's scores as 8 ``m64n64k16`` wgmma
+    and P V as 4 ``m64n128k16`` per 64 keys, where 32-key tiles took 2 x 8
+    ``m64n32k16`` and 2 x 2 ``m64n128k16`` with two online-softmax rescales
+    (max / sum reductions, ``alpha``, ``acc *= alpha``) and two loop trips;
+    228 registers (whole, bitmask), no spills, 134 KiB of shared memory.
     """
-    return [dict(c) for c in _config_table(head_dim_block(head_dim), torch.finfo(dtype).bits // 8)]
+    return [dict(c) for c in _config_table(head_dim_block(head_dim), torch.finfo(dtype).bits // 8, arch // 10 == 9)]
 
 
-def tree_attention_config(head_dim: int, dtype: torch.dtype, n_rows: int) -> dict:
-    """The configuration for ``n_rows = T * (Hq // Hkv)`` packed rows.
+def tree_attention_config(head_dim: int, dtype: torch.dtype, n_rows: int, arch: int = DEFAULT_ARCH) -> dict:
+    """The configuration for ``n_rows = T * (Hq // Hkv)`` packed rows on ``arch``.
 
-    A fixed function of ``(head_dim, dtype, n_rows)`` (never of the prefix):
+    A fixed function of ``(head_dim, dtype, n_rows, arch)`` (never of the prefix):
     the ``BLOCK_M`` minimizing ``padded rows + TILE_COST_ROWS * tiles``, ties
     to fewer padded rows, then to bigger tiles. E.g. 260 rows (T = 65, G = 4)
-    -> 64 (320 padded), 64 -> 64, 8 -> 16, 4100 -> 128 (bf16/fp16; float32
-    has the one 16-row tile).
+    -> 64 (320 padded), 1028 (T = 257) -> 128 (1152), 64 -> 64, 8 -> 16,
+    4100 -> 128 (bf16/fp16; float32 has the one 16-row tile).
     """
-    configs = tree_attention_configs(head_dim, dtype)
-    n_rows = max(1, n_rows)
+    return dict(_chosen_config(head_dim_block(head_dim), torch.finfo(dtype).bits // 8, max(1, n_rows), arch // 10 == 9))
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen_config(block_d: int, elem_bytes: int, n_rows: int, hopper: bool) -> dict:
+    """:func:`tree_attention_config`'s choice, once per key (a launch reads it; callers get copies)."""
 
     def cost(cfg):
-        tiles = triton.cdiv(n_rows, cfg["BLOCK_M"])
+        tiles = -(-n_rows // cfg["BLOCK_M"])
         padded = tiles * cfg["BLOCK_M"]
         return (padded + TILE_COST_ROWS * tiles, padded, -cfg["BLOCK_M"])
 
-    return min(configs, key=cost)
+    return min(_config_table(block_d, elem_bytes, hopper), key=cost)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return major * 10 + minor
+
+
+def device_arch(device: torch.device) -> int:
+    """``major * 10 + minor`` of a CUDA device (read once per device, no sync); :data:`DEFAULT_ARCH` elsewhere."""
+    if device.type != "cuda":
+        return DEFAULT_ARCH
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -670,8 +723,9 @@ def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int
 def split_time(programs: int, key_tiles: int, sms: int, splits: int) -> float:
     """Modeled time of a launch of ``programs x splits`` programs, in key-tile times.
 
-    One program per SM at a time (the 64/128-row tiles take most of an SM's
-    registers or shared memory), every split walking ``ceil(key_tiles /
+    One program per SM at a time (a 128-row tile takes most of an SM's
+    registers and shared memory; smaller tiles may share an SM, which the
+    model does not count), every split walking ``ceil(key_tiles /
     splits)`` tiles (the kernel's equal chunks), so the launch runs
     ``ceil(programs * splits / sms)`` waves of that many tiles; a split launch
     adds the merge: ``MERGE_FIXED_TILES`` plus ``PARTIAL_TILES`` per split
@@ -895,6 +949,26 @@ def _check_kv_offsets(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: i
                 f"(2^31); use a layout with the keys of one head closer together, e.g. [b, Hkv, S, D] views")
 
 
+def _key_tiles(host_prefix: int, n_tree: int, window: Optional[int], block_n: int) -> int:
+    """Key tiles a row tile can walk: the prefix within reach of a window (all of it without one), then the tree."""
+    visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
+    return _cdiv(visible_prefix, block_n) + _cdiv(n_tree, block_n)
+
+
+def tree_attention_plan(query: torch.Tensor, key: torch.Tensor, prefix_len, window: Optional[int] = None
+                        ) -> Tuple[dict, int]:
+    """``(config, num_splits)`` the Triton launcher picks for these shapes (a benchmark's report): ``query [b, Hq,
+    T, D]`` / ``[Hq, T, D]``, ``key [b, Hkv, S, D]`` / ``[Hkv, S, D]``, ``prefix_len`` an int or a device tensor
+    (then ``S - T``, as the launcher sizes it)."""
+    hq, n_tree, head_dim = query.shape[-3:]
+    b = query.shape[0] if query.dim() == 4 else 1
+    hkv = key.shape[-3]
+    cfg = tree_attention_config(head_dim, query.dtype, n_tree * (hq // hkv), device_arch(query.device))
+    host_prefix = key.shape[-2] - n_tree if isinstance(prefix_len, torch.Tensor) else prefix_len
+    programs = _cdiv(n_tree * (hq // hkv), cfg["BLOCK_M"]) * b * hkv
+    return cfg, _auto_num_splits(query.device, programs, _key_tiles(host_prefix, n_tree, window, cfg["BLOCK_N"]))
+
+
 def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits=None, config=None):
     q, k, v, bits, positions, prefix_len = inputs[:6]
     b, hq, n_tree, head_dim = q.shape
@@ -903,7 +977,9 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
     n_rows = n_tree * group
     device = q.device
     scale = head_dim**-0.5 if scale is None else float(scale)
-    cfg = config or tree_attention_config(head_dim, q.dtype, n_rows)
+    if scale < 0:  # softmax(q k * scale) = softmax(-q k * -scale), exactly (negation is exact in every dtype)
+        q, scale = -q, -scale
+    cfg = config or tree_attention_config(head_dim, q.dtype, n_rows, device_arch(device))
     block_m, block_n, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     if block_n % 32 != 0 or block_m < 16 or block_d < head_dim:
         raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0, BLOCK_M >= 16, BLOCK_D >= D, got {cfg}")
@@ -911,14 +987,12 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
     out = torch.empty(b, hq, n_tree, head_dim, dtype=q.dtype, device=device)
     if n_tree == 0 or b == 0:
         return out if inputs.batched else out[0]
-    row_tiles = triton.cdiv(n_rows, block_m)
+    row_tiles = _cdiv(n_rows, block_m)
     in_memory = isinstance(prefix_len, torch.Tensor)
     # The static form sizes the split count for the largest prefix the cache holds (S_max - T).
     host_prefix = k.shape[2] - n_tree if in_memory else prefix_len
     if num_splits is None:
-        visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
-        key_tiles = triton.cdiv(visible_prefix, block_n) + triton.cdiv(n_tree, block_n)
-        num_splits = _auto_num_splits(device, row_tiles * b * hkv, key_tiles)
+        num_splits = _auto_num_splits(device, row_tiles * b * hkv, _key_tiles(host_prefix, n_tree, window, block_n))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"tree_attention: num_splits must be an int >= 1, got {num_splits!r}")
 
@@ -968,7 +1042,7 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(triton.cdiv(n_rows, MERGE_BLOCK_M), b * hkv)](
+        _merge_splits_kernel[(_cdiv(n_rows, MERGE_BLOCK_M), b * hkv)](
             part_out, part_lse, sinks, out, n_tree, hkv, group, num_splits,
             _batch_stride(out), out.stride(1), out.stride(2), out.stride(3),
             HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M, BLOCK_D=block_d, HAS_SINKS=has_sinks,

@@ -208,6 +208,18 @@ def test_whole_and_ragged_prefix_tiles(prefix_len, num_splits, mode, head_dim, e
           torch.float32)
 
 
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_any_scale_through_whole_prefix_tiles(scale, softcap):
+    # The whole tiles take the row max over raw q.k (a negative scale runs as -q with -scale).
+    q, k, v = make_inputs(4, 2, 9, 70, 64, torch.float32, seed=7)
+    bits = random_tree_bits(9, 7)
+    expected = ref.tree_attention(q, k, v, bits, 70, scale, softcap=softcap)
+    for num_splits in (1, 2):
+        check(tree_attention_triton(q, k, v, bits, 70, scale, softcap=softcap, num_splits=num_splits), expected,
+              torch.float32)
+
+
 def test_whole_prefix_tiles_with_bf16_64_key_tiles():
     # The 128-row bf16 tile over 64-key tiles: two whole prefix tiles and a ragged one, split across them.
     cfg = next(c for c in tree_attention_configs(64, torch.bfloat16) if c["BLOCK_M"] == 128)
@@ -549,6 +561,25 @@ def test_config_table_is_small_and_fixed(head_dim, dtype):
         assert tree_attention_config(head_dim, dtype, n_rows) in configs
     for cfg in configs:
         assert cfg["BLOCK_N"] % 32 == 0 and cfg["BLOCK_D"] >= head_dim and cfg["maxnreg"] == 255
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_arch_tables_share_their_row_tiles(head_dim):
+    # sm_90 runs 128-row tiles over 64-key tiles (m64n64 wgmma scores), sm_80 over 32 (its mma.sync tile at 64
+    # keys spills); nothing else differs, so the row tile (and the binaries a warmup groups by) is the same.
+    hopper = tree_attention_configs(head_dim, torch.bfloat16, 90)
+    ampere = tree_attention_configs(head_dim, torch.bfloat16, 80)
+    assert tree_attention_configs(head_dim, torch.bfloat16) == hopper
+    assert [{**c, "BLOCK_N": 0} for c in hopper] == [{**c, "BLOCK_N": 0} for c in ampere]
+    for h, a in zip(hopper, ampere):
+        wide = h["BLOCK_M"] == 128 and head_dim <= 128
+        assert (h["BLOCK_N"], a["BLOCK_N"]) == ((64, 32) if wide else (a["BLOCK_N"], a["BLOCK_N"]))
+    for n_rows in range(1, 3000, 11):
+        assert tree_attention_config(head_dim, torch.bfloat16, n_rows, 80)["BLOCK_M"] == \
+            tree_attention_config(head_dim, torch.bfloat16, n_rows, 90)["BLOCK_M"]
+    # 257 tree tokens x G 4 = 1028 rows: 9 tiles of 128 (1152 rows), over 64-key tiles on sm_90.
+    cfg = tree_attention_config(head_dim, torch.bfloat16, 1028, 90)
+    assert cfg["BLOCK_M"] == (128 if head_dim <= 128 else 64)
 
 
 def test_row_tile_choice_keeps_padding_small():
