@@ -325,6 +325,7 @@ def _tree_attention_kernel(
     CHAIN: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFIX_IN_MEMORY: tl.constexpr = False,
+    UNMASKED_PREFIX: tl.constexpr = True,
 ):
     """Program (row tile, batch row x kv head, key split).
 
@@ -457,7 +458,8 @@ def _tree_attention_kernel(
     # Prefix keys: visible to every row. Without a window, the whole tiles (every one but a ragged
     # last) run with no mask at all: unmasked loads, no -inf select on the scores. The ragged tile,
     # and with a window every tile, take the masked loop (at most one iteration without a window).
-    if WINDOW:
+    # (UNMASKED_PREFIX off: every prefix tile takes the masked loop, one loop body fewer.)
+    if WINDOW or not UNMASKED_PREFIX:
         ragged_lo = lo
     else:
         whole_units = prefix_len // BLOCK_N
@@ -624,7 +626,7 @@ def _config_table(block_d: int, elem_bytes: int, hopper: bool) -> Tuple[dict, ..
         # float32 (a correctness path: exact "ieee" FMA dots, no tensor cores):
         # one small tile, the only one that compiles without spills up to D = 256.
         return ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": block_d, "num_warps": 8, "num_stages": 1,
-                 "maxnreg": MAX_REGISTERS},)
+                 "maxnreg": MAX_REGISTERS, "UNMASKED_PREFIX": True},)
     configs = []
     for block_m in BLOCK_M_CHOICES:
         if block_d <= 128:
@@ -640,8 +642,11 @@ def _config_table(block_d: int, elem_bytes: int, hopper: bool) -> Tuple[dict, ..
         warps = min(8, max(4, acc_per_warp // 32))
         if acc_per_warp // warps > 64:
             continue
+        # The unmasked loop of whole prefix tiles is one more loop body: sm_80's 128 x 32 tile at
+        # D = 128 is at 255 registers without it, and spills 8 B with it (Triton 3.6).
+        unmasked = hopper or block_m < 128 or block_d > 128
         configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": warps,
-                        "num_stages": stages, "maxnreg": MAX_REGISTERS})
+                        "num_stages": stages, "maxnreg": MAX_REGISTERS, "UNMASKED_PREFIX": unmasked})
     return tuple(configs)
 
 
@@ -649,7 +654,9 @@ def tree_attention_configs(head_dim: int, dtype: torch.dtype, arch: int = DEFAUL
     """Every launch configuration :func:`tree_attention` can choose for this head dim and dtype on ``arch``.
 
     Keys: ``BLOCK_M`` (packed rows per program), ``BLOCK_N`` (keys per tile),
-    ``BLOCK_D``, ``num_warps``, ``num_stages``, ``maxnreg``. bf16/fp16: row
+    ``BLOCK_D``, ``num_warps``, ``num_stages``, ``maxnreg``, ``UNMASKED_PREFIX``
+    (whole prefix tiles run unmasked: off only for sm_80's 128-row tile at
+    D <= 128, which it would make spill). bf16/fp16: row
     tiles of 16/32/64/128 (no 128 at D = 256), 4 warps, 8 from 64 x 128
     accumulators up; key tiles of 64 (32 for D = 256, which also gets 2
     stages so the pipelined K/V fit in sm_80's 163 KiB, and for 128-row
@@ -1039,6 +1046,7 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
         CHAIN=chain, WINDOW=window is not None, SPLIT_KEYS=num_splits > 1,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=has_sinks,
         DOT_FP32=triton_interpreting(), INPUT_PRECISION=_input_precision(q.dtype), PREFIX_IN_MEMORY=in_memory,
+        UNMASKED_PREFIX=cfg.get("UNMASKED_PREFIX", True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:

@@ -204,7 +204,7 @@ def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, so
     constexprs = dict(UNIT_STRIDES, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, HAS_SOFTCAP=softcap,
                       HAS_SINKS=sinks, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype),
-                      PREFIX_IN_MEMORY=prefix_in_memory)
+                      PREFIX_IN_MEMORY=prefix_in_memory, UNMASKED_PREFIX=cfg.get("UNMASKED_PREFIX", True))
     for name, value in (("group", group), ("n_kv_heads", kv_heads)):
         if value == 1:  # the runtime specializes an int equal to 1
             del sig[name]

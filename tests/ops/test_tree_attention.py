@@ -196,12 +196,13 @@ def test_forced_key_splits_merge_exactly(num_splits, mode, window):
 @pytest.mark.parametrize("prefix_len", [0, 31, 32, 33, 64, 95, 96])
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
 @pytest.mark.parametrize("mode,head_dim,extras", [("tree", 64, False), ("chain", 48, False), ("ones", 64, True)])
-def test_whole_and_ragged_prefix_tiles(prefix_len, num_splits, mode, head_dim, extras):
+@pytest.mark.parametrize("unmasked", [True, False])
+def test_whole_and_ragged_prefix_tiles(prefix_len, num_splits, mode, head_dim, extras, unmasked):
     n_tree = 9
     q, k, v = make_inputs(4, 2, n_tree, prefix_len, head_dim, torch.float32, seed=prefix_len + num_splits)
     bits, _ = make_bits(mode, n_tree, seed=prefix_len)
     kw = dict(softcap=3.0, sinks=torch.linspace(-1.0, 1.0, 4, device=DEVICE)) if extras else {}
-    cfg = tree_attention_configs(head_dim, torch.float32)[0]
+    cfg = dict(tree_attention_configs(head_dim, torch.float32)[0], UNMASKED_PREFIX=unmasked)
     assert cfg["BLOCK_N"] == 32
     expected = ref.tree_attention(q, k, v, bits, prefix_len, **kw)
     check(tree_attention_triton(q, k, v, bits, prefix_len, num_splits=num_splits, config=cfg, **kw), expected,
@@ -570,10 +571,13 @@ def test_arch_tables_share_their_row_tiles(head_dim):
     hopper = tree_attention_configs(head_dim, torch.bfloat16, 90)
     ampere = tree_attention_configs(head_dim, torch.bfloat16, 80)
     assert tree_attention_configs(head_dim, torch.bfloat16) == hopper
-    assert [{**c, "BLOCK_N": 0} for c in hopper] == [{**c, "BLOCK_N": 0} for c in ampere]
+    assert [{**c, "BLOCK_N": 0, "UNMASKED_PREFIX": 0} for c in hopper] == \
+        [{**c, "BLOCK_N": 0, "UNMASKED_PREFIX": 0} for c in ampere]
     for h, a in zip(hopper, ampere):
         wide = h["BLOCK_M"] == 128 and head_dim <= 128
         assert (h["BLOCK_N"], a["BLOCK_N"]) == ((64, 32) if wide else (a["BLOCK_N"], a["BLOCK_N"]))
+        # (sm_80's 128 x 32 tile at D <= 128 keeps one masked prefix loop: the unmasked one makes it spill)
+        assert h["UNMASKED_PREFIX"] and a["UNMASKED_PREFIX"] == (not wide)
     for n_rows in range(1, 3000, 11):
         assert tree_attention_config(head_dim, torch.bfloat16, n_rows, 80)["BLOCK_M"] == \
             tree_attention_config(head_dim, torch.bfloat16, n_rows, 90)["BLOCK_M"]
