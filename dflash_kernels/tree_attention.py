@@ -22,11 +22,13 @@ output is the single-row call on row ``r``'s slices.
   each K/V tile is loaded once for all ``G = Hq / Hkv`` query heads that read
   it. It walks key tiles of ``BLOCK_N`` with an online softmax in float32:
   prefix tiles (no mask but the window's; tiles older than every row's window
-  are skipped), then tree tiles, whose visibility comes from the bitmask
+  are skipped; without a window the whole tiles run unmasked, the ragged last
+  one apart), then tree tiles, whose visibility comes from the bitmask
   words or from ``j <= t`` (chain); tiles past the last key any row of the
   program can see (its last token, for ancestor bits and chains) are never
   visited. No dense ``[T, S]`` mask
-  exists anywhere. When the grid does not fill whole waves of the GPU, the
+  exists anywhere. When a modeled time says so (:func:`choose_num_splits`:
+  waves x key tiles per program, plus the merge), the
   key axis is split across programs that write partial ``(output, log2-sum-
   exp)`` pairs, merged by a second small kernel (flash-decoding style).
   A batch adds its rows to the grid (axis 1 is ``batch row * Hkv + kv
@@ -59,7 +61,8 @@ output is the single-row call on row ``r``'s slices.
   storage), and is loaded before any address that depends on it is formed,
   so no store of this launch can change it; K/V rows ``>= p_r + T`` of row
   ``r`` are never loaded (every key load is masked by ``key < p_r`` or
-  ``node < T``), so whatever they hold (NaN, inf) cannot reach the output.
+  ``node < T``, or is a whole prefix tile, below ``(p_r // BLOCK_N) *
+  BLOCK_N <= p_r``), so whatever they hold (NaN, inf) cannot reach the output.
 * :func:`warmup_tree_attention`: compiles every variant a generation at
   given shapes can hit, so none compiles mid-generation.
 * :func:`tree_visibility` / :func:`masked_attention`: the visibility rule as a
@@ -97,6 +100,12 @@ _MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints (``triton.cdiv`` is a constexpr function: microseconds a call on the launch
+    path)."""
+    return -(-a // b)
+
+
 # ----------------------------------------------------------------------------
 # Dense mask
 # ----------------------------------------------------------------------------
@@ -131,7 +140,7 @@ def _check_bits(bits: torch.Tensor, n_tree: int, who: str, batch: Optional[int] 
         raise TypeError(f"{who}: bits must be a torch.Tensor, got {type(bits).__name__}")
     if bits.dtype != torch.int32:
         raise ValueError(f"{who}: bits must be int32 (from ancestor_bits), got {bits.dtype}")
-    words = triton.cdiv(n_tree, 32)
+    words = _cdiv(n_tree, 32)
     lead = () if bits.dim() == 2 else (batch,)
     if bits.dim() not in (2, 3) or (bits.dim() == 3 and batch is None) or tuple(bits.shape[:-1]) != lead + (
             n_tree,) or bits.shape[-1] < words:
@@ -169,7 +178,7 @@ def tree_attention_mask_triton(bits: torch.Tensor, prefix_len: int, dtype: torch
     if n_tree == 0:
         return mask
     cfg = TREE_MASK_CONFIGS[0]
-    grid = (triton.cdiv(n_tree, cfg["BLOCK_T"]), triton.cdiv(n_keys, cfg["BLOCK_K"]))
+    grid = (_cdiv(n_tree, cfg["BLOCK_T"]), _cdiv(n_keys, cfg["BLOCK_K"]))
     _tree_mask_kernel[grid](
         bits, mask, n_tree, prefix_len, n_keys, bits.stride(0), bits.stride(1), mask.stride(0),
         torch.finfo(dtype).min, BLOCK_T=cfg["BLOCK_T"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
@@ -253,7 +262,8 @@ def tanh_f32(x):
 
 @triton.jit
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scale,
-                         HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                         HAS_SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         MASKED: tl.constexpr = True):
     """Fold one key tile into the running (max, sum, accumulator), base 2.
 
     ``q [M, D]``, ``k [D, N]``, ``v [N, D]``, ``visible [M, N]``. Scores are
@@ -263,15 +273,35 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_scal
     hidden ones are ``-inf``. A row that has seen no visible key yet keeps
     ``m = -inf``: the exponent base then falls back to 0 so that no ``-inf -
     -inf`` appears.
+
+    Without ``MASKED`` (a tile every row sees whole; ``visible`` is not
+    read) there is no ``-inf`` select per score, and every row's new max is
+    a finite score, so the base needs no ``-inf`` check either. Without a
+    softcap as well, the max is taken over the raw ``q k`` and scaled once
+    per row, and each exponent is one FMA ``q k * qk_scale - m``: ``qk_scale
+    >= 0`` (the launcher negates ``q`` for a negative scale, exactly), and
+    rounding is monotone, so ``max(q k) * qk_scale`` is exactly the max of
+    the rounded scaled scores: the same ``m`` as scaling every score first,
+    one FMUL per row instead of one per score.
     """
-    qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
-    if HAS_SOFTCAP:
-        qk = tanh_f32(qk) * softcap_scale
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_base)
-    p = tl.math.exp2(qk - m_base[:, None])
+    qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+    if not MASKED and not HAS_SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    else:
+        qk = qk * qk_scale
+        if HAS_SOFTCAP:
+            qk = tanh_f32(qk) * softcap_scale
+        if MASKED:
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        if MASKED:
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_base = m_new
+        alpha = tl.math.exp2(m_i - m_base)
+        p = tl.math.exp2(qk - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT_FP32:
         pv = tl.dot(p, v, input_precision=INPUT_PRECISION)
@@ -295,6 +325,7 @@ def _tree_attention_kernel(
     CHAIN: tl.constexpr, WINDOW: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFIX_IN_MEMORY: tl.constexpr = False,
+    UNMASKED_PREFIX: tl.constexpr = True,
 ):
     """Program (row tile, batch row x kv head, key split).
 
@@ -424,8 +455,29 @@ def _tree_attention_kernel(
         lo = begin
         hi = end
 
-    # Prefix keys: visible to every row; masked only at the ragged end and by the window.
-    for unit in range(lo, tl.minimum(hi, prefix_units)):
+    # Prefix keys: visible to every row. Without a window, the whole tiles (every one but a ragged
+    # last) run with no mask at all: unmasked loads, no -inf select on the scores. The ragged tile,
+    # and with a window every tile, take the masked loop (at most one iteration without a window).
+    # (UNMASKED_PREFIX off: every prefix tile takes the masked loop, one loop body fewer.)
+    if WINDOW or not UNMASKED_PREFIX:
+        ragged_lo = lo
+    else:
+        whole_units = prefix_len // BLOCK_N
+        for unit in range(lo, tl.minimum(hi, whole_units)):
+            first_key = unit * BLOCK_N
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_base + (first_key * stride_ks + k_offs))
+                v = tl.load(v_base + (first_key * stride_vs + v_offs))
+            else:
+                k = tl.load(k_base + (first_key * stride_ks + k_offs), mask=d_ok[:, None], other=0.0)
+                v = tl.load(v_base + (first_key * stride_vs + v_offs), mask=d_ok[None, :], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, softcap_scale,
+                                                 HAS_SOFTCAP, DOT_FP32, INPUT_PRECISION, MASKED=False)
+        ragged_lo = tl.maximum(lo, whole_units)
+    for unit in range(ragged_lo, tl.minimum(hi, prefix_units)):
         first_key = unit * BLOCK_N
         offs_n = first_key + lane
         n_ok = offs_n < prefix_len
@@ -545,12 +597,14 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 #: Cost of one more row tile, in padded rows: its K/V pass over the keys
 #: (the tie-break that keeps 4100 rows on 128-row tiles, 260 on 64).
 TILE_COST_ROWS = 16
-#: Split-KV: each split walks at least this many key tiles, at most this many splits,
-#: and the grid should fill whole waves of SMs at least this well.
+#: Split-KV: each split walks at least this many key tiles, at most this many splits.
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
-WAVE_EFFICIENCY = 0.9
-MAX_WAVES = 4
+#: The split model's costs of a split launch, in key-tile times (one program folding one key tile):
+#: the merge launch and the tail it adds (fixed), and each split program's fp32 partial
+#: (``BLOCK_M x BLOCK_D``: written once, read once by the merge, spread over the SMs).
+MERGE_FIXED_TILES = 2.0
+PARTIAL_TILES = 1.0
 #: ``maxnreg`` of every attention launch. Without it ptxas (13.x, as Triton
 #: drives it) sometimes caps a kernel at 32-128 registers and spills to the
 #: stack although 255 are available; with it no table config spills.
@@ -559,20 +613,28 @@ MAX_REGISTERS = 255
 
 def head_dim_block(head_dim: int) -> int:
     """Padded head dim of the kernel's tiles: the next power of two, at least 16."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+#: The GPU architecture (``major * 10 + minor``) whose table a device that is no GPU (the interpreter) uses.
+DEFAULT_ARCH = 90
 
 
 @functools.lru_cache(maxsize=None)
-def _config_table(block_d: int, elem_bytes: int) -> Tuple[dict, ...]:
+def _config_table(block_d: int, elem_bytes: int, hopper: bool) -> Tuple[dict, ...]:
     if elem_bytes == 4:
         # float32 (a correctness path: exact "ieee" FMA dots, no tensor cores):
         # one small tile, the only one that compiles without spills up to D = 256.
         return ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": block_d, "num_warps": 8, "num_stages": 1,
-                 "maxnreg": MAX_REGISTERS},)
+                 "maxnreg": MAX_REGISTERS, "UNMASKED_PREFIX": True},)
     configs = []
     for block_m in BLOCK_M_CHOICES:
         if block_d <= 128:
-            block_n, stages = (64, 3) if block_m <= 64 else (32, 3)
+            # 128-row tiles: 64-key tiles on sm_90 (each warpgroup's 64 rows take one m64n64k16
+            # wgmma chain for the scores, m64nDk16 for P V); sm_80's mma.sync registers for a
+            # 128 x 64 tile pass 255 (8-56 B of spills), so 32 elsewhere (the compiled archs).
+            block_n = 64 if block_m <= 64 or hopper else 32
+            stages = 3
         else:  # D = 256: narrower key tiles and 2 stages keep K/V in shared memory on sm_80
             block_n, stages = 32, 2
         # About 32 fp32 accumulator elements per thread (64 at most), 4..8 warps.
@@ -580,43 +642,75 @@ def _config_table(block_d: int, elem_bytes: int) -> Tuple[dict, ...]:
         warps = min(8, max(4, acc_per_warp // 32))
         if acc_per_warp // warps > 64:
             continue
+        # The unmasked loop of whole prefix tiles is one more loop body: sm_80's 128 x 32 tile at
+        # D = 128 is at 255 registers without it, and spills 8 B with it (Triton 3.6).
+        unmasked = hopper or block_m < 128 or block_d > 128
         configs.append({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": warps,
-                        "num_stages": stages, "maxnreg": MAX_REGISTERS})
+                        "num_stages": stages, "maxnreg": MAX_REGISTERS, "UNMASKED_PREFIX": unmasked})
     return tuple(configs)
 
 
-def tree_attention_configs(head_dim: int, dtype: torch.dtype) -> List[dict]:
-    """Every launch configuration :func:`tree_attention` can choose for this head dim and dtype.
+def tree_attention_configs(head_dim: int, dtype: torch.dtype, arch: int = DEFAULT_ARCH) -> List[dict]:
+    """Every launch configuration :func:`tree_attention` can choose for this head dim and dtype on ``arch``.
 
     Keys: ``BLOCK_M`` (packed rows per program), ``BLOCK_N`` (keys per tile),
-    ``BLOCK_D``, ``num_warps``, ``num_stages``, ``maxnreg``. bf16/fp16: row
+    ``BLOCK_D``, ``num_warps``, ``num_stages``, ``maxnreg``, ``UNMASKED_PREFIX``
+    (whole prefix tiles run unmasked: off only for sm_80's 128-row tile at
+    D <= 128, which it would make spill). bf16/fp16: row
     tiles of 16/32/64/128 (no 128 at D = 256), 4 warps, 8 from 64 x 128
-    accumulators up; key tiles of 64 (32 for 128-row tiles and D = 256, which
-    also gets 2 stages so the pipelined K/V fit in sm_80's 163 KiB). float32:
-    one 16 x 32 tile with exact FMA dots. Every one compiles for sm_80 and
-    sm_90 without spills (tests/ops/test_compile_gpu_tree.py).
+    accumulators up; key tiles of 64 (32 for D = 256, which also gets 2
+    stages so the pipelined K/V fit in sm_80's 163 KiB, and for 128-row
+    tiles off sm_90). float32: one 16 x 32 tile with exact FMA dots. The
+    row tiles (``BLOCK_M``, ``num_warps``) are the same on every arch, so
+    :func:`tree_attention_config` picks the same row tile everywhere. Every
+    one compiles for its arch (sm_80, sm_90) without spills
+    (tests/ops/test_compile_gpu_tree.py).
+
+    The 128-row tile on sm_90 (e.g. 257 tree tokens x G = 4 = 1028 rows, D =
+    128): 64-key tiles run each warpgroup's scores as 8 ``m64n64k16`` wgmma
+    and P V as 4 ``m64n128k16`` per 64 keys, where 32-key tiles took 2 x 8
+    ``m64n32k16`` and 2 x 2 ``m64n128k16`` with two online-softmax rescales
+    (max / sum reductions, ``alpha``, ``acc *= alpha``) and two loop trips;
+    228 registers (whole, bitmask), no spills, 134 KiB of shared memory.
     """
-    return [dict(c) for c in _config_table(head_dim_block(head_dim), torch.finfo(dtype).bits // 8)]
+    return [dict(c) for c in _config_table(head_dim_block(head_dim), torch.finfo(dtype).bits // 8, arch // 10 == 9)]
 
 
-def tree_attention_config(head_dim: int, dtype: torch.dtype, n_rows: int) -> dict:
-    """The configuration for ``n_rows = T * (Hq // Hkv)`` packed rows.
+def tree_attention_config(head_dim: int, dtype: torch.dtype, n_rows: int, arch: int = DEFAULT_ARCH) -> dict:
+    """The configuration for ``n_rows = T * (Hq // Hkv)`` packed rows on ``arch``.
 
-    A fixed function of ``(head_dim, dtype, n_rows)`` (never of the prefix):
+    A fixed function of ``(head_dim, dtype, n_rows, arch)`` (never of the prefix):
     the ``BLOCK_M`` minimizing ``padded rows + TILE_COST_ROWS * tiles``, ties
     to fewer padded rows, then to bigger tiles. E.g. 260 rows (T = 65, G = 4)
-    -> 64 (320 padded), 64 -> 64, 8 -> 16, 4100 -> 128 (bf16/fp16; float32
-    has the one 16-row tile).
+    -> 64 (320 padded), 1028 (T = 257) -> 128 (1152), 64 -> 64, 8 -> 16,
+    4100 -> 128 (bf16/fp16; float32 has the one 16-row tile).
     """
-    configs = tree_attention_configs(head_dim, dtype)
-    n_rows = max(1, n_rows)
+    return dict(_chosen_config(head_dim_block(head_dim), torch.finfo(dtype).bits // 8, max(1, n_rows), arch // 10 == 9))
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen_config(block_d: int, elem_bytes: int, n_rows: int, hopper: bool) -> dict:
+    """:func:`tree_attention_config`'s choice, once per key (a launch reads it; callers get copies)."""
 
     def cost(cfg):
-        tiles = triton.cdiv(n_rows, cfg["BLOCK_M"])
+        tiles = -(-n_rows // cfg["BLOCK_M"])
         padded = tiles * cfg["BLOCK_M"]
         return (padded + TILE_COST_ROWS * tiles, padded, -cfg["BLOCK_M"])
 
-    return min(configs, key=cost)
+    return min(_config_table(block_d, elem_bytes, hopper), key=cost)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return major * 10 + minor
+
+
+def device_arch(device: torch.device) -> int:
+    """``major * 10 + minor`` of a CUDA device (read once per device, no sync); :data:`DEFAULT_ARCH` elsewhere."""
+    if device.type != "cuda":
+        return DEFAULT_ARCH
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -625,7 +719,7 @@ def _multiprocessor_count(device_index: int) -> int:
 
 
 def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int:
-    """The launcher's split count for a grid of ``programs`` (row tiles x batch rows x kv heads): the wave-filling
+    """The launcher's split count for a grid of ``programs`` (row tiles x batch rows x kv heads): the modeled-time
     :func:`choose_num_splits` on a GPU, 1 elsewhere (the interpreter runs programs one by one)."""
     if device.type != "cuda":
         return 1
@@ -633,29 +727,42 @@ def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int
     return choose_num_splits(programs, key_tiles, sms)
 
 
-def wave_efficiency(programs: int, sms: int) -> float:
-    """``programs / (whole waves * sms)``: how fully the last wave is used."""
-    return programs / (triton.cdiv(programs, sms) * sms)
+def split_time(programs: int, key_tiles: int, sms: int, splits: int) -> float:
+    """Modeled time of a launch of ``programs x splits`` programs, in key-tile times.
+
+    One program per SM at a time (a 128-row tile takes most of an SM's
+    registers and shared memory; smaller tiles may share an SM, which the
+    model does not count), every split walking ``ceil(key_tiles /
+    splits)`` tiles (the kernel's equal chunks), so the launch runs
+    ``ceil(programs * splits / sms)`` waves of that many tiles; a split launch
+    adds the merge: ``MERGE_FIXED_TILES`` plus ``PARTIAL_TILES`` per split
+    program and SM (its partial written and read back).
+    """
+    waves = -(-programs * splits // sms)
+    time = waves * -(-key_tiles // splits)
+    if splits > 1:
+        time += MERGE_FIXED_TILES + PARTIAL_TILES * programs * splits / sms
+    return time
 
 
 def choose_num_splits(programs: int, key_tiles: int, sms: int) -> int:
     """Key splits for a grid of ``programs`` (row tiles x batch rows x kv heads) on ``sms`` SMs.
 
-    At most ``key_tiles // MIN_TILES_PER_SPLIT`` (and ``MAX_SPLITS``) splits.
-    For the fewest waves ``w = 1 .. MAX_WAVES`` that can be filled, the most
-    splits with ``programs * splits <= w * sms`` if that fills the ``w`` waves
-    to ``>= WAVE_EFFICIENCY``; if no wave count can be, the split count of best
-    :func:`wave_efficiency` among those within ``MAX_WAVES`` waves (ties to fewer).
+    The ``s`` in ``1 .. min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT)``
+    of least :func:`split_time` (ties to fewer splits). A wave-efficiency
+    threshold only counts how full the last wave is; this counts what a
+    program walks. 257 tree rows at G = 4 (1028 packed rows, 9 tiles of 128,
+    8 kv heads: 72 programs) on 132 SMs, 64-key tiles:
+
+    * 4096-key prefix (69 key tiles): ``s = 1`` 69 (72 of 132 SMs busy),
+      ``s = 3`` 2 waves x 23 + 3.6 = 49.6, ``s = 5`` 3 x 14 + 4.7 = 46.7,
+      ``s = 7`` 4 x 10 + 5.8 = 45.8 (chosen); ideal 72 x 69 / 132 = 37.6.
+    * 32768-key prefix (517 tiles): ``s = 5`` 3 x 104 + 4.7 = 316.7, ``s = 7``
+      4 x 74 + 5.8 = 301.8, ``s = 11`` 6 whole waves x 47 + 8 = 290
+      (chosen); ideal 282.
     """
     most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
-    if most == 1 or programs >= MAX_WAVES * sms:
-        return 1
-    for waves in range(1, MAX_WAVES + 1):
-        splits = min(most, waves * sms // programs)
-        if splits >= 1 and programs * splits >= WAVE_EFFICIENCY * waves * sms:
-            return splits
-    cap = max(1, min(most, MAX_WAVES * sms // programs))
-    return max(range(1, cap + 1), key=lambda s: (wave_efficiency(programs * s, sms), -s))
+    return min(range(1, most + 1), key=lambda s: (split_time(programs, key_tiles, sms, s), s))
 
 
 # ----------------------------------------------------------------------------
@@ -849,6 +956,26 @@ def _check_kv_offsets(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: i
                 f"(2^31); use a layout with the keys of one head closer together, e.g. [b, Hkv, S, D] views")
 
 
+def _key_tiles(host_prefix: int, n_tree: int, window: Optional[int], block_n: int) -> int:
+    """Key tiles a row tile can walk: the prefix within reach of a window (all of it without one), then the tree."""
+    visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
+    return _cdiv(visible_prefix, block_n) + _cdiv(n_tree, block_n)
+
+
+def tree_attention_plan(query: torch.Tensor, key: torch.Tensor, prefix_len, window: Optional[int] = None
+                        ) -> Tuple[dict, int]:
+    """``(config, num_splits)`` the Triton launcher picks for these shapes (a benchmark's report): ``query [b, Hq,
+    T, D]`` / ``[Hq, T, D]``, ``key [b, Hkv, S, D]`` / ``[Hkv, S, D]``, ``prefix_len`` an int or a device tensor
+    (then ``S - T``, as the launcher sizes it)."""
+    hq, n_tree, head_dim = query.shape[-3:]
+    b = query.shape[0] if query.dim() == 4 else 1
+    hkv = key.shape[-3]
+    cfg = tree_attention_config(head_dim, query.dtype, n_tree * (hq // hkv), device_arch(query.device))
+    host_prefix = key.shape[-2] - n_tree if isinstance(prefix_len, torch.Tensor) else prefix_len
+    programs = _cdiv(n_tree * (hq // hkv), cfg["BLOCK_M"]) * b * hkv
+    return cfg, _auto_num_splits(query.device, programs, _key_tiles(host_prefix, n_tree, window, cfg["BLOCK_N"]))
+
+
 def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits=None, config=None):
     q, k, v, bits, positions, prefix_len = inputs[:6]
     b, hq, n_tree, head_dim = q.shape
@@ -857,7 +984,9 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
     n_rows = n_tree * group
     device = q.device
     scale = head_dim**-0.5 if scale is None else float(scale)
-    cfg = config or tree_attention_config(head_dim, q.dtype, n_rows)
+    if scale < 0:  # softmax(q k * scale) = softmax(-q k * -scale), exactly (negation is exact in every dtype)
+        q, scale = -q, -scale
+    cfg = config or tree_attention_config(head_dim, q.dtype, n_rows, device_arch(device))
     block_m, block_n, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     if block_n % 32 != 0 or block_m < 16 or block_d < head_dim:
         raise ValueError(f"tree_attention: config needs BLOCK_N % 32 == 0, BLOCK_M >= 16, BLOCK_D >= D, got {cfg}")
@@ -865,14 +994,12 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
     out = torch.empty(b, hq, n_tree, head_dim, dtype=q.dtype, device=device)
     if n_tree == 0 or b == 0:
         return out if inputs.batched else out[0]
-    row_tiles = triton.cdiv(n_rows, block_m)
+    row_tiles = _cdiv(n_rows, block_m)
     in_memory = isinstance(prefix_len, torch.Tensor)
     # The static form sizes the split count for the largest prefix the cache holds (S_max - T).
     host_prefix = k.shape[2] - n_tree if in_memory else prefix_len
     if num_splits is None:
-        visible_prefix = host_prefix if window is None else min(host_prefix, window + n_tree)
-        key_tiles = triton.cdiv(visible_prefix, block_n) + triton.cdiv(n_tree, block_n)
-        num_splits = _auto_num_splits(device, row_tiles * b * hkv, key_tiles)
+        num_splits = _auto_num_splits(device, row_tiles * b * hkv, _key_tiles(host_prefix, n_tree, window, block_n))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"tree_attention: num_splits must be an int >= 1, got {num_splits!r}")
 
@@ -919,10 +1046,11 @@ def _launch(inputs: _Inputs, scale, window, softcap=None, sinks=None, num_splits
         CHAIN=chain, WINDOW=window is not None, SPLIT_KEYS=num_splits > 1,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=has_sinks,
         DOT_FP32=triton_interpreting(), INPUT_PRECISION=_input_precision(q.dtype), PREFIX_IN_MEMORY=in_memory,
+        UNMASKED_PREFIX=cfg.get("UNMASKED_PREFIX", True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(triton.cdiv(n_rows, MERGE_BLOCK_M), b * hkv)](
+        _merge_splits_kernel[(_cdiv(n_rows, MERGE_BLOCK_M), b * hkv)](
             part_out, part_lse, sinks, out, n_tree, hkv, group, num_splits,
             _batch_stride(out), out.stride(1), out.stride(2), out.stride(3),
             HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M, BLOCK_D=block_d, HAS_SINKS=has_sinks,

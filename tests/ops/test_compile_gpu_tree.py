@@ -26,7 +26,10 @@ tile, and the bf16 merge kernel with sinks; not the whole cross product.
 Device-side prefix (``PREFIX_IN_MEMORY``: the committed length loaded from
 ``prefix_ptr``, the static op of a compiled / CUDA-graph step): the heaviest
 variant at every bf16 and fp32 config of every head dim, and every
-chain / window / split combination at the T = 65 tile, with the same checks.
+chain / window / split combination at the T = 65 tile, with the same checks;
+every chain / split / prefix-in-memory one without a window at the T = 257
+tile (128 rows; on sm_90 the ``m64n64k16`` scores of 64-key tiles). Each
+arch compiles its own table (``tree_attention_configs(..., arch)``).
 
 Batch: every variant is the batched kernel (b sequences on grid axis 1; the
 batch strides of q / k / v / out are hinted multiples of 16, 0 for one row,
@@ -225,7 +228,7 @@ def attention_call(arch, dtype, head_dim, cfg, chain, window, split, group=4, so
     constexprs = dict(UNIT_STRIDES, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       BLOCK_D=cfg["BLOCK_D"], CHAIN=chain, WINDOW=window, SPLIT_KEYS=split, HAS_SOFTCAP=softcap,
                       HAS_SINKS=sinks, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype),
-                      PREFIX_IN_MEMORY=prefix_in_memory)
+                      PREFIX_IN_MEMORY=prefix_in_memory, UNMASKED_PREFIX=cfg.get("UNMASKED_PREFIX", True))
     for name, value in (("group", group), ("n_kv_heads", kv_heads)):
         if value == 1:  # the runtime specializes an int equal to 1
             del sig[name]
@@ -260,7 +263,7 @@ for _arch in ARCHS:
         for _d in (64, 128, 256):
             if _dtype == torch.float16 and _d != 128:
                 continue  # fp16 shares every line with bf16; checked at the target's head dim
-            for _cfg in tree_attention_configs(_d, _dtype):
+            for _cfg in tree_attention_configs(_d, _dtype, _arch):
                 # Every config: the heaviest variant (bitmask + window + split) and the
                 # two lightest (chain / tree, whole), whose loops ptxas allocates differently.
                 variants = [(False, True, True), (True, False, False), (False, False, False)]
@@ -276,7 +279,7 @@ for _arch in ARCHS:
                     ATTENTION_CASES.append(_case(_arch, _dtype, _d, _cfg, False, True, True, 4, True, True, True,
                                                  True))
     # Every flag combination at Qwen3-8B's T = 65 tile (D 128, bf16, 64 rows), and MHA (G = 1).
-    _cfg = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 64)
+    _cfg = next(c for c in tree_attention_configs(128, torch.bfloat16, _arch) if c["BLOCK_M"] == 64)
     for _chain in (False, True):
         for _window in (False, True):
             for _split in (False, True):
@@ -286,12 +289,21 @@ for _arch in ARCHS:
                         ATTENTION_CASES.append(case)
     for _chain in (False, True):
         ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, _chain, False, False, 1))
+    # The T = 257 tile (1028 rows: 128 rows, 64-key tiles on sm_90): every chain / split / prefix-in-memory
+    # combination without a window (the variants whose whole prefix tiles run unmasked).
+    _tile128 = next(c for c in tree_attention_configs(128, torch.bfloat16, _arch) if c["BLOCK_M"] == 128)
+    for _chain in (False, True):
+        for _split in (False, True):
+            for _mem in (False, True):
+                case = _case(_arch, torch.bfloat16, 128, _tile128, _chain, False, _split, 4, False, False, _mem)
+                if case not in ATTENTION_CASES:
+                    ATTENTION_CASES.append(case)
     # softcap + sinks unsplit (sink-initialized softmax, normalized store) and in chain mode, at the T = 65 tile
     ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, False, True, False, 4, True, True))
     ATTENTION_CASES.append(_case(_arch, torch.bfloat16, 128, _cfg, True, True, True, 4, True, True))
     # A batched static step over a big cache (i64 K/V batch strides), chain / tree, whole / split, at the T = 65
     # tile; at the 32-row one (the tightest bf16 tile on sm_90) with both batch stride widths.
-    _tile32 = next(c for c in tree_attention_configs(128, torch.bfloat16) if c["BLOCK_M"] == 32)
+    _tile32 = next(c for c in tree_attention_configs(128, torch.bfloat16, _arch) if c["BLOCK_M"] == 32)
     for _tile, _wides in ((_cfg, (True,)), (_tile32, (False, True))):
         for _chain in (False, True):
             for _split in (False, True):
@@ -367,6 +379,9 @@ def test_tree_attention_kernel(compiled, case):
             assert "wgmma" in ptx, "the 64/128-row bf16/fp16 tiles should use Hopper's wgmma"
         else:
             assert "mma.sync" in ptx, "bf16/fp16 attention must run on tensor cores"
+        if arch == 90 and cfg["BLOCK_M"] == 128:
+            # one warpgroup per 64 rows: the scores of a whole key tile are one m64n{BLOCK_N} wgmma chain
+            assert f"m64n{cfg['BLOCK_N']}k16" in ptx and cfg["BLOCK_N"] == 64, "128-row tiles: m64n64 scores"
 
 
 @pytest.mark.parametrize("arch,dtype,head_dim,sinks", MERGE_CASES,

@@ -25,17 +25,16 @@ import triton.language as tl
 import dflash_kernels as dk
 from dflash_kernels import reference as ref
 from dflash_kernels.tree_attention import (
-    MAX_WAVES,
+    MAX_SPLITS,
     MIN_TILES_PER_SPLIT,
     TREE_ATTENTION_DYNAMIC_INTS,
-    WAVE_EFFICIENCY,
     _tree_attention_kernel,
     choose_num_splits,
     tanh_f32,
     tree_attention_config,
     tree_attention_configs,
+    split_time,
     tree_attention_triton,
-    wave_efficiency,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,6 +188,48 @@ def test_forced_key_splits_merge_exactly(num_splits, mode, window):
     out = tree_attention_triton(q, k, v, bits, prefix_len, positions=positions, window=window,
                                 num_splits=num_splits)
     check(out, expected, torch.float32)
+
+
+# The prefix loop runs whole key tiles unmasked and a ragged last one masked: prefixes below, at and past a
+# multiple of the tile, split so that a split's range starts or ends inside either part, a head dim narrower
+# than its tile (the whole tiles keep the head-dim mask), softcap / sinks through the unmasked step.
+@pytest.mark.parametrize("prefix_len", [0, 31, 32, 33, 64, 95, 96])
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("mode,head_dim,extras", [("tree", 64, False), ("chain", 48, False), ("ones", 64, True)])
+@pytest.mark.parametrize("unmasked", [True, False])
+def test_whole_and_ragged_prefix_tiles(prefix_len, num_splits, mode, head_dim, extras, unmasked):
+    n_tree = 9
+    q, k, v = make_inputs(4, 2, n_tree, prefix_len, head_dim, torch.float32, seed=prefix_len + num_splits)
+    bits, _ = make_bits(mode, n_tree, seed=prefix_len)
+    kw = dict(softcap=3.0, sinks=torch.linspace(-1.0, 1.0, 4, device=DEVICE)) if extras else {}
+    cfg = dict(tree_attention_configs(head_dim, torch.float32)[0], UNMASKED_PREFIX=unmasked)
+    assert cfg["BLOCK_N"] == 32
+    expected = ref.tree_attention(q, k, v, bits, prefix_len, **kw)
+    check(tree_attention_triton(q, k, v, bits, prefix_len, num_splits=num_splits, config=cfg, **kw), expected,
+          torch.float32)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_any_scale_through_whole_prefix_tiles(scale, softcap):
+    # The whole tiles take the row max over raw q.k (a negative scale runs as -q with -scale).
+    q, k, v = make_inputs(4, 2, 9, 70, 64, torch.float32, seed=7)
+    bits = random_tree_bits(9, 7)
+    expected = ref.tree_attention(q, k, v, bits, 70, scale, softcap=softcap)
+    for num_splits in (1, 2):
+        check(tree_attention_triton(q, k, v, bits, 70, scale, softcap=softcap, num_splits=num_splits), expected,
+              torch.float32)
+
+
+def test_whole_prefix_tiles_with_bf16_64_key_tiles():
+    # The 128-row bf16 tile over 64-key tiles: two whole prefix tiles and a ragged one, split across them.
+    cfg = next(c for c in tree_attention_configs(64, torch.bfloat16) if c["BLOCK_M"] == 128)
+    q, k, v = make_inputs(8, 2, 37, 150, 64, torch.bfloat16, seed=150)
+    bits, _ = make_bits("tree", 37, seed=150)
+    expected = ref.tree_attention(q, k, v, bits, 150)
+    for num_splits in (1, 2):
+        check(tree_attention_triton(q, k, v, bits, 150, config=cfg, num_splits=num_splits), expected,
+              torch.bfloat16)
 
 
 def test_more_splits_than_key_tiles_leave_empty_splits():
@@ -523,6 +564,28 @@ def test_config_table_is_small_and_fixed(head_dim, dtype):
         assert cfg["BLOCK_N"] % 32 == 0 and cfg["BLOCK_D"] >= head_dim and cfg["maxnreg"] == 255
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_arch_tables_share_their_row_tiles(head_dim):
+    # sm_90 runs 128-row tiles over 64-key tiles (m64n64 wgmma scores), sm_80 over 32 (its mma.sync tile at 64
+    # keys spills); nothing else differs, so the row tile (and the binaries a warmup groups by) is the same.
+    hopper = tree_attention_configs(head_dim, torch.bfloat16, 90)
+    ampere = tree_attention_configs(head_dim, torch.bfloat16, 80)
+    assert tree_attention_configs(head_dim, torch.bfloat16) == hopper
+    assert [{**c, "BLOCK_N": 0, "UNMASKED_PREFIX": 0} for c in hopper] == \
+        [{**c, "BLOCK_N": 0, "UNMASKED_PREFIX": 0} for c in ampere]
+    for h, a in zip(hopper, ampere):
+        wide = h["BLOCK_M"] == 128 and head_dim <= 128
+        assert (h["BLOCK_N"], a["BLOCK_N"]) == ((64, 32) if wide else (a["BLOCK_N"], a["BLOCK_N"]))
+        # (sm_80's 128 x 32 tile at D <= 128 keeps one masked prefix loop: the unmasked one makes it spill)
+        assert h["UNMASKED_PREFIX"] and a["UNMASKED_PREFIX"] == (not wide)
+    for n_rows in range(1, 3000, 11):
+        assert tree_attention_config(head_dim, torch.bfloat16, n_rows, 80)["BLOCK_M"] == \
+            tree_attention_config(head_dim, torch.bfloat16, n_rows, 90)["BLOCK_M"]
+    # 257 tree tokens x G 4 = 1028 rows: 9 tiles of 128 (1152 rows), over 64-key tiles on sm_90.
+    cfg = tree_attention_config(head_dim, torch.bfloat16, 1028, 90)
+    assert cfg["BLOCK_M"] == (128 if head_dim <= 128 else 64)
+
+
 def test_row_tile_choice_keeps_padding_small():
     # T = 65 at Qwen3-8B's G = 4: 260 rows -> 5 tiles of 64 (60 padded rows), not 2 x 128 per head.
     assert tree_attention_config(128, torch.bfloat16, 260)["BLOCK_M"] == 64
@@ -537,26 +600,30 @@ def test_row_tile_choice_keeps_padding_small():
 
 
 @pytest.mark.parametrize("sms", [108, 132])
-def test_split_count_fills_waves(sms):
+def test_split_count_minimizes_the_modeled_time(sms):
     for programs in (1, 2, 8, 24, 40, 72, 100, 140, 200, 264, 600):
-        for key_tiles in (1, 3, 8, 16, 64, 130, 1000):
+        for key_tiles in (1, 3, 8, 16, 64, 69, 130, 517, 1000):
             splits = choose_num_splits(programs, key_tiles, sms)
-            assert 1 <= splits <= max(1, key_tiles // MIN_TILES_PER_SPLIT)
-            if splits > 1:
-                assert programs * splits <= MAX_WAVES * sms
-            total = programs * splits
-            waves = -(-total // sms)
-            if total >= WAVE_EFFICIENCY * waves * sms:
-                continue
-            # Not a filled wave: then no allowed split count does better.
-            cap = max(1, min(key_tiles // MIN_TILES_PER_SPLIT, 64, MAX_WAVES * sms // programs))
-            if programs < MAX_WAVES * sms:
-                best = max(wave_efficiency(programs * s, sms) for s in range(1, cap + 1))
-                assert wave_efficiency(total, sms) >= best - 1e-9
-    # Qwen3-8B, T = 65 (5 row tiles x 8 kv heads) on an H100 with a 4k prefix: 3 splits, 120 / 132 SMs.
+            allowed = range(1, max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT)) + 1)
+            assert splits in allowed
+            best = min(split_time(programs, key_tiles, sms, s) for s in allowed)
+            assert split_time(programs, key_tiles, sms, splits) == best
+            assert all(split_time(programs, key_tiles, sms, s) > best for s in allowed if s < splits)
+    # The model: waves x tiles per split, plus the merge and the partials of a split launch.
+    assert split_time(72, 69, 132, 1) == 69
+    assert split_time(72, 69, 132, 7) == 4 * 10 + 2 + 7 * 72 / 132
+
+
+def test_split_count_at_257_tree_rows():
+    # 257 tokens x G 4 = 1028 rows: 9 tiles of 128 x 8 kv heads = 72 programs on an H100 / H200 (132 SMs).
+    assert choose_num_splits(72, 4096 // 64 + 5, 132) == 7  # 504 programs: 4 waves of 10 tiles
+    assert choose_num_splits(72, 32768 // 64 + 5, 132) == 11  # 792 programs: 6 whole waves of 47 tiles
+    # Qwen3-8B, T = 65 (5 row tiles x 8 kv heads) with a 4k prefix: 3 splits, 120 / 132 SMs, one wave.
     assert choose_num_splits(40, 4096 // 64 + 2, 132) == 3
-    # A decode step (8 programs) over 8k keys: 16 splits fill one wave.
-    assert choose_num_splits(8, 8192 // 64 + 1, 132) == 16
+    # A decode step (8 programs) over 8k keys: 15 splits of 9 tiles, one wave.
+    assert choose_num_splits(8, 8192 // 64 + 1, 132) == 15
+    # A grid of whole waves is not split (the merge would only add time).
+    assert choose_num_splits(4 * 132, 69, 132) == 1
 
 
 # ----------------------------------------------------------------------------
