@@ -24,6 +24,7 @@ pure-torch reference is traced inline (inductor fuses it with its neighbours).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Iterator, Optional
 
@@ -110,3 +111,14 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
 def tracing() -> bool:
     """True while ``torch.compile`` traces the caller (ops then go through their registered custom ops)."""
     return torch.compiler.is_compiling()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device, no sync): what launchers size their
+    grids' waves by."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

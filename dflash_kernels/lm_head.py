@@ -80,7 +80,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._declare import declare, dispatch
-from ._dispatch import get_backend, triton_interpreting
+from ._dispatch import multiprocessor_count, triton_interpreting
 from .noise import DO_NOT_SPECIALIZE as NOISE_DO_NOT_SPECIALIZE
 from .noise import NOISE_BLOCK_C, NOISE_BLOCK_R, NOISE_NUM_WARPS
 from .noise import UNALIGNED_PTRS as NOISE_UNALIGNED_PTRS
@@ -89,7 +89,7 @@ from .reference import lm_head as _reference
 from .reference.lm_head import (HeadInputs, check_k, check_seed_tensor, check_temperature, head_inputs,
                                 resolve_logit_dtype, seed_from)
 # float32 tanh from exp (a few ulps; the interpreter has no tanh): the final-logit softcap
-from .tree_attention import _multiprocessor_count, tanh_f32
+from .tree_attention import tanh_f32
 
 __all__ = [
     "lm_head_logits",
@@ -185,8 +185,7 @@ HEAD_PROGRAMS_CPU = 3
 def _head_programs(device: torch.device) -> int:
     if device.type != "cuda" or triton_interpreting():
         return HEAD_PROGRAMS_CPU
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return HEAD_PROGRAMS_PER_SM * _multiprocessor_count(index)
+    return HEAD_PROGRAMS_PER_SM * multiprocessor_count(device)
 
 
 def vocab_split_plan(row_tiles: int, vocab_tiles: int, programs: int) -> Tuple[int, int]:

@@ -89,7 +89,7 @@ from torch import Tensor
 
 from . import reference as _reference
 from ._declare import declare, dispatch
-from ._dispatch import get_backend, triton_interpreting
+from ._dispatch import get_backend, multiprocessor_count, triton_interpreting
 
 #: (tree_attention_mask, the dense additive mask of a tree, is a helper of the tests and benchmarks: imported from
 #: this module, not part of the package namespace)
@@ -713,18 +713,12 @@ def device_arch(device: torch.device) -> int:
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int:
     """The launcher's split count for a grid of ``programs`` (row tiles x batch rows x kv heads): the modeled-time
     :func:`choose_num_splits` on a GPU, 1 elsewhere (the interpreter runs programs one by one)."""
     if device.type != "cuda":
         return 1
-    sms = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    return choose_num_splits(programs, key_tiles, sms)
+    return choose_num_splits(programs, key_tiles, multiprocessor_count(device))
 
 
 def split_time(programs: int, key_tiles: int, sms: int, splits: int) -> float:
