@@ -281,6 +281,10 @@ def ancestor_bits(parents: torch.Tensor, *, check: bool = True, backend: Optiona
 #: Integer arguments of the walk kernel that vary between calls or models (node count, depth bound): never
 #: specialized, so one binary per block size serves every tree of a generation.
 WALK_DYNAMIC_INTS = ("n_nodes", "max_depth")
+#: The walk's inputs may be views at any offset (a bucket's prefix of a bigger tree, a row of the verify's
+#: choices): never specialized on 16-byte alignment, so a new offset never compiles a new binary mid-generation
+#: (the kernel reads them lane by lane and gathers the parents' choices: no vector load to lose).
+WALK_UNALIGNED_PTRS = ("parents_ptr", "tokens_ptr", "choice_ptr")
 
 
 def walk_block(n_nodes: int) -> int:
@@ -297,7 +301,7 @@ def walk_num_warps(block: int) -> int:
     return 1 if block <= 128 else 4
 
 
-@triton.jit(do_not_specialize=WALK_DYNAMIC_INTS)
+@triton.jit(do_not_specialize=WALK_DYNAMIC_INTS, do_not_specialize_on_alignment=WALK_UNALIGNED_PTRS)
 def _walk_tree_kernel(parents_ptr, tokens_ptr, choice_ptr, path_ptr, len_ptr, committed_ptr, n_nodes, max_depth,
                       BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """One program: the accepted path of tree ``pid(0)``, from the root down.

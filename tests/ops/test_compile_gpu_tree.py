@@ -116,8 +116,10 @@ WALK_BLOCKS = (32, 128, 256, 1024, 4096)
 @pytest.mark.parametrize("index_type", ("*i64", "*i32"))
 def test_walk_tree_kernel(arch, block, block_w, index_type):
     """The device walk's kernel at every lane count, int64 and int32 trees, as the runtime specializes a launch:
-    aligned pointers, the node count and depth bound never specialized (``WALK_DYNAMIC_INTS``)."""
+    the inputs never specialized on alignment (``WALK_UNALIGNED_PTRS``: views at any offset), the outputs
+    aligned (fresh), the node count and depth bound never specialized (``WALK_DYNAMIC_INTS``)."""
     assert set(WALK_DYNAMIC_INTS) == {"n_nodes", "max_depth"}
+    assert set(gpu_compile.unaligned_pointers(_walk_tree_kernel)) == {"parents_ptr", "tokens_ptr", "choice_ptr"}
     result = compile_for_gpu(
         _walk_tree_kernel,
         {"parents_ptr": index_type, "tokens_ptr": index_type, "choice_ptr": index_type, "path_ptr": "*i64",
