@@ -122,3 +122,21 @@ def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (read once per device, no sync): what launchers size their
     grids' waves by."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+#: The GPU architecture (``major * 10 + minor``) whose launch tables a device that is no GPU (the interpreter) uses.
+DEFAULT_ARCH = 90
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return major * 10 + minor
+
+
+def device_arch(device: torch.device) -> int:
+    """``major * 10 + minor`` of a CUDA device (read once per device, no sync): what per-arch launch tables are
+    keyed by; :data:`DEFAULT_ARCH` elsewhere."""
+    if device.type != "cuda":
+        return DEFAULT_ARCH
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())

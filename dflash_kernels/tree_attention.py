@@ -89,7 +89,7 @@ from torch import Tensor
 
 from . import reference as _reference
 from ._declare import declare, dispatch
-from ._dispatch import get_backend, multiprocessor_count, triton_interpreting
+from ._dispatch import DEFAULT_ARCH, device_arch, get_backend, multiprocessor_count, triton_interpreting
 
 #: (tree_attention_mask, the dense additive mask of a tree, is a helper of the tests and benchmarks: imported from
 #: this module, not part of the package namespace)
@@ -616,10 +616,6 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-#: The GPU architecture (``major * 10 + minor``) whose table a device that is no GPU (the interpreter) uses.
-DEFAULT_ARCH = 90
-
-
 @functools.lru_cache(maxsize=None)
 def _config_table(block_d: int, elem_bytes: int, hopper: bool) -> Tuple[dict, ...]:
     if elem_bytes == 4:
@@ -698,19 +694,6 @@ def _chosen_config(block_d: int, elem_bytes: int, n_rows: int, hopper: bool) -> 
         return (padded + TILE_COST_ROWS * tiles, padded, -cfg["BLOCK_M"])
 
     return min(_config_table(block_d, elem_bytes, hopper), key=cost)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_arch(device_index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return major * 10 + minor
-
-
-def device_arch(device: torch.device) -> int:
-    """``major * 10 + minor`` of a CUDA device (read once per device, no sync); :data:`DEFAULT_ARCH` elsewhere."""
-    if device.type != "cuda":
-        return DEFAULT_ARCH
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _auto_num_splits(device: torch.device, programs: int, key_tiles: int) -> int:
