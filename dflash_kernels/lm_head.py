@@ -44,16 +44,22 @@ Pipeline (Triton backend):
      (:func:`dflash_kernels.noise.philox_gumbel`): the same noise as
      :func:`dflash_kernels.reference.gumbel_noise`, a pure function of
      (seed value, output row, vocab id), one launch for all rows.
+   * top-K (``_topk_kernel``, one launch, ``k <= TOPK_FUSED_MAX``: 256, fp32 64): the argmax grid;
+     each program keeps its rows' ``next_power_of_2(k)`` largest keys in registers
+     (fp32 logit order bits over the complement of the vocab id, so ties go to the
+     lower id) with bitonic compare-and-swap networks (:mod:`dflash_kernels._bitonic`), plus a
+     running (max, sum exp), and writes them per split; one ``torch.topk`` over the
+     splits' keys and the logsumexp of their partials finish it. No logits are stored.
    * logits: stores one chunk of fp32 logits, plus per-tile row max and
      ``sum(exp(x - max))`` partials from which the chunk's logsumexp follows.
-     Top-K merges each chunk into a running top-K with ``torch.topk`` and a
-     running logsumexp; the training cross-entropy
+     Top-K wider than that merges each chunk into a running top-K
+     with ``torch.topk`` and a running logsumexp; the training cross-entropy
      (:mod:`dflash_kernels.cross_entropy`) consumes the same chunks.
 
    Final-logit softcap (``softcap = c``, Gemma 2 / 3): every epilogue first
    maps the fp32 accumulator to ``c * tanh(acc / c)`` (:func:`tanh_f32`),
    before the rounding to ``logit_dtype`` (argmax, sample), before the stored
-   logits and their logsumexp partials (top-K, cross-entropy).
+   logits and their logsumexp partials (top-K, cross-entropy), before the top-K keys.
 
 Dot dtype: the weight's dtype when ``hidden`` has the same dtype (the normal
 case, tensor cores); otherwise fp32 with IEEE precision (so a mixed fp32-hidden
@@ -79,8 +85,9 @@ import triton.language as tl
 
 from torch import Tensor
 
+from ._bitonic import merge_top, top_desc
 from ._declare import declare, dispatch
-from ._dispatch import multiprocessor_count, triton_interpreting
+from ._dispatch import DEFAULT_ARCH, device_arch, multiprocessor_count, triton_interpreting
 from .noise import DO_NOT_SPECIALIZE as NOISE_DO_NOT_SPECIALIZE
 from .noise import NOISE_BLOCK_C, NOISE_BLOCK_R, NOISE_NUM_WARPS
 from .noise import UNALIGNED_PTRS as NOISE_UNALIGNED_PTRS
@@ -174,6 +181,50 @@ def head_config(n_rows: int, dot_dtype: torch.dtype, gumbel: bool = False) -> Di
                 maxnreg=GEMM_MAXNREG)
 
 
+#: The largest ``next_power_of_2(k)`` the fused top-K kernel keeps in registers, by dot dtype (the widest tiles
+#: that compile without spills on sm_80 and sm_90); a larger k takes the chunked path (fp32 logits in chunks of
+#: ``chunk_elements``, merged with ``torch.topk``).
+TOPK_FUSED_MAX = {torch.bfloat16: 256, torch.float16: 256, torch.float32: 64}
+#: Top-K widths of real drafts (DDTree's K = min(budget, V): the auto budgets' 8 and 64, budgets of 128 and
+#: 256): the compile tests list each one the fused kernel takes.
+REAL_TOPK = (8, 64, 128, 256)
+
+
+def topk_fused_max(dot_dtype: torch.dtype) -> int:
+    """:data:`TOPK_FUSED_MAX` for a GEMM in ``dot_dtype``."""
+    return TOPK_FUSED_MAX[dot_dtype]
+
+
+def topk_config(n_rows: int, dot_dtype: torch.dtype, k: int, arch: int = DEFAULT_ARCH) -> Dict[str, int]:
+    """Tiles of :func:`_topk_kernel` for ``n_rows`` positions and ``k <= topk_fused_max(dot_dtype)`` on GPU
+    architecture ``arch`` (``major * 10 + minor``).
+
+    ``K_BLOCK = next_power_of_2(k)`` running keys per row; vocab tiles at least that wide (a tile's top
+    K_BLOCK must exist). bf16/fp16: up to 16 rows the decode tile, 16 x 64 ids (weight-read bound; the
+    bitonic work per id is the same at 64 and 128 ids: ``log K (log K + 1) / 2`` stages over the tile,
+    ``log K + 1`` per halving and for the merge), 16 x 128 with 64-deep K steps for 128 keys; above, on
+    sm_90 64 x 128 with 8 warps (``wgmma m64n64k16`` per warpgroup), elsewhere 32 x 128 with 8 warps
+    (sm_80's 64 x 128 spills 16-96 B with triton 3.6). 256 keys: 16 x 256 with 8 warps at every row count
+    (wider row tiles spill). fp32 (IEEE dot, not a speed path): 16 x 64, 8 warps, 2 stages. Every choice
+    is one that compiles with no stack frame on sm_80 and sm_90 with both supported Tritons (their
+    neighbours often keep an 8-32 B frame).
+    """
+    kb = next_power_of_2(k)
+    if kb > topk_fused_max(dot_dtype):
+        raise ValueError(f"the fused top-K keeps at most {topk_fused_max(dot_dtype)} keys per row with a "
+                         f"{str(dot_dtype).replace('torch.', '')} GEMM, got k = {k}")
+    if dot_dtype == torch.float32:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, K_BLOCK=kb, num_warps=8, num_stages=2, maxnreg=None)
+    if kb == 256:
+        return dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, K_BLOCK=kb, num_warps=8, num_stages=3, maxnreg=GEMM_MAXNREG)
+    if n_rows <= 16 and kb == 128:
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, K_BLOCK=kb, num_warps=4, num_stages=3, maxnreg=GEMM_MAXNREG)
+    if n_rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, K_BLOCK=kb, num_warps=4, num_stages=4, maxnreg=GEMM_MAXNREG)
+    return dict(BLOCK_M=64 if arch // 10 == 9 else 32, BLOCK_N=max(128, kb), BLOCK_K=64, K_BLOCK=kb, num_warps=8,
+                num_stages=3, maxnreg=GEMM_MAXNREG)
+
+
 #: Resident programs per SM the heads' split plan aims at (sm_80 fits two 72 KiB pipelines of the 64 x 128
 #: tile, sm_90 three): two, so one program's epilogue overlaps the other's main loop.
 HEAD_PROGRAMS_PER_SM = 2
@@ -215,6 +266,7 @@ DO_NOT_SPECIALIZE = {
     "_norm_rows_kernel": ("N",),
     "_logits_kernel": ("N", "V0", "V_END", "stride_pm"),
     "_argmax_kernel": ("N", "seed", "tiles_per_split", "n_splits"),
+    "_topk_kernel": ("N", "tiles_per_split", "n_splits"),
     **NOISE_DO_NOT_SPECIALIZE,
 }
 
@@ -468,6 +520,70 @@ def _argmax_kernel(
         tl.store(out_ptr + rows64, best_idx.to(tl.int64), mask=m_mask)
         tl.store(ticket_ptr + pid_m, 0)
 
+# the row count and the split plan vary per call
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_topk_kernel"])
+def _topk_kernel(
+    a_ptr, stride_am,  # a [N, H] (dot dtype)
+    w_ptr, stride_wn,  # weight [V, H]
+    pkey_ptr,  # int64 [N, n_splits, K_BLOCK]: each split's K_BLOCK largest keys, ascending
+    pmax_ptr, psum_ptr,  # fp32 [N, n_splits]: each split's row max and sum(exp(logit - max))
+    N, V, H,
+    tiles_per_split, n_splits,  # vocab tiles per split (the last one may have fewer), splits
+    softcap,  # HAS_SOFTCAP only
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Per (row tile, vocab split): the K_BLOCK largest keys of the split's fp32 logits, and the split's
+    logsumexp partial (max, sum of exponentials).
+
+    ``key(x, j) = ord(x) << 32 | (0xFFFFFFFF - j)``, ``ord(x)`` the int32 whose signed order is the fp32
+    order of ``x`` (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``): keys order by logit, then by the lower vocab
+    id, so every key is distinct and an exact tie keeps the lowest id first. Ids past V get the lowest
+    int64 and never rank above a real logit. Each tile's K_BLOCK largest keys (:func:`top_desc`, sorted
+    descending) merge into the running ascending K_BLOCK (:func:`merge_top`), both bitonic networks in
+    registers; the running (max, sum exp) is rescaled per tile. The grid and the
+    split plan are :func:`_argmax_kernel`'s (row tiles vary fastest).
+
+    Overlap: a program reads ``a`` and ``w`` and writes only its own ``(rows, split)`` entries of the
+    fresh ``pkey`` / ``pmax`` / ``psum``; nothing is read back in the launch.
+    """
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    pid_m = pid % num_m
+    split = pid // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < N
+    rows64 = offs_m.to(tl.int64)
+    tile0 = split * tiles_per_split
+    tile_end = tl.minimum(tile0 + tiles_per_split, tl.cdiv(V, BLOCK_N))
+    lowest: tl.constexpr = -9223372036854775807 - 1
+    run = tl.full([BLOCK_M, K_BLOCK], lowest, tl.int64)
+    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile in range(tile0, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        n_mask = offs_n < V
+        if HAS_SOFTCAP:
+            acc = tanh_f32(acc / softcap) * softcap
+        x = tl.where(n_mask[None, :], acc, float("-inf"))
+        # every tile holds a real id, so new_max is finite from the first tile on
+        new_max = tl.maximum(run_max, tl.max(x, axis=1))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), axis=1)
+        run_max = new_max
+        bits = x.to(tl.int32, bitcast=True)
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - offs_n.to(tl.int64))[None, :]
+        key = tl.where(n_mask[None, :], key, lowest)
+        run = merge_top(run, top_desc(key, K_BLOCK))
+    offs_k = tl.arange(0, K_BLOCK)
+    tl.store(pkey_ptr + (rows64 * n_splits + split)[:, None] * K_BLOCK + offs_k[None, :], run,
+             mask=m_mask[:, None])
+    tl.store(pmax_ptr + rows64 * n_splits + split, run_max, mask=m_mask)
+    tl.store(psum_ptr + rows64 * n_splits + split, run_sum, mask=m_mask)
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -684,7 +800,9 @@ def topk_chunk_plan(n_rows: int, vocab: int, chunk_elements: Optional[int] = Non
     return rows, vocab_chunk
 
 
-def _topk_triton(head: HeadInputs, k, chunk_elements):
+def _topk_chunked(head: HeadInputs, k, chunk_elements):
+    """Top-k log-probs for a k too wide for registers: fp32 logits in chunks of at most ``chunk_elements``,
+    each chunk's ``torch.topk`` merged into a running one, and a running logsumexp."""
     a, weight, dot_dtype = _prepare(head)
     N, V = a.shape[0], weight.shape[0]
     values = torch.empty(N, k, dtype=torch.float32, device=a.device)
@@ -714,6 +832,49 @@ def _topk_triton(head: HeadInputs, k, chunk_elements):
         values[r0:r0 + nr] = best_vals - lse[:, None]
         ids[r0:r0 + nr] = best_ids
     return values, ids
+
+
+def _topk_triton(head: HeadInputs, k, chunk_elements):
+    """Top-k log-probs: the fused kernel up to :func:`topk_fused_max` keys per row, the chunked path above."""
+    if next_power_of_2(k) > topk_fused_max(dot_dtype_for(head.hidden.dtype, head.weight.dtype)):
+        return _topk_chunked(head, k, chunk_elements)
+    return _topk_fused(head, k)
+
+
+def _decode_keys(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logits, int64 ids) of :func:`_topk_kernel`'s int64 keys (the inverse of its key map)."""
+    order = keys >> 32
+    bits = (order ^ ((order >> 31) & 0x7FFFFFFF)).to(torch.int32)
+    return bits.view(torch.float32), 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+
+
+def _topk_fused(head: HeadInputs, k):
+    """:func:`_topk_kernel` over (row tiles x vocab splits), then the k largest of the ``n_splits * K_BLOCK``
+    keys per row (one ``torch.topk`` of int64 ``[N, n_splits * K_BLOCK]``, best first), decoded to (logit,
+    id), minus the logsumexp of the splits' (max, sum exp) partials. No ``[N, V]`` logits are written."""
+    a, weight, dot_dtype = _prepare(head)
+    N, V = a.shape[0], weight.shape[0]
+    if N == 0:
+        return (torch.empty(0, k, dtype=torch.float32, device=a.device),
+                torch.empty(0, k, dtype=torch.int64, device=a.device))
+    cfg = topk_config(N, dot_dtype, k, device_arch(a.device))
+    if triton_interpreting():
+        cfg["BLOCK_N"] = _interpreter_block_n(cfg["BLOCK_N"], V)
+    row_tiles = triton.cdiv(N, cfg["BLOCK_M"])
+    tiles_per_split, n_splits = vocab_split_plan(row_tiles, triton.cdiv(V, cfg["BLOCK_N"]), _head_programs(a.device))
+    pkey = torch.empty(N, n_splits * cfg["K_BLOCK"], dtype=torch.int64, device=a.device)
+    pmax = torch.empty(N, n_splits, dtype=torch.float32, device=a.device)
+    psum = torch.empty(N, n_splits, dtype=torch.float32, device=a.device)
+    meta = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_BLOCK", "num_warps", "num_stages")}
+    if cfg["maxnreg"] is not None:
+        meta["maxnreg"] = cfg["maxnreg"]
+    _topk_kernel[(row_tiles * n_splits,)](
+        a, a.stride(0), weight, weight.stride(0), pkey, pmax, psum, N, V, a.shape[1], tiles_per_split, n_splits,
+        1.0 if head.softcap is None else float(head.softcap), DOT_FP32=_dot_fp32(dot_dtype),
+        HAS_SOFTCAP=head.softcap is not None, **meta,
+    )
+    logits, ids = _decode_keys(pkey.topk(k, dim=1).values)
+    return logits - _combine_lse(pmax, psum)[:, None], ids
 
 
 # --------------------------------------------------------------------------- public ops
@@ -971,8 +1132,10 @@ class LaunchConfigs:
                              divisible_by_16=sorted(divisible), do_not_specialize=list(dns), maxnreg=maxnreg))
 
 
-def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dtypes=REAL_DTYPES) -> List[dict]:
-    """Every distinct compiled variant the launchers pick for the given shapes (compiled GPU mode).
+def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dtypes=REAL_DTYPES,
+                   arch: int = DEFAULT_ARCH) -> List[dict]:
+    """Every distinct compiled variant the launchers pick for the given shapes (compiled GPU mode) on GPU
+    architecture ``arch`` (only the fused top-K's tiles depend on it).
 
     ``shapes`` holds ``(H, V)`` pairs; ``dtypes`` holds ``(hidden dtype,
     weight dtype)`` pairs (real models use matching ones; pass e.g.
@@ -1055,6 +1218,21 @@ def launch_configs(shapes=REAL_SHAPES, position_counts=REAL_POSITION_COUNTS, dty
                         | dict(DOT_FP32=dot == torch.float32, GUMBEL=gumbel, LOGIT_DTYPE=_tl_dtype(logit_dtype),
                                RNE_BF16=False, HAS_SOFTCAP=softcap, DEVICE_SEED=device_seed),
                         hcfg["num_warps"], hcfg["num_stages"], tc, hcfg["maxnreg"])
+                # the fused top-K at each real width, uncapped and (at DDTree's width) capped
+                for k in (k for k in REAL_TOPK if k <= topk_fused_max(dot)):
+                    for softcap in ((False, True) if k == 64 else (False,)):
+                        tcfg = topk_config(n, dot, k, arch)
+                        ttag = f"{dt}/{wt} M{tcfg['BLOCK_M']}N{tcfg['BLOCK_N']}K{tcfg['BLOCK_K']}"
+                        tiles_per_split, n_splits = vocab_split_plan(triton.cdiv(n, tcfg["BLOCK_M"]),
+                                                                     triton.cdiv(V, tcfg["BLOCK_N"]), 264)
+                        add(f"topk[{ttag} k<={tcfg['K_BLOCK']}{' softcap' if softcap else ''}]", _topk_kernel,
+                            {"a_ptr": "*" + dt, "w_ptr": "*" + wt, "pkey_ptr": "*i64", "pmax_ptr": "*fp32",
+                             "psum_ptr": "*fp32", "softcap": "fp32"},
+                            {"stride_am": H, "stride_wn": H, "N": n, "V": V, "H": H,
+                             "tiles_per_split": tiles_per_split, "n_splits": n_splits},
+                            {k_: tcfg[k_] for k_ in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_BLOCK")}
+                            | dict(DOT_FP32=dot == torch.float32, HAS_SOFTCAP=softcap),
+                            tcfg["num_warps"], tcfg["num_stages"], tc, tcfg["maxnreg"])
             for V_noise in (V, 4096):  # a whole vocabulary row (processed sampling's dense path), a chunk
                 add(f"gumbel_noise[R{NOISE_BLOCK_R}xC{NOISE_BLOCK_C}]", _gumbel_noise_kernel,
                     {"seed_ptr": "*i64", "out_ptr": "*fp32"},

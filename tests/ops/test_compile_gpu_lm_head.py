@@ -27,7 +27,9 @@ from gpu_compile import assert_fits, compile_many_for_gpu, gpu_compile_unavailab
 
 ARCHS = (90, 80)
 CONFIGS = gather.launch_configs() + lm_head.launch_configs() + cross_entropy.launch_configs()
-CASES = [(cfg, arch) for cfg in CONFIGS for arch in ARCHS]
+# each arch compiles its own table (the fused top-K's row tiles differ)
+CASES = [(cfg, arch) for arch in ARCHS
+         for cfg in gather.launch_configs() + lm_head.launch_configs(arch=arch) + cross_entropy.launch_configs()]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,20 @@ def compiled():
 def test_configs_cover_every_kernel():
     names = {cfg["kernel"].__name__ for cfg in CONFIGS}
     assert names == {"_gather_concat_kernel", "_norm_rows_kernel", "_logits_kernel", "_argmax_kernel",
-                     "_ce_grad_kernel", "_gumbel_noise_kernel"}
+                     "_topk_kernel", "_ce_grad_kernel", "_gumbel_noise_kernel"}
+    # the fused top-K at every real width, both row tiles and every dot dtype; capped at DDTree's width
+    topk = {(cfg["constexprs"]["BLOCK_M"], cfg["constexprs"]["BLOCK_N"], cfg["constexprs"]["K_BLOCK"],
+             cfg["signature"]["a_ptr"], cfg["constexprs"]["HAS_SOFTCAP"]) for cfg in CONFIGS
+            if cfg["kernel"].__name__ == "_topk_kernel"}
+    half = {(m, max(64 if m == 16 else 128, k), k, d, c) for m in (16, 64) for k in (8, 64, 128)
+            for d in ("*bf16", "*fp16") for c in (False, k == 64)}
+    half |= {(16, 256, 256, d, False) for d in ("*bf16", "*fp16")}  # 256 keys: the 16-row tile at every row count
+    full = {(16, 64, k, "*fp32", c) for k in lm_head.REAL_TOPK if k <= 64 for c in (False, k == 64)}
+    assert topk == half | full
+    # sm_80: 32-row tiles above 16 rows, where sm_90 takes 64 rows (wgmma)
+    sm80 = {(cfg["constexprs"]["BLOCK_M"], cfg["constexprs"]["K_BLOCK"]) for cfg in lm_head.launch_configs(arch=80)
+            if cfg["kernel"].__name__ == "_topk_kernel" and cfg["signature"]["a_ptr"] == "*bf16"}
+    assert sm80 == {(16, k) for k in lm_head.REAL_TOPK} | {(32, k) for k in (8, 64, 128)}
     # the device-seed Gumbel epilogue at every tile and dot dtype, with and without the final softcap
     seeded = {(cfg["constexprs"]["BLOCK_M"], cfg["signature"]["a_ptr"], cfg["constexprs"]["HAS_SOFTCAP"])
               for cfg in CONFIGS if cfg["constexprs"].get("DEVICE_SEED")}
@@ -73,6 +88,8 @@ def test_configs_cover_every_kernel():
     dots = ("*bf16", "*fp16", "*fp32")
     assert capped == ({("_logits_kernel", m, d) for m in (16, 128) for d in dots}
                       | {("_argmax_kernel", m, d) for m, d in heads}
+                      | {("_topk_kernel", m, d) for m in (16, 64) for d in ("*bf16", "*fp16")}
+                      | {("_topk_kernel", 16, "*fp32")}
                       | {("_ce_grad_kernel", None, d) for d in dots})
     assert all(cfg["constexprs"]["GUMBEL"] for cfg in CONFIGS
                if cfg["kernel"].__name__ == "_argmax_kernel" and cfg["constexprs"]["HAS_SOFTCAP"])
@@ -107,7 +124,8 @@ def test_divisibility_hints_are_the_runtime_ones():
 def test_varying_int_arguments_are_not_specialized():
     """Row counts (they change every decoding round), vocab chunk bounds and row offsets never pick a new binary."""
     expected = {"_gather_concat_kernel": {"R"}, "_norm_rows_kernel": {"N"}, "_logits_kernel": {"N", "V0", "V_END"},
-                "_argmax_kernel": {"N", "seed", "tiles_per_split", "n_splits"}, "_ce_grad_kernel": {"N", "row0"},
+                "_argmax_kernel": {"N", "seed", "tiles_per_split", "n_splits"},
+                "_topk_kernel": {"N", "tiles_per_split", "n_splits"}, "_ce_grad_kernel": {"N", "row0"},
                 "_gumbel_noise_kernel": {"n_rows", "n_cols", "row0", "col0"}}
     for name, wanted in expected.items():
         module = {"_gather_concat_kernel": gather, "_ce_grad_kernel": cross_entropy,
@@ -127,7 +145,7 @@ def test_compiles_without_spills(compiled, cfg, arch):
         ptx = res["ptx"]
         if arch == 90 and cfg["constexprs"]["BLOCK_M"] >= 64:
             assert "wgmma" in ptx, f"{cfg['name']} on sm_90 does not use wgmma"
-            if cfg["kernel"].__name__ == "_argmax_kernel":  # one warpgroup's n: the tile's width per warpgroup
+            if cfg["kernel"].__name__ in ("_argmax_kernel", "_topk_kernel"):  # one warpgroup's n: its width
                 n = cfg["constexprs"]["BLOCK_N"] // (2 if cfg["constexprs"]["BLOCK_M"] == 64 else 1)
                 assert f"wgmma.mma_async.sync.aligned.m64n{n}k16" in ptx, cfg["name"]
         else:

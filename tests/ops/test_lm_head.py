@@ -133,14 +133,22 @@ def test_argmax_exact_with_ties_is_lowest_index(backend, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_topk_exact_on_integer_logits(dtype):
+    """Integer logits, many exact ties: the fused path (k up to ``topk_fused_max``: 256, fp32 64) returns them
+    in the stable descending order, equal logits by ascending id; the chunked path (wider k) the right
+    logits."""
     hidden, weight = integer_inputs(5, 48, 1000, dtype, seed=2)
-    k = 20
     logits = ref.lm_head_logits(hidden, weight)
+    ref_lp = torch.log_softmax(logits, dim=1)
+    stable = torch.sort(logits, dim=1, descending=True, stable=True)
+    for k in (1, 20, 64, lm_head_module.topk_fused_max(dtype)):
+        with force_backend("triton"):
+            values, ids = lm_head_topk(hidden, weight, k)
+        torch.testing.assert_close(values, torch.topk(ref_lp, k, dim=1).values, atol=1e-5, rtol=0)
+        assert torch.equal(ids, stable.indices[:, :k]), k
+    k = 300
     with force_backend("triton"):
         values, ids = lm_head_topk(hidden, weight, k, chunk_elements=2 * 256)  # 3 row chunks x 4 vocab chunks
-    ref_lp = torch.log_softmax(logits, dim=1)
-    expected_vals = torch.topk(ref_lp, k, dim=1).values
-    torch.testing.assert_close(values, expected_vals, atol=1e-5, rtol=0)
+    torch.testing.assert_close(values, torch.topk(ref_lp, k, dim=1).values, atol=1e-5, rtol=0)
     # ids: exactly the right logits; any order among equal logits
     assert torch.equal(logits.gather(1, ids), torch.topk(logits, k, dim=1).values)
     assert all(len(set(row.tolist())) == k for row in ids)
@@ -148,16 +156,16 @@ def test_topk_exact_on_integer_logits(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,H,V,positions,norm", SHAPES[:3] + [SHAPES[4]], ids=SHAPE_IDS[:3] + [SHAPE_IDS[4]])
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
-def test_topk_matches_reference(T, H, V, positions, norm, dtype, chunked):
-    k = 8
+@pytest.mark.parametrize("k", [8, 100, 200, 300], ids=["k8", "k100", "k200", "k300-chunked"])
+def test_topk_matches_reference(T, H, V, positions, norm, dtype, k):
+    """k = 8 takes the fused kernel; k = 100 and 200 (128 and 256 running keys) too in bf16 / fp16, the
+    chunked path with fp32's GEMM; k = 300 the chunked path (in 4 chunks of 256 ids)."""
     hidden, weight, kw = make_inputs(T, H, V, dtype, norm=norm, positions=positions, seed=3)
     logits = ref.lm_head_logits(hidden, weight, **kw)
     ref_vals, ref_ids = ref.lm_head_topk(hidden, weight, k, **kw)
     with force_backend("triton"):
-        # chunked: the vocab in 4 chunks of 256 ids (one row chunk)
         n = logits.shape[0]
-        values, ids = lm_head_topk(hidden, weight, k, chunk_elements=n * 256 if chunked else None, **kw)
+        values, ids = lm_head_topk(hidden, weight, k, chunk_elements=n * 256, **kw)
     assert values.shape == ids.shape == (logits.shape[0], k)
     assert values.dtype == torch.float32 and ids.dtype == torch.int64
     atol, rtol = LOGIT_TOL[dtype]
@@ -167,6 +175,18 @@ def test_topk_matches_reference(T, H, V, positions, norm, dtype, chunked):
     torch.testing.assert_close(ref_lp.gather(1, ids), values, atol=atol, rtol=rtol)
     clear = clear_rows(logits, dtype, k=k)
     assert torch.equal(ids[clear], ref_ids[clear])
+    if k <= lm_head_module.topk_fused_max(dtype) and DEVICE == "cpu":
+        # every id exactly, near-ties included: the k largest of the same fp32 logits (the interpreter's sums
+        # run in one order; compiled kernels of other tiles may round a sum differently)
+        assert torch.equal(ids, _exact_topk_ids(hidden, weight, k, kw))
+
+
+def _exact_topk_ids(hidden, weight, k, kw):
+    """The k largest logits' ids by (logit, lower id) from the fused kernel's own fp32 logits (the Triton
+    logits op: the same tile GEMM), so near-ties are compared too."""
+    with force_backend("triton"):
+        logits = lm_head_logits(hidden, weight, **kw)
+    return torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k]
 
 
 def test_topk_big_vocab_bf16():
@@ -836,6 +856,51 @@ def test_split_plan_fills_one_wave_with_contiguous_slices():
                 assert row_tiles * splits <= max(programs, row_tiles)
     assert lm_head_module.vocab_split_plan(5, 1187, 264) == (23, 52)  # 257 rows, Qwen3 vocab, 132 SMs
     assert lm_head_module.vocab_split_plan(1, 2374, 264) == (9, 264)  # 15 rows
+
+
+def test_topk_fused_writes_no_logits(monkeypatch):
+    """Top-64 at 257 rows of a real vocabulary: the norm prologue and one top-K launch whose partials are
+    ``splits x 64`` keys per row, no logits kernel and nothing larger than the normed ``[N, H]`` operand; a k past
+    ``topk_fused_max`` takes the chunked logits path. Meta tensors and stub kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("empty", "empty_strided", "zeros", "full"):
+                self.numels.append(out.numel())
+            return out
+
+    stubs = {name: KernelStub() for name in ("_norm_rows_kernel", "_topk_kernel", "_logits_kernel")}
+    for name, stub in stubs.items():
+        monkeypatch.setattr(lm_head_module, name, stub)
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    N, V = 257, 151936
+    hidden, weight, norm = meta(N, 4096), meta(V, 4096), meta(4096)
+    with force_backend("triton"), Allocations() as mode:
+        values, ids = lm_head_topk(hidden, weight, 64, norm_weight=norm)
+    assert values.shape == ids.shape == (N, 64)
+    assert len(stubs["_topk_kernel"].launches) == 1 and not stubs["_logits_kernel"].launches
+    assert max(mode.numels) == N * 4096, mode.numels  # the largest buffer is the normed GEMM operand
+    with force_backend("triton"):
+        lm_head_topk(hidden, weight, lm_head_module.topk_fused_max(torch.bfloat16) + 1, norm_weight=norm)
+    assert len(stubs["_topk_kernel"].launches) == 1 and stubs["_logits_kernel"].launches
+
+
+def test_topk_config_bounds_the_running_keys():
+    cfg = lm_head_module.topk_config(257, torch.bfloat16, 100)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["K_BLOCK"]) == (64, 128, 128)
+    assert lm_head_module.topk_config(15, torch.bfloat16, 3)["K_BLOCK"] == 4
+    cfg = lm_head_module.topk_config(257, torch.bfloat16, 256)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["K_BLOCK"]) == (16, 256, 256)
+    with pytest.raises(ValueError, match="at most 256 keys per row with a bfloat16 GEMM, got k = 257"):
+        lm_head_module.topk_config(15, torch.bfloat16, 257)
+    with pytest.raises(ValueError, match="at most 64 keys per row with a float32 GEMM, got k = 65"):
+        lm_head_module.topk_config(15, torch.float32, 65)
 
 
 def test_head_row_tiles_minimize_padding():
