@@ -318,6 +318,7 @@ def check_lm_head(torch, dk, ref, s: Shapes, device, check: Checker, ratios: dic
                 entry[f"{name}_gemm_fraction"] = t_gemm / t
         if device.type == "cuda" and rows > 16:
             entry["head_sweep"] = sweep_heads(torch, dk, hidden, weight, kw, t_gemm, device, timing)
+            entry["topk_sweep"] = sweep_topk(torch, dk, hidden, weight, kw, s.topk, t_gemm, device, timing)
         ratios[f"lm_head_N{rows}"] = entry
 
     rows = s.ce_rows
@@ -375,6 +376,27 @@ def sweep_heads(torch, dk, hidden, weight, kw, t_gemm: float, device, timing: di
                             argmax_gemm_fraction=t_gemm / t_arg, sample_gemm_fraction=t_gemm / t_smp))
     finally:
         lm_head.head_config, lm_head.HEAD_PROGRAMS_PER_SM = shipped_config, shipped_programs
+    return out
+
+
+#: Programs per SM of the fused top-K's split plan timed besides the shipped one (its tiles are fixed by what
+#: compiles without spills: 64 x 128 above 16 rows).
+TOPK_SWEEP_PROGRAMS = (1, 3, 4)
+
+
+def sweep_topk(torch, dk, hidden, weight, kw, k: int, t_gemm: float, device, timing: dict) -> list:
+    """GEMM fraction of the fused top-K under each :data:`TOPK_SWEEP_PROGRAMS` split plan."""
+    from dflash_kernels import lm_head
+    shipped = lm_head.HEAD_PROGRAMS_PER_SM
+    out = []
+    try:
+        for per_sm in TOPK_SWEEP_PROGRAMS:
+            lm_head.HEAD_PROGRAMS_PER_SM = per_sm
+            with dk.force_backend("triton"):
+                t = time_ms(torch, lambda: dk.lm_head_topk(hidden, weight, k, **kw), device, **timing)
+            out.append(dict(programs_per_sm=per_sm, topk_gemm_fraction=t_gemm / t))
+    finally:
+        lm_head.HEAD_PROGRAMS_PER_SM = shipped
     return out
 
 
@@ -611,6 +633,8 @@ def print_report(report: dict) -> None:
             for w in e.get("head_sweep", ()):
                 print(f"    heads M{w['block_m']} N{w['block_n']} {w['programs_per_sm']}/SM: argmax "
                       f"{100 * w['argmax_gemm_fraction']:.0f}%, sample {100 * w['sample_gemm_fraction']:.0f}% of GEMM speed")
+            for w in e.get("topk_sweep", ()):
+                print(f"    top-K {w['programs_per_sm']}/SM: {100 * w['topk_gemm_fraction']:.0f}% of GEMM speed")
         elif key.startswith("lm_head_cross_entropy"):
             print(f"  lm_head_cross_entropy N={e['rows']}: {e['cross_entropy_ms']:.3f} ms vs bare GEMM "
                   f"{e['gemm_ms']:.3f} ms ({100 * e['gemm_fraction']:.0f}% of GEMM speed)")

@@ -361,6 +361,22 @@ def test_kernel_check_passes_at_tiny_shapes(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not interpreter_available(), reason="needs the Triton interpreter on CPU tensors")
+def test_head_sweeps_run_every_plan_and_restore_the_shipped_one():
+    """The heads' plan sweeps (run on CUDA only by the check) time every plan and leave the shipped tables."""
+    from dflash_kernels import lm_head
+    check = load_script("gpu_kernel_check")
+    hidden, weight = torch.randn(20, 32, dtype=torch.bfloat16), torch.randn(300, 32, dtype=torch.bfloat16)
+    timing = dict(repeats=1, inner=1, warmup=False)
+    config, programs = lm_head.head_config, lm_head.HEAD_PROGRAMS_PER_SM
+    heads = check.sweep_heads(torch, dflash_kernels, hidden, weight, {}, 1.0, torch.device("cpu"), timing)
+    topk = check.sweep_topk(torch, dflash_kernels, hidden, weight, {}, 5, 1.0, torch.device("cpu"), timing)
+    assert [(w["block_m"], w["block_n"], w["programs_per_sm"]) for w in heads] == list(check.HEAD_SWEEP)
+    assert [w["programs_per_sm"] for w in topk] == list(check.TOPK_SWEEP_PROGRAMS)
+    assert all(w["topk_gemm_fraction"] > 0 for w in topk)
+    assert lm_head.head_config is config and lm_head.HEAD_PROGRAMS_PER_SM == programs
+
+
+@pytest.mark.skipif(not interpreter_available(), reason="needs the Triton interpreter on CPU tensors")
 def test_kernel_check_fails_on_a_wrong_kernel_result(monkeypatch, capsys):
     check = load_script("gpu_kernel_check")
     real = dflash_kernels.gather_concat
