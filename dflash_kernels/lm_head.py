@@ -356,10 +356,11 @@ def _tile_coords(N, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 @triton.jit
-def _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
+def _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n, softcap,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] tile of a @ w.T (rows offs_m < N, vocab ids offs_n < V_END)."""
+                 DOT_FP32: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile of the logits ``a @ w.T`` (rows offs_m < N, vocab ids offs_n < V_END), or
+    ``softcap * tanh(logits / softcap)`` with HAS_SOFTCAP (the final-logit softcap, on the fp32 accumulator)."""
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < N
     n_mask = offs_n < V_END
@@ -376,6 +377,8 @@ def _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n
             acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_SOFTCAP:
+        acc = tanh_f32(acc / softcap) * softcap
     return acc
 
 # row count, vocab chunk bounds and the partials' row stride (tiles per chunk) vary per call
@@ -398,10 +401,8 @@ def _logits_kernel(
     pid_m, pid_n = _tile_coords(N, V_END - V0, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = V0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
-    if HAS_SOFTCAP:
-        acc = tanh_f32(acc / softcap) * softcap
+    acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V_END, H, offs_m, offs_n, softcap,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, HAS_SOFTCAP)
     m_mask = offs_m < N
     n_mask = offs_n < V_END
     rows64 = offs_m.to(tl.int64)
@@ -412,6 +413,21 @@ def _logits_kernel(
     row_sum = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
     tl.store(pmax_ptr + rows64 * stride_pm + pid_n, row_max, mask=m_mask)
     tl.store(psum_ptr + rows64 * stride_pm + pid_n, row_sum, mask=m_mask)
+
+@triton.jit
+def _split_program(N, V, tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's place in a split heads' grid (:func:`vocab_split_plan`): ``(row tile, split, its rows
+    [BLOCK_M], first vocab tile, end vocab tile)``. Row tiles vary fastest, so the programs reading one
+    weight slice run side by side and share it in L2; split ``s`` walks vocab tiles
+    ``[s * tiles_per_split, min((s + 1) * tiles_per_split, cdiv(V, BLOCK_N)))``."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    pid_m = pid % num_m
+    split = pid // num_m
+    tile0 = split * tiles_per_split
+    return (pid_m, split, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), tile0,
+            tl.minimum(tile0 + tiles_per_split, tl.cdiv(V, BLOCK_N)))
+
 
 # a fresh seed per call, the row count (it varies per decoding round) and the split plan must not recompile
 @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE["_argmax_kernel"],
@@ -463,26 +479,18 @@ def _argmax_kernel(
     one program per row tile writes ``out[rows]`` and the counter, after every other program of the
     row tile is done with it; launches on one stream never overlap, so the counter is 0 at each start.
     """
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(N, BLOCK_M)
-    pid_m = pid % num_m
-    split = pid // num_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m, split, offs_m, tile0, tile_end = _split_program(N, V, tiles_per_split, BLOCK_M, BLOCK_N)
     m_mask = offs_m < N
     rows64 = offs_m.to(tl.int64)
-    tile0 = split * tiles_per_split
-    tile_end = tl.minimum(tile0 + tiles_per_split, tl.cdiv(V, BLOCK_N))
     if GUMBEL and DEVICE_SEED:
         seed_value = tl.load(seed_ptr)
     run_best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     run_idx = tl.full([BLOCK_M], 0, tl.int32) + tile0 * BLOCK_N
     for tile in range(tile0, tile_end):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n, softcap,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, HAS_SOFTCAP)
         n_mask = offs_n < V
-        if HAS_SOFTCAP:
-            acc = tanh_f32(acc / softcap) * softcap
         if LOGIT_DTYPE != tl.float32:
             acc = _round_to(acc, LOGIT_DTYPE, RNE_BF16)
         if GUMBEL:
@@ -548,26 +556,18 @@ def _topk_kernel(
     Overlap: a program reads ``a`` and ``w`` and writes only its own ``(rows, split)`` entries of the
     fresh ``pkey`` / ``pmax`` / ``psum``; nothing is read back in the launch.
     """
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(N, BLOCK_M)
-    pid_m = pid % num_m
-    split = pid // num_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    _, split, offs_m, tile0, tile_end = _split_program(N, V, tiles_per_split, BLOCK_M, BLOCK_N)
     m_mask = offs_m < N
     rows64 = offs_m.to(tl.int64)
-    tile0 = split * tiles_per_split
-    tile_end = tl.minimum(tile0 + tiles_per_split, tl.cdiv(V, BLOCK_N))
     lowest: tl.constexpr = -9223372036854775807 - 1
     run = tl.full([BLOCK_M, K_BLOCK], lowest, tl.int64)
     run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for tile in range(tile0, tile_end):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+        acc = _tile_logits(a_ptr, stride_am, w_ptr, stride_wn, N, V, H, offs_m, offs_n, softcap,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, HAS_SOFTCAP)
         n_mask = offs_n < V
-        if HAS_SOFTCAP:
-            acc = tanh_f32(acc / softcap) * softcap
         x = tl.where(n_mask[None, :], acc, float("-inf"))
         # every tile holds a real id, so new_max is finite from the first tile on
         new_max = tl.maximum(run_max, tl.max(x, axis=1))
